@@ -1,0 +1,359 @@
+"""WEINCE (Weibull-enhanced InfoNCE) as pure functions on score matrices.
+
+Data flows one way: scores -> per-anchor tail fits -> batch pivot -> blend weights -> logits -> cross-entropy.
+Every adapter (sentence-transformers losses, the vision recipe, the diagnostics) calls these functions, so each
+formula of ``shared/docs/ALGORITHMS.md`` section 1 lives here exactly once.
+
+Conventions
+-----------
+``scores``          [A, C] cosine similarities of A anchors (rows) against C candidates (columns).
+``positive_index``  [A] long, the column of each anchor's positive, or -1 for a row without a positive in this block
+                    (e.g. the ``query_to_query`` direction of MultipleNegativesRankingLoss).
+``valid_mask``      [A, C] bool, False for entries that are no candidate at all (self-pairs, masked documents).
+Negatives of a row are its valid entries other than its positive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+WeinceMode = Literal["both", "rho", "aic"]
+
+# Defaults of the released reference implementation (ALGORITHMS.md 1.1).
+DEFAULT_OPTIONS: dict[str, float | int | str] = {
+    "q": 0.2,
+    "kappa_rho": 10.0,
+    "kappa_aic": 1.0,
+    "aic_margin": 2.0,
+    "tail_frac": 0.10,
+    "min_tail_points": 32,
+    "eps": 1e-6,
+    "mode": "both",
+    "beta": 1.0,
+}
+BETA_AUTO_RANGE = (0.5, 16.0)
+# A wrong-signed slope disqualifies its line by this residual penalty (reference implementation).
+_WRONG_SIGN_PENALTY = 1e6
+_MIN_SSE = 1e-12
+_MIN_FIT_POINTS = 3
+
+
+@dataclass(frozen=True)
+class TailFit:
+    """Per-anchor results of the tail fits (no gradient)."""
+
+    rho: Tensor  # [A] shortfall 1 - s of the hardest negative, at least eps; 1.0 where a row has no negative
+    beta_hat: Tensor  # [A] slope of the Weibull line (estimated tail index); 0.0 where not fitted
+    delta_aic: Tensor  # [A] AIC_Gumbel - AIC_Weibull; 0.0 where not fitted
+    fitted: Tensor  # [A] bool: at least 3 tail points after the burn-in
+    has_negatives: Tensor  # [A] bool: at least one negative
+
+
+@dataclass(frozen=True)
+class WeinceStatistics:
+    """Everything the WEINCE logit needs, per anchor; computed without gradient."""
+
+    lam: Tensor  # [A] blend weight in [0, 1); 0 gives InfoNCE
+    beta: Tensor  # [A] tail index used in the shortfall logit
+    rho: Tensor  # [A]
+    delta_aic: Tensor  # [A]
+    rho0: Tensor  # scalar batch pivot
+    beta_hat: Tensor  # [A] raw estimate (before clamping)
+    fitted: Tensor  # [A] bool
+
+
+def _check_scores(scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None) -> Tensor:
+    """Validate shapes and values; return the boolean valid mask (all True when none is given)."""
+    if scores.dim() != 2:
+        raise ValueError(f"scores must be a 2-D [anchors, candidates] matrix, got shape {tuple(scores.shape)}")
+    num_anchors, num_candidates = scores.shape
+    if num_anchors == 0 or num_candidates == 0:
+        raise ValueError(f"scores is empty (shape {tuple(scores.shape)})")
+    if valid_mask is None:
+        valid_mask = torch.ones_like(scores, dtype=torch.bool)
+    elif valid_mask.shape != scores.shape or valid_mask.dtype != torch.bool:
+        raise ValueError(
+            f"valid_mask must be a bool tensor of the scores' shape {tuple(scores.shape)}, "
+            f"got {valid_mask.dtype} {tuple(valid_mask.shape)}"
+        )
+    if positive_index is not None:
+        if positive_index.shape != (num_anchors,):
+            raise ValueError(
+                f"positive_index must have one entry per anchor ({num_anchors}), got shape {tuple(positive_index.shape)}"
+            )
+        if positive_index.numel() and (positive_index.max() >= num_candidates or positive_index.min() < -1):
+            raise ValueError(f"positive_index must lie in [-1, {num_candidates - 1}]")
+    if not torch.isfinite(scores.detach().masked_fill(~valid_mask, 0.0)).all():
+        raise ValueError("scores contain NaN or Inf (check the embeddings: a NaN embedding gives NaN scores)")
+    return valid_mask
+
+
+def _positive_mask(positive_index: Tensor | None, shape: torch.Size, device: torch.device) -> Tensor:
+    mask = torch.zeros(shape, dtype=torch.bool, device=device)
+    if positive_index is not None:
+        rows = torch.nonzero(positive_index >= 0).squeeze(1)
+        mask[rows, positive_index[rows]] = True
+    return mask
+
+
+def tail_sizes(num_negatives: Tensor, *, tail_frac: float, min_tail_points: int) -> Tensor:
+    """Tail size k per anchor from its number of negatives K (ALGORITHMS.md 1.1 step 1)."""
+    k = torch.clamp(torch.round(tail_frac * num_negatives.double()).long(), min=min_tail_points)
+    k = torch.minimum(k, num_negatives)
+    k = torch.clamp(k, min=10)
+    return torch.minimum(k, num_negatives)
+
+
+def _least_squares(x: Tensor, y: Tensor, weight: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
+    """Row-wise weighted least squares y ~ a + slope * x; returns (slope, residual sum of squares)."""
+    mean_x = (weight * x).sum(1) / n
+    mean_y = (weight * y).sum(1) / n
+    xc = (x - mean_x[:, None]) * weight
+    yc = (y - mean_y[:, None]) * weight
+    sxx = (xc * xc).sum(1)
+    degenerate = sxx <= 1e-300
+    slope = torch.where(degenerate, torch.zeros_like(sxx), (xc * yc).sum(1) / torch.where(degenerate, 1.0, sxx))
+    residual = (yc - slope[:, None] * xc) * weight
+    return slope, (residual * residual).sum(1)
+
+
+@torch.no_grad()
+def weince_tail_fit(
+    scores: Tensor,
+    positive_index: Tensor | None,
+    valid_mask: Tensor | None = None,
+    *,
+    tail_frac: float = 0.10,
+    min_tail_points: int = 32,
+    eps: float = 1e-6,
+) -> TailFit:
+    """Per-anchor shortfall tail fits (ALGORITHMS.md 1.1 steps 1-4), vectorised over anchors, in float64."""
+    valid_mask = _check_scores(scores, positive_index, valid_mask)
+    scores = scores.detach()
+    negative_mask = valid_mask & ~_positive_mask(positive_index, scores.shape, scores.device)
+    num_negatives = negative_mask.sum(1)
+    k = tail_sizes(num_negatives, tail_frac=tail_frac, min_tail_points=min_tail_points)
+    k_max = int(k.max())
+    has_negatives = num_negatives > 0
+    num_anchors = scores.shape[0]
+    if k_max == 0:
+        zeros = torch.zeros(num_anchors, dtype=torch.float64, device=scores.device)
+        no = torch.zeros(num_anchors, dtype=torch.bool, device=scores.device)
+        return TailFit(rho=zeros + 1.0, beta_hat=zeros, delta_aic=zeros, fitted=no, has_negatives=has_negatives)
+
+    # The k largest negative scores per row, descending; rows with fewer negatives are padded with -inf.
+    top = scores.float().masked_fill(~negative_mask, float("-inf")).topk(k_max, dim=1).values.double()
+    rank = torch.arange(1, k_max + 1, device=scores.device, dtype=torch.float64)[None, :]
+    in_tail = rank <= k[:, None]
+    shortfall = torch.where(in_tail, (1.0 - top).clamp_min(eps), torch.ones_like(top))
+    rho = torch.where(has_negatives, shortfall[:, 0], torch.ones_like(shortfall[:, 0]))
+
+    burn_in = torch.clamp(torch.div(k, 20, rounding_mode="floor"), min=1)
+    used = in_tail & (rank > burn_in[:, None])
+    n = (k - burn_in).clamp_min(0)
+    fitted = n >= _MIN_FIT_POINTS
+    n_safe = n.clamp_min(1).double()
+    weight = used.double()
+
+    # Empirical CDF levels; positions outside the fit get a harmless 0.5 so no NaN enters the sums.
+    cdf = torch.where(used, rank / (k[:, None].double() + 1.0), torch.full_like(rank.expand_as(used), 0.5))
+    log_shortfall = torch.log(shortfall)
+    beta_hat, sse_weibull = _least_squares(log_shortfall, torch.log(cdf), weight, n_safe)
+    gumbel_slope, sse_gumbel = _least_squares(log_shortfall, torch.log(-torch.log(cdf)), weight, n_safe)
+    sse_weibull = (sse_weibull + _WRONG_SIGN_PENALTY * (beta_hat <= 0)).clamp_min(_MIN_SSE)
+    sse_gumbel = (sse_gumbel + _WRONG_SIGN_PENALTY * (gumbel_slope >= 0)).clamp_min(_MIN_SSE)
+    aic_weibull = n_safe * torch.log(sse_weibull / n_safe) + 4.0
+    aic_gumbel = n_safe * torch.log(sse_gumbel / n_safe) + 4.0
+    zero = torch.zeros_like(rho)
+    return TailFit(
+        rho=rho,
+        beta_hat=torch.where(fitted, beta_hat, zero),
+        delta_aic=torch.where(fitted, aic_gumbel - aic_weibull, zero),
+        fitted=fitted,
+        has_negatives=has_negatives,
+    )
+
+
+@torch.no_grad()
+def batch_pivot(rho: Tensor, has_negatives: Tensor, q: float = 0.2) -> Tensor:
+    """``rho0``: the q-quantile of rho over the anchors that have negatives (sort ascending, index round(q (A-1))).
+
+    Pass the rho of the whole (global) batch: under data parallelism, gather first, so the pivot does not depend
+    on how the batch is split over processes.
+    """
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"q must lie in [0, 1], got {q}")
+    pool = torch.sort(rho[has_negatives]).values
+    if pool.numel() == 0:
+        return torch.ones((), dtype=rho.dtype, device=rho.device)
+    return pool[round(q * (pool.numel() - 1))]
+
+
+@torch.no_grad()
+def blend_weights(
+    fit: TailFit,
+    rho0: Tensor | float,
+    *,
+    kappa_rho: float = 10.0,
+    kappa_aic: float = 1.0,
+    aic_margin: float = 2.0,
+    mode: WeinceMode = "both",
+) -> Tensor:
+    """lambda(a) = sigmoid(kappa_rho log(rho0 / rho)) * sigmoid(kappa_aic (dAIC - margin)); 0 where not fitted."""
+    rho0 = torch.as_tensor(rho0, dtype=fit.rho.dtype, device=fit.rho.device)
+    hardness = torch.sigmoid(kappa_rho * (torch.log(rho0) - torch.log(fit.rho)))
+    geometry = torch.sigmoid(kappa_aic * (fit.delta_aic - aic_margin))
+    if mode == "both":
+        lam = hardness * geometry
+    elif mode == "rho":
+        lam = hardness
+    elif mode == "aic":
+        lam = geometry
+    else:
+        raise ValueError(f"mode must be 'both', 'rho' or 'aic', got {mode!r}")
+    return torch.where(fit.fitted, lam, torch.zeros_like(lam))
+
+
+def tail_index(fit: TailFit, beta: float | str = 1.0) -> Tensor:
+    """beta(a) in the shortfall logit: a constant (reference implementation: 1.0) or "auto", the clamped estimate."""
+    if beta == "auto":
+        low, high = BETA_AUTO_RANGE
+        return torch.where(fit.fitted, fit.beta_hat.clamp(low, high), torch.ones_like(fit.beta_hat))
+    if isinstance(beta, str) or not float(beta) > 0:
+        raise ValueError(f"beta must be a positive number or 'auto', got {beta!r}")
+    return torch.full_like(fit.beta_hat, float(beta))
+
+
+def _check_options(q: float, tail_frac: float, min_tail_points: int, eps: float) -> None:
+    if not 0.0 < tail_frac <= 1.0:
+        raise ValueError(f"tail_frac must lie in (0, 1], got {tail_frac}")
+    if min_tail_points < 1:
+        raise ValueError(f"min_tail_points must be at least 1, got {min_tail_points}")
+    if not 0.0 < eps < 0.5:
+        raise ValueError(f"eps must lie in (0, 0.5), got {eps}")
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"q must lie in [0, 1], got {q}")
+
+
+@torch.no_grad()
+def weince_statistics(
+    scores: Tensor,
+    positive_index: Tensor | None,
+    valid_mask: Tensor | None = None,
+    *,
+    q: float = 0.2,
+    kappa_rho: float = 10.0,
+    kappa_aic: float = 1.0,
+    aic_margin: float = 2.0,
+    tail_frac: float = 0.10,
+    min_tail_points: int = 32,
+    eps: float = 1e-6,
+    mode: WeinceMode = "both",
+    beta: float | str = 1.0,
+    rho0: Tensor | float | None = None,
+) -> WeinceStatistics:
+    """Per-anchor WEINCE statistics (no gradient). ``rho0`` overrides the batch pivot (e.g. a global-batch one)."""
+    _check_options(q, tail_frac, min_tail_points, eps)
+    fit = weince_tail_fit(
+        scores, positive_index, valid_mask, tail_frac=tail_frac, min_tail_points=min_tail_points, eps=eps
+    )
+    if rho0 is None:
+        rho0 = batch_pivot(fit.rho, fit.has_negatives, q)
+    rho0 = torch.as_tensor(rho0, dtype=fit.rho.dtype, device=fit.rho.device)
+    lam = blend_weights(fit, rho0, kappa_rho=kappa_rho, kappa_aic=kappa_aic, aic_margin=aic_margin, mode=mode)
+    return WeinceStatistics(
+        lam=lam.float(),
+        beta=tail_index(fit, beta).float(),
+        rho=fit.rho.float(),
+        delta_aic=fit.delta_aic.float(),
+        rho0=rho0.float(),
+        beta_hat=fit.beta_hat.float(),
+        fitted=fit.fitted,
+    )
+
+
+def check_temperature(temperature: float) -> None:
+    if not (isinstance(temperature, (int, float)) and temperature > 0 and temperature < float("inf")):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+
+
+def weince_logits(
+    scores: Tensor,
+    lam: Tensor,
+    beta: Tensor,
+    valid_mask: Tensor | None = None,
+    *,
+    temperature: float,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Blended logits (1 - lam) s / tau + lam (-beta log(1 - min(s, 1 - eps))), float32, -inf at invalid entries.
+
+    Gradient flows through ``scores`` only; ``lam`` and ``beta`` are treated as constants.
+    """
+    check_temperature(temperature)
+    s = scores.float()  # the shortfall log must be float32 even under fp16/bf16 autocast
+    lam = lam.detach().float()[:, None]
+    beta = beta.detach().float()[:, None]
+    shortfall_logit = -beta * torch.log1p(-s.clamp(max=1.0 - eps))
+    logits = (1.0 - lam) * (s / temperature) + lam * shortfall_logit
+    if valid_mask is not None:
+        logits = logits.masked_fill(~valid_mask, float("-inf"))
+    return logits
+
+
+def _reduce(values: Tensor, reduction: str) -> Tensor:
+    if reduction == "mean":
+        return values.mean()
+    if reduction == "sum":
+        return values.sum()
+    if reduction == "none":
+        return values
+    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+def weince_cross_entropy(
+    scores: Tensor,
+    positive_index: Tensor,
+    valid_mask: Tensor | None = None,
+    *,
+    temperature: float,
+    reduction: str = "mean",
+    q: float = 0.2,
+    kappa_rho: float = 10.0,
+    kappa_aic: float = 1.0,
+    aic_margin: float = 2.0,
+    tail_frac: float = 0.10,
+    min_tail_points: int = 32,
+    eps: float = 1e-6,
+    mode: WeinceMode = "both",
+    beta: float | str = 1.0,
+    rho0: Tensor | float | None = None,
+) -> Tensor:
+    """WEINCE loss: cross-entropy of the blended logits of each row with its positive as the target."""
+    check_temperature(temperature)
+    if (positive_index < 0).any():
+        raise ValueError("every row needs a positive for the cross-entropy (positive_index >= 0)")
+    stats = weince_statistics(
+        scores,
+        positive_index,
+        valid_mask,
+        q=q,
+        kappa_rho=kappa_rho,
+        kappa_aic=kappa_aic,
+        aic_margin=aic_margin,
+        tail_frac=tail_frac,
+        min_tail_points=min_tail_points,
+        eps=eps,
+        mode=mode,
+        beta=beta,
+        rho0=rho0,
+    )
+    if valid_mask is not None and not valid_mask.gather(1, positive_index[:, None]).all():
+        raise ValueError("the positive of a row is masked out by valid_mask")
+    logits = weince_logits(scores, stats.lam, stats.beta, valid_mask, temperature=temperature, eps=eps)
+    return _reduce(F.cross_entropy(logits, positive_index, reduction="none"), reduction)

@@ -1,0 +1,5 @@
+"""sentence-transformers loss classes: thin adapters over :mod:`st_weince.functional`."""
+
+from st_weince.losses.weince import WEINCELoss
+
+__all__ = ["WEINCELoss"]

@@ -1,0 +1,49 @@
+"""Small torch.distributed helpers; every one is a no-op without an initialised process group."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def gather_rows_no_grad(tensor: Tensor) -> Tensor:
+    """Concatenate the first-axis rows of ``tensor`` from every rank (in rank order), without gradient.
+
+    Ranks may hold different numbers of rows (an uneven last batch): sizes are exchanged first and the
+    rows padded for the collective, then trimmed.
+    """
+    if not is_distributed():
+        return tensor.detach()
+    tensor = tensor.detach().contiguous()
+    world_size = dist.get_world_size()
+    size = torch.tensor([tensor.shape[0]], device=tensor.device)
+    sizes = [torch.zeros_like(size) for _ in range(world_size)]
+    dist.all_gather(sizes, size)
+    max_rows = int(max(s.item() for s in sizes))
+    padded = torch.zeros((max_rows, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    padded[: tensor.shape[0]] = tensor
+    gathered = [torch.zeros_like(padded) for _ in range(world_size)]
+    dist.all_gather(gathered, padded)
+    return torch.cat([g[: int(s.item())] for g, s in zip(gathered, sizes)], dim=0)
+
+
+def average_gradients_across_processes(parameter: torch.nn.Parameter) -> None:
+    """Average this parameter's gradient over ranks during backward.
+
+    The sentence-transformers trainer wraps only the model in DDP, so parameters that live in a loss are not
+    synchronised: without this, ranks drift apart. The hook all-reduces each gradient contribution as it arrives.
+    """
+
+    def _hook(grad: Tensor) -> Tensor:
+        if not is_distributed():
+            return grad
+        grad = grad.clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        return grad / dist.get_world_size()
+
+    parameter.register_hook(_hook)

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# No test may reach the Hugging Face hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_DISABLED", "true")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+TINY_SENTENCES = [
+    "the cat sat on the mat",
+    "a dog runs in the park",
+    "the weather is nice today",
+    "he drove his car to work",
+    "she reads a book at night",
+    "children play football outside",
+    "the market opens at nine",
+    "rain falls on the city",
+    "a man is playing a guitar",
+    "the train leaves the station",
+    "birds fly over the lake",
+    "we cook pasta for dinner",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from st_weince.utils.tiny_models import build_tiny_bert
+
+    path = tmp_path_factory.mktemp("tiny-bert")
+    build_tiny_bert(path, sentences=TINY_SENTENCES)
+    return path
+
+
+@pytest.fixture()
+def tiny_model(tiny_model_dir):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(tiny_model_dir), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.exists():
+        pytest.skip(f"shared data not found at {SHARED_DATA}")
+    return SHARED_DATA
