@@ -14,7 +14,9 @@ def nt_xent_layout(view_a: Tensor, view_b: Tensor) -> tuple[Tensor, Tensor, Tens
     Returns cosine ``scores`` [2N, 2N], ``positive_index`` [2N] and ``valid_mask`` [2N, 2N] (False on the diagonal).
     """
     if view_a.shape != view_b.shape or view_a.dim() != 2:
-        raise ValueError(f"both views must be [N, D] with the same shape, got {tuple(view_a.shape)} and {tuple(view_b.shape)}")
+        raise ValueError(
+            f"both views must be [N, D] with the same shape, got {tuple(view_a.shape)} and {tuple(view_b.shape)}"
+        )
     num_pairs = view_a.shape[0]
     if num_pairs < 2:
         raise ValueError(f"the NT-Xent layout needs at least 2 pairs, got {num_pairs}")

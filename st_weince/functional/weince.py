@@ -84,7 +84,8 @@ def _check_scores(scores: Tensor, positive_index: Tensor | None, valid_mask: Ten
     if positive_index is not None:
         if positive_index.shape != (num_anchors,):
             raise ValueError(
-                f"positive_index must have one entry per anchor ({num_anchors}), got shape {tuple(positive_index.shape)}"
+                f"positive_index must have one entry per anchor ({num_anchors}), "
+                f"got shape {tuple(positive_index.shape)}"
             )
         if positive_index.numel() and (positive_index.max() >= num_candidates or positive_index.min() < -1):
             raise ValueError(f"positive_index must lie in [-1, {num_candidates - 1}]")

@@ -1,0 +1,79 @@
+"""WEINCELoss under torchrun --nproc_per_node 2 (gloo, CPU) equals one process on the same global batch."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from st_weince.losses import WEINCELoss
+from tests.weince_distributed_worker import SETTINGS, global_batch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def distributed_results(tmp_path_factory) -> list[list[dict]]:
+    output_dir = tmp_path_factory.mktemp("weince-ddp")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "tests.weince_distributed_worker",
+        str(output_dir),
+    ]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [torch.load(output_dir / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("setting", range(len(SETTINGS)))
+def test_two_processes_equal_one(distributed_results, setting):
+    directions, partition_mode, num_columns = SETTINGS[setting]
+    ranks = [distributed_results[r][setting] for r in range(2)]
+    columns = [c.clone().requires_grad_(True) for c in global_batch(64, num_columns)]
+    loss_fn = WEINCELoss(None, directions=directions, partition_mode=partition_mode)
+    loss = loss_fn.compute_loss_from_embeddings(columns, None)
+    loss.backward()
+
+    # Each rank averages over its own anchors; the global mean is the mean of the two.
+    distributed_loss = (ranks[0]["loss"] + ranks[1]["loss"]) / 2
+    assert abs(float(distributed_loss - loss.detach())) < 1e-5
+    assert float(ranks[0]["rho0"]) == pytest.approx(float(loss_fn.last_statistics.rho0), abs=0)
+    torch.testing.assert_close(torch.cat([r["lam"] for r in ranks]), loss_fn.last_statistics.lam, atol=1e-6, rtol=0)
+    assert float(loss_fn.last_statistics.lam.max()) > 0.05, "the check needs a non-trivial blend"
+    # Gradients: each rank's rows receive d(sum of rank losses)/d(rows) = 2 x d(global mean)/d(rows).
+    for column_index, column in enumerate(columns):
+        distributed_grad = torch.cat([r["grads"][column_index] for r in ranks]) / 2
+        torch.testing.assert_close(distributed_grad, column.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_local_pivot_would_differ():
+    """Sanity check of the fixture: split into halves, the local pivots differ from the global one, so the
+    distributed test above really checks the global pivot."""
+    columns = global_batch(64, 2)
+    loss_fn = WEINCELoss(None)
+    loss_fn.compute_loss_from_embeddings(columns, None)
+    global_rho0 = float(loss_fn.last_statistics.rho0)
+    loss_fn.compute_loss_from_embeddings([c[:32] for c in columns], None)
+    assert abs(float(loss_fn.last_statistics.rho0) - global_rho0) > 1e-3

@@ -1,0 +1,212 @@
+"""The WEINCE math on score matrices, against an independent plain implementation of the specification."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from st_weince.functional import (
+    nt_xent_layout,
+    tail_sizes,
+    weince_cross_entropy,
+    weince_logits,
+    weince_statistics,
+)
+from tests.weince_reference import reference_loss, reference_statistics
+
+
+def paired_scores(
+    num_anchors: int, num_candidates: int | None = None, dim: int = 16, noise: float = 0.4, seed: int = 0
+):
+    generator = torch.Generator().manual_seed(seed)
+    num_candidates = num_candidates or num_anchors
+    anchors = F.normalize(torch.randn(num_anchors, dim, generator=generator), dim=1)
+    candidates = torch.randn(num_candidates, dim, generator=generator)
+    candidates[:num_anchors] = anchors + noise * candidates[:num_anchors]
+    return anchors @ F.normalize(candidates, dim=1).T
+
+
+@pytest.mark.parametrize("num_anchors", [2, 5, 12, 40, 130])
+@pytest.mark.parametrize("beta", [1.0, "auto"])
+@pytest.mark.parametrize("mode", ["both", "rho", "aic"])
+def test_statistics_match_reference(num_anchors, beta, mode):
+    scores = paired_scores(num_anchors, num_anchors + 7, seed=num_anchors)
+    positive_index = torch.arange(num_anchors)
+    stats = weince_statistics(scores, positive_index, beta=beta, mode=mode)
+    ref = reference_statistics(scores.double().numpy(), positive_index.numpy(), beta=beta, mode=mode)
+    np.testing.assert_allclose(stats.rho.numpy(), ref["rho"], rtol=1e-5)
+    np.testing.assert_allclose(stats.delta_aic.numpy(), ref["delta_aic"], rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(stats.beta_hat.numpy(), ref["beta_hat"], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(float(stats.rho0), ref["rho0"], rtol=1e-6)
+    np.testing.assert_allclose(stats.lam.numpy(), ref["lam"], atol=1e-5)
+    np.testing.assert_allclose(stats.beta.numpy(), ref["beta"], rtol=1e-4)
+    np.testing.assert_array_equal(stats.fitted.numpy(), ref["fitted"])
+
+
+def test_loss_matches_reference_with_mask_and_options():
+    scores = paired_scores(48, 60, seed=3)
+    positive_index = torch.randperm(60, generator=torch.Generator().manual_seed(1))[:48]
+    valid_mask = torch.rand(48, 60, generator=torch.Generator().manual_seed(2)) > 0.15
+    valid_mask[torch.arange(48), positive_index] = True
+    options = {"q": 0.5, "kappa_rho": 5.0, "kappa_aic": 0.5, "aic_margin": 0.0, "tail_frac": 0.3, "min_tail_points": 12}
+    loss = weince_cross_entropy(scores, positive_index, valid_mask, temperature=0.1, beta="auto", **options)
+    expected = reference_loss(
+        scores.double().numpy(), positive_index.numpy(), valid_mask.numpy(), temperature=0.1, beta="auto", **options
+    )
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+
+
+def test_tail_sizes_follow_the_spec():
+    counts = torch.tensor([0, 3, 9, 10, 31, 63, 319, 320, 330, 1000])
+    k = tail_sizes(counts, tail_frac=0.10, min_tail_points=32)
+    assert k.tolist() == [0, 3, 9, 10, 31, 32, 32, 32, 33, 100]
+
+
+def test_lambda_zero_is_infonce():
+    scores = paired_scores(64, seed=4).requires_grad_(True)
+    positive_index = torch.arange(64)
+    loss = weince_cross_entropy(scores, positive_index, temperature=0.05, aic_margin=1e9)
+    infonce = F.cross_entropy(scores * 20.0, positive_index)
+    assert float(loss.detach()) == pytest.approx(float(infonce.detach()), abs=1e-6)
+    (grad,) = torch.autograd.grad(loss, scores)
+    (grad_ref,) = torch.autograd.grad(infonce, scores)
+    torch.testing.assert_close(grad, grad_ref, atol=1e-6, rtol=1e-5)
+
+
+def test_gradient_flows_through_scores_only():
+    """The statistics are constants: the gradient equals that of the logits with lambda, beta frozen."""
+    scores = paired_scores(40, seed=5)
+    positive_index = torch.arange(40)
+    stats = weince_statistics(scores, positive_index, beta="auto")
+    assert not stats.lam.requires_grad and not stats.beta.requires_grad
+    assert float(stats.lam.max()) > 0.05, "test needs a non-trivial blend"
+    leaf = scores.clone().requires_grad_(True)
+    loss = weince_cross_entropy(leaf, positive_index, temperature=0.05, beta="auto")
+    (grad,) = torch.autograd.grad(loss, leaf)
+    lam, beta = stats.lam[:, None].double(), stats.beta[:, None].double()
+    s = scores.double()
+    # d loss / d s[a, c] = (softmax(l)[a, c] - 1[c = c+]) / A * dl/ds, with dl/ds = (1 - lam)/tau + lam beta/(1 - s)
+    logits = (1 - lam) * s / 0.05 - lam * beta * torch.log1p(-s)
+    expected = (
+        (torch.softmax(logits, 1) - F.one_hot(positive_index, 40)) / 40 * ((1 - lam) / 0.05 + lam * beta / (1 - s))
+    )
+    torch.testing.assert_close(grad.double(), expected, atol=1e-6, rtol=1e-4)
+
+
+def test_nt_xent_layout_through_valid_mask():
+    generator = torch.Generator().manual_seed(6)
+    view_a, view_b = torch.randn(20, 8, generator=generator), torch.randn(20, 8, generator=generator)
+    scores, positive_index, valid_mask = nt_xent_layout(view_a, view_b)
+    assert scores.shape == (40, 40) and not valid_mask.diagonal().any()
+    assert positive_index[:20].tolist() == list(range(20, 40)) and positive_index[20:].tolist() == list(range(20))
+    loss = weince_cross_entropy(scores, positive_index, valid_mask, temperature=0.5)
+    expected = reference_loss(scores.double().numpy(), positive_index.numpy(), valid_mask.numpy(), temperature=0.5)
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+    # with lambda forced to 0 it is NT-Xent: cross-entropy over the 2N - 1 other views
+    infonce = weince_cross_entropy(scores, positive_index, valid_mask, temperature=0.5, aic_margin=1e9)
+    z = F.normalize(torch.cat([view_a, view_b]), dim=1)
+    sim = (z @ z.T / 0.5).masked_fill(torch.eye(40, dtype=torch.bool), float("-inf"))
+    assert float(infonce) == pytest.approx(float(F.cross_entropy(sim, positive_index)), abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "scores",
+    [
+        torch.ones(6, 6),  # every score exactly 1
+        -torch.ones(6, 6),  # every score exactly -1
+        torch.full((8, 8), 0.3),  # duplicate rows, zero-variance tails
+        torch.tensor([[1.0, 1.0], [1.0, 1.0]]),  # a batch of 2
+    ],
+)
+@pytest.mark.parametrize("beta", [1.0, "auto"])
+def test_edges_are_finite(scores, beta):
+    scores = scores.clone().requires_grad_(True)
+    positive_index = torch.arange(scores.shape[0])
+    loss = weince_cross_entropy(scores, positive_index, temperature=0.05, beta=beta)
+    (grad,) = torch.autograd.grad(loss, scores)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+
+
+def test_scores_at_one_with_real_blend_are_finite():
+    scores = paired_scores(60, seed=7)
+    scores[:8, 5] = 1.0  # a negative exactly at the cap for a few anchors (and a positive at 1 for anchor 5)
+    scores[10] = scores[11]  # duplicate rows
+    scores = scores.requires_grad_(True)
+    stats = weince_statistics(scores, torch.arange(60), beta="auto")
+    assert float(stats.lam.max()) > 0.5
+    loss = weince_cross_entropy(scores, torch.arange(60), temperature=0.05, beta="auto")
+    (grad,) = torch.autograd.grad(loss, scores)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+
+
+def test_fewer_than_ten_negatives_fall_back_to_infonce():
+    scores = paired_scores(4, seed=8)  # 3 negatives per anchor: n = 2 tail points after burn-in
+    stats = weince_statistics(scores, torch.arange(4))
+    assert stats.lam.tolist() == [0.0] * 4 and not stats.fitted.any()
+    scores = paired_scores(9, seed=8)  # 8 negatives: k = 8, burn-in 1, 7 points: fitted
+    assert weince_statistics(scores, torch.arange(9)).fitted.all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_scores_are_finite_and_close(dtype):
+    scores = paired_scores(64, seed=9)
+    positive_index = torch.arange(64)
+    full = weince_cross_entropy(scores, positive_index, temperature=0.05, beta="auto")
+    with torch.autocast("cpu", dtype=dtype):
+        low = weince_cross_entropy(scores.to(dtype), positive_index, temperature=0.05, beta="auto")
+        logits = weince_logits(scores.to(dtype), torch.full((64,), 0.5), torch.ones(64), temperature=0.05)
+    assert logits.dtype == torch.float32
+    assert torch.isfinite(low)
+    assert float(low) == pytest.approx(float(full), rel=0.05)
+
+
+def test_bad_inputs_raise_clear_errors():
+    scores = paired_scores(8, seed=10)
+    positive_index = torch.arange(8)
+    with pytest.raises(ValueError, match="temperature"):
+        weince_cross_entropy(scores, positive_index, temperature=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        weince_cross_entropy(scores, positive_index, temperature=-1.0)
+    bad = scores.clone()
+    bad[2, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        weince_cross_entropy(bad, positive_index, temperature=0.05)
+    with pytest.raises(ValueError, match="one entry per anchor"):
+        weince_cross_entropy(scores, torch.arange(7), temperature=0.05)
+    with pytest.raises(ValueError, match="2-D"):
+        weince_statistics(scores[0], positive_index)
+    with pytest.raises(ValueError, match="mode"):
+        weince_statistics(scores, positive_index, mode="gumbel")
+    with pytest.raises(ValueError, match="beta"):
+        weince_statistics(scores, positive_index, beta=0.0)
+    mask = torch.ones(8, 8, dtype=torch.bool)
+    mask[0, 0] = False
+    with pytest.raises(ValueError, match="masked out"):
+        weince_cross_entropy(scores, positive_index, mask, temperature=0.05)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    num_anchors=st.integers(2, 24),
+    extra=st.integers(0, 16),
+    noise=st.floats(0.0, 2.0),
+    seed=st.integers(0, 10_000),
+    beta=st.sampled_from([1.0, "auto"]),
+)
+def test_property_finite_bounded_and_permutation_invariant(num_anchors, extra, noise, seed, beta):
+    scores = paired_scores(num_anchors, num_anchors + extra, noise=noise, seed=seed).clamp(-1, 1)
+    positive_index = torch.arange(num_anchors)
+    stats = weince_statistics(scores, positive_index, beta=beta)
+    assert ((stats.lam >= 0) & (stats.lam <= 1)).all()
+    assert (stats.rho > 0).all() and torch.isfinite(stats.delta_aic).all()
+    loss = weince_cross_entropy(scores, positive_index, temperature=0.05, beta=beta)
+    assert torch.isfinite(loss) and float(loss) >= 0
+    # permuting the candidate columns (and the positives with them) changes nothing
+    perm = torch.randperm(scores.shape[1], generator=torch.Generator().manual_seed(seed))
+    inverse = torch.argsort(perm)
+    permuted = weince_cross_entropy(scores[:, perm], inverse[positive_index], temperature=0.05, beta=beta)
+    assert float(permuted) == pytest.approx(float(loss), rel=1e-5, abs=1e-6)

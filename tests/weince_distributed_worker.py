@@ -1,0 +1,54 @@
+"""Run by tests/test_weince_distributed.py under ``torchrun --nproc_per_node 2`` (gloo, CPU).
+
+Each rank takes its slice of one global batch of embeddings, computes WEINCELoss with gather_across_devices=True,
+back-propagates, and writes its loss and the gradients of its own rows to OUTPUT_DIR/rank{r}.pt.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from st_weince.losses import WEINCELoss
+
+
+def global_batch(batch_size: int, num_columns: int, dim: int = 16) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1234)
+    base = torch.randn(batch_size, dim, generator=generator)
+    # the two halves differ in spread, so the local pivots of the ranks differ from the global one
+    spread = torch.cat([torch.full((batch_size // 2, 1), 0.3), torch.full((batch_size - batch_size // 2, 1), 1.2)])
+    return [base + spread * torch.randn(batch_size, dim, generator=generator) for _ in range(num_columns)]
+
+
+# (directions, partition_mode, number of columns): one launch runs them all, since starting processes is slow.
+SETTINGS = [
+    (("query_to_doc",), "joint", 3),
+    (("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"), "joint", 2),
+    (("query_to_doc", "doc_to_query"), "per_direction", 2),
+]
+
+
+def main() -> None:
+    output_dir = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    results = []
+    for directions, partition_mode, num_columns in SETTINGS:
+        columns = global_batch(64, num_columns)
+        local = 64 // world_size
+        mine = [c[rank * local : (rank + 1) * local].clone().requires_grad_(True) for c in columns]
+        loss_fn = WEINCELoss(None, gather_across_devices=True, directions=directions, partition_mode=partition_mode)
+        loss = loss_fn.compute_loss_from_embeddings(mine, None)
+        loss.backward()
+        statistics = loss_fn.last_statistics
+        results.append(
+            {"loss": loss.detach(), "grads": [m.grad for m in mine], "lam": statistics.lam, "rho0": statistics.rho0}
+        )
+    torch.save(results, f"{output_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
