@@ -1,0 +1,34 @@
+"""Vision adapter: SimCLR-style training of image encoders with the same loss classes as the text side.
+
+Data (:mod:`.data`), batched tensor augmentations (:mod:`.augment`), CIFAR-stem ResNets and the projection head
+(:mod:`.models`), the NT-Xent objectives over the shared loss classes (:mod:`.objectives`) and frozen-feature
+evaluation (:mod:`.evaluation`). The recipe is ``recipes/simclr.py``; see docs/vision.md.
+"""
+
+from st_weince.vision.augment import SimCLRAugment, SimCLRAugmentConfig, eval_transform
+from st_weince.vision.data import ImageTensorDataset, balanced_subset, load_dataset, load_image_folder
+from st_weince.vision.evaluation import KNN_KS, KNN_TEMPERATURE, extract_features, knn_evaluate, linear_probe
+from st_weince.vision.models import CifarResNet, ProjectionHead, SimCLRModel, load_encoder, save_encoder
+from st_weince.vision.objectives import LOSSES, SimCLRObjective
+
+__all__ = [
+    "KNN_KS",
+    "KNN_TEMPERATURE",
+    "LOSSES",
+    "CifarResNet",
+    "ImageTensorDataset",
+    "ProjectionHead",
+    "SimCLRAugment",
+    "SimCLRAugmentConfig",
+    "SimCLRModel",
+    "SimCLRObjective",
+    "balanced_subset",
+    "eval_transform",
+    "extract_features",
+    "knn_evaluate",
+    "linear_probe",
+    "load_dataset",
+    "load_encoder",
+    "load_image_folder",
+    "save_encoder",
+]

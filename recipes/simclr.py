@@ -1,0 +1,326 @@
+"""SimCLR-style image pre-training with InfoNCE, WEINCE or RB-Sigmoid, then frozen-feature evaluation.
+
+Only the loss changes between runs; it is the SAME class as on the text side (see st_weince/vision/objectives.py):
+
+    --loss infonce      sentence-transformers' MultipleNegativesRankingLoss, both view orders (= NT-Xent)
+    --loss weince       st_weince.losses.WEINCELoss.loss_from_scores on the NT-Xent 2N layout (beta = 1)
+    --loss rb-sigmoid   st_weince.losses.RBSigmoidLoss.loss_from_scores on the same layout (t, b_rel trained)
+
+Defaults follow the released SimCLR setup of the WEINCE paper (ALGORITHMS.md 1.5): CIFAR-stem ResNet-18, projection
+head to 64 dimensions, Adam (lr 1e-3, weight decay 1e-6), temperature 0.5, batch 256 pairs, 100 epochs; evaluation
+by a linear probe (100 epochs on frozen features) and weighted k-NN (temperature 0.1, k in {1, 2, 5, 10, 20, 50}).
+Augmentations run batched on the training device (st_weince/vision/augment.py).
+
+    # offline, reduced scale (a few minutes on one CPU core)
+    python recipes/simclr.py --dataset cifar10 --data-dir ../shared/data/cifar10/cifar10-jpg.zip --loss weince \
+        --width 16 --batch-size 64 --max-steps 200 --limit-train 10000 --limit-eval 2000 --output-dir runs/demo
+    # full scale, on GPUs (torchvision download when online)
+    accelerate launch recipes/simclr.py --dataset cifar100 --data-dir data --loss weince --epochs 100
+
+Under several processes every process computes the loss on its own share of the batch (``--batch-size`` is per
+process; no cross-process negatives) and gradients are averaged, including those of RB-Sigmoid's parameters.
+
+Outputs in ``--output-dir``: ``results.json`` (linear_top1, knn_top1 = weighted k-NN top-1 at k=20, in percent;
+all k, recall@k, throughput, loss curve, configuration, machine, library versions, command) and the trained model
+(``model.pt`` + ``model_config.json``; load with ``st_weince.vision.load_encoder``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+from st_weince.utils.distributed import average_gradients_across_processes
+from st_weince.vision import (
+    KNN_KS,
+    KNN_TEMPERATURE,
+    LOSSES,
+    SimCLRAugment,
+    SimCLRModel,
+    SimCLRObjective,
+    eval_transform,
+    extract_features,
+    knn_evaluate,
+    linear_probe,
+    load_dataset,
+    save_encoder,
+)
+from st_weince.vision.augment import SimCLRAugmentConfig
+from st_weince.vision.data import DEFAULT_SPLITS
+from st_weince.vision.models import BACKBONES
+
+KNN_HEADLINE_K = 20
+STL10_MEAN, STL10_STD = (0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    data = parser.add_argument_group("data")
+    data.add_argument("--dataset", default="cifar10", choices=sorted(DEFAULT_SPLITS))
+    data.add_argument("--data-dir", default=None, help="ImageFolder dir / zip (offline) or torchvision root")
+    data.add_argument("--no-download", action="store_true", help="never download torchvision datasets")
+    data.add_argument("--limit-train", type=int, default=None, help="class-balanced subset of pre-training images")
+    data.add_argument("--limit-probe-train", type=int, default=None, help="labelled train images for the probes")
+    data.add_argument("--limit-eval", type=int, default=None, help="class-balanced subset of test images")
+    data.add_argument("--subset-seed", type=int, default=0, help="seed of the subsets (same for every run)")
+    model = parser.add_argument_group("model")
+    model.add_argument("--backbone", default="resnet18", choices=sorted(BACKBONES))
+    model.add_argument("--width", type=int, default=64, help="channels of the first stage (64 = standard ResNet)")
+    model.add_argument("--imagenet-stem", action="store_true", help="7x7 stride-2 stem with max-pool")
+    model.add_argument("--hidden-dim", type=int, default=512)
+    model.add_argument("--projection-dim", type=int, default=64)
+    loss = parser.add_argument_group("loss")
+    loss.add_argument("--loss", default="weince", choices=LOSSES)
+    loss.add_argument("--temperature", type=float, default=0.5)
+    loss.add_argument("--beta", default="1.0", help="WEINCE tail index: a number or 'auto'")
+    loss.add_argument("--loss-kwargs", default="{}", help="JSON of extra loss arguments, e.g. RB-Sigmoid's start")
+    train = parser.add_argument_group("training")
+    train.add_argument("--batch-size", type=int, default=256, help="pairs per step and process (2x views)")
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--weight-decay", type=float, default=1e-6)
+    train.add_argument("--epochs", type=float, default=100.0)
+    train.add_argument("--max-steps", type=int, default=-1, help="overrides --epochs when > 0")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    train.add_argument("--log-every", type=int, default=10)
+    evaluation = parser.add_argument_group("evaluation")
+    evaluation.add_argument("--probe-epochs", type=int, default=100)
+    evaluation.add_argument("--eval-batch-size", type=int, default=512)
+    evaluation.add_argument("--skip-eval", action="store_true")
+    parser.add_argument("--output-dir", default="runs/simclr")
+    parser.add_argument("--no-save-model", action="store_true")
+    args = parser.parse_args(argv)
+    args.beta = args.beta if args.beta == "auto" else float(args.beta)
+    try:
+        args.loss_kwargs = json.loads(args.loss_kwargs)
+    except json.JSONDecodeError as error:
+        parser.error(f"--loss-kwargs must be JSON: {error}")
+    for name in ("limit_train", "limit_probe_train", "limit_eval"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.batch_size < 2:
+        parser.error("--batch-size must be at least 2 (the NT-Xent layout needs 2 pairs)")
+    return args
+
+
+def environment() -> dict[str, Any]:
+    import accelerate
+    import sentence_transformers
+    import torchvision
+
+    try:
+        st_weince_version = importlib.metadata.version("st-weince")
+    except importlib.metadata.PackageNotFoundError:
+        st_weince_version = "unknown"
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, check=False
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "sentence_transformers": sentence_transformers.__version__,
+        "accelerate": accelerate.__version__,
+        "st_weince": st_weince_version,
+        "git_commit": commit,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    accelerator = Accelerator()
+    set_seed(args.seed)
+    device = accelerator.device
+    output_dir = Path(args.output_dir)
+    splits = DEFAULT_SPLITS[args.dataset]
+    mean_std = (STL10_MEAN, STL10_STD) if args.dataset == "stl10" else (None, None)
+
+    # --- data (in memory, uint8) ---
+    load = {"data_dir": args.data_dir, "subset_seed": args.subset_seed, "download": not args.no_download}
+    with accelerator.main_process_first():
+        pretrain = load_dataset(args.dataset, splits["pretrain"], limit=args.limit_train, **load)
+    accelerator.print(f"pre-training images: {len(pretrain)} {tuple(pretrain.images.shape[1:])}")
+    if len(pretrain) < args.batch_size * accelerator.num_processes:
+        raise ValueError(f"--batch-size {args.batch_size} needs at least that many images, got {len(pretrain)}")
+
+    # --- model, loss, optimizer ---
+    model = SimCLRModel(
+        args.backbone,
+        width=args.width,
+        cifar_stem=not args.imagenet_stem,
+        hidden_dim=args.hidden_dim,
+        projection_dim=args.projection_dim,
+    )
+    objective = SimCLRObjective(args.loss, args.temperature, beta=args.beta, loss_kwargs=args.loss_kwargs).to(device)
+    loss_parameters = [p for p in objective.parameters() if p.requires_grad]
+    for parameter in loss_parameters:
+        average_gradients_across_processes(parameter)  # the loss is not inside DDP
+    param_groups = [{"params": list(model.parameters())}]
+    if loss_parameters:
+        param_groups.append({"params": loss_parameters, "weight_decay": 0.0})  # no decay on t, b_rel
+    optimizer = torch.optim.Adam(param_groups, lr=args.lr, weight_decay=args.weight_decay)
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    steps_per_epoch = len(pretrain) // (args.batch_size * accelerator.num_processes)
+    max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.epochs * steps_per_epoch)
+    generator = torch.Generator().manual_seed(args.seed)
+    augment_config = SimCLRAugmentConfig(**({"mean": mean_std[0], "std": mean_std[1]} if mean_std[0] else {}))
+    augment = SimCLRAugment(augment_config, generator=generator)
+    images_on_device = pretrain.images.to(device)
+
+    # --- training ---
+    model.train()
+    history: list[dict[str, float]] = []
+    augment_seconds = step_seconds = 0.0
+    running = 0.0
+    order: torch.Tensor = torch.empty(0, dtype=torch.long)
+    cursor = 0
+    bar = tqdm(range(max_steps), desc=f"simclr {args.loss}", disable=not accelerator.is_main_process)
+    for step in bar:
+        if cursor + args.batch_size * accelerator.num_processes > order.numel():
+            order = torch.randperm(len(pretrain), generator=generator)  # same permutation on every process
+            cursor = 0
+        chunk = order[cursor : cursor + args.batch_size * accelerator.num_processes]
+        batch = chunk[accelerator.process_index :: accelerator.num_processes]
+        cursor += chunk.numel()
+
+        tick = time.perf_counter()
+        view_a, view_b = augment(images_on_device[batch.to(device)])
+        augment_seconds += time.perf_counter() - tick
+        projections = model(torch.cat([view_a, view_b]))
+        z1, z2 = projections.chunk(2)
+        loss = objective(z1, z2)
+        if not torch.isfinite(loss):
+            raise ValueError(f"loss became {float(loss)} at step {step}; lower --lr or check the data")
+        optimizer.zero_grad(set_to_none=True)
+        accelerator.backward(loss)
+        optimizer.step()
+        step_seconds += time.perf_counter() - tick
+        running += float(loss.detach())
+        if (step + 1) % args.log_every == 0 or step + 1 == max_steps:
+            count = (step % args.log_every) + 1
+            record = {"step": step + 1, "loss": running / count, **objective.pop_logged_statistics()}
+            history.append(record)
+            running = 0.0
+            bar.set_postfix({k: f"{v:.4g}" for k, v in record.items() if k != "step"})
+    train_seconds = step_seconds
+    pairs = max_steps * args.batch_size * accelerator.num_processes
+
+    unwrapped = accelerator.unwrap_model(model)
+    results: dict[str, Any] = {
+        "dataset": args.dataset,
+        "loss": args.loss,
+        "seed": args.seed,
+        "steps": max_steps,
+        "epochs_seen": pairs / len(pretrain),
+        "pretrain_images": len(pretrain),
+        "throughput": {
+            "augmented_views_per_second": 2 * pairs / max(augment_seconds, 1e-9),
+            "source_images_per_second_data_pipeline": pairs / max(augment_seconds, 1e-9),
+            "train_pairs_per_second": pairs / max(train_seconds, 1e-9),
+            "seconds_per_step": train_seconds / max(max_steps, 1),
+            "augment_share_of_step": augment_seconds / max(train_seconds, 1e-9),
+        },
+        "final_loss": history[-1]["loss"] if history else None,
+        "loss_parameters": {n: float(p.detach().reshape(-1)[0]) for n, p in objective.named_parameters()},
+        "objective": objective.get_config_dict(),
+        "history": history,
+    }
+
+    # --- evaluation on frozen backbone features (main process) ---
+    if not args.skip_eval and accelerator.is_main_process:
+        tick = time.perf_counter()
+        probe_limit = args.limit_probe_train if args.limit_probe_train is not None else args.limit_train
+        if splits["train"] == splits["pretrain"] and probe_limit == args.limit_train:
+            probe_train = pretrain
+        else:
+            probe_train = load_dataset(args.dataset, splits["train"], limit=probe_limit, **load)
+        test = load_dataset(args.dataset, splits["test"], limit=args.limit_eval, **load)
+        mean, std = augment_config.mean, augment_config.std
+
+        def transform(images: torch.Tensor) -> torch.Tensor:
+            return eval_transform(images, mean, std)
+
+        encoder = unwrapped.encoder
+        train_features = extract_features(encoder, probe_train.images, transform, args.eval_batch_size, device)
+        test_features = extract_features(encoder, test.images, transform, args.eval_batch_size, device)
+        ks = [k for k in KNN_KS if k <= len(probe_train)]
+        num_classes = len(probe_train.classes)
+        knn = knn_evaluate(
+            train_features, probe_train.labels, test_features, test.labels, ks, KNN_TEMPERATURE, num_classes
+        )
+        linear = linear_probe(
+            train_features,
+            probe_train.labels,
+            test_features,
+            test.labels,
+            epochs=args.probe_epochs,
+            num_classes=num_classes,
+            seed=args.seed,
+        )
+        headline_k = KNN_HEADLINE_K if KNN_HEADLINE_K in knn.top1 else max(knn.top1)
+        results.update(
+            {
+                "linear_top1": linear["top1"],
+                "linear_top5": linear["top5"],
+                "linear_train_top1": linear["train_top1"],
+                "knn_top1": knn.top1[headline_k],
+                "knn_headline_k": headline_k,
+                "knn_temperature": KNN_TEMPERATURE,
+                "knn": knn.as_dict(),
+                "probe_train_images": len(probe_train),
+                "eval_images": len(test),
+                "eval_seconds": time.perf_counter() - tick,
+            }
+        )
+        accelerator.print(
+            f"linear top-1 {linear['top1']:.2f} %  k-NN top-1 (k={headline_k}) {knn.top1[headline_k]:.2f} %"
+        )
+
+    if accelerator.is_main_process:
+        results.update(
+            {
+                "config": {k: v for k, v in vars(args).items()},
+                "num_processes": accelerator.num_processes,
+                "train_seconds": train_seconds,
+                "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+                "environment": environment(),
+            }
+        )
+        output_dir.mkdir(parents=True, exist_ok=True)
+        if not args.no_save_model:
+            save_encoder(unwrapped, output_dir, {"loss": args.loss, "seed": args.seed, "steps": max_steps})
+        (output_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    accelerator.wait_for_everyone()
+    return results
+
+
+if __name__ == "__main__":
+    main()
