@@ -67,16 +67,14 @@ class WeinceStatistics:
     fitted: Tensor  # [A] bool
 
 
-def _check_scores(scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None) -> Tensor:
-    """Validate shapes and values; return the boolean valid mask (all True when none is given)."""
+def _check_scores(scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None) -> None:
+    """Validate shapes and values of a score matrix, its positives and its mask."""
     if scores.dim() != 2:
         raise ValueError(f"scores must be a 2-D [anchors, candidates] matrix, got shape {tuple(scores.shape)}")
     num_anchors, num_candidates = scores.shape
     if num_anchors == 0 or num_candidates == 0:
         raise ValueError(f"scores is empty (shape {tuple(scores.shape)})")
-    if valid_mask is None:
-        valid_mask = torch.ones_like(scores, dtype=torch.bool)
-    elif valid_mask.shape != scores.shape or valid_mask.dtype != torch.bool:
+    if valid_mask is not None and (valid_mask.shape != scores.shape or valid_mask.dtype != torch.bool):
         raise ValueError(
             f"valid_mask must be a bool tensor of the scores' shape {tuple(scores.shape)}, "
             f"got {valid_mask.dtype} {tuple(valid_mask.shape)}"
@@ -89,17 +87,43 @@ def _check_scores(scores: Tensor, positive_index: Tensor | None, valid_mask: Ten
             )
         if positive_index.numel() and (positive_index.max() >= num_candidates or positive_index.min() < -1):
             raise ValueError(f"positive_index must lie in [-1, {num_candidates - 1}]")
-    if not torch.isfinite(scores.detach().masked_fill(~valid_mask, 0.0)).all():
+    # One reduction pass: NaN or +-Inf in any valid entry makes the sum non-finite.
+    valid_scores = scores.detach() if valid_mask is None else scores.detach().masked_fill(~valid_mask, 0.0)
+    if not torch.isfinite(valid_scores.float().sum()):
         raise ValueError("scores contain NaN or Inf (check the embeddings: a NaN embedding gives NaN scores)")
-    return valid_mask
 
 
-def _positive_mask(positive_index: Tensor | None, shape: torch.Size, device: torch.device) -> Tensor:
-    mask = torch.zeros(shape, dtype=torch.bool, device=device)
+def _count_negatives(positive_index: Tensor | None, valid_mask: Tensor | None, shape: torch.Size, device) -> Tensor:
+    """K per row: valid entries other than the row's positive."""
+    num_anchors, num_candidates = shape
+    if valid_mask is None:
+        count = torch.full((num_anchors,), num_candidates, dtype=torch.long, device=device)
+    else:
+        count = valid_mask.sum(1)
     if positive_index is not None:
-        rows = torch.nonzero(positive_index >= 0).squeeze(1)
-        mask[rows, positive_index[rows]] = True
-    return mask
+        has_positive = positive_index >= 0
+        positive_valid = has_positive
+        if valid_mask is not None:
+            positive_valid = has_positive & valid_mask.gather(1, positive_index.clamp_min(0)[:, None]).squeeze(1)
+        count = count - positive_valid.long()
+    return count
+
+
+def _top_negative_scores(
+    scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None, k_max: int
+) -> Tensor:
+    """The k_max largest negative scores of each row, descending, padded with -inf (float32, no gradient).
+
+    Takes the top k_max + 1 of the row and drops the positive among them, instead of masking a full copy.
+    """
+    scores = scores.detach().float()
+    if valid_mask is not None:
+        scores = scores.masked_fill(~valid_mask, float("-inf"))
+    if positive_index is None or not bool((positive_index >= 0).any()):
+        return scores.topk(k_max, dim=1).values
+    values, columns = scores.topk(min(k_max + 1, scores.shape[1]), dim=1, sorted=False)
+    values = values.masked_fill(columns == positive_index[:, None], float("-inf"))
+    return values.sort(dim=1, descending=True).values[:, :k_max]
 
 
 def tail_sizes(num_negatives: Tensor, *, tail_frac: float, min_tail_points: int) -> Tensor:
@@ -110,17 +134,26 @@ def tail_sizes(num_negatives: Tensor, *, tail_frac: float, min_tail_points: int)
     return torch.minimum(k, num_negatives)
 
 
-def _least_squares(x: Tensor, y: Tensor, weight: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
-    """Row-wise weighted least squares y ~ a + slope * x; returns (slope, residual sum of squares)."""
-    mean_x = (weight * x).sum(1) / n
-    mean_y = (weight * y).sum(1) / n
-    xc = (x - mean_x[:, None]) * weight
-    yc = (y - mean_y[:, None]) * weight
+def _fit_lines(x: Tensor, ys: tuple[Tensor, ...], weight: Tensor, n: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """Row-wise weighted least squares y ~ a + slope * x for several y on the same x (float64).
+
+    A y may be one row [1, k] shared by all anchors (the common case: every anchor has the same tail size).
+    Returns (slope, residual sum of squares) per y, the latter as syy - sxy^2 / sxx; a row whose x has no
+    spread (duplicate scores) gets slope 0 and residual syy.
+    """
+    mean_x = (weight * x).sum(1, keepdim=True) / n[:, None]
+    xc = (x - mean_x).mul_(weight)
     sxx = (xc * xc).sum(1)
     degenerate = sxx <= 1e-300
-    slope = torch.where(degenerate, torch.zeros_like(sxx), (xc * yc).sum(1) / torch.where(degenerate, 1.0, sxx))
-    residual = (yc - slope[:, None] * xc) * weight
-    return slope, (residual * residual).sum(1)
+    sxx_safe = torch.where(degenerate, torch.ones_like(sxx), sxx)
+    fits = []
+    for y in ys:
+        yc = (y - (weight * y).sum(1, keepdim=True) / n[:, None]) * weight
+        sxy = (xc * yc).sum(1)
+        syy = (yc * yc).sum(1)
+        slope = torch.where(degenerate, torch.zeros_like(sxx), sxy / sxx_safe)
+        fits.append((slope, (syy - slope * sxy).clamp_min(0.0)))
+    return fits
 
 
 @torch.no_grad()
@@ -133,11 +166,9 @@ def weince_tail_fit(
     min_tail_points: int = 32,
     eps: float = 1e-6,
 ) -> TailFit:
-    """Per-anchor shortfall tail fits (ALGORITHMS.md 1.1 steps 1-4), vectorised over anchors, in float64."""
-    valid_mask = _check_scores(scores, positive_index, valid_mask)
-    scores = scores.detach()
-    negative_mask = valid_mask & ~_positive_mask(positive_index, scores.shape, scores.device)
-    num_negatives = negative_mask.sum(1)
+    """Per-anchor shortfall tail fits (ALGORITHMS.md 1.1 steps 1-4), vectorised over anchors; fits in float64."""
+    _check_scores(scores, positive_index, valid_mask)
+    num_negatives = _count_negatives(positive_index, valid_mask, scores.shape, scores.device)
     k = tail_sizes(num_negatives, tail_frac=tail_frac, min_tail_points=min_tail_points)
     k_max = int(k.max())
     has_negatives = num_negatives > 0
@@ -147,8 +178,7 @@ def weince_tail_fit(
         no = torch.zeros(num_anchors, dtype=torch.bool, device=scores.device)
         return TailFit(rho=zeros + 1.0, beta_hat=zeros, delta_aic=zeros, fitted=no, has_negatives=has_negatives)
 
-    # The k largest negative scores per row, descending; rows with fewer negatives are padded with -inf.
-    top = scores.float().masked_fill(~negative_mask, float("-inf")).topk(k_max, dim=1).values.double()
+    top = _top_negative_scores(scores, positive_index, valid_mask, k_max).double()
     rank = torch.arange(1, k_max + 1, device=scores.device, dtype=torch.float64)[None, :]
     in_tail = rank <= k[:, None]
     shortfall = torch.where(in_tail, (1.0 - top).clamp_min(eps), torch.ones_like(top))
@@ -159,13 +189,16 @@ def weince_tail_fit(
     n = (k - burn_in).clamp_min(0)
     fitted = n >= _MIN_FIT_POINTS
     n_safe = n.clamp_min(1).double()
-    weight = used.double()
 
     # Empirical CDF levels; positions outside the fit get a harmless 0.5 so no NaN enters the sums.
-    cdf = torch.where(used, rank / (k[:, None].double() + 1.0), torch.full_like(rank.expand_as(used), 0.5))
-    log_shortfall = torch.log(shortfall)
-    beta_hat, sse_weibull = _least_squares(log_shortfall, torch.log(cdf), weight, n_safe)
-    gumbel_slope, sse_gumbel = _least_squares(log_shortfall, torch.log(-torch.log(cdf)), weight, n_safe)
+    # When every anchor has the same tail size (the usual case) the levels are one shared row.
+    same_k = bool((k == k_max).all())
+    levels = k[:1, None] if same_k else k[:, None]
+    cdf = torch.where(used[:1] if same_k else used, rank / (levels.double() + 1.0), 0.5)
+    log_cdf = torch.log(cdf)
+    (beta_hat, sse_weibull), (gumbel_slope, sse_gumbel) = _fit_lines(
+        torch.log(shortfall), (log_cdf, torch.log(-log_cdf)), used.double(), n_safe
+    )
     sse_weibull = (sse_weibull + _WRONG_SIGN_PENALTY * (beta_hat <= 0)).clamp_min(_MIN_SSE)
     sse_gumbel = (sse_gumbel + _WRONG_SIGN_PENALTY * (gumbel_slope >= 0)).clamp_min(_MIN_SSE)
     aic_weibull = n_safe * torch.log(sse_weibull / n_safe) + 4.0
@@ -283,6 +316,34 @@ def check_temperature(temperature: float) -> None:
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
 
 
+class _BlendedLogit(torch.autograd.Function):
+    """l = (1 - lam) s / tau - lam beta log(max(1 - s, eps)) with a hand-written backward.
+
+    ``max(1 - s, eps)`` is ``1 - min(s, 1 - eps)``. Fusing keeps one [A, C] tensor for backward (the shortfall)
+    instead of the several intermediates autograd would store, and needs fewer passes over the matrix.
+    """
+
+    @staticmethod
+    def forward(ctx, scores: Tensor, lam: Tensor, beta: Tensor, temperature: float, eps: float) -> Tensor:
+        linear_weight = (1.0 - lam) / temperature
+        shortfall_weight = lam * beta
+        shortfall = torch.rsub(scores, 1.0).clamp_min_(eps)
+        logits = torch.log(shortfall).mul_(-shortfall_weight).addcmul_(scores, linear_weight)
+        ctx.save_for_backward(shortfall, linear_weight, shortfall_weight)
+        ctx.eps = eps
+        return logits
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        shortfall, linear_weight, shortfall_weight = ctx.saved_tensors
+        # d/ds [-beta log(1 - s)] = beta / (1 - s) below the cap 1 - eps; 0 where the clamp is active
+        slope = torch.reciprocal(shortfall).mul_(shortfall_weight)
+        at_cap = shortfall <= ctx.eps
+        if bool(at_cap.any()):
+            slope.masked_fill_(at_cap, 0.0)
+        return slope.add_(linear_weight).mul_(grad_output), None, None, None, None
+
+
 def weince_logits(
     scores: Tensor,
     lam: Tensor,
@@ -299,9 +360,10 @@ def weince_logits(
     check_temperature(temperature)
     s = scores.float()  # the shortfall log must be float32 even under fp16/bf16 autocast
     lam = lam.detach().float()[:, None]
-    beta = beta.detach().float()[:, None]
-    shortfall_logit = -beta * torch.log1p(-s.clamp(max=1.0 - eps))
-    logits = (1.0 - lam) * (s / temperature) + lam * shortfall_logit
+    if bool((lam == 0).all()):
+        logits = s / temperature  # plain InfoNCE: skip the shortfall term
+    else:
+        logits = _BlendedLogit.apply(s, lam, beta.detach().float()[:, None], float(temperature), float(eps))
     if valid_mask is not None:
         logits = logits.masked_fill(~valid_mask, float("-inf"))
     return logits

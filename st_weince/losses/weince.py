@@ -271,12 +271,16 @@ class WEINCELoss(nn.Module):
         logits: dict[str, Tensor] = {}
         for group in filter(None, groups):
             # A group is one anchor set: its blocks side by side form each anchor's full candidate row.
-            scores = torch.cat([blocks[d][0] for d in group], dim=1)
-            masks = [
-                blocks[d][1] if blocks[d][1] is not None else torch.ones_like(blocks[d][0], dtype=torch.bool)
-                for d in group
-            ]
-            valid_mask = torch.cat(masks, dim=1)
+            scores = torch.cat([blocks[d][0] for d in group], dim=1) if len(group) > 1 else blocks[group[0]][0]
+            valid_mask = None  # all valid: no mask tensor, no masked copies
+            if any(blocks[d][1] is not None for d in group):
+                valid_mask = torch.cat(
+                    [
+                        blocks[d][1] if blocks[d][1] is not None else torch.ones_like(blocks[d][0], dtype=torch.bool)
+                        for d in group
+                    ],
+                    dim=1,
+                )
             has_positive = group[0] in ("query_to_doc", "doc_to_query")
             positive_index = local_indices if has_positive else torch.full_like(local_indices, -1)
             group_logits, stats = self.logits_from_scores(scores, positive_index, valid_mask)
@@ -287,7 +291,8 @@ class WEINCELoss(nn.Module):
 
         if self.partition_mode == "joint":
             positive_logits = logits["query_to_doc"][row_indices, local_indices]
-            log_z = torch.logsumexp(torch.cat([logits[d] for d in blocks], dim=1), dim=1)
+            joint = torch.cat([logits[d] for d in blocks], dim=1) if len(blocks) > 1 else logits["query_to_doc"]
+            log_z = torch.logsumexp(joint, dim=1)
             return -(positive_logits - log_z).mean()
         per_direction = [
             -(logits[d][row_indices, local_indices] - torch.logsumexp(logits[d], dim=1)).mean() for d in blocks

@@ -1,0 +1,204 @@
+"""Loss overhead: forward + backward time and peak memory of WEINCELoss and RBSigmoidLoss against
+MultipleNegativesRankingLoss (InfoNCE) on identical embeddings.
+
+Only the loss is measured (embeddings are given leaf tensors), so the ratio is the loss's own cost; a training
+step adds the encoder's forward and backward, which dwarfs both at realistic model sizes.
+
+    python benchmarks/loss_overhead.py                        # CPU, batch 64..4096, writes benchmarks/results/
+    python benchmarks/loss_overhead.py --device cuda          # on a GPU
+
+Time: median over repeats, the losses interleaved within each repeat so machine load hits all of them alike.
+On CPU the clock is the process's CPU time (all its threads; other processes' load barely moves it, which keeps
+ratios stable on a shared machine); on CUDA it is wall time around synchronised calls.
+Peak memory: on CUDA torch.cuda.max_memory_allocated; on CPU the peak resident set size of a fresh process per
+(loss, batch, layout) minus its resident size just before the call (Linux ru_maxrss).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import platform
+import resource
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+LOSSES = ("mnrl", "weince", "weince_beta1", "rb_sigmoid")
+
+
+def build_loss(name: str):
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    from st_weince.losses import WEINCELoss
+
+    if name == "mnrl":
+        return MultipleNegativesRankingLoss(None)
+    if name == "weince":
+        return WEINCELoss(None)
+    if name == "weince_beta1":
+        return WEINCELoss(None, beta=1.0)
+    if name == "rb_sigmoid":
+        from st_weince.losses import RBSigmoidLoss
+
+        return RBSigmoidLoss(None)
+    raise ValueError(f"unknown loss {name!r}")
+
+
+def make_embeddings(batch_size: int, num_columns: int, dim: int, device: str, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    base = torch.randn(batch_size, dim, generator=generator)
+    return [
+        (base + 0.7 * torch.randn(batch_size, dim, generator=generator)).to(device).requires_grad_(True)
+        for _ in range(num_columns)
+    ]
+
+
+def run_once(loss, embeddings: list[torch.Tensor]) -> None:
+    for embedding in embeddings:
+        embedding.grad = None
+    loss.compute_loss_from_embeddings(embeddings, None).backward()
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_losses(names, batch_size, num_columns, dim, device, repeats, seed) -> dict[str, float]:
+    embeddings = make_embeddings(batch_size, num_columns, dim, device, seed)
+    losses = {name: build_loss(name).to(device) for name in names}
+    for loss in losses.values():  # warm-up
+        run_once(loss, embeddings)
+    clock = time.perf_counter if device.startswith("cuda") else time.process_time
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(repeats):
+        for name, loss in losses.items():
+            synchronize(device)
+            start = clock()
+            run_once(loss, embeddings)
+            synchronize(device)
+            samples[name].append(clock() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def _cpu_peak_worker(name, batch_size, num_columns, dim, seed, threads, queue) -> None:
+    torch.set_num_threads(threads)
+    embeddings = make_embeddings(batch_size, num_columns, dim, "cpu", seed)
+    loss = build_loss(name)
+    with open("/proc/self/statm") as statm:
+        resident_before = int(statm.read().split()[1]) * resource.getpagesize()
+    run_once(loss, embeddings)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    queue.put(max(peak - resident_before, 0))
+
+
+def peak_memory(name, batch_size, num_columns, dim, device, seed, threads) -> int:
+    if device.startswith("cuda"):
+        embeddings = make_embeddings(batch_size, num_columns, dim, device, seed)
+        loss = build_loss(name).to(device)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        run_once(loss, embeddings)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(
+        target=_cpu_peak_worker, args=(name, batch_size, num_columns, dim, seed, threads, queue)
+    )
+    process.start()
+    result = queue.get(timeout=900)
+    process.join()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048, 4096])
+    parser.add_argument("--dim", type=int, default=384, help="embedding size (384 = all-MiniLM-L6-v2)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--losses", nargs="+", default=list(LOSSES), choices=LOSSES)
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default="benchmarks/results/loss_overhead_cpu.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    layouts = {"pairs": 2, "hard_negatives": 3}  # (anchor, positive) and (anchor, positive, negative)
+    rows = []
+    jobs = [(layout, batch) for layout in layouts for batch in args.batch_sizes]
+    for layout, batch_size in tqdm(jobs, desc="loss overhead"):
+        num_columns = layouts[layout]
+        times = time_losses(args.losses, batch_size, num_columns, args.dim, args.device, args.repeats, args.seed)
+        for name in args.losses:
+            row = {
+                "layout": layout,
+                "batch_size": batch_size,
+                "loss": name,
+                "seconds": times[name],
+                "clock": "wall" if args.device.startswith("cuda") else "process_cpu",
+                "time_ratio_vs_mnrl": times[name] / times["mnrl"] if "mnrl" in times else None,
+            }
+            if not args.no_memory:
+                row["peak_bytes"] = peak_memory(
+                    name, batch_size, num_columns, args.dim, args.device, args.seed, args.threads
+                )
+            rows.append(row)
+    if not args.no_memory and "mnrl" in args.losses:
+        for row in rows:
+            reference = next(
+                r for r in rows if r["loss"] == "mnrl" and (r["layout"], r["batch_size"]) == (row["layout"], row["batch_size"])
+            )
+            row["memory_ratio_vs_mnrl"] = row["peak_bytes"] / reference["peak_bytes"] if reference["peak_bytes"] else None
+
+    import sentence_transformers
+
+    result = {
+        "command": "python benchmarks/loss_overhead.py " + " ".join(
+            f"--{k.replace('_', '-')} {v if not isinstance(v, list) else ' '.join(map(str, v))}"
+            for k, v in vars(args).items()
+            if k not in ("output", "no_memory")
+        ),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": multiprocessing.cpu_count(),
+            "torch_threads": args.threads,
+            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        },
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "sentence_transformers": sentence_transformers.__version__,
+        },
+        "seed": args.seed,
+        "dim": args.dim,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\n{'layout':<15}{'batch':>7}  " + "  ".join(f"{name:>14}" for name in args.losses))
+    for layout, batch_size in jobs:
+        cells = []
+        for name in args.losses:
+            row = next(r for r in rows if (r["layout"], r["batch_size"], r["loss"]) == (layout, batch_size, name))
+            memory = f" m{row['memory_ratio_vs_mnrl']:.2f}" if row.get("memory_ratio_vs_mnrl") else ""
+            cells.append(f"t{row['time_ratio_vs_mnrl']:.2f}{memory}".rjust(14))
+        print(f"{layout:<15}{batch_size:>7}  " + "  ".join(cells))
+    print(f"written to {output}")
+
+
+if __name__ == "__main__":
+    main()
