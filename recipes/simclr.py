@@ -155,7 +155,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    accelerator = Accelerator()
+    # Several processes without CUDA (torchrun on a CPU machine): accelerate sets up gloo only when told cpu=True.
+    multi_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+    accelerator = Accelerator(cpu=multi_cpu)
     set_seed(args.seed)
     device = accelerator.device
     output_dir = Path(args.output_dir)
