@@ -1,0 +1,62 @@
+"""What every committed evaluation output records: machine, library versions, command, git commit."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+_PACKAGES = (
+    "torch",
+    "transformers",
+    "sentence-transformers",
+    "mteb",
+    "datasets",
+    "numpy",
+    "scipy",
+    "scikit-learn",
+)
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> str | None:
+    root = Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def provenance(argv: list[str] | None = None) -> dict:
+    """A JSON-able record of where and how a result was produced."""
+    import torch
+
+    argv = sys.argv if argv is None else argv
+    return {
+        "command": "python " + " ".join(shlex.quote(a) for a in argv),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": _git_commit(),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.is_available(),
+        },
+        "python": platform.python_version(),
+        "versions": {p: _version(p) for p in _PACKAGES},
+    }
