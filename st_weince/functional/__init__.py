@@ -1,6 +1,17 @@
 """Pure tensor functions on score matrices: the math every loss adapter (text and vision) calls."""
 
 from st_weince.functional.layouts import nt_xent_layout
+from st_weince.functional.sigmoid import (
+    chunked_score_extremes,
+    chunked_sigmoid_contrastive_loss,
+    constellation_margin,
+    constellation_margin_from_extremes,
+    locked_adapter_scores,
+    score_extremes,
+    sigmoid_contrastive_loss,
+    sigmoid_logits,
+    targets_from_positive_index,
+)
 from st_weince.functional.weince import (
     DEFAULT_OPTIONS,
     TailFit,
@@ -16,6 +27,15 @@ from st_weince.functional.weince import (
 )
 
 __all__ = [
+    "chunked_score_extremes",
+    "chunked_sigmoid_contrastive_loss",
+    "constellation_margin",
+    "constellation_margin_from_extremes",
+    "locked_adapter_scores",
+    "score_extremes",
+    "sigmoid_contrastive_loss",
+    "sigmoid_logits",
+    "targets_from_positive_index",
     "DEFAULT_OPTIONS",
     "TailFit",
     "WeinceStatistics",

@@ -1,5 +1,6 @@
 """sentence-transformers loss classes: thin adapters over :mod:`st_weince.functional`."""
 
+from st_weince.losses.rb_sigmoid import RBSigmoidLoss
 from st_weince.losses.weince import WEINCELoss
 
-__all__ = ["WEINCELoss"]
+__all__ = ["RBSigmoidLoss", "WEINCELoss"]

@@ -1,0 +1,130 @@
+"""Run by tests/test_rb_sigmoid_distributed.py under ``torchrun --nproc_per_node 2`` (gloo, CPU).
+
+Part 1 (embeddings): each rank takes its slice of one global batch, computes RBSigmoidLoss with
+gather_across_devices=True, back-propagates and records its loss, the gradients of its rows and the gradients of the
+loss parameters before and after :func:`st_weince.training.average_loss_gradients`.
+Part 2 (trainer): a tiny BERT trained for a few DDP steps with gather_across_devices=True, with and without
+:func:`st_weince.training.prepare_trainer`; records t and b_rel on each rank.
+Everything goes to OUTPUT_DIR/rank{r}.pt.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from st_weince.losses import RBSigmoidLoss
+from st_weince.training import average_loss_gradients, prepare_trainer
+
+# (loss options, number of columns): one launch runs them all, since starting processes is slow.
+SETTINGS = [
+    ({}, 2),
+    ({"parametrization": "absolute", "chunk_size": 5}, 3),
+    ({"symmetric": True, "locked_adapter": True}, 3),
+    ({"columns": "modalities"}, 3),
+]
+GLOBAL_BATCH = 16
+TRAIN_STEPS = 4
+
+
+def global_batch(batch_size: int, num_columns: int, dim: int = 12) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(4321)
+    base = torch.randn(batch_size, dim, generator=generator)
+    return [base + 0.8 * torch.randn(batch_size, dim, generator=generator) for _ in range(num_columns)]
+
+
+def loss_parameter_grads(loss: RBSigmoidLoss) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().clone() for name, p in loss.named_parameters()}
+
+
+def embedding_part(rank: int, world_size: int) -> list[dict]:
+    results = []
+    local = GLOBAL_BATCH // world_size
+    for options, num_columns in SETTINGS:
+        columns = global_batch(GLOBAL_BATCH, num_columns)
+        mine = [c[rank * local : (rank + 1) * local].clone().requires_grad_(True) for c in columns]
+        loss_fn = RBSigmoidLoss(None, gather_across_devices=True, **options)
+        loss = loss_fn.compute_loss_from_embeddings(mine)
+        loss.backward()
+        before = loss_parameter_grads(loss_fn)
+        average_loss_gradients(loss_fn)
+        results.append(
+            {
+                "loss": loss.detach(),
+                "grads": [m.grad for m in mine],
+                "param_grads_local": before,
+                "param_grads_averaged": loss_parameter_grads(loss_fn),
+            }
+        )
+    return results
+
+
+def build_models(output_dir: Path, rank: int) -> dict[bool, Path]:
+    """Before the process group exists: under one, save_pretrained writes the weights on rank 0 only."""
+    from st_weince.utils.tiny_models import build_tiny_bert
+    from tests.conftest import TINY_SENTENCES
+
+    paths = {}
+    for prepared in (True, False):
+        paths[prepared] = output_dir / f"model-rank{rank}-{prepared}"
+        build_tiny_bert(paths[prepared], sentences=TINY_SENTENCES, seed=0)
+    return paths
+
+
+def trainer_part(output_dir: Path, rank: int, model_dirs: dict[bool, Path]) -> dict[str, list[float]]:
+    from datasets import Dataset
+    from sentence_transformers import (
+        SentenceTransformer,
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
+
+    from tests.conftest import TINY_SENTENCES
+
+    sentences = TINY_SENTENCES * 3
+    dataset = Dataset.from_dict({"anchor": sentences, "positive": sentences[5:] + sentences[:5]})
+    finals = {}
+    for prepared in (True, False):
+        model = SentenceTransformer(str(model_dirs[prepared]), device="cpu")
+        loss = RBSigmoidLoss(model, gather_across_devices=True)
+        args = SentenceTransformerTrainingArguments(
+            output_dir=str(output_dir / f"run-{prepared}"),
+            per_device_train_batch_size=4,
+            max_steps=TRAIN_STEPS,
+            learning_rate=5e-2,
+            lr_scheduler_type="constant",
+            save_strategy="no",
+            logging_steps=1,
+            report_to=[],
+            seed=0,
+            use_cpu=True,
+            disable_tqdm=True,
+            ddp_backend="gloo",
+            ddp_find_unused_parameters=True,
+        )
+        trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset, loss=loss)
+        if prepared:
+            prepare_trainer(trainer)
+        trainer.train()
+        finals["prepared" if prepared else "plain"] = [loss.inverse_temperature.item(), loss.b_rel.item()]
+    return finals
+
+
+def main() -> None:
+    output_dir = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    model_dirs = build_models(output_dir, int(os.environ["RANK"]))
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    results = {"embedding": embedding_part(rank, world_size), "trainer": trainer_part(output_dir, rank, model_dirs)}
+    torch.save(results, output_dir / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""RBSigmoidLoss under torchrun --nproc_per_node 2 (gloo, CPU): the loss equals one process on the same global batch,
+loss-parameter gradients averaged across processes equal the single-process ones, and after several trainer steps
+with prepare_trainer the loss parameters are identical on both ranks (without it they drift apart)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from st_weince.losses import RBSigmoidLoss
+from tests.rb_sigmoid_distributed_worker import GLOBAL_BATCH, SETTINGS, global_batch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    output_dir = tmp_path_factory.mktemp("rb-sigmoid-ddp")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "tests.rb_sigmoid_distributed_worker",
+        str(output_dir),
+    ]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=420)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [torch.load(output_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("setting", range(len(SETTINGS)))
+def test_two_processes_equal_one_process(ranks, setting):
+    options, num_columns = SETTINGS[setting]
+    per_rank = [ranks[r]["embedding"][setting] for r in range(2)]
+    columns = [c.clone().requires_grad_(True) for c in global_batch(GLOBAL_BATCH, num_columns)]
+    loss_fn = RBSigmoidLoss(None, **options)
+    loss = loss_fn.compute_loss_from_embeddings(columns)
+    loss.backward()
+
+    # Each rank averages over its own anchors: the global loss is the mean of the two rank losses.
+    assert float((per_rank[0]["loss"] + per_rank[1]["loss"]) / 2) == pytest.approx(loss.item(), rel=1e-5)
+    # Loss parameters: the averaged gradient is the single-process gradient, and identical on both ranks.
+    for name, parameter in loss_fn.named_parameters():
+        for r in range(2):
+            torch.testing.assert_close(per_rank[r]["param_grads_averaged"][name], parameter.grad, rtol=1e-4, atol=1e-6)
+    # ... while before averaging the ranks disagree (so the check above is not vacuous).
+    assert not torch.allclose(per_rank[0]["param_grads_local"]["log_t"], per_rank[1]["param_grads_local"]["log_t"])
+    # Embedding rows: each rank's rows receive d(sum of rank losses)/d(rows) = 2 x d(global mean)/d(rows).
+    for index, column in enumerate(columns):
+        distributed = torch.cat([per_rank[r]["grads"][index] for r in range(2)]) / 2
+        torch.testing.assert_close(distributed, column.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_trainer_keeps_loss_parameters_identical_across_ranks(ranks):
+    prepared = [ranks[r]["trainer"]["prepared"] for r in range(2)]
+    plain = [ranks[r]["trainer"]["plain"] for r in range(2)]
+    assert prepared[0] == pytest.approx(prepared[1], rel=1e-6, abs=1e-7)
+    assert prepared[0][0] != pytest.approx(10.0, rel=1e-3), "t must have moved during training"
+    # Without prepare_trainer (ECOSYSTEM-NOTES trap 1) the ranks drift apart.
+    assert plain[0] != pytest.approx(plain[1], rel=1e-6, abs=1e-7)

@@ -1,0 +1,152 @@
+"""Trainer integration of RBSigmoidLoss through st_weince.training.prepare_trainer: an interrupted and resumed run
+ends with the same t and b_rel as an uninterrupted one, no weight decay on the loss parameters, t / b_rel / b / margin
+in the trainer's logs, and harmlessness for WEINCELoss (no parameters)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from datasets import Dataset
+from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+from transformers import TrainerCallback
+
+from st_weince.losses import RBSigmoidLoss, WEINCELoss
+from st_weince.training import LOSS_STATE_FILE, prepare_trainer
+from tests.conftest import TINY_SENTENCES
+
+pytestmark = pytest.mark.slow
+
+
+def pairs_dataset() -> Dataset:
+    return Dataset.from_dict({"anchor": TINY_SENTENCES, "positive": TINY_SENTENCES[1:] + TINY_SENTENCES[:1]})
+
+
+def make_trainer(model_dir, output_dir, *, loss_cls=RBSigmoidLoss, prepare=True, callbacks=None, **overrides):
+    model = SentenceTransformer(str(model_dir), device="cpu")
+    loss = loss_cls(model)
+    settings = {
+        "output_dir": str(output_dir),
+        "per_device_train_batch_size": 4,
+        "max_steps": 6,
+        "learning_rate": 5e-2,
+        "weight_decay": 0.5,
+        "lr_scheduler_type": "constant",
+        "save_strategy": "steps",
+        "save_steps": 3,
+        "logging_steps": 1,
+        "report_to": [],
+        "seed": 0,
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+    }
+    settings.update(overrides)
+    args = SentenceTransformerTrainingArguments(**settings)
+    trainer = SentenceTransformerTrainer(
+        model=model, args=args, train_dataset=pairs_dataset(), loss=loss, callbacks=callbacks or []
+    )
+    if prepare:
+        prepare_trainer(trainer)
+    return trainer
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+
+def final_parameters(trainer) -> tuple[float, float]:
+    return trainer.loss.inverse_temperature.item(), trainer.loss.b_rel.item()
+
+
+def test_interrupted_and_resumed_run_ends_like_an_uninterrupted_one(tiny_model_dir, tmp_path):
+    full = make_trainer(tiny_model_dir, tmp_path / "full")
+    full.train()
+    expected = final_parameters(full)
+    assert os.path.isfile(tmp_path / "full" / "checkpoint-3" / LOSS_STATE_FILE)
+    saved = torch.load(tmp_path / "full" / "checkpoint-3" / LOSS_STATE_FILE, weights_only=True)
+    assert set(saved) == {"log_t", "b_rel"}
+    assert saved["log_t"].item() != pytest.approx(torch.tensor(10.0).log().item())  # it moved in 3 steps
+
+    interrupted = make_trainer(tiny_model_dir, tmp_path / "split", callbacks=[StopAt(3)])
+    interrupted.train()
+    assert interrupted.state.global_step == 3
+    resumed = make_trainer(tiny_model_dir, tmp_path / "split")
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 6
+    got = final_parameters(resumed)
+    assert got == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+    # Without the saved loss state (a checkpoint written without prepare_trainer) the loss parameters restart from
+    # their initial values on resume, and the comparison above fails.
+    stripped = tmp_path / "stripped" / "checkpoint-3"
+    shutil.copytree(tmp_path / "split" / "checkpoint-3", stripped)
+    os.remove(stripped / LOSS_STATE_FILE)
+    restarted = make_trainer(tiny_model_dir, tmp_path / "stripped")
+    restarted.train(resume_from_checkpoint=str(stripped))
+    assert final_parameters(restarted) != pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_no_weight_decay_on_loss_parameters(tiny_model_dir, tmp_path):
+    def group_decay(trainer) -> dict[str, float]:
+        decay = {}
+        for group in trainer.optimizer.param_groups:
+            for p in group["params"]:
+                decay[id(p)] = group["weight_decay"]
+        loss = trainer.loss
+        word_embeddings = next(p for n, p in loss.model.named_parameters() if "word_embeddings" in n)
+        return {"log_t": decay[id(loss.log_t)], "b_rel": decay[id(loss.b_rel)], "weights": decay[id(word_embeddings)]}
+
+    plain = make_trainer(tiny_model_dir, tmp_path / "a", prepare=False)
+    plain.create_optimizer()
+    assert group_decay(plain) == {"log_t": 0.5, "b_rel": 0.5, "weights": 0.5}  # the trap
+
+    prepared = make_trainer(tiny_model_dir, tmp_path / "b")
+    prepared.create_optimizer()
+    assert group_decay(prepared) == {"log_t": 0.0, "b_rel": 0.0, "weights": 0.5}
+
+    late = make_trainer(tiny_model_dir, tmp_path / "c", prepare=False)
+    late.create_optimizer()
+    prepare_trainer(late)  # the optimizer already exists: its groups are fixed in place
+    assert group_decay(late) == {"log_t": 0.0, "b_rel": 0.0, "weights": 0.5}
+    assert sum(len(g["params"]) for g in late.optimizer.param_groups) == len(
+        [p for p in late.loss.parameters() if p.requires_grad]
+    )
+
+    # The recommended own learning rate for the loss parameters keeps them out of weight decay too.
+    mapped = make_trainer(tiny_model_dir, tmp_path / "d", learning_rate_mapping={r"^(log_t|b_rel)$": 1e-2})
+    mapped.create_optimizer()
+    groups = {id(p): g for g in mapped.optimizer.param_groups for p in g["params"]}
+    for parameter in (mapped.loss.log_t, mapped.loss.b_rel):
+        assert groups[id(parameter)]["lr"] == 1e-2 and groups[id(parameter)]["weight_decay"] == 0.0
+
+
+def test_t_b_rel_b_and_margin_in_the_logs(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path / "logs", max_steps=3, save_strategy="no")
+    prepare_trainer(trainer)  # idempotent: no second callback
+    trainer.train()
+    records = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(records) == 3
+    for record in records:
+        for key in ("rb_sigmoid_t", "rb_sigmoid_b_rel", "rb_sigmoid_b", "rb_sigmoid_margin"):
+            assert key in record
+        assert record["rb_sigmoid_b"] == pytest.approx(record["rb_sigmoid_t"] * record["rb_sigmoid_b_rel"], abs=2e-5)
+        assert -1.0 <= record["rb_sigmoid_margin"] <= 1.0
+    assert records[0]["rb_sigmoid_t"] == pytest.approx(10.0, rel=1e-5)  # logged before the first update
+    assert records[-1]["rb_sigmoid_t"] != pytest.approx(10.0, rel=1e-5)
+
+
+def test_prepare_trainer_is_harmless_for_weince(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path / "weince", loss_cls=WEINCELoss, max_steps=3)
+    trainer.train()
+    assert os.path.isdir(tmp_path / "weince" / "checkpoint-3")
+    assert not os.path.exists(tmp_path / "weince" / "checkpoint-3" / LOSS_STATE_FILE)
+    records = [r for r in trainer.state.log_history if "loss" in r]
+    assert "weince_lambda_mean" in records[-1]

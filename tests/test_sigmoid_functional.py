@@ -1,0 +1,277 @@
+"""The sigmoid contrastive loss as pure functions: values against the direct formula, gradients against the analytic
+ones, stability at extreme temperatures, chunking, the locked-encoder adapter, margins and input errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from st_weince.functional import (
+    chunked_score_extremes,
+    chunked_sigmoid_contrastive_loss,
+    constellation_margin,
+    locked_adapter_scores,
+    sigmoid_contrastive_loss,
+    sigmoid_logits,
+    targets_from_positive_index,
+)
+
+
+def direct_loss(scores, targets, t, *, b_rel=None, b=None, mask=None) -> float:
+    """-(1/A) sum_valid [y log sigmoid(z) + (1 - y) log(1 - sigmoid(z))], in float64 with plain sigmoid/log."""
+    scores, targets = scores.double(), targets.double()
+    z = t * (scores - b_rel) if b_rel is not None else t * scores - b
+    p = torch.sigmoid(z)
+    per_pair = -(targets * torch.log(p) + (1 - targets) * torch.log(1 - p))
+    if mask is not None:
+        per_pair = per_pair * mask.double()
+    return float(per_pair.sum() / scores.shape[0])
+
+
+def random_case(seed: int = 0, anchors: int = 6, candidates: int = 9):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(anchors, candidates, generator=g) * 2 - 1
+    targets = (torch.rand(anchors, candidates, generator=g) < 0.3).float()
+    return scores, targets
+
+
+@pytest.mark.parametrize("t", [0.5, 3.0, 10.0])
+@pytest.mark.parametrize("b_rel", [-0.4, 0.0, 0.7])
+def test_relative_parametrization_equals_direct_formula(t, b_rel):
+    scores, targets = random_case()
+    value = sigmoid_contrastive_loss(scores, targets, inverse_temperature=t, relative_bias=b_rel)
+    assert value.item() == pytest.approx(direct_loss(scores, targets, t, b_rel=b_rel), rel=1e-5)
+
+
+@pytest.mark.parametrize("t,b", [(1.0, -2.0), (10.0, 0.0), (10.0, 10.0), (4.0, 1.5)])
+def test_absolute_parametrization_equals_direct_formula(t, b):
+    scores, targets = random_case(1)
+    value = sigmoid_contrastive_loss(scores, targets, inverse_temperature=t, bias=b)
+    assert value.item() == pytest.approx(direct_loss(scores, targets, t, b=b), rel=1e-5)
+
+
+def test_relative_and_absolute_agree_when_b_is_t_times_b_rel():
+    scores, targets = random_case(2)
+    relative = sigmoid_contrastive_loss(scores, targets, inverse_temperature=7.0, relative_bias=0.3)
+    absolute = sigmoid_contrastive_loss(scores, targets, inverse_temperature=7.0, bias=2.1)
+    assert relative.item() == pytest.approx(absolute.item(), rel=1e-6)
+    logits = sigmoid_logits(scores, inverse_temperature=7.0, relative_bias=0.3)
+    torch.testing.assert_close(logits, 7.0 * scores - 2.1, rtol=1e-5, atol=1e-5)
+
+
+def test_normalization_is_mean_over_anchors_of_sum_over_candidates():
+    scores, targets = random_case(3, anchors=4, candidates=5)
+    one_row = [
+        sigmoid_contrastive_loss(scores[i : i + 1], targets[i : i + 1], inverse_temperature=2.0, bias=0.5)
+        for i in range(4)
+    ]
+    total = sigmoid_contrastive_loss(scores, targets, inverse_temperature=2.0, bias=0.5)
+    assert total.item() == pytest.approx(sum(v.item() for v in one_row) / 4, rel=1e-6)
+
+
+def test_valid_mask_leaves_entries_out():
+    scores, targets = random_case(4)
+    mask = torch.rand(scores.shape, generator=torch.Generator().manual_seed(9)) > 0.4
+    value = sigmoid_contrastive_loss(scores, targets, inverse_temperature=5.0, relative_bias=0.2, valid_mask=mask)
+    assert value.item() == pytest.approx(direct_loss(scores, targets, 5.0, b_rel=0.2, mask=mask), rel=1e-5)
+    # Excluded entries may even be NaN (e.g. a masked self-pair) without poisoning the loss.
+    poisoned = scores.clone()
+    poisoned[~mask] = float("nan")
+    again = sigmoid_contrastive_loss(poisoned, targets, inverse_temperature=5.0, relative_bias=0.2, valid_mask=mask)
+    assert again.item() == pytest.approx(value.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("parametrization", ["relative", "absolute"])
+def test_gradients_match_the_analytic_ones(parametrization):
+    scores, targets = random_case(5)
+    scores.requires_grad_(True)
+    log_t = torch.tensor(math.log(4.0), requires_grad=True)
+    bias = torch.tensor(0.3, requires_grad=True)
+    t = log_t.exp()
+    kwargs = {"relative_bias": bias} if parametrization == "relative" else {"bias": bias}
+    sigmoid_contrastive_loss(scores, targets, inverse_temperature=t, **kwargs).backward()
+    a = scores.shape[0]
+    with torch.no_grad():
+        z = 4.0 * (scores - 0.3) if parametrization == "relative" else 4.0 * scores - 0.3
+        residual = torch.sigmoid(z) - targets  # dloss/dz per pair, times A
+        expected_scores = residual * 4.0 / a
+        if parametrization == "relative":
+            expected_t = (residual * (scores - 0.3)).sum() / a
+            expected_bias = -(residual * 4.0).sum() / a
+        else:
+            expected_t = (residual * scores).sum() / a
+            expected_bias = -residual.sum() / a
+    torch.testing.assert_close(scores.grad, expected_scores, rtol=1e-4, atol=1e-6)
+    assert log_t.grad.item() == pytest.approx(float(expected_t) * 4.0, rel=1e-4)  # d/dlog t = t d/dt
+    assert bias.grad.item() == pytest.approx(float(expected_bias), rel=1e-4)
+
+
+@pytest.mark.parametrize("b_rel", [-1.0, 0.0, 1.0])
+def test_finite_at_t_1e4_and_scores_of_exactly_plus_minus_one(b_rel):
+    scores = torch.tensor([[1.0, -1.0, 1.0], [-1.0, 1.0, -1.0]], requires_grad=True)
+    targets = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
+    t = torch.tensor(1e4, requires_grad=True)
+    rel = torch.tensor(b_rel, requires_grad=True)
+    value = sigmoid_contrastive_loss(scores, targets, inverse_temperature=t, relative_bias=rel)
+    value.backward()
+    assert torch.isfinite(value)
+    for grad in (scores.grad, t.grad, rel.grad):
+        assert torch.isfinite(grad).all()
+    # softplus(-y z) exactly: the wrong-sided entries cost t * |s - b_rel| each (up to log 2 at z = 0).
+    z = 1e4 * (scores.detach().double() - b_rel)
+    expected = F.softplus(-(2 * targets.double() - 1) * z).sum() / 2
+    assert value.item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_half_precision_scores_are_computed_in_float32():
+    scores, targets = random_case(6)
+    half = sigmoid_contrastive_loss(scores.bfloat16(), targets, inverse_temperature=30.0, relative_bias=0.1)
+    assert half.dtype == torch.float32
+    assert half.item() == pytest.approx(direct_loss(scores.bfloat16().float(), targets, 30.0, b_rel=0.1), rel=1e-5)
+
+
+def test_targets_from_positive_index():
+    targets = targets_from_positive_index(torch.tensor([2, -1, 0]), 4)
+    expected = torch.tensor([[0, 0, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0]], dtype=torch.float32)
+    torch.testing.assert_close(targets, expected)
+    with pytest.raises(ValueError, match="positive_index must lie in"):
+        targets_from_positive_index(torch.tensor([4]), 4)
+    with pytest.raises(ValueError, match="integer"):
+        targets_from_positive_index(torch.tensor([0.0]), 4)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 7, 100])
+@pytest.mark.parametrize("parametrization", ["relative", "absolute"])
+def test_chunked_equals_unchunked_values_and_gradients(chunk_size, parametrization):
+    g = torch.Generator().manual_seed(7)
+    anchors0 = F.normalize(torch.randn(5, 8, generator=g), dim=-1)
+    candidates0 = F.normalize(torch.randn(11, 8, generator=g), dim=-1)
+    positive_index = torch.tensor([0, 3, -1, 10, 4])
+    results = []
+    for size in (None, chunk_size):
+        anchors = anchors0.clone().requires_grad_(True)
+        candidates = candidates0.clone().requires_grad_(True)
+        log_t = torch.tensor(1.5, requires_grad=True)
+        bias = torch.tensor(0.2, requires_grad=True)
+        x = torch.tensor(0.4, requires_grad=True)
+        kwargs = {"relative_bias": bias} if parametrization == "relative" else {"bias": bias}
+        value = chunked_sigmoid_contrastive_loss(
+            anchors,
+            candidates,
+            positive_index,
+            inverse_temperature=log_t.exp(),
+            score_transform=lambda s, x=x: locked_adapter_scores(s, torch.sigmoid(x)),
+            chunk_size=size,
+            **kwargs,
+        )
+        value.backward()
+        results.append((value.detach(), anchors.grad, candidates.grad, log_t.grad, bias.grad, x.grad))
+    # The whole-matrix path equals the plain functional on the score matrix.
+    scores = locked_adapter_scores(anchors0 @ candidates0.T, torch.sigmoid(torch.tensor(0.4)))
+    targets = targets_from_positive_index(positive_index, 11)
+    kwargs = {"relative_bias": 0.2} if parametrization == "relative" else {"bias": 0.2}
+    reference = sigmoid_contrastive_loss(scores, targets, inverse_temperature=math.exp(1.5), **kwargs)
+    assert results[0][0].item() == pytest.approx(reference.item(), rel=1e-5)
+    for full, chunked in zip(results[0], results[1]):
+        torch.testing.assert_close(chunked, full, rtol=1e-5, atol=1e-6)
+
+
+def test_chunking_keeps_only_small_blocks_in_the_autograd_graph():
+    anchors = F.normalize(torch.randn(64, 4), dim=-1).requires_grad_(True)
+    candidates = F.normalize(torch.randn(256, 4), dim=-1).requires_grad_(True)
+    positive_index = torch.arange(64)
+
+    def largest_saved(chunk_size):
+        sizes = []
+
+        def pack(tensor):
+            sizes.append(tensor.numel())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            chunked_sigmoid_contrastive_loss(
+                anchors, candidates, positive_index, inverse_temperature=10.0, relative_bias=0.5, chunk_size=chunk_size
+            )
+        return max(sizes)
+
+    assert largest_saved(None) >= 64 * 256  # the full score matrix is kept
+    assert largest_saved(16) <= max(64 * 16, 256 * 4)  # only inputs and one block
+
+
+def test_locked_adapter_is_the_inner_product_of_the_extended_vectors():
+    g = torch.Generator().manual_seed(8)
+    u = F.normalize(torch.randn(4, 5, generator=g), dim=-1)
+    v = F.normalize(torch.randn(6, 5, generator=g), dim=-1)
+    delta = torch.sigmoid(torch.tensor(0.3))
+    extra = torch.sqrt(1 - delta**2)
+    u_ext = torch.cat([delta * u, extra.expand(4, 1)], dim=1)
+    v_ext = torch.cat([delta * v, -extra.expand(6, 1)], dim=1)
+    torch.testing.assert_close(locked_adapter_scores(u @ v.T, delta), u_ext @ v_ext.T, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(u_ext.norm(dim=1), torch.ones(4))
+
+
+def test_margin_and_centre_and_zero_loss_on_a_constellation():
+    scores = torch.tensor([[0.9, 0.1, -0.2], [0.3, 0.6, 0.0], [-0.5, 0.2, 0.7]])
+    targets = torch.eye(3)
+    margin, centre = constellation_margin(scores, targets)
+    assert margin.item() == pytest.approx((0.6 - 0.3) / 2)
+    assert centre.item() == pytest.approx((0.6 + 0.3) / 2)
+    # A constellation (m > 0): at b_rel = centre the loss goes to 0 as t grows; off it, it does not at b_rel = 0.35.
+    small = sigmoid_contrastive_loss(scores, targets, inverse_temperature=1e3, relative_bias=centre)
+    assert small.item() < 1e-30
+    stuck = sigmoid_contrastive_loss(scores, targets, inverse_temperature=1e3, relative_bias=0.65)
+    assert stuck.item() > 1.0
+    extremes = chunked_score_extremes(torch.eye(3), scores.T.contiguous(), torch.arange(3), chunk_size=2)
+    assert [e.item() for e in extremes] == pytest.approx([0.6, 0.3])
+
+
+def test_clear_errors_for_bad_inputs():
+    scores, targets = random_case()
+    with pytest.raises(ValueError, match="exactly one of"):
+        sigmoid_contrastive_loss(scores, targets, inverse_temperature=1.0)
+    with pytest.raises(ValueError, match="exactly one of"):
+        sigmoid_contrastive_loss(scores, targets, inverse_temperature=1.0, relative_bias=0.0, bias=0.0)
+    with pytest.raises(ValueError, match="inverse_temperature must be > 0"):
+        sigmoid_contrastive_loss(scores, targets, inverse_temperature=0.0, relative_bias=0.0)
+    with pytest.raises(ValueError, match="inverse_temperature must be finite"):
+        sigmoid_contrastive_loss(scores, targets, inverse_temperature=float("inf"), relative_bias=0.0)
+    with pytest.raises(ValueError, match="relative_bias must be finite"):
+        sigmoid_contrastive_loss(scores, targets, inverse_temperature=1.0, relative_bias=float("nan"))
+    with pytest.raises(ValueError, match="only 0"):
+        sigmoid_contrastive_loss(scores, targets * 0.5, inverse_temperature=1.0, relative_bias=0.0)
+    with pytest.raises(ValueError, match="targets must have the scores' shape"):
+        sigmoid_contrastive_loss(scores, targets[:, :3], inverse_temperature=1.0, relative_bias=0.0)
+    with pytest.raises(ValueError, match="2-D"):
+        sigmoid_contrastive_loss(scores[0], targets[0], inverse_temperature=1.0, relative_bias=0.0)
+    with pytest.raises(ValueError, match="empty"):
+        sigmoid_contrastive_loss(scores[:0], targets[:0], inverse_temperature=1.0, relative_bias=0.0)
+    bad = scores.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        sigmoid_contrastive_loss(bad, targets, inverse_temperature=1.0, relative_bias=0.0)
+    with pytest.raises(ValueError, match="valid_mask must be a bool"):
+        sigmoid_contrastive_loss(scores, targets, inverse_temperature=1.0, relative_bias=0.0, valid_mask=targets)
+    with pytest.raises(ValueError, match="excludes every entry"):
+        sigmoid_contrastive_loss(
+            scores, targets, inverse_temperature=1.0, relative_bias=0.0, valid_mask=torch.zeros_like(targets).bool()
+        )
+    with pytest.raises(ValueError, match="must be a scalar"):
+        sigmoid_contrastive_loss(scores, targets, inverse_temperature=torch.ones(2), relative_bias=0.0)
+    with pytest.raises(ValueError, match="at least one matching and one non-matching"):
+        constellation_margin(scores, torch.ones_like(scores))
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunked_sigmoid_contrastive_loss(
+            torch.ones(2, 3),
+            torch.ones(2, 3),
+            torch.arange(2),
+            inverse_temperature=1.0,
+            relative_bias=0.0,
+            chunk_size=0,
+        )
+    with pytest.raises(ValueError, match="same D"):
+        chunked_sigmoid_contrastive_loss(
+            torch.ones(2, 3), torch.ones(2, 4), torch.arange(2), inverse_temperature=1.0, relative_bias=0.0
+        )
