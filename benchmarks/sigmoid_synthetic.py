@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -398,8 +399,17 @@ def main() -> None:
     import sentence_transformers
     import transformers
 
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", "st_weince/functional", "st_weince/diagnostics/geometry.py", __file__],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     results: dict = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "git_commit": commit.stdout.strip(),
+        "uncommitted_library_changes": dirty.stdout.strip().splitlines(),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads},
         "versions": {
             "python": platform.python_version(),

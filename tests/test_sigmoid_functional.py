@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from st_weince.functional import (
-    chunked_score_extremes,
     chunked_sigmoid_contrastive_loss,
     constellation_margin,
     locked_adapter_scores,
@@ -224,8 +223,18 @@ def test_margin_and_centre_and_zero_loss_on_a_constellation():
     assert small.item() < 1e-30
     stuck = sigmoid_contrastive_loss(scores, targets, inverse_temperature=1e3, relative_bias=0.65)
     assert stuck.item() > 1.0
-    extremes = chunked_score_extremes(torch.eye(3), scores.T.contiguous(), torch.arange(3), chunk_size=2)
-    assert [e.item() for e in extremes] == pytest.approx([0.6, 0.3])
+    # The chunked path returns the same extremes from its score blocks (anchors = identity: blocks of ``scores``).
+    for chunk_size in (None, 1, 2):
+        _, low, high = chunked_sigmoid_contrastive_loss(
+            torch.eye(3),
+            scores.T.contiguous(),
+            torch.arange(3),
+            inverse_temperature=1.0,
+            relative_bias=0.0,
+            chunk_size=chunk_size,
+            return_extremes=True,
+        )
+        assert [low.item(), high.item()] == pytest.approx([0.6, 0.3])
 
 
 def test_clear_errors_for_bad_inputs():

@@ -2,7 +2,6 @@
 
 from st_weince.functional.layouts import nt_xent_layout
 from st_weince.functional.sigmoid import (
-    chunked_score_extremes,
     chunked_sigmoid_contrastive_loss,
     constellation_margin,
     constellation_margin_from_extremes,
@@ -27,7 +26,6 @@ from st_weince.functional.weince import (
 )
 
 __all__ = [
-    "chunked_score_extremes",
     "chunked_sigmoid_contrastive_loss",
     "constellation_margin",
     "constellation_margin_from_extremes",

@@ -40,6 +40,17 @@ def _as_scalar(value: ScalarLike, name: str, device: torch.device) -> Tensor:
     return tensor.reshape(()).float()
 
 
+def _logits(scores: Tensor, t: Tensor, bias_value: Tensor, relative: bool) -> Tensor:
+    scores = scores.float()
+    return t * (scores - bias_value) if relative else t * scores - bias_value
+
+
+def _pair_losses(logits: Tensor, positive_mask: Tensor) -> Tensor:
+    """``-log sigmoid(z)`` at matching pairs, ``-log sigmoid(-z)`` elsewhere, as ``softplus(-+z)`` (stable: linear
+    above 20, ``log1p(exp(.))`` below)."""
+    return F.softplus(torch.where(positive_mask, -logits, logits))
+
+
 def sigmoid_logits(
     scores: Tensor,
     *,
@@ -53,13 +64,17 @@ def sigmoid_logits(
     """
     if (relative_bias is None) == (bias is None):
         raise ValueError("give exactly one of relative_bias (z = t (s - b_rel)) or bias (z = t s - b)")
-    t = _as_scalar(inverse_temperature, "inverse_temperature", scores.device)
+    t = _check_temperature(inverse_temperature, scores.device)
+    if relative_bias is not None:
+        return _logits(scores, t, _as_scalar(relative_bias, "relative_bias", scores.device), True)
+    return _logits(scores, t, _as_scalar(bias, "bias", scores.device), False)
+
+
+def _check_temperature(inverse_temperature: ScalarLike, device: torch.device) -> Tensor:
+    t = _as_scalar(inverse_temperature, "inverse_temperature", device)
     if not bool(t.detach() > 0):
         raise ValueError(f"inverse_temperature must be > 0, got {float(t.detach())}")
-    scores = scores.float()
-    if relative_bias is not None:
-        return t * (scores - _as_scalar(relative_bias, "relative_bias", scores.device))
-    return t * scores - _as_scalar(bias, "bias", scores.device)
+    return t
 
 
 def targets_from_positive_index(positive_index: Tensor, num_candidates: int) -> Tensor:
@@ -121,8 +136,7 @@ def sigmoid_contrastive_loss(
     """
     valid_mask = _check_inputs(scores, targets, valid_mask)
     logits = sigmoid_logits(scores, inverse_temperature=inverse_temperature, relative_bias=relative_bias, bias=bias)
-    signs = 2.0 * targets.float() - 1.0
-    per_pair = -F.logsigmoid(signs * logits)
+    per_pair = _pair_losses(logits, targets == 1)
     return per_pair.masked_fill(~valid_mask, 0.0).sum() / scores.shape[0]
 
 
@@ -164,15 +178,24 @@ def _chunk_loss(
     bias_value: Tensor,
     relative: bool,
     score_transform: Callable[[Tensor], Tensor] | None,
-) -> Tensor:
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Loss of one candidate block (inputs already checked) with the block's smallest matching and largest
+    non-matching score (+inf / -inf when the block has none)."""
     scores = anchors @ candidates.T
     if score_transform is not None:
         scores = score_transform(scores)
-    in_chunk = (positive_index >= 0) & (positive_index < candidates.shape[0])
-    targets = targets_from_positive_index(torch.where(in_chunk, positive_index, -1), candidates.shape[0])
-    if relative:
-        return sigmoid_contrastive_loss(scores, targets, inverse_temperature=t, relative_bias=bias_value)
-    return sigmoid_contrastive_loss(scores, targets, inverse_temperature=t, bias=bias_value)
+    rows = torch.arange(anchors.shape[0], device=anchors.device)
+    in_block = (positive_index >= 0) & (positive_index < candidates.shape[0])
+    rows, columns = rows[in_block], positive_index[in_block]
+    positive_mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    positive_mask[rows, columns] = True
+    loss = _pair_losses(_logits(scores, t, bias_value, relative), positive_mask).sum() / anchors.shape[0]
+    with torch.no_grad():
+        detached = scores.detach().float()
+        positives = detached[rows, columns]
+        min_positive = positives.min() if positives.numel() else detached.new_tensor(float("inf"))
+        max_negative = detached.masked_fill(positive_mask, float("-inf")).max()
+    return loss, min_positive, max_negative
 
 
 def chunked_sigmoid_contrastive_loss(
@@ -185,7 +208,8 @@ def chunked_sigmoid_contrastive_loss(
     bias: ScalarLike | None = None,
     score_transform: Callable[[Tensor], Tensor] | None = None,
     chunk_size: int | None = None,
-) -> Tensor:
+    return_extremes: bool = False,
+) -> Tensor | tuple[Tensor, Tensor, Tensor]:
     """:func:`sigmoid_contrastive_loss` of ``anchors @ candidates.T`` computed block by block over candidates.
 
     The sigmoid loss has no normalization across candidates, so it is the sum of the losses of candidate blocks.
@@ -198,6 +222,8 @@ def chunked_sigmoid_contrastive_loss(
         positive_index: [A] column of each anchor's positive, -1 for none.
         score_transform: elementwise map applied to each score block (e.g. the locked-encoder adapter).
         chunk_size: candidates per block; None computes the whole matrix at once.
+        return_extremes: also return the smallest matching and the largest non-matching score (no gradient; for
+            the margin, see :func:`constellation_margin_from_extremes`), from the same score blocks.
     """
     if anchors.dim() != 2 or candidates.dim() != 2 or anchors.shape[1] != candidates.shape[1]:
         raise ValueError(
@@ -208,57 +234,32 @@ def chunked_sigmoid_contrastive_loss(
         raise ValueError(f"positive_index must be [A] = [{anchors.shape[0]}], got {tuple(positive_index.shape)}")
     if (relative_bias is None) == (bias is None):
         raise ValueError("give exactly one of relative_bias (z = t (s - b_rel)) or bias (z = t s - b)")
+    if not (torch.isfinite(anchors.detach()).all() and torch.isfinite(candidates.detach()).all()):
+        raise ValueError("anchors and candidates must be finite (NaN or Inf embeddings)")
     num_candidates = candidates.shape[0]
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size}")
     if positive_index.numel() and (int(positive_index.max()) >= num_candidates or int(positive_index.min()) < -1):
         raise ValueError(f"positive_index must lie in [-1, {num_candidates - 1}] (-1 = no positive in this row)")
     relative = relative_bias is not None
-    t = _as_scalar(inverse_temperature, "inverse_temperature", anchors.device)
+    t = _check_temperature(inverse_temperature, anchors.device)
     bias_value = _as_scalar(
         relative_bias if relative else bias, "relative_bias" if relative else "bias", anchors.device
     )
-    if chunk_size is None or chunk_size >= num_candidates:
-        return _chunk_loss(anchors, candidates, positive_index, t, bias_value, relative, score_transform)
+    step = num_candidates if chunk_size is None else chunk_size
     total = anchors.new_zeros((), dtype=torch.float32)
-    for start in range(0, num_candidates, chunk_size):
-        block = candidates[start : start + chunk_size]
-        shifted = torch.where(positive_index >= 0, positive_index - start, -1)
-        if torch.is_grad_enabled():
-            total = total + checkpoint(
-                _chunk_loss, anchors, block, shifted, t, bias_value, relative, score_transform, use_reentrant=False
-            )
-        else:
-            total = total + _chunk_loss(anchors, block, shifted, t, bias_value, relative, score_transform)
-    return total
-
-
-@torch.no_grad()
-def chunked_score_extremes(
-    anchors: Tensor,
-    candidates: Tensor,
-    positive_index: Tensor,
-    *,
-    chunk_size: int | None = None,
-    score_transform: Callable[[Tensor], Tensor] | None = None,
-) -> tuple[Tensor, Tensor]:
-    """:func:`score_extremes` of ``anchors @ candidates.T`` (optionally transformed), block by block."""
-    num_candidates = candidates.shape[0]
-    step = num_candidates if chunk_size is None else max(1, chunk_size)
-    min_positive = torch.tensor(float("inf"), device=anchors.device)
-    max_negative = torch.tensor(float("-inf"), device=anchors.device)
+    min_positive = anchors.new_tensor(float("inf"), dtype=torch.float32)
+    max_negative = anchors.new_tensor(float("-inf"), dtype=torch.float32)
     for start in range(0, num_candidates, step):
-        scores = anchors @ candidates[start : start + step].T
-        if score_transform is not None:
-            scores = score_transform(scores)
-        scores = scores.float()
+        block = candidates[start : start + step]
         shifted = torch.where(positive_index >= 0, positive_index - start, -1)
-        in_chunk = (shifted >= 0) & (shifted < scores.shape[1])
-        positive = targets_from_positive_index(torch.where(in_chunk, shifted, -1), scores.shape[1]).bool()
-        if positive.any():
-            min_positive = torch.minimum(min_positive, scores[positive].min())
-        if (~positive).any():
-            max_negative = torch.maximum(max_negative, scores[~positive].max())
-    if not torch.isfinite(min_positive) or not torch.isfinite(max_negative):
-        raise ValueError("the margin needs at least one matching and one non-matching pair")
-    return min_positive, max_negative
+        arguments = (anchors, block, shifted, t, bias_value, relative, score_transform)
+        if step < num_candidates and torch.is_grad_enabled():
+            loss, low, high = checkpoint(_chunk_loss, *arguments, use_reentrant=False)
+        else:
+            loss, low, high = _chunk_loss(*arguments)
+        total = total + loss
+        min_positive, max_negative = torch.minimum(min_positive, low), torch.maximum(max_negative, high)
+    if return_extremes:
+        return total, min_positive, max_negative
+    return total

@@ -12,7 +12,6 @@ from sentence_transformers.util import all_gather_with_grad, get_rank
 from torch import Tensor, nn
 
 from st_weince.functional.sigmoid import (
-    chunked_score_extremes,
     chunked_sigmoid_contrastive_loss,
     constellation_margin_from_extremes,
     locked_adapter_scores,
@@ -277,46 +276,40 @@ class RBSigmoidLoss(nn.Module):
             offset = get_rank() * batch_size
         positive_index = torch.arange(offset, offset + batch_size, device=columns[0].device)
 
+        # The logged margin is that of the first block: anchors (column 0) against their candidates.
         if self.columns == "negatives":
-            candidates = torch.cat(gathered[1:], dim=0)
-            loss = self._directional_loss(columns[0], candidates, positive_index)
-            margin = self._margin(columns[0], candidates, positive_index)
+            loss, margin = self._directional_loss(columns[0], torch.cat(gathered[1:], dim=0), positive_index)
             if self.symmetric:
-                loss = (loss + self._directional_loss(columns[1], gathered[0], positive_index)) / 2
+                loss = (loss + self._directional_loss(columns[1], gathered[0], positive_index)[0]) / 2
         else:
-            losses = []
+            losses, margin = [], None
             for i, j in combinations(range(len(columns)), 2):
-                pair_loss = self._directional_loss(columns[i], gathered[j], positive_index)
+                pair_loss, pair_margin = self._directional_loss(columns[i], gathered[j], positive_index)
+                margin = pair_margin if margin is None else margin
                 if self.symmetric:
-                    pair_loss = (pair_loss + self._directional_loss(columns[j], gathered[i], positive_index)) / 2
+                    pair_loss = (pair_loss + self._directional_loss(columns[j], gathered[i], positive_index)[0]) / 2
                 losses.append(pair_loss)
             loss = torch.stack(losses).sum()
-            margin = self._margin(columns[0], gathered[1], positive_index)
         self._record(margin)
         return loss
 
-    def _directional_loss(self, anchors: Tensor, candidates: Tensor, positive_index: Tensor) -> Tensor:
-        return chunked_sigmoid_contrastive_loss(
+    def _directional_loss(
+        self, anchors: Tensor, candidates: Tensor, positive_index: Tensor
+    ) -> tuple[Tensor, Tensor | None]:
+        """Loss of one anchor set against its candidates, and the block's margin (None without negatives)."""
+        loss, min_positive, max_negative = chunked_sigmoid_contrastive_loss(
             anchors,
             candidates,
             positive_index,
             inverse_temperature=self.inverse_temperature,
             score_transform=self._transform if self.locked_adapter else None,
             chunk_size=self.chunk_size,
+            return_extremes=True,
             **self._bias_kwargs(),
         )
-
-    def _margin(self, anchors: Tensor, candidates: Tensor, positive_index: Tensor) -> Tensor | None:
-        if candidates.shape[0] < 2:
-            return None
-        extremes = chunked_score_extremes(
-            anchors.detach(),
-            candidates.detach(),
-            positive_index,
-            chunk_size=self.chunk_size,
-            score_transform=self._transform if self.locked_adapter else None,
-        )
-        return constellation_margin_from_extremes(*extremes)[0]
+        if not (torch.isfinite(min_positive) and torch.isfinite(max_negative)):
+            return loss, None
+        return loss, constellation_margin_from_extremes(min_positive, max_negative)[0]
 
     # ----- statistics -----
     @torch.no_grad()
