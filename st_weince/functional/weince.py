@@ -137,19 +137,20 @@ def tail_sizes(num_negatives: Tensor, *, tail_frac: float, min_tail_points: int)
 def _fit_lines(x: Tensor, ys: tuple[Tensor, ...], weight: Tensor, n: Tensor) -> list[tuple[Tensor, Tensor]]:
     """Row-wise weighted least squares y ~ a + slope * x for several y on the same x (float64).
 
-    A y may be one row [1, k] shared by all anchors (the common case: every anchor has the same tail size).
-    Returns (slope, residual sum of squares) per y, the latter as syy - sxy^2 / sxx; a row whose x has no
-    spread (duplicate scores) gets slope 0 and residual syy.
+    ``x`` is [A, k]; ``weight`` (0/1), ``n`` (points per row, as a column) and each y are either per row ([A, k],
+    [A, 1]) or one row shared by all anchors ([1, k], [1, 1]: the usual case of equal tail sizes, which saves
+    most passes over [A, k]). Returns (slope, residual sum of squares) per y, the latter as syy - sxy^2 / sxx;
+    a row whose x has no spread (duplicate scores) gets slope 0 and residual syy.
     """
-    mean_x = (weight * x).sum(1, keepdim=True) / n[:, None]
+    mean_x = (x * weight).sum(1, keepdim=True) / n
     xc = (x - mean_x).mul_(weight)
     sxx = (xc * xc).sum(1)
     degenerate = sxx <= 1e-300
     sxx_safe = torch.where(degenerate, torch.ones_like(sxx), sxx)
     fits = []
     for y in ys:
-        yc = (y - (weight * y).sum(1, keepdim=True) / n[:, None]) * weight
-        sxy = (xc * yc).sum(1)
+        yc = (y - (y * weight).sum(1, keepdim=True) / n) * weight
+        sxy = (xc * yc).sum(1) if yc.shape[0] > 1 else (xc @ yc[0])
         syy = (yc * yc).sum(1)
         slope = torch.where(degenerate, torch.zeros_like(sxx), sxy / sxx_safe)
         fits.append((slope, (syy - slope * sxy).clamp_min(0.0)))
@@ -180,24 +181,28 @@ def weince_tail_fit(
 
     top = _top_negative_scores(scores, positive_index, valid_mask, k_max).double()
     rank = torch.arange(1, k_max + 1, device=scores.device, dtype=torch.float64)[None, :]
-    in_tail = rank <= k[:, None]
-    shortfall = torch.where(in_tail, (1.0 - top).clamp_min(eps), torch.ones_like(top))
-    rho = torch.where(has_negatives, shortfall[:, 0], torch.ones_like(shortfall[:, 0]))
+    # When every anchor has the same tail size (the usual case) the tail positions, burn-in and CDF levels are
+    # one row shared by all anchors.
+    same_k = bool((k == k_max).all())
+    tail_size = k[:1, None] if same_k else k[:, None]
+    shortfall = torch.rsub(top, 1.0).clamp_min_(eps)
+    if not same_k:
+        shortfall = torch.where(rank <= tail_size, shortfall, 1.0)  # padding of short rows: log 1 = 0
+    rho = torch.where(has_negatives, shortfall[:, 0], 1.0)
 
     burn_in = torch.clamp(torch.div(k, 20, rounding_mode="floor"), min=1)
-    used = in_tail & (rank > burn_in[:, None])
     n = (k - burn_in).clamp_min(0)
     fitted = n >= _MIN_FIT_POINTS
     n_safe = n.clamp_min(1).double()
+    used = (rank <= tail_size) & (rank > (burn_in[:1, None] if same_k else burn_in[:, None]))
 
     # Empirical CDF levels; positions outside the fit get a harmless 0.5 so no NaN enters the sums.
-    # When every anchor has the same tail size (the usual case) the levels are one shared row.
-    same_k = bool((k == k_max).all())
-    levels = k[:1, None] if same_k else k[:, None]
-    cdf = torch.where(used[:1] if same_k else used, rank / (levels.double() + 1.0), 0.5)
-    log_cdf = torch.log(cdf)
+    log_cdf = torch.log(torch.where(used, rank / (tail_size.double() + 1.0), 0.5))
     (beta_hat, sse_weibull), (gumbel_slope, sse_gumbel) = _fit_lines(
-        torch.log(shortfall), (log_cdf, torch.log(-log_cdf)), used.double(), n_safe
+        torch.log(shortfall),
+        (log_cdf, torch.log(-log_cdf)),
+        used.double(),
+        n_safe[:1, None] if same_k else n_safe[:, None],
     )
     sse_weibull = (sse_weibull + _WRONG_SIGN_PENALTY * (beta_hat <= 0)).clamp_min(_MIN_SSE)
     sse_gumbel = (sse_gumbel + _WRONG_SIGN_PENALTY * (gumbel_slope >= 0)).clamp_min(_MIN_SSE)
@@ -327,7 +332,10 @@ class _BlendedLogit(torch.autograd.Function):
     def forward(ctx, scores: Tensor, lam: Tensor, beta: Tensor, temperature: float, eps: float) -> Tensor:
         linear_weight = (1.0 - lam) / temperature
         shortfall_weight = lam * beta
-        shortfall = torch.rsub(scores, 1.0).clamp_min_(eps)
+        shortfall = torch.rsub(scores, 1.0)
+        # Whether the clamp at 1 - eps is active anywhere decides if backward needs the mask (rarely).
+        ctx.clamped = bool(shortfall.min() < eps)
+        shortfall.clamp_min_(eps)
         logits = torch.log(shortfall).mul_(-shortfall_weight).addcmul_(scores, linear_weight)
         ctx.save_for_backward(shortfall, linear_weight, shortfall_weight)
         ctx.eps = eps
@@ -336,12 +344,12 @@ class _BlendedLogit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: Tensor):
         shortfall, linear_weight, shortfall_weight = ctx.saved_tensors
-        # d/ds [-beta log(1 - s)] = beta / (1 - s) below the cap 1 - eps; 0 where the clamp is active
-        slope = torch.reciprocal(shortfall).mul_(shortfall_weight)
-        at_cap = shortfall <= ctx.eps
-        if bool(at_cap.any()):
-            slope.masked_fill_(at_cap, 0.0)
-        return slope.add_(linear_weight).mul_(grad_output), None, None, None, None
+        # d/ds [(1 - lam) s / tau - lam beta log(1 - s)] = (1 - lam) / tau + lam beta / (1 - s) below the cap,
+        # and (1 - lam) / tau where the clamp at 1 - eps is active
+        slope = torch.addcdiv(linear_weight, shortfall_weight, shortfall)
+        if ctx.clamped:
+            slope = torch.where(shortfall <= ctx.eps, linear_weight, slope)
+        return slope.mul_(grad_output), None, None, None, None
 
 
 def weince_logits(
