@@ -1,0 +1,31 @@
+"""Diagnostics of the hard-negative tail (ALGORITHMS.md 1.4): POT/GPD fits and likelihood link selection.
+
+Command line: ``python -m st_weince.diagnostics --help`` (or ``st-weince-diagnostics``).
+"""
+
+from st_weince.diagnostics.evt import PotFit, fit_gpd, gpd_loglik, gpd_quantile, pot_fit, threshold_stability
+from st_weince.diagnostics.geometry import (
+    ConstellationReport,
+    SeparabilityReport,
+    constellation_test,
+    margin,
+    modality_gap_separability,
+)
+from st_weince.diagnostics.link import LinkFit, fit_link, link_loglik
+
+__all__ = [
+    "ConstellationReport",
+    "SeparabilityReport",
+    "constellation_test",
+    "margin",
+    "modality_gap_separability",
+    "LinkFit",
+    "PotFit",
+    "fit_gpd",
+    "fit_link",
+    "gpd_loglik",
+    "gpd_quantile",
+    "link_loglik",
+    "pot_fit",
+    "threshold_stability",
+]

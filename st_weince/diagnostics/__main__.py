@@ -1,0 +1,323 @@
+"""Tail diagnostics of an encoder: is the hard-negative tail Weibull, and how much endpoint do the winners want?
+
+Text (a SentenceTransformer directory) on a file of sentences, one a line:
+
+    python -m st_weince.diagnostics --model PATH --sentences wiki1m_sample.txt --output-dir DIR
+
+Images (an encoder saved by ``st_weince.vision.models.save_encoder``) on an ImageFolder directory or zip:
+
+    python -m st_weince.diagnostics --encoder runs/simclr/... --images cifar10-jpg.zip --image-split test \
+        --output-dir DIR
+
+Steps:
+1. Negative pool: the frozen encoder (eval mode) embeds N inputs; every pair ``i < j`` is a negative score.
+   POT/GPD fit above the ``--threshold-quantile`` of the pool, and the shape over ``--stability-quantiles``.
+   Per-anchor tails: ``--anchor-sample`` anchors, each against all other inputs, one POT fit each above the
+   anchor's ``--anchor-threshold-quantile`` (the per-anchor view WEINCE's batch statistics take).
+2. Choice data: two views of each input; text: the sentence encoded twice with dropout (unsupervised SimCSE's
+   positive) and, with ``--pairs CSV``, also the two sentences of each pair; images: two SimCLR augmentations.
+   Batches of ``--batch-size`` in the ``--layout`` (``pairs``: anchor vs the batch's other views; ``nt_xent``:
+   SimCLR's 2B views). The observed top-1 winner of a row is its positive. Link fits for each source of positives:
+   lambda and tau with beta = 1 (WEINCE's default), and lambda and beta with tau = ``--temperature`` (the training
+   temperature), each with its LR test against softmax.
+3. Output: ``summary.json`` (all numbers, the command, versions, machine, seeds, scale) and PNG plots:
+   ``pot_density.png`` (exceedance density, linear and log axes), ``pot_qq.png`` (QQ against the GPD and the xi = 0
+   fits), ``pot_stability.png`` (shape vs threshold), ``pot_per_anchor.png`` (per-anchor shapes),
+   ``link_profile_<source>.png`` (profile likelihood of lambda).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from st_weince.diagnostics.collect import (
+    choice_data,
+    encode_images,
+    encode_texts,
+    hardest_negatives,
+    negative_pool,
+    read_pairs,
+    read_sentences,
+)
+from st_weince.diagnostics.evt import pot_fit, pot_fit_rows, summarize_shapes, threshold_stability
+from st_weince.diagnostics.link import LinkFit, fit_link
+from st_weince.diagnostics.plots import (
+    plot_exceedance_density,
+    plot_link_profile,
+    plot_qq,
+    plot_row_shapes,
+    plot_shape_stability,
+)
+
+DEFAULT_STABILITY = (0.99, 0.995, 0.998, 0.999, 0.9995, 0.9998, 0.9999)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="st-weince-diagnostics",
+        description="POT/GPD tail fits of negative scores and likelihood link selection (WEINCE diagnostics).",
+    )
+    src = p.add_argument_group("text encoder")
+    src.add_argument("--model", help="SentenceTransformer directory (local; the hub is not used)")
+    src.add_argument("--sentences", help="text file, one sentence a line")
+    src.add_argument("--pairs", help="optional CSV sentence1,sentence2[,score]: positives for the link fit")
+    src.add_argument("--min-pair-score", type=float, default=None, help="keep pairs with score >= this")
+    src.add_argument("--max-seq-length", type=int, default=32, help="token limit (SimCSE trains with 32)")
+    img = p.add_argument_group("image encoder")
+    img.add_argument("--encoder", help="directory written by st_weince.vision.models.save_encoder")
+    img.add_argument("--images", help="ImageFolder directory or zip (<split>/<class>/<image>)")
+    img.add_argument("--image-split", default="test")
+    img.add_argument(
+        "--features", choices=("projection", "backbone"), default="projection", help="what the loss saw: projection"
+    )
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--name", default=None, help="label in plots and summary (default: the model directory name)")
+    p.add_argument("--num-inputs", type=int, default=4000, help="sentences / images used (seeded subset)")
+    p.add_argument("--batch-size", type=int, default=128, help="candidates per row in the choice data")
+    p.add_argument(
+        "--layout", choices=("pairs", "nt_xent"), default=None, help="default: pairs (text), nt_xent (images)"
+    )
+    p.add_argument("--threshold-quantile", type=float, default=0.999)
+    p.add_argument("--stability-quantiles", type=float, nargs="+", default=list(DEFAULT_STABILITY))
+    p.add_argument("--anchor-sample", type=int, default=300, help="anchors for the per-anchor POT fits (0: none)")
+    p.add_argument("--anchor-threshold-quantile", type=float, default=0.95)
+    p.add_argument("--temperature", type=float, default=None, help="training tau (default 0.05 text, 0.5 images)")
+    p.add_argument("--profile-points", type=int, default=21)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--encode-batch-size", type=int, default=64)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    return p
+
+
+def _environment() -> dict:
+    import scipy
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__}
+    versions["scipy"] = scipy.__version__
+    for name in ("sentence_transformers", "transformers", "torchvision"):
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, check=False
+    ).stdout.strip()
+    return {
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.is_available(),
+        },
+        "versions": versions,
+        "git_commit": commit or None,
+    }
+
+
+Views = dict[str, tuple[torch.Tensor, torch.Tensor, dict]]
+
+
+def _text_views(args: argparse.Namespace) -> tuple[torch.Tensor, Views, dict]:
+    from sentence_transformers import SentenceTransformer
+
+    if not args.sentences:
+        raise ValueError("--model needs --sentences (a text file, one sentence a line)")
+    if not Path(args.model).is_dir():
+        raise ValueError(f"--model {args.model!r} is not a local directory (the Hugging Face hub is not used)")
+    model = SentenceTransformer(args.model, device="cpu")
+    model.max_seq_length = args.max_seq_length
+    sentences = read_sentences(args.sentences, args.num_inputs, args.seed)
+    bs = args.encode_batch_size
+    print(f"encoding {len(sentences)} sentences (eval mode) for the negative pool", flush=True)
+    frozen = encode_texts(model, sentences, batch_size=bs, show_progress_bar=True)
+    torch.manual_seed(args.seed)
+    print("encoding the sentences twice in train mode (dropout views) for the choice data", flush=True)
+    views: Views = {
+        "dropout": (
+            encode_texts(model, sentences, batch_size=bs, train_mode=True, show_progress_bar=True),
+            encode_texts(model, sentences, batch_size=bs, train_mode=True, show_progress_bar=True),
+            {"kind": "the same sentence encoded twice in train mode (dropout), as unsupervised SimCSE"},
+        )
+    }
+    if args.pairs:
+        pairs = read_pairs(args.pairs, args.min_pair_score, args.num_inputs, args.seed)
+        print(f"encoding {len(pairs)} sentence pairs (eval mode) for the choice data", flush=True)
+        views["pairs"] = (
+            encode_texts(model, [a for a, _ in pairs], batch_size=bs, show_progress_bar=True),
+            encode_texts(model, [b for _, b in pairs], batch_size=bs, show_progress_bar=True),
+            {"kind": "sentence pairs", "file": args.pairs, "min_score": args.min_pair_score, "count": len(pairs)},
+        )
+    data = {"inputs": len(sentences), "input_file": args.sentences, "max_seq_length": args.max_seq_length}
+    return frozen, views, data
+
+
+def _image_views(args: argparse.Namespace) -> tuple[torch.Tensor, Views, dict]:
+    from st_weince.vision.augment import SimCLRAugment, eval_transform
+    from st_weince.vision.data import load_image_folder
+    from st_weince.vision.models import load_encoder
+
+    if not args.images:
+        raise ValueError("--encoder needs --images (an ImageFolder directory or zip)")
+    model = load_encoder(args.encoder)
+    encoder = model.forward if args.features == "projection" else model.encode
+    dataset = load_image_folder(args.images, args.image_split, args.num_inputs, args.seed)
+    images = dataset.images
+    print(f"encoding {len(images)} images", flush=True)
+    bs = args.encode_batch_size
+    frozen = encode_images(encoder, images, transform=eval_transform, batch_size=bs, show_progress_bar=True)
+    augment = SimCLRAugment(generator=torch.Generator().manual_seed(args.seed))
+    views: Views = {
+        "augment": (
+            encode_images(encoder, images, transform=augment.view, batch_size=bs, show_progress_bar=True),
+            encode_images(encoder, images, transform=augment.view, batch_size=bs, show_progress_bar=True),
+            {"kind": "two SimCLR augmentations (st_weince.vision.augment.SimCLRAugment)"},
+        )
+    }
+    data = {
+        "inputs": len(images),
+        "input_file": args.images,
+        "split": args.image_split,
+        "features": args.features,
+        "encoder_config": model.config,
+    }
+    return frozen, views, data
+
+
+def _command_line() -> str:
+    program = Path(sys.argv[0]).name
+    program = "python -m st_weince.diagnostics" if program == "__main__.py" else program
+    return " ".join([program, *sys.argv[1:]])
+
+
+def _link_summary(fit: LinkFit) -> dict:
+    out = fit.to_dict()
+    out["loglik_gain_per_anchor"] = (fit.loglik - fit.loglik_softmax) / fit.num_anchors
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    if bool(args.model) == bool(args.encoder):
+        raise ValueError("pass exactly one of --model (text) and --encoder (images)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.time()
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    is_text = bool(args.model)
+    layout = args.layout or ("pairs" if is_text else "nt_xent")
+    temperature = args.temperature or (0.05 if is_text else 0.5)
+    name = args.name or Path(args.model or args.encoder).resolve().name
+    torch.manual_seed(args.seed)
+    frozen, views, data = _text_views(args) if is_text else _image_views(args)
+
+    print("POT fits", flush=True)
+    pool = negative_pool(frozen)
+    pot = pot_fit(pool, args.threshold_quantile)
+    stability = threshold_stability(pool, args.stability_quantiles)
+    plot_exceedance_density(pool, pot, out_dir / "pot_density.png", title=name)
+    plot_qq(pool, pot, out_dir / "pot_qq.png", title=name)
+    plot_shape_stability(stability, out_dir / "pot_stability.png", title=name)
+
+    per_anchor = None
+    if args.anchor_sample > 0:
+        print(f"per-anchor POT fits ({args.anchor_sample} anchors against all other inputs)", flush=True)
+        generator = torch.Generator().manual_seed(args.seed)
+        anchors = torch.randperm(frozen.shape[0], generator=generator)[: args.anchor_sample]
+        rows = (frozen[anchors] @ frozen.T).clamp(-1.0, 1.0)
+        rows[torch.arange(len(anchors)), anchors] = float("nan")  # the anchor itself is no negative
+        row_values = [r[~torch.isnan(r)].double().numpy() for r in rows]
+        row_fits = pot_fit_rows(row_values, args.anchor_threshold_quantile)
+        shapes = [f.xi for f in row_fits if f is not None]
+        if shapes:
+            per_anchor = {"threshold_quantile": args.anchor_threshold_quantile, **summarize_shapes(row_fits)}
+            plot_row_shapes(shapes, out_dir / "pot_per_anchor.png", title=name, pooled_xi=pot.xi)
+        else:  # too few inputs for 30 exceedances per anchor: say so instead of failing after the other fits
+            per_anchor = {"skipped": "no anchor has 30 exceedances; use more inputs or a lower quantile"}
+
+    links = {}
+    for source, (view_a, view_b, info) in views.items():
+        print(f"link fits ({source} positives)", flush=True)
+        scores, winners, mask = choice_data(view_a, view_b, batch_size=args.batch_size, layout=layout)
+        common = {"temperature": temperature, "profile_points": args.profile_points}
+        fit_beta1 = fit_link(scores, winners, mask, free=("lambda", "tau"), beta=1.0, **common)
+        fit_tau = fit_link(scores, winners, mask, free=("lambda", "beta"), **common)
+        plot_link_profile(
+            {"beta = 1, tau fitted": fit_beta1, f"tau = {temperature}, beta fitted": fit_tau},
+            out_dir / f"link_profile_{source}.png",
+            title=f"{name} ({source} positives)",
+        )
+        negatives = mask.clone()
+        negatives[torch.arange(scores.shape[0]), winners] = False
+        links[source] = {
+            "positives": info,
+            "rows": int(scores.shape[0]),
+            "positive_score_mean": float(scores[torch.arange(scores.shape[0]), winners].mean()),
+            "hardest_negative_score_mean": float(hardest_negatives(scores, winners, mask).mean()),
+            "negative_score_mean": float(scores[negatives].mean()),
+            "beta1_tau_fitted": _link_summary(fit_beta1),
+            "tau_fixed_beta_fitted": _link_summary(fit_tau),
+        }
+        print(
+            f"  {source}: top-1 accuracy {fit_beta1.top1_accuracy:.3f}, separated {fit_beta1.separated}; "
+            f"lambda (beta=1) = {fit_beta1.lam:.3f} [{fit_beta1.lam_ci[0]:.3f}, {fit_beta1.lam_ci[1]:.3f}], "
+            f"LR = {fit_beta1.lr_statistic:.1f}; lambda (tau={temperature}) = {fit_tau.lam:.3f}",
+            flush=True,
+        )
+
+    summary = {
+        "name": name,
+        "command": args.command or _command_line(),
+        "model": args.model or args.encoder,
+        "data": data,
+        "seed": args.seed,
+        "scale": {
+            "inputs": int(frozen.shape[0]),
+            "negative_pairs": int(pool.size),
+            "batch_size": args.batch_size,
+            "layout": layout,
+            "temperature": temperature,
+        },
+        "pot": pot.to_dict(),
+        "pot_stability": [f.to_dict() for f in stability],
+        "pot_per_anchor": per_anchor,
+        "negative_pool_quantiles": {str(q): float(np.quantile(pool, q)) for q in (0.5, 0.9, 0.99, 0.999, 1.0)},
+        "link": links,
+        "paper": {"xi": -0.39, "lambda_range": [0.33, 0.50]},
+        **_environment(),
+        "seconds": round(time.time() - started, 1),
+    }
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
+    print(
+        f"xi = {pot.xi:.3f} [{pot.xi_ci[0]:.3f}, {pot.xi_ci[1]:.3f}] at u = {pot.threshold:.4f} "
+        f"({pot.num_exceedances} exceedances); summary: {out_dir / 'summary.json'}",
+        flush=True,
+    )
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.command = None if argv is None else " ".join(["st-weince-diagnostics", *argv])
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        run(args)
+    except ValueError as error:
+        parser.error(str(error))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

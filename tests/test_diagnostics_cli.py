@@ -1,0 +1,118 @@
+"""The diagnostics command line end to end on a tiny text model and a tiny image encoder (offline, small)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from st_weince.diagnostics.__main__ import main
+from tests.conftest import TINY_SENTENCES
+
+PLOTS = ("pot_density.png", "pot_qq.png", "pot_stability.png")
+
+
+def _tiny_text_model(tmp_path: Path) -> Path:
+    """A tiny BERT whose tokenizer knows the words of the test sentences.
+
+    Workaround: build_tiny_bert's tokenizer (BertTokenizerFast(vocab_file=...) under transformers 5) ends up with
+    the 5 special tokens only, so every word is [UNK] and all sentences embed alike; rebuild the tokenizer from the
+    vocabulary and resize the embeddings when that happens.
+    """
+    from sentence_transformers import SentenceTransformer
+    from transformers import BertTokenizerFast
+
+    from st_weince.utils.tiny_models import build_tiny_bert
+
+    path = tmp_path / "tiny-bert"
+    model = build_tiny_bert(path, sentences=TINY_SENTENCES)
+    vocab = [w for w in (path / "vocab.txt").read_text(encoding="utf-8").splitlines() if w]
+    if model.tokenizer.vocab_size < len(vocab):
+        tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True)
+        bert = model[0].auto_model
+        torch.manual_seed(0)
+        bert.resize_token_embeddings(len(vocab))
+        with torch.no_grad():
+            bert.embeddings.word_embeddings.weight.normal_(0.0, bert.config.initializer_range)
+        bert.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        model = SentenceTransformer(str(path), device="cpu")
+    assert model.tokenizer("the cat")["input_ids"][1] != model.tokenizer.unk_token_id
+    return path
+
+
+@pytest.mark.slow
+def test_cli_text_model(tmp_path) -> None:
+    words = sorted({w for s in TINY_SENTENCES for w in s.split()})
+    rng = random.Random(0)
+    sentences = tmp_path / "sentences.txt"
+    lines = [" ".join(rng.choices(words, k=rng.randint(4, 10))) for _ in range(200)]
+    sentences.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "out"
+    argv = [
+        "--model", str(_tiny_text_model(tmp_path)), "--sentences", str(sentences), "--output-dir", str(out),
+        "--num-inputs", "120", "--batch-size", "32", "--threshold-quantile", "0.95",
+        "--stability-quantiles", "0.9", "0.95", "--profile-points", "3", "--max-seq-length", "16",
+        "--anchor-sample", "20", "--anchor-threshold-quantile", "0.7",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    for name in (*PLOTS, "link_profile_dropout.png"):
+        assert (out / name).stat().st_size > 1000
+    assert summary["scale"]["negative_pairs"] == 120 * 119 // 2
+    assert summary["pot"]["threshold_quantile"] == 0.95
+    assert summary["pot"]["num_exceedances"] == pytest.approx(0.05 * 120 * 119 / 2, abs=2)
+    assert [f["threshold_quantile"] for f in summary["pot_stability"]] == [0.9, 0.95]
+    per_anchor = summary["pot_per_anchor"]
+    assert per_anchor["rows_fitted"] + per_anchor["rows_skipped"] == 20
+    assert per_anchor["exceedances_per_row_median"] == pytest.approx(0.3 * 119, abs=1)
+    assert (out / "pot_per_anchor.png").exists()
+    link = summary["link"]["dropout"]
+    assert link["rows"] == 96  # 3 full batches of 32
+    assert link["beta1_tau_fitted"]["free"] == ["lambda", "tau"]
+    assert link["tau_fixed_beta_fitted"]["tau"] == 0.05
+    assert 0.0 <= link["beta1_tau_fitted"]["lam"] <= 1.0
+    assert summary["command"].startswith("st-weince-diagnostics --model")
+    assert summary["versions"]["torch"] == torch.__version__
+
+
+@pytest.mark.slow
+def test_cli_image_encoder(tmp_path) -> None:
+    from st_weince.vision.models import SimCLRModel, save_encoder
+
+    rng = np.random.default_rng(0)
+    for label in ("a", "b"):
+        folder = tmp_path / "images" / "test" / label
+        folder.mkdir(parents=True)
+        for k in range(24):
+            Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(folder / f"{k}.png")
+    torch.manual_seed(0)
+    encoder_dir = save_encoder(SimCLRModel("resnet18", width=4, hidden_dim=16, projection_dim=8), tmp_path / "enc")
+    out = tmp_path / "out"
+    argv = [
+        "--encoder", str(encoder_dir), "--images", str(tmp_path / "images"), "--output-dir", str(out),
+        "--num-inputs", "48", "--batch-size", "16", "--threshold-quantile", "0.9",
+        "--stability-quantiles", "0.8", "0.9", "--profile-points", "3", "--encode-batch-size", "16",
+        "--anchor-sample", "0",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["scale"]["layout"] == "nt_xent" and summary["scale"]["temperature"] == 0.5
+    assert summary["link"]["augment"]["rows"] == 96  # 3 batches of 16 pairs -> 2 x 16 anchors each
+    assert summary["data"]["encoder_config"]["projection_dim"] == 8
+    assert (out / "link_profile_augment.png").exists()
+    assert summary["pot_per_anchor"] is None and not (out / "pot_per_anchor.png").exists()
+
+
+def test_cli_rejects_missing_inputs(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--output-dir", str(tmp_path)])
+    assert "exactly one of --model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--model", str(tmp_path / "nope"), "--sentences", "x.txt", "--output-dir", str(tmp_path)])
+    assert "not a local directory" in capsys.readouterr().err
