@@ -310,14 +310,20 @@ def _load_model(model: Any, device: str | None = None, max_seq_length: int | Non
 def cosine_predictions(
     model: Any, subsets: Sequence[STSSubset], *, batch_size: int = 64, show_progress_bar: bool = False
 ) -> list[np.ndarray]:
-    """The cosine similarity of every pair of every subset; each distinct sentence is encoded once."""
+    """The cosine similarity of every pair of every subset; each distinct sentence is encoded once (in eval mode;
+    a model in training mode is put back into it afterwards)."""
     index: dict[str, int] = {}
     for subset in subsets:
         for sentence in (*subset.sentences1, *subset.sentences2):
             index.setdefault(sentence, len(index))
-    embeddings = model.encode(
-        list(index), batch_size=batch_size, convert_to_numpy=True, show_progress_bar=show_progress_bar
-    )
+    was_training = bool(getattr(model, "training", False))  # encode() switches to eval mode; restore after
+    try:
+        embeddings = model.encode(
+            list(index), batch_size=batch_size, convert_to_numpy=True, show_progress_bar=show_progress_bar
+        )
+    finally:
+        if was_training:
+            model.train()
     embeddings = np.asarray(embeddings)
     return [
         paired_cosine(

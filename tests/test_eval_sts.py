@@ -262,6 +262,16 @@ def test_stsb_dev_and_test_and_sick(model, tiny_data: Path):
     assert details["SICK-R"]["n"] == 30
 
 
+def test_training_mode_is_restored(model, tiny_data: Path):
+    model.train()
+    try:
+        scores = evaluate_sts(model, ["STSBenchmark"], tiny_data)
+        assert model.training  # a recipe evaluating mid-training keeps training with dropout on
+    finally:
+        model.eval()
+    assert scores == pytest.approx(evaluate_sts(model, ["STSBenchmark"], tiny_data))  # encoded without dropout
+
+
 def test_model_path_is_loaded(model, tiny_data: Path, tmp_path: Path):
     model.save(str(tmp_path / "saved"))
     from_path = evaluate_sts(str(tmp_path / "saved"), ["STSBenchmark"], tiny_data)
