@@ -50,7 +50,10 @@ def build_tiny_bert(
                 raise ValueError("build_tiny_bert needs a vocab_file, a vocab or sentences")
             vocab = build_wordpiece_vocab(sentences)
         vocab_path.write_text("\n".join(vocab) + "\n", encoding="utf-8")
-    tokenizer = BertTokenizerFast(vocab_file=str(vocab_path), do_lower_case=True)
+    # transformers 5 ignores ``vocab_file=`` here (every word would become [UNK]); ``vocab=`` takes the file.
+    tokenizer = BertTokenizerFast(vocab=str(vocab_path), do_lower_case=True)
+    if tokenizer.vocab_size != len(vocab_path.read_text(encoding="utf-8").splitlines()):
+        raise RuntimeError(f"the tokenizer did not load the vocabulary {vocab_path}")
     torch.manual_seed(seed)
     config = BertConfig(
         vocab_size=tokenizer.vocab_size,
