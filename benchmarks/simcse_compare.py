@@ -1,0 +1,230 @@
+"""Reduced-scale unsupervised SimCSE comparison: InfoNCE vs WEINCE vs RB-Sigmoid, plus WEINCE's beta study.
+
+Every run is ``recipes/simcse.py --preset cpu-demo`` from all-MiniLM-L6-v2 with the same data, steps, batch and
+evaluation; only the loss (and the seed) changes. The runs go one after the other, single-threaded, each in its own
+process with its log in ``runs/simcse-compare/<config>-seed<k>/run.log``; a run whose ``results.json`` exists is
+skipped, so the script can be restarted. After each run the tables in ``benchmarks/results/simcse/`` are rewritten:
+
+    runs.csv       one row per run (config, seed, steps, STS-B dev best, best step, STS-B test, seconds)
+    summary.json   per config: mean and sample std over seeds; the starting model's scores; scale, seeds,
+                   commands, machine and library versions
+    summary.md     the same as a Markdown table
+
+Usage (5-12 minutes per run on one core of this busy 2-core machine, most of it STS-B evaluation):
+
+    OMP_NUM_THREADS=1 python benchmarks/simcse_compare.py                      # everything
+    OMP_NUM_THREADS=1 python benchmarks/simcse_compare.py --configs infonce weince --seeds 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "simcse.py"
+RESULTS = REPO / "benchmarks" / "results" / "simcse"
+
+# The scale (see docs/simcse.md for the justification; it is set by the shared 2-core machine, where one training
+# step takes ~40 s and one pass over an STS-B split 2-3 minutes): batch 64 (the paper's, so WEINCE's tail fit sees
+# 63 negatives per anchor), 6 optimizer steps at lr 1e-4 (linear decay; 3.3x the paper's 3e-5, so that the few steps
+# move the weights measurably), 384 sentences of the 4,096-sentence slice, the same for every run; STS-B dev (first
+# 500 pairs) and the full STS-B test once, after the last step.
+SCALE = {
+    "batch_size": 64,
+    "max_steps": 6,
+    "eval_steps": 6,
+    "logging_steps": 1,
+    "max_seq_length": 32,
+    "lr": 1e-4,
+    "dev_pairs": 500,
+}
+
+CONFIGS: dict[str, list[str]] = {
+    "infonce": ["--loss", "infonce"],
+    "weince": ["--loss", "weince"],  # WEINCELoss's text default for beta
+    "weince-beta1": ["--loss", "weince", "--beta", "1"],  # the reference implementation's beta
+    "weince-beta10": ["--loss", "weince", "--beta", "10"],  # beta = 1 x (0.5 / tau): the reference ratio at tau 0.05
+    "rb-sigmoid": ["--loss", "rb-sigmoid"],
+}
+DEFAULT_CONFIGS = ["infonce", "weince", "rb-sigmoid", "weince-beta1", "weince-beta10"]
+
+
+def load_recipe():
+    spec = importlib.util.spec_from_file_location("simcse_recipe", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def common_args(seed: int, output_dir: Path) -> list[str]:
+    return [
+        "--preset", "cpu-demo",
+        "--seed", str(seed),
+        "--output-dir", str(output_dir),
+        "--batch-size", str(SCALE["batch_size"]),
+        "--max-steps", str(SCALE["max_steps"]),
+        "--eval-steps", str(SCALE["eval_steps"]),
+        "--logging-steps", str(SCALE["logging_steps"]),
+        "--max-seq-length", str(SCALE["max_seq_length"]),
+        "--learning-rate", str(SCALE["lr"]),
+        "--dev-pairs", str(SCALE["dev_pairs"]),
+        "--no-eval-before",
+        "--save-total-limit", "1",
+        "--num-threads", "1",
+    ]  # fmt: skip
+
+
+def baseline(out_dir: Path) -> dict[str, float]:
+    """STS-B dev/test of the starting model (all-MiniLM-L6-v2), evaluated exactly as the runs evaluate."""
+    path = out_dir / "baseline.json"
+    scores = json.loads(path.read_text()) if path.exists() else {}
+    if "stsb_dev" in scores and "stsb_test" in scores and scores.get("dev_pairs") == SCALE["dev_pairs"]:
+        return scores
+    recipe = load_recipe()
+    args = recipe.parse_args(["--preset", "cpu-demo", "--output-dir", str(out_dir / "baseline"),
+                              "--dev-pairs", str(SCALE["dev_pairs"])])  # fmt: skip
+    model, n = recipe.load_model(args)
+    if "stsb_dev" in scores:  # an earlier baseline on the full dev split
+        scores["stsb_dev_full"] = scores.pop("stsb_dev")
+    scores["stsb_dev"] = 100 * recipe.make_evaluator(args, "dev", n)(model)["stsb-dev_spearman_cosine"]
+    if "stsb_test" not in scores:
+        scores["stsb_test"] = 100 * recipe.make_evaluator(args, "test", n)(model)["stsb-test_spearman_cosine"]
+    scores |= {"model": str(recipe.minilm_dir()), "eval_max_length": args.eval_max_length, "dev_pairs": args.dev_pairs}
+    path.write_text(json.dumps(scores, indent=2) + "\n")
+    return scores
+
+
+def rb_sigmoid_available() -> bool:
+    try:
+        from st_weince.losses import RBSigmoidLoss  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def summarize(runs_dir: Path, configs: list[str], seeds: list[int], base: dict[str, float], command: str) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    rows, environment, loss_configs = [], None, {}
+    for config in configs:
+        for seed in seeds:
+            path = runs_dir / f"{config}-seed{seed}" / "results.json"
+            if not path.exists():
+                continue
+            r = json.loads(path.read_text())
+            environment = environment or r["environment"]
+            loss_configs[config] = r["loss_config"]
+            rows.append(
+                {
+                    "config": config,
+                    "seed": seed,
+                    "steps": r["steps"],
+                    "stsb_dev_best": round(r["stsb_dev_best"], 3),
+                    "best_step": r["best_step"],
+                    "stsb_dev_last": round(r["stsb_dev_history"][-1][1], 3),
+                    "stsb_test": round(r["stsb_test"], 3),
+                    "train_seconds": r["train_seconds"],
+                    "command": r["command"],
+                }
+            )
+    with open(RESULTS / "runs.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["config"])
+        writer.writeheader()
+        writer.writerows(rows)
+
+    def mean_std(values: list[float]) -> dict[str, float | int | None]:
+        return {
+            "mean": round(statistics.mean(values), 3),
+            "std": round(statistics.stdev(values), 3) if len(values) > 1 else None,
+            "n": len(values),
+        }
+
+    summary = {}
+    for config in configs:
+        mine = [row for row in rows if row["config"] == config]
+        if mine:
+            summary[config] = {
+                "seeds": [row["seed"] for row in mine],
+                "stsb_dev_best": mean_std([row["stsb_dev_best"] for row in mine]),
+                "stsb_dev_last": mean_std([row["stsb_dev_last"] for row in mine]),
+                "stsb_test": mean_std([row["stsb_test"] for row in mine]),
+                "loss_config": loss_configs[config],
+            }
+    payload = {
+        "what": "unsupervised SimCSE from all-MiniLM-L6-v2, reduced scale; cosine Spearman x100 on STS-B",
+        "scale": SCALE | {"train_file": "recipes/assets/wiki1m_slice.txt", "batch_sampler": "no_duplicates"},
+        "starting_model": base,
+        "configs": {name: CONFIGS[name] for name in configs},
+        "summary": summary,
+        "command": command,
+        "environment": environment,
+        "updated": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+    (RESULTS / "summary.json").write_text(json.dumps(payload, indent=2) + "\n")
+
+    def fmt(stat: dict) -> str:
+        return f"{stat['mean']:.2f} ± {stat['std']:.2f}" if stat["std"] is not None else f"{stat['mean']:.2f}"
+
+    lines = [
+        f"Starting model (all-MiniLM-L6-v2): STS-B dev {base['stsb_dev']:.2f}, test {base['stsb_test']:.2f}",
+        "",
+        "| config | seeds | STS-B dev (best evaluated step) | STS-B dev (last step) | STS-B test (best checkpoint) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, s in summary.items():
+        lines.append(
+            f"| {name} | {len(s['seeds'])} | {fmt(s['stsb_dev_best'])} | {fmt(s['stsb_dev_last'])} | "
+            f"{fmt(s['stsb_test'])} |"
+        )
+    (RESULTS / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=sorted(CONFIGS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--runs-dir", default=str(REPO / "runs" / "simcse-compare"))
+    args = parser.parse_args()
+    command = " ".join(["python", "benchmarks/simcse_compare.py"] + sys.argv[1:])
+    runs_dir = Path(args.runs_dir)
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    print("starting model ...", flush=True)
+    base = baseline(runs_dir)
+    print(f"starting model: dev {base['stsb_dev']:.2f} test {base['stsb_test']:.2f}", flush=True)
+    # Priority order, so that a run cut short by the deadline leaves a usable result: every config on the first seed,
+    # then the three-loss comparison on the other seeds, then the beta study's other seeds.
+    first, rest = args.seeds[:1], args.seeds[1:]
+    comparison = [c for c in args.configs if not c.startswith("weince-beta")]
+    plan = [(c, s) for s in first for c in args.configs]
+    plan += [(c, s) for s in rest for c in comparison]
+    plan += [(c, s) for s in rest for c in args.configs if c not in comparison]
+    for index, (config, seed) in enumerate(plan, 1):
+        out = runs_dir / f"{config}-seed{seed}"
+        if (out / "results.json").exists():
+            continue
+        if config == "rb-sigmoid" and not rb_sigmoid_available():
+            print(f"[{index}/{len(plan)}] rb-sigmoid seed {seed}: skipped, st_weince.losses.RBSigmoidLoss missing")
+            continue
+        out.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, str(RECIPE), *CONFIGS[config], *common_args(seed, out)]
+        started = time.time()
+        print(f"[{index}/{len(plan)}] {config} seed {seed} ... (log: {out / 'run.log'})", flush=True)
+        with open(out / "run.log", "w") as log:
+            code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        print(f"    exit {code} after {time.time() - started:.0f} s", flush=True)
+        summarize(runs_dir, args.configs, args.seeds, base, command)
+    summarize(runs_dir, args.configs, args.seeds, base, command)
+    print((RESULTS / "summary.md").read_text(), flush=True)
+
+
+if __name__ == "__main__":
+    main()

