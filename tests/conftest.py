@@ -51,3 +51,10 @@ def shared_data() -> Path:
     if not SHARED_DATA.exists():
         pytest.skip(f"shared data not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+def copy_head_lines(source: Path, destination: Path, lines: int) -> None:
+    """Copy the first ``lines`` lines of a (read-only) shared data file into a test's folder."""
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    head = source.read_text(encoding="utf-8").splitlines(keepends=True)[:lines]
+    destination.write_text("".join(head), encoding="utf-8")

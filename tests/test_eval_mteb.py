@@ -17,46 +17,26 @@ if str(REPO_ROOT) not in sys.path:  # `eval/` is a top-level folder of the repos
 
 from eval import mteb_eval  # noqa: E402
 from eval.sts import MissingDataError, evaluate_sts, load_sts_task  # noqa: E402
+from tests.conftest import copy_head_lines  # noqa: E402
 
 CATEGORIES = ["card_arrival", "card_linking", "exchange_rate"]
 
 
 def build_tiny_model(path: Path, sentences: list[str], seed: int = 0):
-    """build_tiny_bert with its tokenizer given the vocabulary (transformers 5 ignores the builder's ``vocab_file=``
-    and would map every word to [UNK]; see tests/test_eval_sts.py). A no-op once the builder passes ``vocab=``."""
-    import sentence_transformers  # noqa: F401  (importing it replaces sys.modules["transformers"]: patch after it)
-    import transformers
-
     from st_weince.utils.tiny_models import build_tiny_bert
 
-    original = transformers.BertTokenizerFast
-
-    def tokenizer_with_vocab(*args, vocab_file=None, **kwargs):
-        if vocab_file is not None:
-            kwargs.setdefault("vocab", str(vocab_file))
-        return original(*args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(transformers, "BertTokenizerFast", tokenizer_with_vocab)
-        model = build_tiny_bert(path, sentences=sentences, seed=seed)
-    assert model.tokenizer.vocab_size == len((path / "vocab.txt").read_text(encoding="utf-8").splitlines())
-    return model
-
-
-def _head(src: Path, dst: Path, lines: int) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    dst.write_text("".join(src.read_text(encoding="utf-8").splitlines(keepends=True)[:lines]), encoding="utf-8")
+    return build_tiny_bert(path, sentences=sentences, seed=seed)
 
 
 @pytest.fixture(scope="module")
 def tiny_data(shared_data: Path, tmp_path_factory) -> Path:
     """STS-B test (50 pairs), STS12 (15 pairs a subset) and BANKING77 with 3 intents (12 train / 6 test each)."""
     root = tmp_path_factory.mktemp("mteb-data")
-    _head(shared_data / "stsb/stsb-en-test.csv", root / "stsb/stsb-en-test.csv", 50)
+    copy_head_lines(shared_data / "stsb/stsb-en-test.csv", root / "stsb/stsb-en-test.csv", 50)
     for subset in ("MSRpar", "MSRvid", "SMTeuroparl", "surprise.OnWN", "surprise.SMTnews"):
         for kind in ("input", "gs"):
             name = f"sts_senteval/STS12-en-test/STS.{kind}.{subset}.txt"
-            _head(shared_data / name, root / name, 15)
+            copy_head_lines(shared_data / name, root / name, 15)
     (root / "banking77").mkdir()
     for split, per_class in (("train", 12), ("test", 6)):
         with (shared_data / "banking77" / f"{split}.csv").open(encoding="utf-8", newline="") as handle:

@@ -29,6 +29,7 @@ from eval.sts import (  # noqa: E402
     resolve_task_names,
     sts_details,
 )
+from tests.conftest import copy_head_lines  # noqa: E402
 
 STS12_SUBSETS = sts.SENTEVAL_SUBSETS["STS12"]
 
@@ -58,31 +59,9 @@ def spearman_reference(x: list[float], y: list[float]) -> float:
 
 
 def build_tiny_model(path: Path, sentences: list[str], seed: int = 0):
-    """build_tiny_bert, with its tokenizer given the vocabulary: transformers 5 ignores ``vocab_file=`` (the builder's
-    argument) and builds a 5-token vocabulary, which turns every word into [UNK]. The shim is a no-op once the
-    builder passes ``vocab=``."""
-    import sentence_transformers  # noqa: F401  (importing it replaces sys.modules["transformers"]: patch after it)
-    import transformers
-
     from st_weince.utils.tiny_models import build_tiny_bert
 
-    original = transformers.BertTokenizerFast
-
-    def tokenizer_with_vocab(*args, vocab_file=None, **kwargs):
-        if vocab_file is not None:
-            kwargs.setdefault("vocab", str(vocab_file))
-        return original(*args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(transformers, "BertTokenizerFast", tokenizer_with_vocab)
-        model = build_tiny_bert(path, sentences=sentences, seed=seed)
-    assert model.tokenizer.vocab_size == len((path / "vocab.txt").read_text(encoding="utf-8").splitlines())
-    return model
-
-
-def _head(src: Path, dst: Path, lines: int) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    dst.write_text("".join(src.read_text(encoding="utf-8").splitlines(keepends=True)[:lines]), encoding="utf-8")
+    return build_tiny_bert(path, sentences=sentences, seed=seed)
 
 
 @pytest.fixture(scope="module")
@@ -92,14 +71,14 @@ def tiny_data(shared_data: Path, tmp_path_factory) -> Path:
     for subset in STS12_SUBSETS:
         for kind in ("input", "gs"):
             name = f"STS12-en-test/STS.{kind}.{subset}.txt"
-            _head(shared_data / "sts_senteval" / name, root / "sts_senteval" / name, 12)
+            copy_head_lines(shared_data / "sts_senteval" / name, root / "sts_senteval" / name, 12)
     gold = root / "sts_senteval/STS12-en-test/STS.gs.MSRpar.txt"
     lines = gold.read_text(encoding="utf-8").splitlines()
     lines[2] = ""  # an unscored pair
     gold.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    _head(shared_data / "stsb/stsb-en-test.csv", root / "stsb/stsb-en-test.csv", 40)
-    _head(shared_data / "stsb/stsb-en-dev.csv", root / "stsb/stsb-en-dev.csv", 30)
-    _head(
+    copy_head_lines(shared_data / "stsb/stsb-en-test.csv", root / "stsb/stsb-en-test.csv", 40)
+    copy_head_lines(shared_data / "stsb/stsb-en-dev.csv", root / "stsb/stsb-en-dev.csv", 30)
+    copy_head_lines(
         shared_data / "sts_senteval/SICK/SICK_test_annotated.txt",
         root / "sts_senteval/SICK/SICK_test_annotated.txt",
         31,
