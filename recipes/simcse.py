@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -444,6 +445,7 @@ def environment() -> dict[str, Any]:
 
 
 def plot_training_curves(log_history: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Training loss and STS-B dev on the top row; each of the loss's own statistics in its own panel below."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -454,22 +456,25 @@ def plot_training_curves(log_history: list[dict[str, Any]], path: Path, title: s
     stat_keys = sorted(
         {k for e in train for k, v in e.items() if k not in STANDARD_LOG_KEYS and isinstance(v, (int, float))}
     )
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    axes[0].plot([e["step"] for e in train], [e["loss"] for e in train], marker=".")
-    axes[0].set(title="training loss", xlabel="step")
-    axes[1].plot([e["step"] for e in evals], [100 * e[DEV_METRIC] for e in evals], marker="o")
-    axes[1].set(title="STS-B dev, cosine Spearman x100", xlabel="step")
-    for key in stat_keys:
+    columns = max(2, min(len(stat_keys), 4))
+    rows = 1 + math.ceil(len(stat_keys) / columns)
+    fig = plt.figure(figsize=(4 * columns, 3.2 * rows))
+    grid = fig.add_gridspec(rows, columns)
+    top_left, top_right = fig.add_subplot(grid[0, : columns // 2]), fig.add_subplot(grid[0, columns // 2 :])
+    top_left.plot([e["step"] for e in train], [e["loss"] for e in train], marker=".")
+    top_left.set(title="training loss", xlabel="step")
+    top_right.plot([e["step"] for e in evals], [100 * e[DEV_METRIC] for e in evals], marker="o")
+    top_right.set(title="STS-B dev, cosine Spearman x100", xlabel="step")
+    for index, key in enumerate(stat_keys):
+        axis = fig.add_subplot(grid[1 + index // columns, index % columns])
         points = [(e["step"], e[key]) for e in train if key in e]
-        axes[2].plot([s for s, _ in points], [v for _, v in points], marker=".", label=key)
-    axes[2].set(title="loss statistics", xlabel="step")
-    if stat_keys:
-        axes[2].legend(fontsize=7)
-    else:
-        axes[2].text(0.5, 0.5, "this loss logs no statistics", ha="center", transform=axes[2].transAxes)
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker=".")
+        axis.set(title=key, xlabel="step")
+    if not stat_keys:
+        top_left.text(0.5, 0.9, "this loss logs no statistics", ha="center", transform=top_left.transAxes)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
