@@ -53,9 +53,13 @@ def test_cli_text_model(tmp_path) -> None:
     sentences = tmp_path / "sentences.txt"
     lines = [" ".join(rng.choices(words, k=rng.randint(4, 10))) for _ in range(200)]
     sentences.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    pairs = tmp_path / "pairs.csv"  # sentence, its words reversed, a score; the low-score rows are filtered out
+    rows = [f"{s},{' '.join(reversed(s.split()))},{4.5 if k % 4 else 1.0}" for k, s in enumerate(lines[:90])]
+    pairs.write_text("\n".join(rows) + "\n", encoding="utf-8")
     out = tmp_path / "out"
     argv = [
-        "--model", str(_tiny_text_model(tmp_path)), "--sentences", str(sentences), "--output-dir", str(out),
+        "--model", str(_tiny_text_model(tmp_path)), "--pairs", str(pairs), "--min-pair-score", "4.0",
+        "--sentences", str(sentences), "--output-dir", str(out),
         "--num-inputs", "120", "--batch-size", "32", "--threshold-quantile", "0.95",
         "--stability-quantiles", "0.9", "0.95", "--profile-points", "3", "--max-seq-length", "16",
         "--anchor-sample", "20", "--anchor-threshold-quantile", "0.7",
@@ -74,6 +78,9 @@ def test_cli_text_model(tmp_path) -> None:
     assert (out / "pot_per_anchor.png").exists()
     link = summary["link"]["dropout"]
     assert link["rows"] == 96  # 3 full batches of 32
+    assert summary["link"]["pairs"]["rows"] == 64  # 67 pairs score >= 4 (unless deduplicated): 2 full batches
+    assert summary["link"]["pairs"]["positives"]["min_score"] == 4.0
+    assert (out / "link_profile_pairs.png").exists()
     assert link["beta1_tau_fitted"]["free"] == ["lambda", "tau"]
     assert link["tau_fixed_beta_fitted"]["tau"] == 0.05
     assert 0.0 <= link["beta1_tau_fitted"]["lam"] <= 1.0
@@ -116,3 +123,6 @@ def test_cli_rejects_missing_inputs(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--model", str(tmp_path / "nope"), "--sentences", "x.txt", "--output-dir", str(tmp_path)])
     assert "not a local directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--model", str(tmp_path), "--sentences", "x.txt", "--skip-dropout", "--output-dir", str(tmp_path)])
+    assert "--skip-dropout needs --pairs" in capsys.readouterr().err

@@ -119,3 +119,16 @@ def test_per_row_fits_and_their_summary() -> None:
     assert summary["xi_quantiles"]["0.5"] == pytest.approx(np.median([f.xi for f in fits[:7]]))
     with pytest.raises(ValueError, match="no row"):
         summarize_shapes([None])
+
+
+def test_pool_of_uniform_points_on_a_sphere_has_the_geometric_shape() -> None:
+    # Cosines of uniform points on S^(k-1) have density ~ (1 - s)^((k-3)/2) near the cap: xi = -2 / (k - 1).
+    import torch
+
+    from st_weince.diagnostics.collect import negative_pool
+
+    k = 5
+    points = torch.randn(800, k, generator=torch.Generator().manual_seed(0))
+    fit = pot_fit(negative_pool(points), threshold_quantile=0.999)  # ~320 exceedances: past the second-order bias
+    assert fit.xi_ci[0] < -2 / (k - 1) < fit.xi_ci[1]
+    assert fit.endpoint == pytest.approx(1.0, abs=0.01)

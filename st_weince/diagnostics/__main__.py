@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--sentences", help="text file, one sentence a line")
     src.add_argument("--pairs", help="optional CSV sentence1,sentence2[,score]: positives for the link fit")
     src.add_argument("--min-pair-score", type=float, default=None, help="keep pairs with score >= this")
+    src.add_argument(
+        "--skip-dropout", action="store_true", help="no dropout-view choice data (needs --pairs); saves two encodings"
+    )
     src.add_argument("--max-seq-length", type=int, default=32, help="token limit (SimCSE trains with 32)")
     img = p.add_argument_group("image encoder")
     img.add_argument("--encoder", help="directory written by st_weince.vision.models.save_encoder")
@@ -134,6 +137,8 @@ def _text_views(args: argparse.Namespace) -> tuple[torch.Tensor, Views, dict]:
 
     if not args.sentences:
         raise ValueError("--model needs --sentences (a text file, one sentence a line)")
+    if args.skip_dropout and not args.pairs:
+        raise ValueError("--skip-dropout needs --pairs (the link fit needs one source of positives)")
     if not Path(args.model).is_dir():
         raise ValueError(f"--model {args.model!r} is not a local directory (the Hugging Face hub is not used)")
     model = SentenceTransformer(args.model, device="cpu")
@@ -142,15 +147,15 @@ def _text_views(args: argparse.Namespace) -> tuple[torch.Tensor, Views, dict]:
     bs = args.encode_batch_size
     print(f"encoding {len(sentences)} sentences (eval mode) for the negative pool", flush=True)
     frozen = encode_texts(model, sentences, batch_size=bs, show_progress_bar=True)
-    torch.manual_seed(args.seed)
-    print("encoding the sentences twice in train mode (dropout views) for the choice data", flush=True)
-    views: Views = {
-        "dropout": (
+    views: Views = {}
+    if not args.skip_dropout:
+        torch.manual_seed(args.seed)
+        print("encoding the sentences twice in train mode (dropout views) for the choice data", flush=True)
+        views["dropout"] = (
             encode_texts(model, sentences, batch_size=bs, train_mode=True, show_progress_bar=True),
             encode_texts(model, sentences, batch_size=bs, train_mode=True, show_progress_bar=True),
             {"kind": "the same sentence encoded twice in train mode (dropout), as unsupervised SimCSE"},
         )
-    }
     if args.pairs:
         pairs = read_pairs(args.pairs, args.min_pair_score, args.num_inputs, args.seed)
         print(f"encoding {len(pairs)} sentence pairs (eval mode) for the choice data", flush=True)
