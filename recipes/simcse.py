@@ -580,13 +580,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     state = trainer.state
     encoder = SentenceTransformer(modules=list(model)[:num_encoder_modules], device=str(model.device))
     dev_history = [(e["step"], 100 * e[DEV_METRIC]) for e in state.log_history if DEV_METRIC in e]
+    best_dev = 100 * state.best_metric if state.best_metric is not None else None
+    if not dev_history:  # fewer steps than --eval-steps: evaluate the final model once
+        best_dev = 100 * dev_evaluator(encoder)[f"{DEV_NAME}_spearman_cosine"]
+        dev_history = [(state.global_step, best_dev)]
     test = 100 * test_evaluator(encoder)["stsb-test_spearman_cosine"]
     best_step = None
     if state.best_model_checkpoint:
         best_step = int(Path(state.best_model_checkpoint).name.split("-")[-1])
     results = {
         "steps": state.global_step,
-        "stsb_dev_best": 100 * state.best_metric if state.best_metric is not None else None,
+        "stsb_dev_best": best_dev,
         "best_step": best_step,
         "stsb_test": test,
         "stsb_dev_history": dev_history,
@@ -608,7 +612,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"SimCSE {args.loss}, {args.preset}, seed {args.seed}",
         )
         line = f"STS-B after {state.global_step} steps: dev best {results['stsb_dev_best']:.2f}"
-        line += f" (step {best_step})  test {test:.2f}"
+        line += f" (step {best_step or state.global_step})  test {test:.2f}"
         if before:
             line += f"   [before: dev {before['stsb_dev']:.2f}  test {before['stsb_test']:.2f}]"
         print(line, flush=True)
