@@ -10,8 +10,9 @@ step adds the encoder's forward and backward, which dwarfs both at realistic mod
 Time: median over repeats, the losses interleaved within each repeat so machine load hits all of them alike.
 On CPU the clock is the process's CPU time (all its threads; other processes' load barely moves it, which keeps
 ratios stable on a shared machine); on CUDA it is wall time around synchronised calls.
-Peak memory: on CUDA torch.cuda.max_memory_allocated; on CPU the peak resident set size of a fresh process per
-(loss, batch, layout) minus its resident size just before the call (Linux ru_maxrss).
+Peak memory: on CUDA torch.cuda.max_memory_allocated; on CPU the peak of live tensor memory during one forward +
+backward, replayed from the PyTorch profiler's allocation and free events in time order (deterministic, unlike the
+process's resident size, which the allocator's caching blurs).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import argparse
 import json
 import multiprocessing
 import platform
-import resource
 import statistics
 import time
 from datetime import datetime, timezone
@@ -87,36 +87,31 @@ def time_losses(names, batch_size, num_columns, dim, device, repeats, seed) -> d
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def _cpu_peak_worker(name, batch_size, num_columns, dim, seed, threads, queue) -> None:
-    torch.set_num_threads(threads)
-    embeddings = make_embeddings(batch_size, num_columns, dim, "cpu", seed)
-    loss = build_loss(name)
-    with open("/proc/self/statm") as statm:
-        resident_before = int(statm.read().split()[1]) * resource.getpagesize()
-    run_once(loss, embeddings)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    queue.put(max(peak - resident_before, 0))
+def _profiled_peak_bytes(loss, embeddings: list[torch.Tensor]) -> int:
+    from torch.profiler import ProfilerActivity, profile
 
-
-def peak_memory(name, batch_size, num_columns, dim, device, seed, threads) -> int:
-    if device.startswith("cuda"):
-        embeddings = make_embeddings(batch_size, num_columns, dim, device, seed)
-        loss = build_loss(name).to(device)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         run_once(loss, embeddings)
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    process = context.Process(
-        target=_cpu_peak_worker, args=(name, batch_size, num_columns, dim, seed, threads, queue)
-    )
-    process.start()
-    result = queue.get(timeout=900)
-    process.join()
-    return result
+    live = peak = 0
+    for event in sorted(profiler.events(), key=lambda event: event.time_range.start):
+        # an op's own allocations are its self memory; frees arrive as separate "[memory]" events
+        live += event.cpu_memory_usage if event.name == "[memory]" else event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def peak_memory(name: str, batch_size: int, num_columns: int, dim: int, device: str, seed: int) -> int:
+    embeddings = make_embeddings(batch_size, num_columns, dim, device, seed)
+    loss = build_loss(name).to(device)
+    run_once(loss, embeddings)  # the embeddings' gradients exist from here on, as in training
+    if not device.startswith("cuda"):
+        return _profiled_peak_bytes(loss, embeddings)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    run_once(loss, embeddings)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
 
 
 def main() -> None:
@@ -149,21 +144,24 @@ def main() -> None:
                 "time_ratio_vs_mnrl": times[name] / times["mnrl"] if "mnrl" in times else None,
             }
             if not args.no_memory:
-                row["peak_bytes"] = peak_memory(
-                    name, batch_size, num_columns, args.dim, args.device, args.seed, args.threads
-                )
+                row["peak_bytes"] = peak_memory(name, batch_size, num_columns, args.dim, args.device, args.seed)
             rows.append(row)
     if not args.no_memory and "mnrl" in args.losses:
         for row in rows:
             reference = next(
-                r for r in rows if r["loss"] == "mnrl" and (r["layout"], r["batch_size"]) == (row["layout"], row["batch_size"])
+                r
+                for r in rows
+                if r["loss"] == "mnrl" and (r["layout"], r["batch_size"]) == (row["layout"], row["batch_size"])
             )
-            row["memory_ratio_vs_mnrl"] = row["peak_bytes"] / reference["peak_bytes"] if reference["peak_bytes"] else None
+            row["memory_ratio_vs_mnrl"] = (
+                row["peak_bytes"] / reference["peak_bytes"] if reference["peak_bytes"] else None
+            )
 
     import sentence_transformers
 
     result = {
-        "command": "python benchmarks/loss_overhead.py " + " ".join(
+        "command": "python benchmarks/loss_overhead.py "
+        + " ".join(
             f"--{k.replace('_', '-')} {v if not isinstance(v, list) else ' '.join(map(str, v))}"
             for k, v in vars(args).items()
             if k not in ("output", "no_memory")
