@@ -6,6 +6,8 @@ Usage: python benchmarks/results/diagnostics/table.py   (from the repository roo
 from __future__ import annotations
 
 import json
+import re
+import statistics
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -65,6 +67,30 @@ def main() -> None:
                 f"{b1['lr_statistic']:.2f} ({b1['p_value']:.2g}) | {tf['lam']:.3f}, {tf['beta']:.3g} | "
                 f"{tf['lr_statistic']:.2f} ({tf['p_value']:.2g}) |"
             )
+
+    groups: dict[str, list[dict]] = {}
+    for s in summaries:
+        groups.setdefault(re.sub(r"-seed\d+$", "", s["name"]), []).append(s)
+    groups = {k: v for k, v in groups.items() if len(v) > 1}
+    if groups:
+        print("\nOver seeds (mean +- sd over the seeds' point estimates)\n")
+        print("| models | seeds | pooled xi (q = 0.999) | per-anchor median xi | beta = 1: lambda | LR vs softmax |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for name, members in groups.items():
+            pooled = [m["pot"]["xi"] for m in members]
+            anchor = [m["pot_per_anchor"]["xi_quantiles"]["0.5"] for m in members]
+            source = next(iter(members[0]["link"]))
+            lam = [m["link"][source]["beta1_tau_fitted"]["lam"] for m in members]
+            lr = [m["link"][source]["beta1_tau_fitted"]["lr_statistic"] for m in members]
+            seeds = ", ".join(m["name"].rsplit("seed", 1)[1] for m in members)
+            print(
+                f"| {name}-* | {seeds} | {_mean_sd(pooled)} | {_mean_sd(anchor)} | {_mean_sd(lam)} | "
+                f"{_mean_sd(lr, 0)} |"
+            )
+
+
+def _mean_sd(values: list[float], digits: int = 3) -> str:
+    return f"{statistics.mean(values):.{digits}f} +- {statistics.stdev(values):.{digits}f}"
 
 
 if __name__ == "__main__":
