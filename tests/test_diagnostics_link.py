@@ -104,3 +104,15 @@ def test_errors() -> None:
         fit_link(bad, winners)
     with pytest.raises(ValueError, match="beta must be"):
         fit_link(scores, winners, beta=0.0)
+
+
+def test_tau_fixed_fit_at_the_lambda_zero_limit() -> None:
+    # Winners from a sharp link (tau = 0.1 with a shortfall term) fitted with tau fixed at 0.5: the softmax coefficient
+    # wanted (about 1 / 0.1 (1 - lambda)) exceeds 1 / 0.5, so the optimum is the limit lambda -> 0, beta -> infinity.
+    scores, winners = _simulate(0.3, tau=0.1, anchors=600, seed=5)
+    fit = fit_link(scores, winners, free=("lambda", "beta"), temperature=0.5, profile_points=3)
+    assert fit.lam == 0.0 and fit.beta == float("inf")
+    assert fit.softmax_coef == pytest.approx(2.0) and fit.shortfall_coef > 0
+    assert "beta -> infinity" in fit.note
+    assert fit.lam_ci[0] == 0.0 and fit.lam_ci[1] < 0.5
+    assert fit.profile_loglik[0] == pytest.approx(fit.loglik, abs=1e-6)  # the closure point is the profile's top

@@ -37,7 +37,7 @@ profile-likelihood confidence interval for ``lambda``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -170,9 +170,26 @@ def _note(separated: bool, free: tuple[str, ...], lam: float, a: float, b: float
         )
     if free[1] == "beta" and lam > 0 and b <= 1e-9:
         notes.append("shortfall_coef = 0: lambda > 0 only lowers the softmax coefficient (a temperature misfit)")
-    if free[1] == "beta" and lam <= 0:
+    if free[1] == "beta" and lam <= 0 and b > 1e-9:
+        notes.append(
+            "lambda = 0 with shortfall_coef > 0: the optimum is the limit lambda -> 0, beta -> infinity with "
+            "lambda beta = shortfall_coef; the softmax coefficient wanted exceeds 1 / tau, read the coefficients"
+        )
+    elif free[1] == "beta" and lam <= 0:
         notes.append("lambda = 0: beta is not identified")
     return "; ".join(notes)
+
+
+def _crossing(gap: Callable[[float], float], inside: float, bound: float) -> float:
+    """Where ``gap`` (negative at the MLE ``inside``) crosses 0 between ``inside`` and ``bound``; ``bound`` if never."""
+    if gap(bound) <= 0:
+        return bound
+    if (
+        gap(inside) >= 0
+    ):  # numerical corner: the profile at the MLE fell short of the maximum; the interval is the point
+        return inside
+    low, high = sorted((inside, bound))
+    return float(optimize.brentq(gap, low, high, xtol=1e-5))
 
 
 def _minimise(
@@ -271,7 +288,8 @@ def fit_link(
         a_hat, b_hat, nll_hat = _minimise(problem, (0.0, a0), (0.0, None), (0.9 * a0, 0.1))
         nll_soft = float(problem.nll(a0, 0.0))
         lam_hat = 1.0 - a_hat * temperature
-        beta_hat = b_hat / lam_hat if lam_hat > 0 else math.nan  # not identified at lambda = 0
+        # at lambda = 0: beta -> infinity if the shortfall coefficient is positive (a limit), else not identified
+        beta_hat = b_hat / lam_hat if lam_hat > 0 else (math.inf if b_hat > 1e-9 else math.nan)
         tau_hat = tau_soft = temperature
     if nll_soft <= nll_hat:  # the blend family contains the softmax: never report a worse optimum
         nll_hat = nll_soft
@@ -295,9 +313,7 @@ def fit_link(
         if free_t[1] == "tau":
             b = lam * beta
             return -_minimise(problem, (0.0, None), (b, b), (max(a_hat, 1e-3), b))[2] * num_anchors
-        a = (1.0 - lam) / temperature
-        if lam <= 0.0:
-            return loglik_soft
+        a = (1.0 - lam) / temperature  # at lambda = 0: the limit lambda -> 0+, beta -> inf (b free), the closure
         return -_minimise(problem, (a, a), (0.0, None), (a, max(b_hat, 0.1)))[2] * num_anchors
 
     crit = float(stats.chi2.ppf(ci_level, df=1))
@@ -310,8 +326,8 @@ def fit_link(
     else:
         grid = np.linspace(0.0, 1.0, profile_points)
         prof = np.array([profile(float(lam)) for lam in grid])
-        low = 0.0 if lam_hat <= 0.0 or gap(0.0) <= 0 else optimize.brentq(gap, 0.0, lam_hat, xtol=1e-5)
-        high = 1.0 if lam_hat >= 1.0 or gap(1.0) <= 0 else optimize.brentq(gap, lam_hat, 1.0, xtol=1e-5)
+        low = 0.0 if lam_hat <= 0.0 else _crossing(gap, lam_hat, 0.0)
+        high = 1.0 if lam_hat >= 1.0 else _crossing(gap, lam_hat, 1.0)
     return LinkFit(
         lam=float(lam_hat),
         beta=float(beta_hat),
