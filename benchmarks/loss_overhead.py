@@ -92,10 +92,15 @@ def _profiled_peak_bytes(loss, embeddings: list[torch.Tensor]) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         run_once(loss, embeddings)
+    # An op's own allocations are its self memory; frees arrive as separate "[memory]" events. At equal
+    # timestamps allocations go first, so a tie cannot hide a peak.
+    changes = [
+        (event.time_range.start, event.cpu_memory_usage if event.name == "[memory]" else event.self_cpu_memory_usage)
+        for event in profiler.events()
+    ]
     live = peak = 0
-    for event in sorted(profiler.events(), key=lambda event: event.time_range.start):
-        # an op's own allocations are its self memory; frees arrive as separate "[memory]" events
-        live += event.cpu_memory_usage if event.name == "[memory]" else event.self_cpu_memory_usage
+    for _, change in sorted(changes, key=lambda item: (item[0], item[1] < 0)):
+        live += change
         peak = max(peak, live)
     return peak
 
