@@ -45,7 +45,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from st_weince.utils.distributed import average_gradients_across_processes
+from st_weince.training import average_loss_gradients
 from st_weince.vision import (
     KNN_KS,
     KNN_TEMPERATURE,
@@ -182,8 +182,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     objective = SimCLRObjective(args.loss, args.temperature, beta=args.beta, loss_kwargs=args.loss_kwargs).to(device)
     loss_parameters = [p for p in objective.parameters() if p.requires_grad]
-    for parameter in loss_parameters:
-        average_gradients_across_processes(parameter)  # the loss is not inside DDP
     param_groups = [{"params": list(model.parameters())}]
     if loss_parameters:
         param_groups.append({"params": loss_parameters, "weight_decay": 0.0})  # no decay on t, b_rel
@@ -223,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise ValueError(f"loss became {float(loss)} at step {step}; lower --lr or check the data")
         optimizer.zero_grad(set_to_none=True)
         accelerator.backward(loss)
+        average_loss_gradients(objective)  # the loss is not inside DDP: average t, b_rel over processes
         optimizer.step()
         step_seconds += time.perf_counter() - tick
         running += float(loss.detach())

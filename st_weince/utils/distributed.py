@@ -30,20 +30,3 @@ def gather_rows_no_grad(tensor: Tensor) -> Tensor:
     gathered = [torch.zeros_like(padded) for _ in range(world_size)]
     dist.all_gather(gathered, padded)
     return torch.cat([g[: int(s.item())] for g, s in zip(gathered, sizes)], dim=0)
-
-
-def average_gradients_across_processes(parameter: torch.nn.Parameter) -> None:
-    """Average this parameter's gradient over ranks during backward.
-
-    The sentence-transformers trainer wraps only the model in DDP, so parameters that live in a loss are not
-    synchronised: without this, ranks drift apart. The hook all-reduces each gradient contribution as it arrives.
-    """
-
-    def _hook(grad: Tensor) -> Tensor:
-        if not is_distributed():
-            return grad
-        grad = grad.clone()
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
-        return grad / dist.get_world_size()
-
-    parameter.register_hook(_hook)
