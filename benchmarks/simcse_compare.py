@@ -103,6 +103,29 @@ def baseline(out_dir: Path) -> dict[str, float]:
     return scores
 
 
+def full_dev(runs_dir: Path, configs: list[str], seeds: list[int]) -> None:
+    """STS-B dev on all 1,500 pairs for the final models of the given runs (``full_dev.json`` in each run folder).
+
+    The runs' own dev score uses the first 500 pairs only, which are all from one genre (STS-B dev is ordered by
+    source: captions first); the full split is the fair basis for choosing between configurations.
+    """
+    recipe = load_recipe()
+    from sentence_transformers import SentenceTransformer
+
+    for config in configs:
+        for seed in seeds:
+            run = runs_dir / f"{config}-seed{seed}"
+            if not (run / "final").is_dir() or (run / "full_dev.json").exists():
+                continue
+            print(f"full STS-B dev: {config} seed {seed} ...", flush=True)
+            args = recipe.parse_args(["--preset", "cpu-demo", "--output-dir", str(run)])
+            saved = json.loads((run / "results.json").read_text())
+            args.eval_max_length = saved["config"]["eval_max_length"]
+            model = SentenceTransformer(str(run / "final"), device="cpu")
+            score = 100 * recipe.make_evaluator(args, "dev", len(model))(model)["stsb-dev_spearman_cosine"]
+            (run / "full_dev.json").write_text(json.dumps({"stsb_dev_full": score, "pairs": 1500}) + "\n")
+
+
 def rb_sigmoid_available() -> bool:
     try:
         from st_weince.losses import RBSigmoidLoss  # noqa: F401
@@ -131,6 +154,11 @@ def summarize(runs_dir: Path, configs: list[str], seeds: list[int], base: dict[s
                     "best_step": r["best_step"],
                     "stsb_dev_last": round(r["stsb_dev_history"][-1][1], 3),
                     "stsb_test": round(r["stsb_test"], 3),
+                    "stsb_dev_full": (
+                        round(json.loads(full.read_text())["stsb_dev_full"], 3)
+                        if (full := path.parent / "full_dev.json").exists()
+                        else None
+                    ),
                     "train_seconds": r["train_seconds"],
                     "command": r["command"],
                 }
@@ -156,15 +184,39 @@ def summarize(runs_dir: Path, configs: list[str], seeds: list[int], base: dict[s
                 "stsb_dev_best": mean_std([row["stsb_dev_best"] for row in mine]),
                 "stsb_dev_last": mean_std([row["stsb_dev_last"] for row in mine]),
                 "stsb_test": mean_std([row["stsb_test"] for row in mine]),
+                "stsb_dev_full": (
+                    mean_std(full_rows)
+                    if (full_rows := [row["stsb_dev_full"] for row in mine if row["stsb_dev_full"] is not None])
+                    else None
+                ),
                 "loss_config": loss_configs[config],
             }
+    # Same seed = same batches (the sampler's order depends on the seed only): per-seed differences to InfoNCE
+    # remove the data-order effect that the seeds share.
+    paired = {}
+    reference = {row["seed"]: row for row in rows if row["config"] == "infonce"}
+    for config in summary:
+        if config == "infonce":
+            continue
+        diffs = [
+            row["stsb_test"] - reference[row["seed"]]["stsb_test"]
+            for row in rows
+            if row["config"] == config and row["seed"] in reference
+        ]
+        if diffs:
+            paired[config] = {"stsb_test_minus_infonce": mean_std(diffs), "per_seed": [round(d, 3) for d in diffs]}
     payload = {
         "what": "unsupervised SimCSE from all-MiniLM-L6-v2, reduced scale; cosine Spearman x100 on STS-B",
         "scale": SCALE | {"train_file": "recipes/assets/wiki1m_slice.txt", "batch_sampler": "no_duplicates"},
         "starting_model": base,
         "configs": {name: CONFIGS[name] for name in configs},
         "summary": summary,
-        "command": command,
+        "paired_vs_infonce": paired,
+        "commands": [
+            "OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/simcse_compare.py",
+            "OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/simcse_compare.py --full-dev [CONFIG ...]",
+        ],
+        "last_invocation": command,
         "environment": environment,
         "updated": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
@@ -174,16 +226,23 @@ def summarize(runs_dir: Path, configs: list[str], seeds: list[int], base: dict[s
         return f"{stat['mean']:.2f} ± {stat['std']:.2f}" if stat["std"] is not None else f"{stat['mean']:.2f}"
 
     lines = [
-        f"Starting model (all-MiniLM-L6-v2): STS-B dev {base['stsb_dev']:.2f}, test {base['stsb_test']:.2f}",
+        f"Starting model (all-MiniLM-L6-v2): STS-B test {base['stsb_test']:.2f}, dev first 500 pairs "
+        f"{base['stsb_dev']:.2f}, dev all pairs {base.get('stsb_dev_full', float('nan')):.2f}",
         "",
-        "| config | seeds | STS-B dev (best evaluated step) | STS-B dev (last step) | STS-B test (best checkpoint) |",
+        "Mean ± sample std over seeds, cosine Spearman x100; dev: the one evaluation, after the last step.",
+        "",
+        "| config | seeds | STS-B test | STS-B dev, first 500 pairs | STS-B dev, all 1,500 pairs (seeds) |",
         "| --- | --- | --- | --- | --- |",
     ]
     for name, s in summary.items():
-        lines.append(
-            f"| {name} | {len(s['seeds'])} | {fmt(s['stsb_dev_best'])} | {fmt(s['stsb_dev_last'])} | "
-            f"{fmt(s['stsb_test'])} |"
-        )
+        dev_full = f"{fmt(s['stsb_dev_full'])} ({s['stsb_dev_full']['n']})" if s["stsb_dev_full"] else "-"
+        lines.append(f"| {name} | {len(s['seeds'])} | {fmt(s['stsb_test'])} | {fmt(s['stsb_dev_best'])} | {dev_full} |")
+    if paired:
+        lines += ["", "STS-B test minus InfoNCE's on the same seed (same batches): mean ± std (per seed)", ""]
+        lines += ["| config | difference | per seed |", "| --- | --- | --- |"]
+        for name, p in paired.items():
+            per_seed = ", ".join(f"{d:+.2f}" for d in p["per_seed"])
+            lines.append(f"| {name} | {fmt(p['stsb_test_minus_infonce'])} | {per_seed} |")
     (RESULTS / "summary.md").write_text("\n".join(lines) + "\n")
 
 
@@ -192,11 +251,24 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=sorted(CONFIGS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--runs-dir", default=str(REPO / "runs" / "simcse-compare"))
+    parser.add_argument(
+        "--full-dev", nargs="*", metavar="CONFIG", help="only evaluate these configs' final models on all of STS-B dev"
+    )
+    parser.add_argument("--summarize-only", action="store_true", help="only rewrite the tables from finished runs")
     args = parser.parse_args()
     command = " ".join(["python", "benchmarks/simcse_compare.py"] + sys.argv[1:])
     runs_dir = Path(args.runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    if args.summarize_only:
+        summarize(runs_dir, args.configs, args.seeds, baseline(runs_dir), command)
+        print((RESULTS / "summary.md").read_text(), flush=True)
+        return
+    if args.full_dev is not None:
+        full_dev(runs_dir, args.full_dev or args.configs, args.seeds)
+        summarize(runs_dir, args.configs, args.seeds, baseline(runs_dir), command)
+        print((RESULTS / "summary.md").read_text(), flush=True)
+        return
     print("starting model ...", flush=True)
     base = baseline(runs_dir)
     print(f"starting model: dev {base['stsb_dev']:.2f} test {base['stsb_test']:.2f}", flush=True)
