@@ -16,7 +16,7 @@ minilm() {
 }
 
 simclr() {  # encoders of the reduced SimCLR comparison (recipes/simclr.py), CIFAR-10 test images
-  for run in runs/simclr-compare/{infonce,weince}-seed{0,1,2}; do
+  for run in runs/simclr-compare/{infonce,weince,rb-sigmoid}-seed{0,1,2}; do
     [ -f "$run/model.pt" ] || continue
     name=simclr-$(basename "$run")
     [ -f "$OUT/$name/summary.json" ] && [ -z "${FORCE:-}" ] && continue
@@ -28,7 +28,7 @@ simclr() {  # encoders of the reduced SimCLR comparison (recipes/simclr.py), CIF
 
 simcse() {  # encoders of the reduced SimCSE comparison (recipes/simcse.py), same data as MiniLM; no dropout views
   # (separated for all-MiniLM-L6-v2, which these 6-step fine-tunes start from: no information, 2 encodings saved)
-  for run in runs/simcse-compare/infonce-seed0 runs/simcse-compare/weince-seed0; do
+  for run in runs/simcse-compare/{infonce,weince}-seed{0,1,2}; do
     [ -f "$run/final/modules.json" ] || continue
     name=simcse-$(basename "$run")
     [ -f "$OUT/$name/summary.json" ] && [ -z "${FORCE:-}" ] && continue
