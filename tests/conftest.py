@@ -58,3 +58,41 @@ def copy_head_lines(source: Path, destination: Path, lines: int) -> None:
     destination.parent.mkdir(parents=True, exist_ok=True)
     head = source.read_text(encoding="utf-8").splitlines(keepends=True)[:lines]
     destination.write_text("".join(head), encoding="utf-8")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_command(*target: str, nproc: int = 2) -> list[str]:
+    """``python -m torch.distributed.run`` on a free loopback port (gloo on CPU), followed by ``target``
+    (a script path and its arguments, or ``-m module ...``)."""
+    import sys
+
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        *target,
+    ]
+
+
+@pytest.fixture()
+def one_torch_thread():
+    """Tiny tensors: one thread avoids OpenMP spinning on a busy machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -18,30 +18,11 @@ PLOTS = ("pot_density.png", "pot_qq.png", "pot_stability.png")
 
 
 def _tiny_text_model(tmp_path: Path) -> Path:
-    """A tiny BERT whose tokenizer knows the words of the test sentences.
-
-    Workaround: build_tiny_bert's tokenizer (BertTokenizerFast(vocab_file=...) under transformers 5) ends up with
-    the 5 special tokens only, so every word is [UNK] and all sentences embed alike; rebuild the tokenizer from the
-    vocabulary and resize the embeddings when that happens.
-    """
-    from sentence_transformers import SentenceTransformer
-    from transformers import BertTokenizerFast
-
+    """A tiny BERT whose tokenizer knows the words of the test sentences."""
     from st_weince.utils.tiny_models import build_tiny_bert
 
     path = tmp_path / "tiny-bert"
     model = build_tiny_bert(path, sentences=TINY_SENTENCES)
-    vocab = [w for w in (path / "vocab.txt").read_text(encoding="utf-8").splitlines() if w]
-    if model.tokenizer.vocab_size < len(vocab):
-        tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True)
-        bert = model[0].auto_model
-        torch.manual_seed(0)
-        bert.resize_token_embeddings(len(vocab))
-        with torch.no_grad():
-            bert.embeddings.word_embeddings.weight.normal_(0.0, bert.config.initializer_range)
-        bert.save_pretrained(path)
-        tokenizer.save_pretrained(path)
-        model = SentenceTransformer(str(path), device="cpu")
     assert model.tokenizer("the cat")["input_ids"][1] != model.tokenizer.unk_token_id
     return path
 

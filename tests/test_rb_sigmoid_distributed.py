@@ -5,15 +5,14 @@ with prepare_trainer the loss parameters are identical on both ranks (without it
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from st_weince.losses import RBSigmoidLoss
+from tests.conftest import torchrun_command
 from tests.rb_sigmoid_distributed_worker import GLOBAL_BATCH, SETTINGS, global_batch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -21,30 +20,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     output_dir = tmp_path_factory.mktemp("rb-sigmoid-ddp")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        "-m",
-        "tests.rb_sigmoid_distributed_worker",
-        str(output_dir),
-    ]
+    command = torchrun_command("-m", "tests.rb_sigmoid_distributed_worker", str(output_dir))
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=420)
     assert result.returncode == 0, result.stderr[-4000:]
     return [torch.load(output_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]

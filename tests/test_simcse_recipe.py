@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import torchrun_command
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "simcse.py"
 
@@ -188,9 +190,8 @@ def test_two_processes_match_one(tiny_model_dir, small_stsb, train_file, tmp_pat
     )  # fmt: skip
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     two = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
-         str(RECIPE), *common, "--output-dir", str(tmp_path / "two")],
-        env=env, capture_output=True, text=True, timeout=240,
+        torchrun_command(str(RECIPE), *common, "--output-dir", str(tmp_path / "two")),
+        env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     r1 = json.loads((tmp_path / "one" / "results.json").read_text())

@@ -16,14 +16,7 @@ from st_weince.vision.augment import (
     rgb_to_hsv,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread avoids OpenMP spinning on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture()

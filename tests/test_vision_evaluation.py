@@ -10,14 +10,7 @@ import torch.nn.functional as F
 
 from st_weince.vision import CifarResNet, SimCLRModel, knn_evaluate, linear_probe, load_encoder, save_encoder
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread avoids OpenMP spinning on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _brute_force_knn(train, train_labels, test, test_labels, k, temperature, num_classes):

@@ -11,13 +11,7 @@ from st_weince.functional import weince_logits, weince_statistics
 from st_weince.losses import WEINCELoss
 from st_weince.vision import SimCLRObjective
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _views(n: int = 24, d: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

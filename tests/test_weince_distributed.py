@@ -3,44 +3,24 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from st_weince.losses import WEINCELoss
+from tests.conftest import torchrun_command
 from tests.weince_distributed_worker import SETTINGS, global_batch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def distributed_results(tmp_path_factory) -> list[list[dict]]:
     output_dir = tmp_path_factory.mktemp("weince-ddp")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        "-m",
-        "tests.weince_distributed_worker",
-        str(output_dir),
-    ]
+    command = torchrun_command("-m", "tests.weince_distributed_worker", str(output_dir))
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     return [torch.load(output_dir / f"rank{r}.pt") for r in range(2)]
