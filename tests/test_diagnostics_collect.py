@@ -17,7 +17,7 @@ from st_weince.diagnostics.collect import (
 
 
 def test_negative_pool_holds_every_distinct_pair_once() -> None:
-    emb = torch.randn(37, 8)
+    emb = torch.randn(37, 8, generator=torch.Generator().manual_seed(0))
     pool = negative_pool(emb, chunk=10)  # several chunks
     unit = F.normalize(emb, dim=-1)
     full = unit @ unit.T
@@ -25,7 +25,9 @@ def test_negative_pool_holds_every_distinct_pair_once() -> None:
     assert pool.shape == (37 * 36 // 2,)
     assert sorted(pool.tolist()) == pytest.approx(sorted(full[i, j].double().tolist()), abs=1e-6)
     sub = negative_pool(emb, max_values=100, seed=1)
-    assert sub.shape == (100,) and set(sub.round(6)) <= set(pool.round(6))
+    assert sub.shape == (100,)
+    # every sampled value is one of the pool's (to float precision: the two passes may round differently)
+    assert float(abs(torch.as_tensor(sub)[:, None] - torch.as_tensor(pool)[None, :]).min(dim=1).values.max()) < 1e-6
     with pytest.raises(ValueError, match="N >= 2"):
         negative_pool(emb[:1])
 
