@@ -15,6 +15,7 @@ Negatives of a row are its valid entries other than its positive.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -295,14 +296,20 @@ def weince_statistics(
     mode: WeinceMode = "both",
     beta: float | str = 1.0,
     rho0: Tensor | float | None = None,
+    gather: Callable[[Tensor], Tensor] | None = None,
 ) -> WeinceStatistics:
-    """Per-anchor WEINCE statistics (no gradient). ``rho0`` overrides the batch pivot (e.g. a global-batch one)."""
+    """Per-anchor WEINCE statistics (no gradient).
+
+    ``rho0`` overrides the batch pivot. ``gather`` maps a per-anchor tensor of this process to the one of the global
+    batch (e.g. an all-gather under data parallelism), so that the pivot is taken over every process's anchors.
+    """
     _check_options(q, tail_frac, min_tail_points, eps)
     fit = weince_tail_fit(
         scores, positive_index, valid_mask, tail_frac=tail_frac, min_tail_points=min_tail_points, eps=eps
     )
     if rho0 is None:
-        rho0 = batch_pivot(fit.rho, fit.has_negatives, q)
+        gather = gather or (lambda local: local)
+        rho0 = batch_pivot(gather(fit.rho), gather(fit.has_negatives), q)
     rho0 = torch.as_tensor(rho0, dtype=fit.rho.dtype, device=fit.rho.device)
     lam = blend_weights(fit, rho0, kappa_rho=kappa_rho, kappa_aic=kappa_aic, aic_margin=aic_margin, mode=mode)
     return WeinceStatistics(

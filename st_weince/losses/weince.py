@@ -11,12 +11,9 @@ from torch import Tensor, nn
 from st_weince.functional.weince import (
     WeinceMode,
     WeinceStatistics,
-    batch_pivot,
-    blend_weights,
     check_temperature,
-    tail_index,
     weince_logits,
-    weince_tail_fit,
+    weince_statistics,
 )
 from st_weince.losses._columns import check_embedding_columns
 from st_weince.training.statistics import RunningMeans
@@ -186,35 +183,14 @@ class WEINCELoss(nn.Module):
         self, scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None = None
     ) -> WeinceStatistics:
         """Statistics of rows held by this process; the pivot rho0 is taken over all processes' rows."""
-        options = self.options
-        fit = weince_tail_fit(
+        return weince_statistics(
             scores,
             positive_index,
             valid_mask,
-            tail_frac=options["tail_frac"],
-            min_tail_points=options["min_tail_points"],
-            eps=options["eps"],
-        )
-        if self.gather_across_devices:
-            rho0 = batch_pivot(gather_rows_no_grad(fit.rho), gather_rows_no_grad(fit.has_negatives), options["q"])
-        else:
-            rho0 = batch_pivot(fit.rho, fit.has_negatives, options["q"])
-        lam = blend_weights(
-            fit,
-            rho0,
-            kappa_rho=options["kappa_rho"],
-            kappa_aic=options["kappa_aic"],
-            aic_margin=options["aic_margin"],
             mode=self.mode,
-        )
-        return WeinceStatistics(
-            lam=lam.float(),
-            beta=tail_index(fit, self.beta).float(),
-            rho=fit.rho.float(),
-            delta_aic=fit.delta_aic.float(),
-            rho0=rho0.float(),
-            beta_hat=fit.beta_hat.float(),
-            fitted=fit.fitted,
+            beta=self.beta,
+            gather=gather_rows_no_grad if self.gather_across_devices else None,
+            **self.options,
         )
 
     def logits_from_scores(
