@@ -277,7 +277,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    from eval._provenance import provenance
+    from st_weince.utils.provenance import provenance
 
     args = parse_args(argv)
     names = unique_model_names(args.models, args.names)

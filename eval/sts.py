@@ -43,9 +43,6 @@ from typing import Any
 import numpy as np
 from scipy.stats import spearmanr
 
-if __package__ in (None, ""):  # run as a script: make `eval._provenance` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 TASKS: tuple[str, ...] = ("STS12", "STS13", "STS14", "STS15", "STS16", "STSBenchmark", "SICK-R")
 TASK_ALIASES: dict[str, str] = {
     "STS-B": "STSBenchmark",
@@ -491,7 +488,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    from eval._provenance import provenance
+    from st_weince.utils.provenance import provenance
 
     args = parse_args(argv)
     tasks = resolve_task_names(args.tasks)

@@ -31,8 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -59,6 +57,7 @@ from st_weince.diagnostics.plots import (
     plot_row_shapes,
     plot_shape_stability,
 )
+from st_weince.utils.provenance import provenance
 
 DEFAULT_STABILITY = (0.99, 0.995, 0.998, 0.999, 0.9995, 0.9998, 0.9999)
 
@@ -101,32 +100,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encode-batch-size", type=int, default=64)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     return p
-
-
-def _environment() -> dict:
-    import scipy
-
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__}
-    versions["scipy"] = scipy.__version__
-    for name in ("sentence_transformers", "transformers", "torchvision"):
-        try:
-            versions[name] = __import__(name).__version__
-        except ImportError:
-            pass
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, check=False
-    ).stdout.strip()
-    return {
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "cuda": torch.cuda.is_available(),
-        },
-        "versions": versions,
-        "git_commit": commit or None,
-    }
 
 
 Views = dict[str, tuple[torch.Tensor, torch.Tensor, dict]]
@@ -282,6 +255,7 @@ def run(args: argparse.Namespace) -> dict:
         )
 
     summary = {
+        **provenance(),  # machine, versions, git commit; the command below is the diagnostics' own
         "name": name,
         "command": args.command or _command_line(),
         "model": args.model or args.encoder,
@@ -300,7 +274,6 @@ def run(args: argparse.Namespace) -> dict:
         "negative_pool_quantiles": {str(q): float(np.quantile(pool, q)) for q in (0.5, 0.9, 0.99, 0.999, 1.0)},
         "link": links,
         "paper": {"xi": -0.39, "lambda_range": [0.33, 0.50]},
-        **_environment(),
         "seconds": round(time.time() - started, 1),
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")

@@ -1,4 +1,4 @@
-"""What every committed evaluation output records: machine, library versions, command, git commit."""
+"""What every committed output records: machine, library versions, command, git commit (eval, diagnostics)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ _PACKAGES = (
     "numpy",
     "scipy",
     "scikit-learn",
+    "torchvision",
 )
 
 
@@ -31,7 +32,7 @@ def _version(package: str) -> str | None:
 
 
 def _git_commit() -> str | None:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # the repository holding st_weince/
     try:
         out = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
@@ -58,5 +59,6 @@ def provenance(argv: list[str] | None = None) -> dict:
             "cuda": torch.cuda.is_available(),
         },
         "python": platform.python_version(),
-        "versions": {p: _version(p) for p in _PACKAGES},
+        # torch's own string keeps the build tag (e.g. +cu130 or +cpu) that the package metadata drops
+        "versions": {**{p: _version(p) for p in _PACKAGES}, "torch": torch.__version__},
     }
