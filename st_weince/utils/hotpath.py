@@ -1,0 +1,101 @@
+"""Tools for a training hot path without host-device synchronisations.
+
+Two pieces, used by every loss of this project:
+
+- :class:`DeferredChecks` collects the input checks of one forward as boolean *device* tensors and reads them all
+  with one host-device sync (``raise_if_failed``), instead of one ``bool(...)`` per check. Only when a check fails
+  are the individual flags read again, to name the problem: the error path may sync, the success path syncs once.
+- :func:`count_host_syncs` counts the operations that force a host-device sync, on any device (on CPU they are
+  free, but the same Python code syncs on a GPU). It is what the tests and ``benchmarks/gpu_check.py`` measure.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Ops that read a device value on the host. ``index`` counts only with a boolean mask among its indices.
+SYNC_OPS = ("_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", "item")
+
+
+class DeferredChecks:
+    """Boolean device conditions with their error messages, all read by one sync.
+
+    ::
+
+        checks = DeferredChecks()
+        checks.require(torch.isfinite(x).all(), "x has NaN or Inf")
+        checks.require(index.max() < n, "index out of range")
+        checks.raise_if_failed()  # one sync; ValueError naming the first failed condition
+    """
+
+    def __init__(self, error: type[Exception] = ValueError) -> None:
+        self.error = error
+        self._conditions: list[Tensor] = []
+        self._messages: list[str] = []
+
+    def require(self, condition: Tensor, message: str) -> None:
+        """Add a condition (a bool tensor, reduced with ``all``) that must hold."""
+        self._conditions.append(condition.reshape(-1).all())
+        self._messages.append(message)
+
+    def raise_if_failed(self) -> None:
+        """Read every condition with one host-device sync; raise the first failed one's message."""
+        if not self._conditions:
+            return
+        flags = torch.stack([c.to(self._conditions[0].device) for c in self._conditions])
+        if bool(flags.all()):  # the one sync of the success path
+            return
+        failed = [message for message, ok in zip(self._messages, flags.tolist()) if not ok]
+        raise self.error(failed[0] if len(failed) == 1 else failed[0] + f" (and {len(failed) - 1} more problems)")
+
+
+class _SyncCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in SYNC_OPS:
+            self.counts[name] += 1
+        elif name == "index" and len(args) > 1:
+            if any(isinstance(i, Tensor) and i.dtype == torch.bool for i in args[1] if i is not None):
+                self.counts["index(bool mask)"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class SyncCount:
+    """Result of :func:`count_host_syncs`: ``total`` and ``by_op``."""
+
+    def __init__(self) -> None:
+        self.by_op: Counter[str] = Counter()
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_op.values())
+
+    def __repr__(self) -> str:
+        return f"SyncCount(total={self.total}, by_op={dict(self.by_op)})"
+
+
+@contextmanager
+def count_host_syncs() -> Iterator[SyncCount]:
+    """Count host-device syncing ops run inside the block (forward and backward), on any device.
+
+    ::
+
+        with count_host_syncs() as syncs:
+            loss(features, None).backward()
+        assert syncs.total <= 1
+    """
+    result = SyncCount()
+    mode = _SyncCounter()
+    with mode:
+        yield result
+    result.by_op.update(mode.counts)
