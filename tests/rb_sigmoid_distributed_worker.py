@@ -110,7 +110,7 @@ def trainer_part(output_dir: Path, rank: int, model_dirs: dict[bool, Path]) -> d
         if prepared:
             prepare_trainer(trainer)
         trainer.train()
-        finals["prepared" if prepared else "plain"] = [loss.inverse_temperature.item(), loss.b_rel.item()]
+        finals["prepared" if prepared else "plain"] = [loss.scale.item(), loss.b_rel.item()]
     return finals
 
 

@@ -63,7 +63,7 @@ class StopAt(TrainerCallback):
 
 
 def final_parameters(trainer) -> tuple[float, float]:
-    return trainer.loss.inverse_temperature.item(), trainer.loss.b_rel.item()
+    return trainer.loss.scale.item(), trainer.loss.b_rel.item()
 
 
 def test_interrupted_and_resumed_run_ends_like_an_uninterrupted_one(tiny_model_dir, tmp_path):
