@@ -631,8 +631,10 @@ class DeviceRunningMeans:
             return {}
         keys = list(self._sums)
         device = self._sums[keys[0]].device
-        sums = torch.stack([self._sums[key].to(device) for key in keys]).tolist()
-        counts = torch.stack([self._counts[key].to(device) for key in keys]).tolist()
+        # One transfer for all sums and counts.
+        tensors = [self._sums[key] for key in keys] + [self._counts[key] for key in keys]
+        flat = torch.stack([tensor.to(device) for tensor in tensors]).tolist()
+        sums, counts = flat[: len(keys)], flat[len(keys) :]
         self._sums.clear()
         self._counts.clear()
         return {key: total / count for key, total, count in zip(keys, sums, counts) if count > 0}
