@@ -4,12 +4,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from sentence_transformers.base.losses.gradcache import CachedLossMixin, has_static_embedding_input
 from sentence_transformers.util import all_gather_with_grad, get_rank
 from torch import Tensor, nn
 
-from st_weince.functional.sigmoid import compute_dtype
 from st_weince.losses._columns import check_embedding_columns
 from st_weince.losses.rb_sigmoid import DEFAULT_SCALE, RBSigmoidLoss, flag_option, positive_int_option
 
@@ -178,8 +176,7 @@ class CachedRBSigmoidLoss(CachedLossMixin, RBSigmoidLoss):
         With ``backward``, normalization and gathering run once on leaves: each chunk's backward stops at the
         normalized (and gathered) columns, and one backward per column then carries the accumulated gradients
         through the gather and the normalization to the embeddings."""
-        dtype = compute_dtype(*embeddings)
-        normalized = [F.normalize(embedding.to(dtype), dim=-1) for embedding in embeddings]
+        normalized = self._normalized(embeddings)
         columns = [column.detach().requires_grad_() for column in normalized] if backward else normalized
         candidates, gathered = columns, None
         batch_size = columns[0].shape[0]

@@ -513,8 +513,7 @@ class RBSigmoidLoss(nn.Module):
         """Normalized columns in the computation dtype, the candidate columns (gathered across processes with
         ``gather_across_devices``) and each local anchor's positive row among the candidates."""
         check_embedding_columns(embeddings, type(self).__name__, checks=checks if checks is not None else False)
-        dtype = compute_dtype(*embeddings)
-        columns = [F.normalize(embedding.to(dtype), dim=-1) for embedding in embeddings]
+        columns = self._normalized(embeddings)
         batch_size = columns[0].shape[0]
         offset = 0
         gathered = columns
@@ -523,6 +522,12 @@ class RBSigmoidLoss(nn.Module):
             offset = get_rank() * batch_size
         positive_index = torch.arange(offset, offset + batch_size, device=columns[0].device)
         return columns, gathered, positive_index
+
+    @staticmethod
+    def _normalized(embeddings: list[Tensor]) -> list[Tensor]:
+        """Unit-length rows in the computation dtype (float64 stays float64, half precision becomes float32)."""
+        dtype = compute_dtype(*embeddings)
+        return [F.normalize(embedding.to(dtype), dim=-1) for embedding in embeddings]
 
     def _directional_blocks(self, columns: list[Tensor], candidates: list[Tensor]) -> list[tuple[int, Tensor, float]]:
         """``(anchor column, candidate matrix, weight)`` of every anchors-against-candidates block whose weighted sum
