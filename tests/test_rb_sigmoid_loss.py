@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -236,3 +237,30 @@ def test_clear_errors_for_bad_inputs():
         loss.compute_loss_from_embeddings([bad, p])
     with pytest.raises(ValueError, match="positive_index must lie in"):
         loss.loss_from_scores(torch.zeros(2, 2), torch.tensor([0, 2]))
+
+
+@pytest.mark.parametrize("wrapper", ["MatryoshkaLoss", "Matryoshka2dLoss", "AdaptiveLayerLoss"])
+def test_works_inside_sentence_transformers_wrappers(tiny_model, wrapper):
+    from sentence_transformers.sentence_transformer import losses
+
+    inner = RBSigmoidLoss(tiny_model)
+    if wrapper == "AdaptiveLayerLoss":
+        loss = losses.AdaptiveLayerLoss(tiny_model, inner)
+    else:
+        loss = getattr(losses, wrapper)(tiny_model, inner, [32, 16])
+    features = [
+        tiny_model.tokenize(["the cat sat", "a dog runs", "rain falls"]),
+        tiny_model.tokenize(["on the mat", "in the park", "on the city"]),
+    ]
+    value = loss(features, None)
+    value.backward()
+    assert torch.isfinite(value)
+    own = {name for name, _ in loss.named_parameters() if "model." not in name}
+    # The prefix a learning_rate_mapping pattern must allow for (Matryoshka2dLoss nests two wrappers).
+    prefix = "loss.loss." if wrapper == "Matryoshka2dLoss" else "loss."
+    assert own == {prefix + "log_t", prefix + "b_rel"}
+    # The documented learning_rate_mapping pattern finds them through the wrapper, and no model parameter.
+    pattern = r"(^|\.)(log_t|b_rel)$"
+    assert {name for name, _ in loss.named_parameters() if re.search(pattern, name)} == own
+    assert inner.log_t.grad is not None and inner.b_rel.grad is not None
+    assert inner.pop_logged_statistics()["rb_sigmoid_t"] == pytest.approx(10.0, rel=1e-6)

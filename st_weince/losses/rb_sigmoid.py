@@ -312,7 +312,8 @@ class RBSigmoidLoss(nn.Module):
               and averages their gradients across processes.
             - The loss parameters train with the trainer's learning rate; at fine-tuning rates (e.g. 2e-5) ``t`` and
               ``b_rel`` hardly move, so give them their own, e.g.
-              ``SentenceTransformerTrainingArguments(learning_rate_mapping={r"^(log_t|b_rel)$": 1e-2})``.
+              ``SentenceTransformerTrainingArguments(learning_rate_mapping={r"(^|\\.)(log_t|b_rel)$": 1e-2})``
+              (the pattern also finds them under a wrapper such as ``MatryoshkaLoss``, as ``loss.log_t``).
             - Use ``BatchSamplers.NO_DUPLICATES`` so no in-batch negative duplicates an anchor's positive.
             - For batches beyond what fits in memory use :class:`~st_weince.losses.CachedRBSigmoidLoss`.
 
