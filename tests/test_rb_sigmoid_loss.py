@@ -84,7 +84,7 @@ def test_gradients_reach_embeddings_and_loss_parameters():
 
 
 def test_fixed_parameters_are_buffers_without_gradient():
-    loss = RBSigmoidLoss(None, trainable_temperature=False, trainable_bias=False, relative_bias=0.5)
+    loss = RBSigmoidLoss(None, trainable_scale=False, trainable_bias=False, relative_bias=0.5)
     assert list(loss.parameters()) == []
     assert set(dict(loss.named_buffers())) == {"log_t", "b_rel"}
     a, p = embeddings(4, 4, seed=4)

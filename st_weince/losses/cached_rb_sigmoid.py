@@ -5,7 +5,6 @@ from typing import Any
 
 import torch
 from sentence_transformers.base.losses.gradcache import CachedLossMixin, has_static_embedding_input
-from sentence_transformers.util import all_gather_with_grad, get_rank
 from torch import Tensor, nn
 
 from st_weince.losses._columns import check_embedding_columns
@@ -178,14 +177,12 @@ class CachedRBSigmoidLoss(CachedLossMixin, RBSigmoidLoss):
         through the gather and the normalization to the embeddings."""
         normalized = self._normalized(embeddings)
         columns = [column.detach().requires_grad_() for column in normalized] if backward else normalized
-        candidates, gathered = columns, None
+        gathered, positive_index = self._candidates(columns)
+        # Without gathering the candidates are the columns themselves; gathered ones become leaves of their own.
+        candidates = gathered
+        if self.gather_across_devices and backward:
+            candidates = [column.detach().requires_grad_() for column in gathered]
         batch_size = columns[0].shape[0]
-        offset = 0
-        if self.gather_across_devices:
-            gathered = [all_gather_with_grad(column) for column in columns]
-            candidates = [column.detach().requires_grad_() for column in gathered] if backward else gathered
-            offset = get_rank() * batch_size
-        positive_index = torch.arange(offset, offset + batch_size, device=columns[0].device)
 
         total = columns[0].new_zeros(())
         extremes: tuple[Tensor, Tensor] | None = None
@@ -204,7 +201,7 @@ class CachedRBSigmoidLoss(CachedLossMixin, RBSigmoidLoss):
                 if block_index == 0:  # the logged margin is the first block's, as in RBSigmoidLoss
                     extremes = (low, high) if extremes is None else _merge(extremes, low, high)
         if backward:
-            if gathered is not None:
+            if self.gather_across_devices:
                 _backward_where_used(gathered, candidates)
             _backward_where_used(normalized, columns)
         return total, extremes

@@ -515,14 +515,19 @@ class RBSigmoidLoss(nn.Module):
         ``gather_across_devices``) and each local anchor's positive row among the candidates."""
         check_embedding_columns(embeddings, type(self).__name__, checks=checks if checks is not None else False)
         columns = self._normalized(embeddings)
+        gathered, positive_index = self._candidates(columns)
+        return columns, gathered, positive_index
+
+    def _candidates(self, columns: list[Tensor]) -> tuple[list[Tensor], Tensor]:
+        """The candidate columns (the local ones, or with ``gather_across_devices`` those of all processes, with
+        gradient) and the row of each local anchor's positive among them."""
         batch_size = columns[0].shape[0]
         offset = 0
         gathered = columns
         if self.gather_across_devices:
             gathered = [all_gather_with_grad(column) for column in columns]
             offset = get_rank() * batch_size
-        positive_index = torch.arange(offset, offset + batch_size, device=columns[0].device)
-        return columns, gathered, positive_index
+        return gathered, torch.arange(offset, offset + batch_size, device=columns[0].device)
 
     @staticmethod
     def _normalized(embeddings: list[Tensor]) -> list[Tensor]:
