@@ -214,3 +214,23 @@ def test_loss_stage_keeps_one_row_chunk_of_scores_in_memory(one_torch_thread):
     candidates = 2 * rows  # positives and negatives
     assert max(sizes) <= max(mini_batch * candidates, candidates * dim, rows * dim)
     assert max(sizes) < rows * candidates
+
+
+def test_grad_scaler_unscaled_gradients_equal_the_uncached_ones(model, one_torch_thread):
+    """torch.amp.GradScaler multiplies the loss by its scale before backward and divides the gradients by it in
+    unscale_: the loss parameters' gradients come out right only if they took part in the scaled backward."""
+    texts = triplets(seed=7)
+    unscaled = {}
+    for name, loss_fn in (
+        ("uncached", RBSigmoidLoss(model)),
+        ("cached", CachedRBSigmoidLoss(model, mini_batch_size=MINI_BATCH)),
+    ):
+        zero_grads(model, loss_fn)
+        optimizer = torch.optim.SGD(loss_fn.parameters(), lr=0.0)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+        value = loss_fn([model.tokenize(column) for column in texts], None)
+        scaler.scale(value).backward()
+        scaler.unscale_(optimizer)
+        unscaled[name] = {n: p.grad.clone() for n, p in loss_fn.named_parameters() if not n.startswith("model.")}
+    assert set(unscaled["cached"]) == {"log_t", "b_rel"}
+    assert_same_gradients(unscaled["cached"], unscaled["uncached"])
