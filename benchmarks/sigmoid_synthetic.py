@@ -86,7 +86,7 @@ def train_pairs(
         t = log_t.exp()
         kwargs = {"relative_bias": bias} if parametrization == "relative" else {"bias": bias}
         # The released experiments average over all N^2 pairs: the functional's per-anchor sum divided by N.
-        loss = sigmoid_contrastive_loss(scores, targets, inverse_temperature=t, **kwargs) / num_pairs
+        loss = sigmoid_contrastive_loss(scores, targets, scale=t, **kwargs) / num_pairs
         if step % record_every == 0 or step == steps:
             margin, _ = constellation_margin(scores.detach(), targets)
             b_rel = float(bias) if parametrization == "relative" else float(bias) / float(t)
@@ -219,13 +219,13 @@ def fit_loss_parameters(scores: torch.Tensor, targets: torch.Tensor) -> dict[str
 
     def closure() -> torch.Tensor:
         optimizer.zero_grad()
-        value = sigmoid_contrastive_loss(scores, targets, inverse_temperature=log_t.exp(), relative_bias=b_rel)
+        value = sigmoid_contrastive_loss(scores, targets, scale=log_t.exp(), relative_bias=b_rel)
         value.backward()
         return value
 
     optimizer.step(closure)
     with torch.no_grad():
-        fitted = sigmoid_contrastive_loss(scores, targets, inverse_temperature=log_t.exp(), relative_bias=b_rel)
+        fitted = sigmoid_contrastive_loss(scores, targets, scale=log_t.exp(), relative_bias=b_rel)
     return {"t": float(log_t.exp().detach()), "b_rel": float(b_rel.detach()), "loss": float(fitted)}
 
 
@@ -271,7 +271,7 @@ def run_init(args: argparse.Namespace) -> dict:
         diag.append(scores.diagonal().mean().item())
         off.append(scores[~torch.eye(batch_size, dtype=torch.bool)].mean().item())
         for t, b in candidates:
-            value = sigmoid_contrastive_loss(scores, targets, inverse_temperature=t, relative_bias=b)
+            value = sigmoid_contrastive_loss(scores, targets, scale=t, relative_bias=b)
             start_losses[f"t={t:g},b_rel={b:g}"].append(float(value))
         fits.append(fit_loss_parameters(scores, targets))
 

@@ -3,8 +3,10 @@
 Part 1 (embeddings): each rank takes its slice of one global batch, computes RBSigmoidLoss with
 gather_across_devices=True, back-propagates and records its loss, the gradients of its rows and the gradients of the
 loss parameters before and after :func:`st_weince.training.average_loss_gradients`.
+Also the loss stage of CachedRBSigmoidLoss (``calculate_loss``) on the same rows in mini-batches.
 Part 2 (trainer): a tiny BERT trained for a few DDP steps with gather_across_devices=True, with and without
-:func:`st_weince.training.prepare_trainer`; records t and b_rel on each rank.
+:func:`st_weince.training.prepare_trainer`, and (without dropout, SGD) with RBSigmoidLoss against
+CachedRBSigmoidLoss; records t and b_rel on each rank.
 Everything goes to OUTPUT_DIR/rank{r}.pt.
 """
 
@@ -17,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from st_weince.losses import RBSigmoidLoss
+from st_weince.losses import CachedRBSigmoidLoss, RBSigmoidLoss
 from st_weince.training import average_loss_gradients, prepare_trainer
 
 # (loss options, number of columns): one launch runs them all, since starting processes is slow.
@@ -29,6 +31,9 @@ SETTINGS = [
 ]
 GLOBAL_BATCH = 16
 TRAIN_STEPS = 4
+# Trainer runs: with and without prepare_trainer; and, without dropout, uncached against cached.
+RUNS = ("prepared", "plain", "uncached", "cached")
+CACHED_MINI_BATCH = 3  # does not divide the local batch of 8: the last chunk is short
 
 
 def global_batch(batch_size: int, num_columns: int, dim: int = 12) -> list[torch.Tensor]:
@@ -52,30 +57,40 @@ def embedding_part(rank: int, world_size: int) -> list[dict]:
         loss.backward()
         before = loss_parameter_grads(loss_fn)
         average_loss_gradients(loss_fn)
-        results.append(
-            {
-                "loss": loss.detach(),
-                "grads": [m.grad for m in mine],
-                "param_grads_local": before,
-                "param_grads_averaged": loss_parameter_grads(loss_fn),
-            }
-        )
+        result = {
+            "loss": loss.detach(),
+            "grads": [m.grad for m in mine],
+            "param_grads_local": before,
+            "param_grads_averaged": loss_parameter_grads(loss_fn),
+        }
+        # The cached loss stage on the same rows, split into mini-batches as the mixin hands them over.
+        cached_fn = CachedRBSigmoidLoss(None, gather_across_devices=True, mini_batch_size=CACHED_MINI_BATCH, **options)
+        reps = [[piece.detach().clone().requires_grad_(True) for piece in m.split(CACHED_MINI_BATCH)] for m in mine]
+        cached_loss = cached_fn.calculate_loss(reps, with_backward=True)
+        cached_loss.backward()  # the loss parameters' term (the embeddings got their gradients inside)
+        average_loss_gradients(cached_fn)
+        result["cached"] = {
+            "loss": cached_loss.detach(),
+            "grads": [torch.cat([piece.grad for piece in column]) for column in reps],
+            "param_grads_averaged": loss_parameter_grads(cached_fn),
+        }
+        results.append(result)
     return results
 
 
-def build_models(output_dir: Path, rank: int) -> dict[bool, Path]:
+def build_models(output_dir: Path, rank: int) -> dict[str, Path]:
     """Before the process group exists: under one, save_pretrained writes the weights on rank 0 only."""
     from st_weince.utils.tiny_models import build_tiny_bert
     from tests.conftest import TINY_SENTENCES
 
     paths = {}
-    for prepared in (True, False):
-        paths[prepared] = output_dir / f"model-rank{rank}-{prepared}"
-        build_tiny_bert(paths[prepared], sentences=TINY_SENTENCES, seed=0)
+    for run in RUNS:
+        paths[run] = output_dir / f"model-rank{rank}-{run}"
+        build_tiny_bert(paths[run], sentences=TINY_SENTENCES, seed=0)
     return paths
 
 
-def trainer_part(output_dir: Path, rank: int, model_dirs: dict[bool, Path]) -> dict[str, list[float]]:
+def trainer_part(output_dir: Path, rank: int, model_dirs: dict[str, Path]) -> dict[str, list[float]]:
     from datasets import Dataset
     from sentence_transformers import (
         SentenceTransformer,
@@ -88,14 +103,24 @@ def trainer_part(output_dir: Path, rank: int, model_dirs: dict[bool, Path]) -> d
     sentences = TINY_SENTENCES * 3
     dataset = Dataset.from_dict({"anchor": sentences, "positive": sentences[5:] + sentences[:5]})
     finals = {}
-    for prepared in (True, False):
-        model = SentenceTransformer(str(model_dirs[prepared]), device="cpu")
-        loss = RBSigmoidLoss(model, gather_across_devices=True)
+    for run in RUNS:
+        model = SentenceTransformer(str(model_dirs[run]), device="cpu")
+        if run != "plain" and run != "prepared":
+            # Deterministic forward passes, so the cached and the uncached run can be compared.
+            for module in model.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
+        if run == "cached":
+            loss = CachedRBSigmoidLoss(model, gather_across_devices=True, mini_batch_size=CACHED_MINI_BATCH)
+        else:
+            loss = RBSigmoidLoss(model, gather_across_devices=True)
+        # Plain SGD for the cached comparison: Adam would hide a wrong gradient scale.
+        compared = run in ("cached", "uncached")
+        optimizer = {"optim": "sgd", "learning_rate": 1e-3} if compared else {"learning_rate": 5e-2}
         args = SentenceTransformerTrainingArguments(
-            output_dir=str(output_dir / f"run-{prepared}"),
+            output_dir=str(output_dir / f"run-{run}"),
             per_device_train_batch_size=4,
             max_steps=TRAIN_STEPS,
-            learning_rate=5e-2,
             lr_scheduler_type="constant",
             save_strategy="no",
             logging_steps=1,
@@ -105,12 +130,13 @@ def trainer_part(output_dir: Path, rank: int, model_dirs: dict[bool, Path]) -> d
             disable_tqdm=True,
             ddp_backend="gloo",
             ddp_find_unused_parameters=True,
+            **optimizer,
         )
         trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset, loss=loss)
-        if prepared:
+        if run != "plain":
             prepare_trainer(trainer)
         trainer.train()
-        finals["prepared" if prepared else "plain"] = [loss.inverse_temperature.item(), loss.b_rel.item()]
+        finals[run] = [loss.scale.item(), loss.b_rel.item()]
     return finals
 
 

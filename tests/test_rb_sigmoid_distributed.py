@@ -1,6 +1,7 @@
-"""RBSigmoidLoss under torchrun --nproc_per_node 2 (gloo, CPU): the loss equals one process on the same global batch,
-loss-parameter gradients averaged across processes equal the single-process ones, and after several trainer steps
-with prepare_trainer the loss parameters are identical on both ranks (without it they drift apart)."""
+"""RBSigmoidLoss and CachedRBSigmoidLoss under torchrun --nproc_per_node 2 (gloo, CPU): the loss equals one process on
+the same global batch, loss-parameter gradients averaged across processes equal the single-process ones, and after
+several trainer steps with prepare_trainer the loss parameters are identical on both ranks (without it they drift
+apart), with the cached loss ending where the uncached one does."""
 
 from __future__ import annotations
 
@@ -53,6 +54,25 @@ def test_two_processes_equal_one_process(ranks, setting):
         torch.testing.assert_close(distributed, column.grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("setting", range(len(SETTINGS)))
+def test_cached_loss_stage_two_processes_equal_one_process(ranks, setting):
+    """CachedRBSigmoidLoss with gather_across_devices: the loss stage on each rank's mini-batches equals the
+    single-process uncached loss on the global batch, as the uncached loss does above."""
+    options, num_columns = SETTINGS[setting]
+    per_rank = [ranks[r]["embedding"][setting]["cached"] for r in range(2)]
+    columns = [c.clone().requires_grad_(True) for c in global_batch(GLOBAL_BATCH, num_columns)]
+    loss_fn = RBSigmoidLoss(None, **options)
+    loss = loss_fn.compute_loss_from_embeddings(columns)
+    loss.backward()
+    assert float((per_rank[0]["loss"] + per_rank[1]["loss"]) / 2) == pytest.approx(loss.item(), rel=1e-5)
+    for name, parameter in loss_fn.named_parameters():
+        for r in range(2):
+            torch.testing.assert_close(per_rank[r]["param_grads_averaged"][name], parameter.grad, rtol=1e-4, atol=1e-6)
+    for index, column in enumerate(columns):
+        distributed = torch.cat([per_rank[r]["grads"][index] for r in range(2)]) / 2
+        torch.testing.assert_close(distributed, column.grad, rtol=1e-4, atol=1e-6)
+
+
 def test_trainer_keeps_loss_parameters_identical_across_ranks(ranks):
     prepared = [ranks[r]["trainer"]["prepared"] for r in range(2)]
     plain = [ranks[r]["trainer"]["plain"] for r in range(2)]
@@ -60,3 +80,13 @@ def test_trainer_keeps_loss_parameters_identical_across_ranks(ranks):
     assert prepared[0][0] != pytest.approx(10.0, rel=1e-3), "t must have moved during training"
     # Without prepare_trainer (ECOSYSTEM-NOTES trap 1) the ranks drift apart.
     assert plain[0] != pytest.approx(plain[1], rel=1e-6, abs=1e-7)
+
+
+def test_cached_trainer_run_equals_the_uncached_one(ranks):
+    """Two DDP processes, gather_across_devices, prepare_trainer, SGD: the cached loss moves t and b_rel exactly as
+    the uncached one, identically on both ranks."""
+    cached = [ranks[r]["trainer"]["cached"] for r in range(2)]
+    uncached = [ranks[r]["trainer"]["uncached"] for r in range(2)]
+    assert cached[0] == pytest.approx(cached[1], rel=1e-6, abs=1e-7)
+    assert uncached[0][0] != pytest.approx(10.0, rel=1e-4), "t must have moved"
+    assert cached[0] == pytest.approx(uncached[0], rel=1e-5, abs=1e-6)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from st_weince.functional import nt_xent_layout
 from st_weince.losses import RBSigmoidLoss
-from st_weince.losses.rb_sigmoid import DEFAULT_INVERSE_TEMPERATURE, DEFAULT_RELATIVE_BIAS
+from st_weince.losses.rb_sigmoid import DEFAULT_RELATIVE_BIAS, DEFAULT_SCALE
 
 
 def direct(u, v_all, positive_index, t, *, b_rel=None, b=None, mask=None) -> torch.Tensor:
@@ -39,14 +40,14 @@ def embeddings(*shape_rows: int, dim: int = 16, seed: int = 0) -> list[torch.Ten
 
 def test_pairs_relative_equals_direct_formula():
     a, p = embeddings(8, 8)
-    loss = RBSigmoidLoss(None, inverse_temperature=5.0, relative_bias=0.3)
+    loss = RBSigmoidLoss(None, scale=5.0, relative_bias=0.3)
     value = loss.compute_loss_from_embeddings([a, p])
     assert value.item() == pytest.approx(direct(a, p, torch.arange(8), 5.0, b_rel=0.3).item(), rel=1e-5)
 
 
 def test_hard_negatives_absolute_equals_direct_formula():
     a, p, n1, n2 = embeddings(6, 6, 6, 6, seed=1)
-    loss = RBSigmoidLoss(None, parametrization="absolute", inverse_temperature=8.0, bias=-2.0)
+    loss = RBSigmoidLoss(None, parametrization="absolute", scale=8.0, bias=-2.0)
     value = loss.compute_loss_from_embeddings([a, p, n1, n2])
     expected = direct(a, torch.cat([p, n1, n2]), torch.arange(6), 8.0, b=-2.0)
     assert value.item() == pytest.approx(expected.item(), rel=1e-5)
@@ -54,8 +55,8 @@ def test_hard_negatives_absolute_equals_direct_formula():
 
 def test_absolute_default_start_is_t_times_b_rel_and_both_agree():
     a, p, n = embeddings(5, 5, 5, seed=2)
-    relative = RBSigmoidLoss(None, inverse_temperature=4.0, relative_bias=0.25)
-    absolute = RBSigmoidLoss(None, parametrization="absolute", inverse_temperature=4.0, relative_bias=0.25)
+    relative = RBSigmoidLoss(None, scale=4.0, relative_bias=0.25)
+    absolute = RBSigmoidLoss(None, parametrization="absolute", scale=4.0, relative_bias=0.25)
     assert absolute.bias.item() == pytest.approx(1.0)
     assert absolute.relative_bias.item() == pytest.approx(0.25)
     assert relative.absolute_bias.item() == pytest.approx(1.0)
@@ -73,7 +74,7 @@ def test_gradients_reach_embeddings_and_loss_parameters():
     assert loss.log_t.grad is not None and loss.b_rel.grad is not None
     assert {name for name, _ in loss.named_parameters()} == {"log_t", "b_rel"}
     # Gradient of b_rel by finite differences of the direct formula.
-    t, b_rel = loss.inverse_temperature.item(), loss.b_rel.item()
+    t, b_rel = loss.scale.item(), loss.b_rel.item()
     eps = 1e-5
     numeric = (
         direct(a.detach(), p, torch.arange(6), t, b_rel=b_rel + eps)
@@ -83,7 +84,7 @@ def test_gradients_reach_embeddings_and_loss_parameters():
 
 
 def test_fixed_parameters_are_buffers_without_gradient():
-    loss = RBSigmoidLoss(None, trainable_temperature=False, trainable_bias=False, relative_bias=0.5)
+    loss = RBSigmoidLoss(None, trainable_scale=False, trainable_bias=False, relative_bias=0.5)
     assert list(loss.parameters()) == []
     assert set(dict(loss.named_buffers())) == {"log_t", "b_rel"}
     a, p = embeddings(4, 4, seed=4)
@@ -97,7 +98,7 @@ def test_finite_loss_at_t_1e4_with_scores_of_exactly_plus_minus_one():
     eye = torch.eye(4)
     anchors = torch.cat([eye, -eye[:1]])  # scores exactly +1, 0 and -1
     positives = torch.cat([eye, eye[:1]])
-    loss = RBSigmoidLoss(None, inverse_temperature=1e4, relative_bias=0.0)
+    loss = RBSigmoidLoss(None, scale=1e4, relative_bias=0.0)
     value = loss.compute_loss_from_embeddings([anchors, positives])
     value.backward()
     assert torch.isfinite(value)
@@ -130,7 +131,7 @@ def test_symmetric_changes_nothing_without_negatives_and_averages_directions_wit
     plain = RBSigmoidLoss(None).compute_loss_from_embeddings([a, p])
     symmetric = RBSigmoidLoss(None, symmetric=True).compute_loss_from_embeddings([a, p])
     assert symmetric.item() == pytest.approx(plain.item(), rel=1e-6)
-    t, b_rel = DEFAULT_INVERSE_TEMPERATURE, DEFAULT_RELATIVE_BIAS
+    t, b_rel = DEFAULT_SCALE, DEFAULT_RELATIVE_BIAS
     with_negatives = RBSigmoidLoss(None, symmetric=True).compute_loss_from_embeddings([a, p, n])
     expected = (
         direct(a, torch.cat([p, n]), torch.arange(5), t, b_rel=b_rel) + direct(p, a, torch.arange(5), t, b_rel=b_rel)
@@ -140,7 +141,7 @@ def test_symmetric_changes_nothing_without_negatives_and_averages_directions_wit
 
 def test_modalities_is_the_sum_of_pairwise_losses():
     m1, m2, m3 = embeddings(6, 6, 6, seed=7)
-    loss = RBSigmoidLoss(None, columns="modalities", inverse_temperature=3.0, relative_bias=0.1)
+    loss = RBSigmoidLoss(None, columns="modalities", scale=3.0, relative_bias=0.1)
     value = loss.compute_loss_from_embeddings([m1, m2, m3])
     index = torch.arange(6)
     expected = sum(direct(x, y, index, 3.0, b_rel=0.1) for x, y in ((m1, m2), (m1, m3), (m2, m3)))
@@ -149,7 +150,7 @@ def test_modalities_is_the_sum_of_pairwise_losses():
 
 def test_locked_adapter_equals_the_loss_of_the_extended_vectors():
     a, p = embeddings(6, 6, seed=8)
-    loss = RBSigmoidLoss(None, locked_adapter=True, adapter_logit=0.5, inverse_temperature=6.0, relative_bias=-0.2)
+    loss = RBSigmoidLoss(None, locked_adapter=True, adapter_logit=0.5, scale=6.0, relative_bias=-0.2)
     value = loss.compute_loss_from_embeddings([a, p])
     delta = torch.sigmoid(torch.tensor(0.5, dtype=torch.float64))
     extra = torch.sqrt(1 - delta**2).expand(6, 1)
@@ -166,7 +167,7 @@ def test_locked_adapter_equals_the_loss_of_the_extended_vectors():
 def test_loss_from_scores_with_the_nt_xent_layout():
     view_a, view_b = embeddings(4, 4, seed=9)
     scores, positive_index, valid_mask = nt_xent_layout(view_a, view_b)
-    loss = RBSigmoidLoss(None, inverse_temperature=2.0, relative_bias=0.4)
+    loss = RBSigmoidLoss(None, scale=2.0, relative_bias=0.4)
     value = loss.loss_from_scores(scores, positive_index, valid_mask)
     views = torch.cat([view_a, view_b])
     expected = direct(views, views, positive_index, 2.0, b_rel=0.4, mask=valid_mask)
@@ -179,7 +180,7 @@ def test_loss_from_scores_with_the_nt_xent_layout():
 
 def test_logged_statistics_are_t_b_rel_b_and_the_margin():
     a, p = embeddings(6, 6, seed=10)
-    loss = RBSigmoidLoss(None, inverse_temperature=7.0, relative_bias=0.2)
+    loss = RBSigmoidLoss(None, scale=7.0, relative_bias=0.2)
     loss.compute_loss_from_embeddings([a, p])
     stats = loss.pop_logged_statistics()
     s = F.normalize(a, dim=-1) @ F.normalize(p, dim=-1).T
@@ -208,15 +209,16 @@ def test_config_and_citation():
     loss = RBSigmoidLoss(None, parametrization="absolute", locked_adapter=True)
     config = loss.get_config_dict()
     json.dumps(config)
-    assert config["parametrization"] == "absolute" and config["delta"] == pytest.approx(0.5)
+    # The adapter's start is its constructor option adapter_logit (x, delta = sigmoid(x)), not delta itself.
+    assert config["parametrization"] == "absolute" and config["adapter_logit"] == 0.0
     assert "Bangachev" in loss.citation
 
 
 def test_clear_errors_for_bad_inputs():
     with pytest.raises(ValueError, match="parametrization"):
         RBSigmoidLoss(None, parametrization="siglip")
-    with pytest.raises(ValueError, match="inverse_temperature"):
-        RBSigmoidLoss(None, inverse_temperature=0.0)
+    with pytest.raises(ValueError, match="scale"):
+        RBSigmoidLoss(None, scale=0.0)
     with pytest.raises(ValueError, match="bias is the start of the absolute"):
         RBSigmoidLoss(None, bias=1.0)
     with pytest.raises(ValueError, match="chunk_size"):
@@ -235,3 +237,30 @@ def test_clear_errors_for_bad_inputs():
         loss.compute_loss_from_embeddings([bad, p])
     with pytest.raises(ValueError, match="positive_index must lie in"):
         loss.loss_from_scores(torch.zeros(2, 2), torch.tensor([0, 2]))
+
+
+@pytest.mark.parametrize("wrapper", ["MatryoshkaLoss", "Matryoshka2dLoss", "AdaptiveLayerLoss"])
+def test_works_inside_sentence_transformers_wrappers(tiny_model, wrapper):
+    from sentence_transformers.sentence_transformer import losses
+
+    inner = RBSigmoidLoss(tiny_model)
+    if wrapper == "AdaptiveLayerLoss":
+        loss = losses.AdaptiveLayerLoss(tiny_model, inner)
+    else:
+        loss = getattr(losses, wrapper)(tiny_model, inner, [32, 16])
+    features = [
+        tiny_model.tokenize(["the cat sat", "a dog runs", "rain falls"]),
+        tiny_model.tokenize(["on the mat", "in the park", "on the city"]),
+    ]
+    value = loss(features, None)
+    value.backward()
+    assert torch.isfinite(value)
+    own = {name for name, _ in loss.named_parameters() if "model." not in name}
+    # The prefix a learning_rate_mapping pattern must allow for (Matryoshka2dLoss nests two wrappers).
+    prefix = "loss.loss." if wrapper == "Matryoshka2dLoss" else "loss."
+    assert own == {prefix + "log_t", prefix + "b_rel"}
+    # The documented learning_rate_mapping pattern finds them through the wrapper, and no model parameter.
+    pattern = r"(^|\.)(log_t|b_rel)$"
+    assert {name for name, _ in loss.named_parameters() if re.search(pattern, name)} == own
+    assert inner.log_t.grad is not None and inner.b_rel.grad is not None
+    assert inner.pop_logged_statistics()["rb_sigmoid_t"] == pytest.approx(10.0, rel=1e-6)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from functools import partial
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from datasets import Dataset
 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
 from transformers import TrainerCallback
 
-from st_weince.losses import RBSigmoidLoss, WEINCELoss
+from st_weince.losses import CachedRBSigmoidLoss, RBSigmoidLoss, WEINCELoss
 from st_weince.training import LOSS_STATE_FILE, prepare_trainer
 from tests.conftest import TINY_SENTENCES
 
@@ -24,8 +25,14 @@ def pairs_dataset() -> Dataset:
     return Dataset.from_dict({"anchor": TINY_SENTENCES, "positive": TINY_SENTENCES[1:] + TINY_SENTENCES[:1]})
 
 
-def make_trainer(model_dir, output_dir, *, loss_cls=RBSigmoidLoss, prepare=True, callbacks=None, **overrides):
+def make_trainer(
+    model_dir, output_dir, *, loss_cls=RBSigmoidLoss, prepare=True, callbacks=None, dropout=True, **overrides
+):
     model = SentenceTransformer(str(model_dir), device="cpu")
+    if not dropout:  # deterministic forward passes, so that cached and uncached training can be compared
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
     loss = loss_cls(model)
     settings = {
         "output_dir": str(output_dir),
@@ -63,7 +70,7 @@ class StopAt(TrainerCallback):
 
 
 def final_parameters(trainer) -> tuple[float, float]:
-    return trainer.loss.inverse_temperature.item(), trainer.loss.b_rel.item()
+    return trainer.loss.scale.item(), trainer.loss.b_rel.item()
 
 
 def test_interrupted_and_resumed_run_ends_like_an_uninterrupted_one(tiny_model_dir, tmp_path):
@@ -150,3 +157,31 @@ def test_prepare_trainer_is_harmless_for_weince(tiny_model_dir, tmp_path):
     assert not os.path.exists(tmp_path / "weince" / "checkpoint-3" / LOSS_STATE_FILE)
     records = [r for r in trainer.state.log_history if "loss" in r]
     assert "weince_lambda_mean" in records[-1]
+
+
+def test_cached_loss_trains_like_the_uncached_one_with_accumulation(tiny_model_dir, tmp_path):
+    """CachedRBSigmoidLoss in the trainer with gradient accumulation (the trainer divides each micro-batch's loss by
+    the number of steps): with plain SGD (Adam would hide a wrong gradient scale) t and b_rel end where the uncached
+    loss takes them; the checkpoint holds the loss state and the logs hold t, b_rel, b and the margin."""
+    finals = {}
+    for name, loss_cls in (("uncached", RBSigmoidLoss), ("cached", partial(CachedRBSigmoidLoss, mini_batch_size=3))):
+        trainer = make_trainer(
+            tiny_model_dir,
+            tmp_path / name,
+            loss_cls=loss_cls,
+            dropout=False,
+            optim="sgd",
+            learning_rate=1e-3,
+            weight_decay=0.0,
+            max_steps=3,
+            save_steps=3,
+            gradient_accumulation_steps=2,
+        )
+        trainer.train()
+        finals[name] = final_parameters(trainer)
+        saved = torch.load(tmp_path / name / "checkpoint-3" / LOSS_STATE_FILE, weights_only=True)
+        assert set(saved) == {"log_t", "b_rel"}
+        record = [r for r in trainer.state.log_history if "loss" in r][-1]
+        assert {"rb_sigmoid_t", "rb_sigmoid_b_rel", "rb_sigmoid_b", "rb_sigmoid_margin"} <= set(record)
+    assert finals["uncached"][0] != pytest.approx(10.0, rel=1e-4), "t must have moved"
+    assert finals["cached"] == pytest.approx(finals["uncached"], rel=1e-5, abs=1e-6)

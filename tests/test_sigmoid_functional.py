@@ -17,6 +17,7 @@ from st_weince.functional import (
     sigmoid_logits,
     targets_from_positive_index,
 )
+from st_weince.utils.hotpath import DeferredChecks, count_host_syncs
 
 
 def direct_loss(scores, targets, t, *, b_rel=None, b=None, mask=None) -> float:
@@ -41,45 +42,45 @@ def random_case(seed: int = 0, anchors: int = 6, candidates: int = 9):
 @pytest.mark.parametrize("b_rel", [-0.4, 0.0, 0.7])
 def test_relative_parametrization_equals_direct_formula(t, b_rel):
     scores, targets = random_case()
-    value = sigmoid_contrastive_loss(scores, targets, inverse_temperature=t, relative_bias=b_rel)
+    value = sigmoid_contrastive_loss(scores, targets, scale=t, relative_bias=b_rel)
     assert value.item() == pytest.approx(direct_loss(scores, targets, t, b_rel=b_rel), rel=1e-5)
 
 
 @pytest.mark.parametrize("t,b", [(1.0, -2.0), (10.0, 0.0), (10.0, 10.0), (4.0, 1.5)])
 def test_absolute_parametrization_equals_direct_formula(t, b):
     scores, targets = random_case(1)
-    value = sigmoid_contrastive_loss(scores, targets, inverse_temperature=t, bias=b)
+    value = sigmoid_contrastive_loss(scores, targets, scale=t, bias=b)
     assert value.item() == pytest.approx(direct_loss(scores, targets, t, b=b), rel=1e-5)
 
 
 def test_relative_and_absolute_agree_when_b_is_t_times_b_rel():
     scores, targets = random_case(2)
-    relative = sigmoid_contrastive_loss(scores, targets, inverse_temperature=7.0, relative_bias=0.3)
-    absolute = sigmoid_contrastive_loss(scores, targets, inverse_temperature=7.0, bias=2.1)
+    relative = sigmoid_contrastive_loss(scores, targets, scale=7.0, relative_bias=0.3)
+    absolute = sigmoid_contrastive_loss(scores, targets, scale=7.0, bias=2.1)
     assert relative.item() == pytest.approx(absolute.item(), rel=1e-6)
-    logits = sigmoid_logits(scores, inverse_temperature=7.0, relative_bias=0.3)
+    logits = sigmoid_logits(scores, scale=7.0, relative_bias=0.3)
     torch.testing.assert_close(logits, 7.0 * scores - 2.1, rtol=1e-5, atol=1e-5)
 
 
 def test_normalization_is_mean_over_anchors_of_sum_over_candidates():
     scores, targets = random_case(3, anchors=4, candidates=5)
     one_row = [
-        sigmoid_contrastive_loss(scores[i : i + 1], targets[i : i + 1], inverse_temperature=2.0, bias=0.5)
+        sigmoid_contrastive_loss(scores[i : i + 1], targets[i : i + 1], scale=2.0, bias=0.5)
         for i in range(4)
     ]
-    total = sigmoid_contrastive_loss(scores, targets, inverse_temperature=2.0, bias=0.5)
+    total = sigmoid_contrastive_loss(scores, targets, scale=2.0, bias=0.5)
     assert total.item() == pytest.approx(sum(v.item() for v in one_row) / 4, rel=1e-6)
 
 
 def test_valid_mask_leaves_entries_out():
     scores, targets = random_case(4)
     mask = torch.rand(scores.shape, generator=torch.Generator().manual_seed(9)) > 0.4
-    value = sigmoid_contrastive_loss(scores, targets, inverse_temperature=5.0, relative_bias=0.2, valid_mask=mask)
+    value = sigmoid_contrastive_loss(scores, targets, scale=5.0, relative_bias=0.2, valid_mask=mask)
     assert value.item() == pytest.approx(direct_loss(scores, targets, 5.0, b_rel=0.2, mask=mask), rel=1e-5)
     # Excluded entries may even be NaN (e.g. a masked self-pair) without poisoning the loss.
     poisoned = scores.clone()
     poisoned[~mask] = float("nan")
-    again = sigmoid_contrastive_loss(poisoned, targets, inverse_temperature=5.0, relative_bias=0.2, valid_mask=mask)
+    again = sigmoid_contrastive_loss(poisoned, targets, scale=5.0, relative_bias=0.2, valid_mask=mask)
     assert again.item() == pytest.approx(value.item(), rel=1e-6)
 
 
@@ -91,7 +92,7 @@ def test_gradients_match_the_analytic_ones(parametrization):
     bias = torch.tensor(0.3, requires_grad=True)
     t = log_t.exp()
     kwargs = {"relative_bias": bias} if parametrization == "relative" else {"bias": bias}
-    sigmoid_contrastive_loss(scores, targets, inverse_temperature=t, **kwargs).backward()
+    sigmoid_contrastive_loss(scores, targets, scale=t, **kwargs).backward()
     a = scores.shape[0]
     with torch.no_grad():
         z = 4.0 * (scores - 0.3) if parametrization == "relative" else 4.0 * scores - 0.3
@@ -114,7 +115,7 @@ def test_finite_at_t_1e4_and_scores_of_exactly_plus_minus_one(b_rel):
     targets = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
     t = torch.tensor(1e4, requires_grad=True)
     rel = torch.tensor(b_rel, requires_grad=True)
-    value = sigmoid_contrastive_loss(scores, targets, inverse_temperature=t, relative_bias=rel)
+    value = sigmoid_contrastive_loss(scores, targets, scale=t, relative_bias=rel)
     value.backward()
     assert torch.isfinite(value)
     for grad in (scores.grad, t.grad, rel.grad):
@@ -127,7 +128,7 @@ def test_finite_at_t_1e4_and_scores_of_exactly_plus_minus_one(b_rel):
 
 def test_half_precision_scores_are_computed_in_float32():
     scores, targets = random_case(6)
-    half = sigmoid_contrastive_loss(scores.bfloat16(), targets, inverse_temperature=30.0, relative_bias=0.1)
+    half = sigmoid_contrastive_loss(scores.bfloat16(), targets, scale=30.0, relative_bias=0.1)
     assert half.dtype == torch.float32
     assert half.item() == pytest.approx(direct_loss(scores.bfloat16().float(), targets, 30.0, b_rel=0.1), rel=1e-5)
 
@@ -161,7 +162,7 @@ def test_chunked_equals_unchunked_values_and_gradients(chunk_size, parametrizati
             anchors,
             candidates,
             positive_index,
-            inverse_temperature=log_t.exp(),
+            scale=log_t.exp(),
             score_transform=lambda s, x=x: locked_adapter_scores(s, torch.sigmoid(x)),
             chunk_size=size,
             **kwargs,
@@ -172,7 +173,7 @@ def test_chunked_equals_unchunked_values_and_gradients(chunk_size, parametrizati
     scores = locked_adapter_scores(anchors0 @ candidates0.T, torch.sigmoid(torch.tensor(0.4)))
     targets = targets_from_positive_index(positive_index, 11)
     kwargs = {"relative_bias": 0.2} if parametrization == "relative" else {"bias": 0.2}
-    reference = sigmoid_contrastive_loss(scores, targets, inverse_temperature=math.exp(1.5), **kwargs)
+    reference = sigmoid_contrastive_loss(scores, targets, scale=math.exp(1.5), **kwargs)
     assert results[0][0].item() == pytest.approx(reference.item(), rel=1e-5)
     for full, chunked in zip(results[0], results[1]):
         torch.testing.assert_close(chunked, full, rtol=1e-5, atol=1e-6)
@@ -192,7 +193,7 @@ def test_chunking_keeps_only_small_blocks_in_the_autograd_graph():
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             chunked_sigmoid_contrastive_loss(
-                anchors, candidates, positive_index, inverse_temperature=10.0, relative_bias=0.5, chunk_size=chunk_size
+                anchors, candidates, positive_index, scale=10.0, relative_bias=0.5, chunk_size=chunk_size
             )
         return max(sizes)
 
@@ -219,9 +220,9 @@ def test_margin_and_centre_and_zero_loss_on_a_constellation():
     assert margin.item() == pytest.approx((0.6 - 0.3) / 2)
     assert centre.item() == pytest.approx((0.6 + 0.3) / 2)
     # A constellation (m > 0): at b_rel = centre the loss goes to 0 as t grows; off it, it does not at b_rel = 0.35.
-    small = sigmoid_contrastive_loss(scores, targets, inverse_temperature=1e3, relative_bias=centre)
+    small = sigmoid_contrastive_loss(scores, targets, scale=1e3, relative_bias=centre)
     assert small.item() < 1e-30
-    stuck = sigmoid_contrastive_loss(scores, targets, inverse_temperature=1e3, relative_bias=0.65)
+    stuck = sigmoid_contrastive_loss(scores, targets, scale=1e3, relative_bias=0.65)
     assert stuck.item() > 1.0
     # The chunked path returns the same extremes from its score blocks (anchors = identity: blocks of ``scores``).
     for chunk_size in (None, 1, 2):
@@ -229,7 +230,7 @@ def test_margin_and_centre_and_zero_loss_on_a_constellation():
             torch.eye(3),
             scores.T.contiguous(),
             torch.arange(3),
-            inverse_temperature=1.0,
+            scale=1.0,
             relative_bias=0.0,
             chunk_size=chunk_size,
             return_extremes=True,
@@ -240,35 +241,35 @@ def test_margin_and_centre_and_zero_loss_on_a_constellation():
 def test_clear_errors_for_bad_inputs():
     scores, targets = random_case()
     with pytest.raises(ValueError, match="exactly one of"):
-        sigmoid_contrastive_loss(scores, targets, inverse_temperature=1.0)
+        sigmoid_contrastive_loss(scores, targets, scale=1.0)
     with pytest.raises(ValueError, match="exactly one of"):
-        sigmoid_contrastive_loss(scores, targets, inverse_temperature=1.0, relative_bias=0.0, bias=0.0)
-    with pytest.raises(ValueError, match="inverse_temperature must be > 0"):
-        sigmoid_contrastive_loss(scores, targets, inverse_temperature=0.0, relative_bias=0.0)
-    with pytest.raises(ValueError, match="inverse_temperature must be finite"):
-        sigmoid_contrastive_loss(scores, targets, inverse_temperature=float("inf"), relative_bias=0.0)
+        sigmoid_contrastive_loss(scores, targets, scale=1.0, relative_bias=0.0, bias=0.0)
+    with pytest.raises(ValueError, match="scale must be > 0"):
+        sigmoid_contrastive_loss(scores, targets, scale=0.0, relative_bias=0.0)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        sigmoid_contrastive_loss(scores, targets, scale=float("inf"), relative_bias=0.0)
     with pytest.raises(ValueError, match="relative_bias must be finite"):
-        sigmoid_contrastive_loss(scores, targets, inverse_temperature=1.0, relative_bias=float("nan"))
+        sigmoid_contrastive_loss(scores, targets, scale=1.0, relative_bias=float("nan"))
     with pytest.raises(ValueError, match="only 0"):
-        sigmoid_contrastive_loss(scores, targets * 0.5, inverse_temperature=1.0, relative_bias=0.0)
+        sigmoid_contrastive_loss(scores, targets * 0.5, scale=1.0, relative_bias=0.0)
     with pytest.raises(ValueError, match="targets must have the scores' shape"):
-        sigmoid_contrastive_loss(scores, targets[:, :3], inverse_temperature=1.0, relative_bias=0.0)
+        sigmoid_contrastive_loss(scores, targets[:, :3], scale=1.0, relative_bias=0.0)
     with pytest.raises(ValueError, match="2-D"):
-        sigmoid_contrastive_loss(scores[0], targets[0], inverse_temperature=1.0, relative_bias=0.0)
+        sigmoid_contrastive_loss(scores[0], targets[0], scale=1.0, relative_bias=0.0)
     with pytest.raises(ValueError, match="empty"):
-        sigmoid_contrastive_loss(scores[:0], targets[:0], inverse_temperature=1.0, relative_bias=0.0)
+        sigmoid_contrastive_loss(scores[:0], targets[:0], scale=1.0, relative_bias=0.0)
     bad = scores.clone()
     bad[0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf"):
-        sigmoid_contrastive_loss(bad, targets, inverse_temperature=1.0, relative_bias=0.0)
+        sigmoid_contrastive_loss(bad, targets, scale=1.0, relative_bias=0.0)
     with pytest.raises(ValueError, match="valid_mask must be a bool"):
-        sigmoid_contrastive_loss(scores, targets, inverse_temperature=1.0, relative_bias=0.0, valid_mask=targets)
+        sigmoid_contrastive_loss(scores, targets, scale=1.0, relative_bias=0.0, valid_mask=targets)
     with pytest.raises(ValueError, match="excludes every entry"):
         sigmoid_contrastive_loss(
-            scores, targets, inverse_temperature=1.0, relative_bias=0.0, valid_mask=torch.zeros_like(targets).bool()
+            scores, targets, scale=1.0, relative_bias=0.0, valid_mask=torch.zeros_like(targets).bool()
         )
     with pytest.raises(ValueError, match="must be a scalar"):
-        sigmoid_contrastive_loss(scores, targets, inverse_temperature=torch.ones(2), relative_bias=0.0)
+        sigmoid_contrastive_loss(scores, targets, scale=torch.ones(2), relative_bias=0.0)
     with pytest.raises(ValueError, match="at least one matching and one non-matching"):
         constellation_margin(scores, torch.ones_like(scores))
     with pytest.raises(ValueError, match="chunk_size"):
@@ -276,11 +277,52 @@ def test_clear_errors_for_bad_inputs():
             torch.ones(2, 3),
             torch.ones(2, 3),
             torch.arange(2),
-            inverse_temperature=1.0,
+            scale=1.0,
             relative_bias=0.0,
             chunk_size=0,
         )
     with pytest.raises(ValueError, match="same D"):
         chunked_sigmoid_contrastive_loss(
-            torch.ones(2, 3), torch.ones(2, 4), torch.arange(2), inverse_temperature=1.0, relative_bias=0.0
+            torch.ones(2, 3), torch.ones(2, 4), torch.arange(2), scale=1.0, relative_bias=0.0
         )
+
+
+def test_inverse_temperature_is_a_deprecated_alias_of_scale():
+    scores, targets = random_case(11)
+    expected = sigmoid_contrastive_loss(scores, targets, scale=3.0, relative_bias=0.1)
+    with pytest.warns(DeprecationWarning, match="use scale"):
+        value = sigmoid_contrastive_loss(scores, targets, inverse_temperature=3.0, relative_bias=0.1)
+    assert value.item() == expected.item()
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="not both"):
+        sigmoid_contrastive_loss(scores, targets, scale=3.0, inverse_temperature=3.0, relative_bias=0.1)
+
+
+def test_check_inputs_now_deferred_or_off():
+    scores, targets = random_case(12)
+    bad = scores.clone()
+    bad[1, 2] = float("nan")
+    # True: checked at once, with one host-device sync for all value checks.
+    with count_host_syncs() as syncs:
+        sigmoid_contrastive_loss(scores, targets, scale=torch.tensor(2.0), relative_bias=torch.tensor(0.1))
+    assert syncs.total == 1
+    # A DeferredChecks collects them for the caller: nothing is raised (or read) until it asks.
+    checks = DeferredChecks()
+    with count_host_syncs() as syncs:
+        value = sigmoid_contrastive_loss(bad, targets, scale=2.0, relative_bias=0.1, check_inputs=checks)
+    assert syncs.total == 0 and torch.isnan(value)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        checks.raise_if_failed()
+    # False: no value check and no sync; shape errors are still raised (they are free).
+    with count_host_syncs() as syncs:
+        unchecked = sigmoid_contrastive_loss(bad, targets, scale=2.0, relative_bias=0.1, check_inputs=False)
+        chunked_sigmoid_contrastive_loss(
+            torch.randn(3, 4), torch.randn(5, 4), torch.arange(3), scale=2.0, bias=0.0, check_inputs=False
+        )
+    assert syncs.total == 0 and torch.isnan(unchecked)
+    with pytest.raises(ValueError, match="targets must have the scores' shape"):
+        sigmoid_contrastive_loss(scores, targets[:, :2], scale=1.0, relative_bias=0.0, check_inputs=False)
+    # A tensor scale that is not > 0 (e.g. a diverged parameter) is caught by the checks.
+    with pytest.raises(ValueError, match="scale must be finite and > 0"):
+        sigmoid_contrastive_loss(scores, targets, scale=torch.tensor(-1.0), relative_bias=0.0)
+    with pytest.raises(TypeError, match="scale must be a real number or a scalar tensor"):
+        sigmoid_contrastive_loss(scores, targets, scale="2", relative_bias=0.0)

@@ -1,7 +1,8 @@
 """The sigmoid contrastive loss (SigLIP; RB-Sigmoid's relative-bias parametrization) as pure functions.
 
-Every formula of ``shared/docs/ALGORITHMS.md`` section 2 lives here exactly once; the sentence-transformers adapter
-(:class:`st_weince.losses.RBSigmoidLoss`), the vision recipe, the diagnostics and the synthetic experiments call these.
+Every formula of ``shared/docs/ALGORITHMS.md`` section 2 lives here exactly once; the sentence-transformers adapters
+(:class:`st_weince.losses.RBSigmoidLoss`, :class:`st_weince.losses.CachedRBSigmoidLoss`), the vision recipe, the
+diagnostics and the synthetic experiments call these.
 
 Conventions
 -----------
@@ -9,18 +10,32 @@ Conventions
 ``targets``     [A, C] 1 for a matching pair, 0 for a non-matching one.
 ``valid_mask``  [A, C] bool, False for entries that are no candidate at all (self-pairs, masked entries).
 
-Parametrizations of the logit (exactly one bias is given):
+Parametrizations of the logit (exactly one bias is given), with the scale ``t > 0`` (the inverse temperature):
 
 - relative (RB-Sigmoid): ``z = t * (s - b_rel)``;
 - absolute (SigLIP):     ``z = t * s - b``, so ``b = t * b_rel``.
 
 Loss (SigLIP's normalization): ``-(1/A) sum_a sum_c [y log sigmoid(z) + (1 - y) log sigmoid(-z)]``, i.e. the mean over
-anchors of the sum over valid candidates. Computed as ``-log sigmoid((2y - 1) z)`` in float32, which is finite for any
-temperature (``t = 1e4`` with scores of exactly +-1 gives a finite loss and finite gradients).
+anchors of the sum over valid candidates. Computed as ``softplus(-+z)``, which is finite for any scale (``t = 1e4``
+with scores of exactly +-1 gives a finite loss and finite gradients).
+
+One implementation: :func:`_block_loss_sum` (the loss of one score block) and :func:`_block_extremes` (its smallest
+matching and largest non-matching score) serve the dense score-matrix functions and the block-by-block computation on
+embeddings alike; the unchunked case is a single block.
+
+Dtype: computed in the inputs' dtype, at least float32: float64 stays float64, float16 / bfloat16 are computed in
+float32. Scalars (scale, biases) are cast to that dtype, so a float32 parameter in a float64 computation is exact.
+
+Input checks (``check_inputs``): ``True`` checks now (one host-device sync for all value checks), ``False`` skips the
+value checks (shape checks are free and always run), and a :class:`~st_weince.utils.hotpath.DeferredChecks` collects
+them for the caller, who reads everything with one sync (:meth:`DeferredChecks.raise_if_failed`).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -28,100 +43,182 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from st_weince.utils.hotpath import DeferredChecks
+
 ScalarLike = Tensor | float
+CheckInputs = bool | DeferredChecks
 
 
-def _as_scalar(value: ScalarLike, name: str, device: torch.device) -> Tensor:
-    tensor = value if isinstance(value, Tensor) else torch.tensor(float(value), device=device)
-    if tensor.numel() != 1:
-        raise ValueError(f"{name} must be a scalar, got shape {tuple(tensor.shape)}")
-    if not torch.isfinite(tensor.detach()).all():
-        raise ValueError(f"{name} must be finite, got {float(tensor.detach())}")
-    return tensor.reshape(()).float()
+def compute_dtype(*tensors: Tensor) -> torch.dtype:
+    """The dtype the loss is computed in: the widest floating input dtype, at least float32."""
+    dtype = torch.float32
+    for tensor in tensors:
+        if tensor.is_floating_point():
+            dtype = torch.promote_types(dtype, tensor.dtype)
+    return dtype
 
 
-def _logits(scores: Tensor, t: Tensor, bias_value: Tensor, relative: bool) -> Tensor:
-    scores = scores.float()
-    return t * (scores - bias_value) if relative else t * scores - bias_value
+def _collector(check_inputs: CheckInputs) -> DeferredChecks | None:
+    if isinstance(check_inputs, DeferredChecks):
+        return check_inputs
+    if not isinstance(check_inputs, bool):
+        raise TypeError(f"check_inputs must be a bool or a DeferredChecks, got {type(check_inputs).__name__}")
+    return DeferredChecks() if check_inputs else None
 
 
-def _pair_losses(logits: Tensor, positive_mask: Tensor) -> Tensor:
-    """``-log sigmoid(z)`` at matching pairs, ``-log sigmoid(-z)`` elsewhere, as ``softplus(-+z)`` (stable: linear
-    above 20, ``log1p(exp(.))`` below)."""
-    return F.softplus(torch.where(positive_mask, -logits, logits))
+def _finish(check_inputs: CheckInputs, checks: DeferredChecks | None) -> None:
+    """Raise now when this function owns the checks (``check_inputs=True``); a caller's collector is left to it."""
+    if checks is not None and check_inputs is True:
+        checks.raise_if_failed()
+
+
+def _scale_argument(scale: ScalarLike | None, inverse_temperature: ScalarLike | None) -> ScalarLike:
+    if inverse_temperature is not None:
+        warnings.warn(
+            "inverse_temperature is deprecated, use scale (the same t = 1 / temperature)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        if scale is not None:
+            raise ValueError("give scale or its deprecated alias inverse_temperature, not both")
+        scale = inverse_temperature
+    if scale is None:
+        raise ValueError("scale (t > 0, the inverse temperature) is required")
+    return scale
+
+
+def _scalar(
+    value: ScalarLike, name: str, dtype: torch.dtype, checks: DeferredChecks | None, positive: bool = False
+) -> ScalarLike:
+    """A scalar argument in the computation dtype. Python numbers are checked on the host (no sync) and stay numbers;
+    tensors keep their autograd graph and are checked through ``checks``."""
+    requirement = "finite and > 0" if positive else "finite"
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a scalar, got shape {tuple(value.shape)}")
+        tensor = value.reshape(()).to(dtype)
+        if checks is not None:
+            detached = tensor.detach()
+            ok = torch.isfinite(detached) & (detached > 0) if positive else torch.isfinite(detached)
+            checks.require(ok, f"{name} must be {requirement} (a diverged loss parameter gives NaN or Inf)")
+        return tensor
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number or a scalar tensor, got {type(value).__name__}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be finite, got {number!r}")
+    if positive and not number > 0:
+        raise ValueError(f"{name} must be > 0, got {number!r}")
+    return number
+
+
+def _bias_argument(
+    relative_bias: ScalarLike | None, bias: ScalarLike | None, dtype: torch.dtype, checks: DeferredChecks | None
+) -> tuple[ScalarLike, bool]:
+    """``(bias value, relative?)`` from exactly one of ``relative_bias`` and ``bias``."""
+    if (relative_bias is None) == (bias is None):
+        raise ValueError("give exactly one of relative_bias (z = t (s - b_rel)) or bias (z = t s - b)")
+    if relative_bias is not None:
+        return _scalar(relative_bias, "relative_bias", dtype, checks), True
+    return _scalar(bias, "bias", dtype, checks), False
+
+
+def _logits(scores: Tensor, scale: ScalarLike, bias_value: ScalarLike, relative: bool) -> Tensor:
+    return scale * (scores - bias_value) if relative else scale * scores - bias_value
+
+
+def _block_loss_sum(
+    scores: Tensor,
+    positive_mask: Tensor,
+    valid_mask: Tensor | None,
+    scale: ScalarLike,
+    bias_value: ScalarLike,
+    relative: bool,
+) -> Tensor:
+    """Sum over the valid entries of one score block of ``-log sigmoid(z)`` (matching) / ``-log sigmoid(-z)`` (not),
+    as ``softplus(-+z)`` (linear above 20, ``log1p(exp(.))`` below: stable at any scale)."""
+    if valid_mask is not None:
+        # Excluded entries are zeroed before the logits, so that even NaN there (a masked self-pair) gives neither a
+        # NaN loss nor a NaN gradient.
+        scores = scores.masked_fill(~valid_mask, 0.0)
+    logits = _logits(scores, scale, bias_value, relative)
+    per_pair = F.softplus(torch.where(positive_mask, -logits, logits))
+    if valid_mask is not None:
+        per_pair = per_pair.masked_fill(~valid_mask, 0.0)
+    return per_pair.sum()
+
+
+def _block_extremes(scores: Tensor, positive_mask: Tensor, valid_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Smallest matching and largest non-matching valid score of one block (no gradient): ``+inf`` / ``-inf`` when the
+    block has none. Masked reductions, no boolean indexing, so no host-device sync."""
+    detached = scores.detach()
+    negative_mask = ~positive_mask
+    if valid_mask is not None:
+        positive_mask, negative_mask = positive_mask & valid_mask, negative_mask & valid_mask
+    min_positive = detached.masked_fill(~positive_mask, float("inf")).amin()
+    max_negative = detached.masked_fill(~negative_mask, float("-inf")).amax()
+    return min_positive, max_negative
+
+
+def _check_score_inputs(
+    scores: Tensor, targets: Tensor, valid_mask: Tensor | None, checks: DeferredChecks | None
+) -> None:
+    if scores.dim() != 2:
+        raise ValueError(f"scores must be a 2-D [anchors, candidates] matrix, got shape {tuple(scores.shape)}")
+    if scores.numel() == 0:
+        raise ValueError(f"scores is empty (shape {tuple(scores.shape)})")
+    if not scores.is_floating_point():
+        raise ValueError(f"scores must be a floating-point tensor, got {scores.dtype}")
+    if targets.shape != scores.shape:
+        raise ValueError(f"targets must have the scores' shape {tuple(scores.shape)}, got {tuple(targets.shape)}")
+    if valid_mask is not None and (valid_mask.shape != scores.shape or valid_mask.dtype != torch.bool):
+        raise ValueError(
+            f"valid_mask must be a bool tensor of the scores' shape {tuple(scores.shape)}, "
+            f"got {valid_mask.dtype} {tuple(valid_mask.shape)}"
+        )
+    if checks is None:
+        return
+    checks.require((targets == 0) | (targets == 1), "targets must contain only 0 (non-matching) and 1 (matching)")
+    detached = scores.detach()
+    if valid_mask is not None:
+        checks.require(valid_mask.any(), "valid_mask excludes every entry: there is nothing to compute a loss on")
+        detached = detached.masked_fill(~valid_mask, 0.0)
+    checks.require(
+        torch.isfinite(detached), "scores contain NaN or Inf (check the embeddings: a NaN embedding gives NaN scores)"
+    )
 
 
 def sigmoid_logits(
     scores: Tensor,
     *,
-    inverse_temperature: ScalarLike,
+    scale: ScalarLike | None = None,
     relative_bias: ScalarLike | None = None,
     bias: ScalarLike | None = None,
+    check_inputs: CheckInputs = True,
+    inverse_temperature: ScalarLike | None = None,
 ) -> Tensor:
-    """Logits ``z = t (s - b_rel)`` (relative) or ``z = t s - b`` (absolute), in float32.
-
-    Exactly one of ``relative_bias`` and ``bias`` must be given; ``inverse_temperature`` must be finite and > 0.
-    """
-    if (relative_bias is None) == (bias is None):
-        raise ValueError("give exactly one of relative_bias (z = t (s - b_rel)) or bias (z = t s - b)")
-    t = _check_temperature(inverse_temperature, scores.device)
-    if relative_bias is not None:
-        return _logits(scores, t, _as_scalar(relative_bias, "relative_bias", scores.device), True)
-    return _logits(scores, t, _as_scalar(bias, "bias", scores.device), False)
-
-
-def _check_temperature(inverse_temperature: ScalarLike, device: torch.device) -> Tensor:
-    t = _as_scalar(inverse_temperature, "inverse_temperature", device)
-    if not bool(t.detach() > 0):
-        raise ValueError(f"inverse_temperature must be > 0, got {float(t.detach())}")
-    return t
-
-
-def targets_from_positive_index(positive_index: Tensor, num_candidates: int) -> Tensor:
-    """0/1 float targets [A, C] with a 1 at ``positive_index[a]``; rows with index -1 have no positive."""
-    if positive_index.dim() != 1:
-        raise ValueError(f"positive_index must be 1-D [anchors], got shape {tuple(positive_index.shape)}")
-    if positive_index.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool):
-        raise ValueError(f"positive_index must be an integer tensor, got {positive_index.dtype}")
-    if positive_index.numel() and (int(positive_index.max()) >= num_candidates or int(positive_index.min()) < -1):
-        raise ValueError(f"positive_index must lie in [-1, {num_candidates - 1}] (-1 = no positive in this row)")
-    targets = torch.zeros(positive_index.shape[0], num_candidates, device=positive_index.device)
-    rows = torch.nonzero(positive_index >= 0).squeeze(1)
-    targets[rows, positive_index[rows]] = 1.0
-    return targets
-
-
-def _check_inputs(scores: Tensor, targets: Tensor, valid_mask: Tensor | None) -> Tensor:
-    if scores.dim() != 2:
-        raise ValueError(f"scores must be a 2-D [anchors, candidates] matrix, got shape {tuple(scores.shape)}")
-    if scores.numel() == 0:
-        raise ValueError(f"scores is empty (shape {tuple(scores.shape)})")
-    if targets.shape != scores.shape:
-        raise ValueError(f"targets must have the scores' shape {tuple(scores.shape)}, got {tuple(targets.shape)}")
-    if not ((targets == 0) | (targets == 1)).all():
-        raise ValueError("targets must contain only 0 (non-matching) and 1 (matching)")
-    if valid_mask is None:
-        valid_mask = torch.ones_like(scores, dtype=torch.bool)
-    elif valid_mask.shape != scores.shape or valid_mask.dtype != torch.bool:
-        raise ValueError(
-            f"valid_mask must be a bool tensor of the scores' shape {tuple(scores.shape)}, "
-            f"got {valid_mask.dtype} {tuple(valid_mask.shape)}"
-        )
-    if not valid_mask.any():
-        raise ValueError("valid_mask excludes every entry: there is nothing to compute a loss on")
-    if not torch.isfinite(scores.detach().masked_fill(~valid_mask, 0.0)).all():
-        raise ValueError("scores contain NaN or Inf (check the embeddings: a NaN embedding gives NaN scores)")
-    return valid_mask
+    """Logits ``z = t (s - b_rel)`` (relative) or ``z = t s - b`` (absolute) with ``t = scale``, in the computation
+    dtype (see the module docstring). Exactly one of ``relative_bias`` and ``bias`` must be given; ``scale`` must be
+    finite and > 0. ``inverse_temperature`` is a deprecated alias of ``scale``."""
+    scale = _scale_argument(scale, inverse_temperature)
+    checks = _collector(check_inputs)
+    dtype = compute_dtype(scores)
+    t = _scalar(scale, "scale", dtype, checks, positive=True)
+    bias_value, relative = _bias_argument(relative_bias, bias, dtype, checks)
+    _finish(check_inputs, checks)
+    return _logits(scores.to(dtype), t, bias_value, relative)
 
 
 def sigmoid_contrastive_loss(
     scores: Tensor,
     targets: Tensor,
     *,
-    inverse_temperature: ScalarLike,
+    scale: ScalarLike | None = None,
     relative_bias: ScalarLike | None = None,
     bias: ScalarLike | None = None,
     valid_mask: Tensor | None = None,
+    check_inputs: CheckInputs = True,
+    inverse_temperature: ScalarLike | None = None,
 ) -> Tensor:
     """Sigmoid contrastive loss: mean over anchors (rows) of the sum over valid candidates of
     ``-[y log sigmoid(z) + (1 - y) log sigmoid(-z)]``, with ``z`` from :func:`sigmoid_logits`.
@@ -129,22 +226,31 @@ def sigmoid_contrastive_loss(
     Args:
         scores: [A, C] similarities.
         targets: [A, C] in {0, 1}.
-        inverse_temperature: ``t > 0`` (float or scalar tensor, may require grad).
+        scale: ``t > 0``, the inverse temperature (float or scalar tensor, may require grad).
         relative_bias: ``b_rel`` of the relative parametrization ``z = t (s - b_rel)``.
         bias: ``b`` of the absolute (SigLIP) parametrization ``z = t s - b``.
         valid_mask: [A, C] bool, False entries are left out of the sum.
+        check_inputs: see the module docstring.
+        inverse_temperature: deprecated alias of ``scale``.
     """
-    valid_mask = _check_inputs(scores, targets, valid_mask)
-    logits = sigmoid_logits(scores, inverse_temperature=inverse_temperature, relative_bias=relative_bias, bias=bias)
-    per_pair = _pair_losses(logits, targets == 1)
-    return per_pair.masked_fill(~valid_mask, 0.0).sum() / scores.shape[0]
+    scale = _scale_argument(scale, inverse_temperature)
+    checks = _collector(check_inputs)
+    _check_score_inputs(scores, targets, valid_mask, checks)
+    dtype = compute_dtype(scores)
+    t = _scalar(scale, "scale", dtype, checks, positive=True)
+    bias_value, relative = _bias_argument(relative_bias, bias, dtype, checks)
+    _finish(check_inputs, checks)
+    loss_sum = _block_loss_sum(scores.to(dtype), targets == 1, valid_mask, t, bias_value, relative)
+    return loss_sum / scores.shape[0]
 
 
-def locked_adapter_scores(scores: Tensor, delta: Tensor) -> Tensor:
+def locked_adapter_scores(scores: Tensor, delta: ScalarLike) -> Tensor:
     """The implicit adapter for a locked encoder: ``delta^2 s - (1 - delta^2)``, the inner product of
-    ``(delta U, sqrt(1 - delta^2))`` and ``(delta V, -sqrt(1 - delta^2))``; ``delta = sigmoid(x)`` in (0, 1)."""
-    squared = delta.float() ** 2
-    return squared * scores.float() - (1.0 - squared)
+    ``(delta U, sqrt(1 - delta^2))`` and ``(delta V, -sqrt(1 - delta^2))``; ``delta = sigmoid(x)`` in (0, 1).
+    Computed in the scores' computation dtype."""
+    dtype = compute_dtype(scores)
+    squared = (delta.to(dtype) if isinstance(delta, Tensor) else float(delta)) ** 2
+    return squared * scores.to(dtype) - (1.0 - squared)
 
 
 def constellation_margin_from_extremes(min_positive: Tensor, max_negative: Tensor) -> tuple[Tensor, Tensor]:
@@ -154,48 +260,85 @@ def constellation_margin_from_extremes(min_positive: Tensor, max_negative: Tenso
     return (min_positive - max_negative) / 2.0, (min_positive + max_negative) / 2.0
 
 
-def score_extremes(scores: Tensor, targets: Tensor, valid_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Smallest matching (positive) and largest valid non-matching score; raises if either set is empty."""
-    valid_mask = _check_inputs(scores, targets, valid_mask)
-    positive = valid_mask & (targets == 1)
-    negative = valid_mask & (targets == 0)
-    if not positive.any() or not negative.any():
-        raise ValueError("the margin needs at least one matching and one non-matching valid pair")
-    scores = scores.detach().float()
-    return scores[positive].min(), scores[negative].max()
+def score_extremes(
+    scores: Tensor, targets: Tensor, valid_mask: Tensor | None = None, *, check_inputs: CheckInputs = True
+) -> tuple[Tensor, Tensor]:
+    """Smallest matching (positive) and largest valid non-matching score, without gradient.
+
+    With checks (the default) an empty set raises; without them an empty set gives ``+inf`` / ``-inf``."""
+    checks = _collector(check_inputs)
+    _check_score_inputs(scores, targets, valid_mask, checks)
+    min_positive, max_negative = _block_extremes(scores.to(compute_dtype(scores)), targets == 1, valid_mask)
+    if checks is not None:
+        checks.require(
+            torch.isfinite(min_positive) & torch.isfinite(max_negative),
+            "the margin needs at least one matching and one non-matching valid pair",
+        )
+    _finish(check_inputs, checks)
+    return min_positive, max_negative
 
 
-def constellation_margin(scores: Tensor, targets: Tensor, valid_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def constellation_margin(
+    scores: Tensor, targets: Tensor, valid_mask: Tensor | None = None, *, check_inputs: CheckInputs = True
+) -> tuple[Tensor, Tensor]:
     """``(margin, centre)`` of a score matrix: see :func:`constellation_margin_from_extremes`."""
-    return constellation_margin_from_extremes(*score_extremes(scores, targets, valid_mask))
+    return constellation_margin_from_extremes(*score_extremes(scores, targets, valid_mask, check_inputs=check_inputs))
 
 
-def _chunk_loss(
+def targets_from_positive_index(
+    positive_index: Tensor, num_candidates: int, *, check_inputs: CheckInputs = True, dtype: torch.dtype | None = None
+) -> Tensor:
+    """0/1 targets [A, C] (float32 unless ``dtype``) with a 1 at ``positive_index[a]``; rows with index -1 have no
+    positive. Built by comparison with the column numbers, without data-dependent shapes (no sync)."""
+    _check_positive_index(positive_index, None)
+    checks = _collector(check_inputs)
+    _require_index_range(positive_index, num_candidates, checks)
+    _finish(check_inputs, checks)
+    return _positive_mask(positive_index, 0, num_candidates).to(dtype or torch.float32)
+
+
+def _check_positive_index(positive_index: Tensor, num_anchors: int | None) -> None:
+    if positive_index.dim() != 1:
+        raise ValueError(f"positive_index must be 1-D [anchors], got shape {tuple(positive_index.shape)}")
+    if positive_index.is_floating_point() or positive_index.is_complex() or positive_index.dtype == torch.bool:
+        raise ValueError(f"positive_index must be an integer tensor, got {positive_index.dtype}")
+    if num_anchors is not None and positive_index.shape[0] != num_anchors:
+        raise ValueError(f"positive_index must be [A] = [{num_anchors}], got {tuple(positive_index.shape)}")
+
+
+def _require_index_range(positive_index: Tensor, num_candidates: int, checks: DeferredChecks | None) -> None:
+    if checks is not None and positive_index.numel():
+        checks.require(
+            (positive_index >= -1) & (positive_index < num_candidates),
+            f"positive_index must lie in [-1, {num_candidates - 1}] (-1 = no positive in this row)",
+        )
+
+
+def _positive_mask(positive_index: Tensor, start: int, width: int) -> Tensor:
+    """[A, width] bool, True where column ``start + j`` is the row's positive."""
+    columns = torch.arange(start, start + width, device=positive_index.device)
+    return columns[None, :] == positive_index[:, None]
+
+
+def _embedding_block(
     anchors: Tensor,
     candidates: Tensor,
     positive_index: Tensor,
-    t: Tensor,
-    bias_value: Tensor,
+    start: int,
+    scale: ScalarLike,
+    bias_value: ScalarLike,
     relative: bool,
     score_transform: Callable[[Tensor], Tensor] | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Loss of one candidate block (inputs already checked) with the block's smallest matching and largest
-    non-matching score (+inf / -inf when the block has none)."""
+    """Loss sum of one candidate block (candidates ``start ...``) with its extremes: the score block of
+    :func:`chunked_sigmoid_contrastive_loss`."""
     scores = anchors @ candidates.T
     if score_transform is not None:
         scores = score_transform(scores)
-    rows = torch.arange(anchors.shape[0], device=anchors.device)
-    in_block = (positive_index >= 0) & (positive_index < candidates.shape[0])
-    rows, columns = rows[in_block], positive_index[in_block]
-    positive_mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
-    positive_mask[rows, columns] = True
-    loss = _pair_losses(_logits(scores, t, bias_value, relative), positive_mask).sum() / anchors.shape[0]
-    with torch.no_grad():
-        detached = scores.detach().float()
-        positives = detached[rows, columns]
-        min_positive = positives.min() if positives.numel() else detached.new_tensor(float("inf"))
-        max_negative = detached.masked_fill(positive_mask, float("-inf")).max()
-    return loss, min_positive, max_negative
+    positive_mask = _positive_mask(positive_index, start, candidates.shape[0])
+    loss_sum = _block_loss_sum(scores, positive_mask, None, scale, bias_value, relative)
+    min_positive, max_negative = _block_extremes(scores, positive_mask, None)
+    return loss_sum, min_positive, max_negative
 
 
 def chunked_sigmoid_contrastive_loss(
@@ -203,12 +346,14 @@ def chunked_sigmoid_contrastive_loss(
     candidates: Tensor,
     positive_index: Tensor,
     *,
-    inverse_temperature: ScalarLike,
+    scale: ScalarLike | None = None,
     relative_bias: ScalarLike | None = None,
     bias: ScalarLike | None = None,
     score_transform: Callable[[Tensor], Tensor] | None = None,
     chunk_size: int | None = None,
     return_extremes: bool = False,
+    check_inputs: CheckInputs = True,
+    inverse_temperature: ScalarLike | None = None,
 ) -> Tensor | tuple[Tensor, Tensor, Tensor]:
     """:func:`sigmoid_contrastive_loss` of ``anchors @ candidates.T`` computed block by block over candidates.
 
@@ -220,46 +365,56 @@ def chunked_sigmoid_contrastive_loss(
         anchors: [A, D] (normalize beforehand for cosine scores).
         candidates: [C, D].
         positive_index: [A] column of each anchor's positive, -1 for none.
+        scale, relative_bias, bias: as in :func:`sigmoid_contrastive_loss`.
         score_transform: elementwise map applied to each score block (e.g. the locked-encoder adapter).
-        chunk_size: candidates per block; None computes the whole matrix at once.
+        chunk_size: candidates per block; None computes the whole matrix as one block.
         return_extremes: also return the smallest matching and the largest non-matching score (no gradient; for
-            the margin, see :func:`constellation_margin_from_extremes`), from the same score blocks.
+            the margin, see :func:`constellation_margin_from_extremes`), from the same score blocks; ``+inf`` /
+            ``-inf`` when there is none.
+        check_inputs: see the module docstring.
+        inverse_temperature: deprecated alias of ``scale``.
     """
+    scale = _scale_argument(scale, inverse_temperature)
     if anchors.dim() != 2 or candidates.dim() != 2 or anchors.shape[1] != candidates.shape[1]:
         raise ValueError(
             f"anchors and candidates must be [A, D] and [C, D] with the same D, "
             f"got {tuple(anchors.shape)} and {tuple(candidates.shape)}"
         )
-    if positive_index.shape != (anchors.shape[0],):
-        raise ValueError(f"positive_index must be [A] = [{anchors.shape[0]}], got {tuple(positive_index.shape)}")
-    if (relative_bias is None) == (bias is None):
-        raise ValueError("give exactly one of relative_bias (z = t (s - b_rel)) or bias (z = t s - b)")
-    if not (torch.isfinite(anchors.detach()).all() and torch.isfinite(candidates.detach()).all()):
-        raise ValueError("anchors and candidates must be finite (NaN or Inf embeddings)")
+    if anchors.shape[0] == 0 or candidates.shape[0] == 0:
+        raise ValueError(
+            f"anchors and candidates must not be empty, got {tuple(anchors.shape)} and {tuple(candidates.shape)}"
+        )
+    _check_positive_index(positive_index, anchors.shape[0])
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
+    checks = _collector(check_inputs)
+    dtype = compute_dtype(anchors, candidates)
+    t = _scalar(scale, "scale", dtype, checks, positive=True)
+    bias_value, relative = _bias_argument(relative_bias, bias, dtype, checks)
     num_candidates = candidates.shape[0]
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size}")
-    if positive_index.numel() and (int(positive_index.max()) >= num_candidates or int(positive_index.min()) < -1):
-        raise ValueError(f"positive_index must lie in [-1, {num_candidates - 1}] (-1 = no positive in this row)")
-    relative = relative_bias is not None
-    t = _check_temperature(inverse_temperature, anchors.device)
-    bias_value = _as_scalar(
-        relative_bias if relative else bias, "relative_bias" if relative else "bias", anchors.device
-    )
-    step = num_candidates if chunk_size is None else chunk_size
-    total = anchors.new_zeros((), dtype=torch.float32)
-    min_positive = anchors.new_tensor(float("inf"), dtype=torch.float32)
-    max_negative = anchors.new_tensor(float("-inf"), dtype=torch.float32)
+    if checks is not None:
+        checks.require(
+            torch.isfinite(anchors.detach()).all() & torch.isfinite(candidates.detach()).all(),
+            "anchors and candidates must be finite (NaN or Inf embeddings)",
+        )
+    _require_index_range(positive_index, num_candidates, checks)
+    _finish(check_inputs, checks)
+
+    anchors, candidates = anchors.to(dtype), candidates.to(dtype)
+    step = num_candidates if chunk_size is None else min(chunk_size, num_candidates)
+    recompute = step < num_candidates and torch.is_grad_enabled()
+    total = anchors.new_zeros(())
+    min_positive = anchors.new_tensor(float("inf"))
+    max_negative = anchors.new_tensor(float("-inf"))
     for start in range(0, num_candidates, step):
-        block = candidates[start : start + step]
-        shifted = torch.where(positive_index >= 0, positive_index - start, -1)
-        arguments = (anchors, block, shifted, t, bias_value, relative, score_transform)
-        if step < num_candidates and torch.is_grad_enabled():
-            loss, low, high = checkpoint(_chunk_loss, *arguments, use_reentrant=False)
+        arguments = (anchors, candidates[start : start + step], positive_index, start, t, bias_value, relative)
+        if recompute:
+            loss_sum, low, high = checkpoint(_embedding_block, *arguments, score_transform, use_reentrant=False)
         else:
-            loss, low, high = _chunk_loss(*arguments)
-        total = total + loss
+            loss_sum, low, high = _embedding_block(*arguments, score_transform)
+        total = total + loss_sum
         min_positive, max_negative = torch.minimum(min_positive, low), torch.maximum(max_negative, high)
+    loss = total / anchors.shape[0]
     if return_extremes:
-        return total, min_positive, max_negative
-    return total
+        return loss, min_positive, max_negative
+    return loss

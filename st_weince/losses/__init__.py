@@ -1,6 +1,7 @@
 """sentence-transformers loss classes: thin adapters over :mod:`st_weince.functional`."""
 
+from st_weince.losses.cached_rb_sigmoid import CachedRBSigmoidLoss
 from st_weince.losses.rb_sigmoid import RBSigmoidLoss
 from st_weince.losses.weince import WEINCELoss
 
-__all__ = ["RBSigmoidLoss", "WEINCELoss"]
+__all__ = ["CachedRBSigmoidLoss", "RBSigmoidLoss", "WEINCELoss"]

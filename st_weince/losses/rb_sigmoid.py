@@ -1,18 +1,24 @@
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Iterable
+import numbers
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from itertools import combinations
 from typing import Any, Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from sentence_transformers.base.losses.merged_forward import embed_columns
-from sentence_transformers.util import all_gather_with_grad, get_rank
+from sentence_transformers.util import all_gather_with_grad, cos_sim, get_rank
 from torch import Tensor, nn
 
 from st_weince.functional.sigmoid import (
     chunked_sigmoid_contrastive_loss,
+    compute_dtype,
     constellation_margin_from_extremes,
     locked_adapter_scores,
     score_extremes,
@@ -20,15 +26,45 @@ from st_weince.functional.sigmoid import (
     targets_from_positive_index,
 )
 from st_weince.losses._columns import check_embedding_columns
-from st_weince.training.statistics import RunningMeans
+from st_weince.utils.hotpath import DeferredChecks
 
 Parametrization = Literal["relative", "absolute"]
 ColumnMode = Literal["negatives", "modalities"]
 
 # Defaults chosen by measurement (benchmarks/sigmoid_synthetic.py, parts "init" and "bias"): docs/rb-sigmoid.md.
-DEFAULT_INVERSE_TEMPERATURE = 10.0
+DEFAULT_SCALE = 10.0
 DEFAULT_RELATIVE_BIAS = 0.7
 DEFAULT_ADAPTER_LOGIT = 0.0
+
+# Old keyword -> new keyword; accepted with a DeprecationWarning for one release (the coordinator's naming decision:
+# the temperature family is called ``scale`` everywhere, as in MultipleNegativesRankingLoss).
+DEPRECATED_ALIASES = {"inverse_temperature": "scale", "trainable_temperature": "trainable_scale"}
+
+# Constructor arguments of MultipleNegativesRankingLoss that RB-Sigmoid has no use for: accepted at the value that
+# makes them a no-op, refused otherwise, with the reason. ``directions`` is accepted (it maps onto ``symmetric``).
+_MNRL_NO_OP_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "similarity_fct": (
+        lambda value: value is cos_sim,
+        "RB-Sigmoid's relative bias and margin are defined on cosine scores in [-1, 1] (the embeddings are "
+        "normalized), so only sentence_transformers.util.cos_sim applies",
+    ),
+    "hardness_mode": (
+        lambda value: value is None,
+        "hardness weighting re-weights the softmax denominator of InfoNCE, and the sigmoid loss has none: every pair "
+        "is its own binary decision",
+    ),
+    "hardness_strength": (
+        lambda value: isinstance(value, numbers.Real) and not isinstance(value, bool) and value == 0,
+        "hardness weighting re-weights the softmax denominator of InfoNCE, and the sigmoid loss has none",
+    ),
+    "partition_mode": (
+        lambda value: False,
+        "the sigmoid loss has no softmax partition function to share or split across directions; with "
+        "symmetric=True the two directions are averaged",
+    ),
+}
+_ONE_DIRECTION = frozenset({"query_to_doc"})
+_BOTH_DIRECTIONS = frozenset({"query_to_doc", "doc_to_query"})
 
 RB_SIGMOID_CITATION = """
 @inproceedings{bangachev2025global,
@@ -46,15 +82,146 @@ RB_SIGMOID_CITATION = """
 """
 
 
+# ----- option validation (shared with CachedRBSigmoidLoss) -----
+def real_option(name: str, value: Any, *, positive: bool = False, optional: bool = False) -> float | None:
+    """A finite real number (Python or NumPy; not a bool), as a float; the error names the option."""
+    if value is None and optional:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be finite, got {number!r}")
+    if positive and not number > 0:
+        raise ValueError(f"{name} must be > 0, got {number!r}")
+    return number
+
+
+def flag_option(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def positive_int_option(name: str, value: Any, *, optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        expected = "a positive integer or None" if optional else "a positive integer"
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer{' or None' if optional else ''}, got {value!r}")
+    return int(value)
+
+
+def _choice_option(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class RBSigmoidOptions:
+    """The options of :class:`RBSigmoidLoss` (and :class:`~st_weince.losses.CachedRBSigmoidLoss`): the one place of
+    their defaults and their validation. Construction validates and resolves them: in the relative parametrization
+    ``relative_bias`` is set (default 0.7) and ``bias`` is None; in the absolute one ``bias`` is set (default
+    ``scale * relative_bias``) and ``relative_bias`` is None."""
+
+    scale: float = DEFAULT_SCALE
+    parametrization: Parametrization = "relative"
+    relative_bias: float | None = None
+    bias: float | None = None
+    trainable_scale: bool = True
+    trainable_bias: bool = True
+    gather_across_devices: bool = False
+    symmetric: bool = False
+    columns: ColumnMode = "negatives"
+    locked_adapter: bool = False
+    adapter_logit: float = DEFAULT_ADAPTER_LOGIT
+    chunk_size: int | None = None
+    check_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        put("parametrization", _choice_option("parametrization", self.parametrization, ("relative", "absolute")))
+        put("columns", _choice_option("columns", self.columns, ("negatives", "modalities")))
+        put("scale", real_option("scale", self.scale, positive=True))
+        relative_bias = real_option("relative_bias", self.relative_bias, optional=True)
+        bias = real_option("bias", self.bias, optional=True)
+        if self.parametrization == "relative":
+            if bias is not None:
+                raise ValueError(
+                    "bias is the start of the absolute parametrization (z = t s - b); with parametrization="
+                    "'relative' give relative_bias (z = t (s - b_rel))"
+                )
+            put("relative_bias", DEFAULT_RELATIVE_BIAS if relative_bias is None else relative_bias)
+        else:
+            if bias is not None and relative_bias is not None:
+                raise ValueError(
+                    "give the absolute start either as bias or as relative_bias (then b = scale * relative_bias), "
+                    "not both"
+                )
+            if bias is None:
+                bias = self.scale * (DEFAULT_RELATIVE_BIAS if relative_bias is None else relative_bias)
+            put("bias", bias)
+            put("relative_bias", None)
+        for name in ("trainable_scale", "trainable_bias", "gather_across_devices", "symmetric", "locked_adapter"):
+            put(name, flag_option(name, getattr(self, name)))
+        put("check_inputs", flag_option("check_inputs", self.check_inputs))
+        put("adapter_logit", real_option("adapter_logit", self.adapter_logit))
+        put("chunk_size", positive_int_option("chunk_size", self.chunk_size, optional=True))
+
+    @classmethod
+    def from_arguments(cls, arguments: dict[str, Any], extra: dict[str, Any], owner: str) -> RBSigmoidOptions:
+        """Options from a constructor's arguments: ``arguments`` the named ones (``directions`` included), ``extra``
+        the other keywords (deprecated aliases, MultipleNegativesRankingLoss's arguments), checked here."""
+        arguments = dict(arguments)
+        for old, new in DEPRECATED_ALIASES.items():
+            if old not in extra:
+                continue
+            value = extra.pop(old)
+            warnings.warn(f"{owner}: {old} is deprecated, use {new}", DeprecationWarning, stacklevel=3)
+            default = cls.__dataclass_fields__[new].default
+            if arguments[new] != default and arguments[new] != value:
+                raise ValueError(f"{owner}: give {new} or its deprecated alias {old}, not both")
+            arguments[new] = value
+        for name, value in extra.items():
+            if name not in _MNRL_NO_OP_VALUES:
+                raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {name!r}")
+            is_no_op, reason = _MNRL_NO_OP_VALUES[name]
+            if not is_no_op(value):
+                raise ValueError(f"{owner} does not support {name}={value!r}: {reason}")
+        directions = arguments.pop("directions")
+        if directions is not None:
+            if isinstance(directions, str) or not isinstance(directions, (tuple, list)):
+                raise TypeError(f"directions must be a tuple of direction names, got {directions!r}")
+            chosen = frozenset(directions)
+            if chosen not in (_ONE_DIRECTION, _BOTH_DIRECTIONS) or len(chosen) != len(directions):
+                raise ValueError(
+                    f"{owner} supports directions ('query_to_doc',) and ('query_to_doc', 'doc_to_query') "
+                    f"(= symmetric=True), got {tuple(directions)!r}: query_to_query and doc_to_doc would score "
+                    "anchors against anchors and documents against documents, which hold no positive pair here "
+                    "(for every column pair use columns='modalities')"
+                )
+            symmetric = chosen == _BOTH_DIRECTIONS
+            if arguments["symmetric"] and not symmetric:
+                raise ValueError(f"symmetric=True contradicts directions={tuple(directions)!r}")
+            arguments["symmetric"] = symmetric
+        return cls(**arguments)
+
+
 class RBSigmoidLoss(nn.Module):
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | None,
+        scale: float = DEFAULT_SCALE,
+        *,
         parametrization: Parametrization = "relative",
-        inverse_temperature: float = DEFAULT_INVERSE_TEMPERATURE,
-        relative_bias: float = DEFAULT_RELATIVE_BIAS,
+        relative_bias: float | None = None,
         bias: float | None = None,
-        trainable_temperature: bool = True,
+        trainable_scale: bool = True,
         trainable_bias: bool = True,
         gather_across_devices: bool = False,
         symmetric: bool = False,
@@ -62,10 +229,13 @@ class RBSigmoidLoss(nn.Module):
         locked_adapter: bool = False,
         adapter_logit: float = DEFAULT_ADAPTER_LOGIT,
         chunk_size: int | None = None,
+        check_inputs: bool = True,
+        directions: tuple[str, ...] | None = None,
+        **deprecated_or_mnrl_options: Any,
     ) -> None:
         """
-        RB-Sigmoid: the sigmoid (SigLIP-style) contrastive loss with a trainable inverse temperature ``t`` and a
-        trainable *relative* bias ``b_rel``. Every (anchor, candidate) pair is an independent binary decision
+        RB-Sigmoid: the sigmoid (SigLIP-style) contrastive loss with a trainable scale (inverse temperature) ``t``
+        and a trainable *relative* bias ``b_rel``. Every (anchor, candidate) pair is an independent binary decision
         "matching or not" with logit ``z = t (s - b_rel)`` on the cosine score ``s``; there is no softmax over the
         batch. The loss is the mean over anchors of the sum over candidates of ``-log sigmoid(+-z)``.
 
@@ -75,13 +245,15 @@ class RBSigmoidLoss(nn.Module):
         absolute parametrization is available as the plain SigLIP baseline.
 
         Args:
-            model: SentenceTransformer model.
+            model: SentenceTransformer model (None to use only ``compute_loss_from_embeddings`` /
+                ``loss_from_scores``).
+            scale: initial ``t = 1 / temperature`` (trained as ``log_t``), as MNRL's ``scale``. Default 10
+                (SigLIP's start). ``inverse_temperature`` is a deprecated alias.
             parametrization: "relative" (``z = t (s - b_rel)``, default) or "absolute" (SigLIP's ``z = t s - b``).
-            inverse_temperature: initial ``t`` (trained as ``log t``). Default 10 (SigLIP's start).
-            relative_bias: initial ``b_rel`` (relative parametrization; in the absolute one the default start is
-                ``b = t * relative_bias``). Default 0.7, measured: see ``docs/rb-sigmoid.md``.
-            bias: initial absolute bias ``b`` (absolute parametrization only; overrides ``t * relative_bias``).
-            trainable_temperature: train ``t``; if False it stays fixed.
+            relative_bias: initial ``b_rel`` (default 0.7, measured: see ``docs/rb-sigmoid.md``). In the absolute
+                parametrization it gives the start ``b = scale * relative_bias`` instead of ``bias``.
+            bias: initial absolute bias ``b`` (absolute parametrization only).
+            trainable_scale: train ``t``; if False it stays fixed. ``trainable_temperature`` is a deprecated alias.
             trainable_bias: train the bias (``b_rel`` or ``b``); if False it is a fixed hyperparameter (a fixed
                 ``b_rel`` trades margin against bias).
             gather_across_devices: gather embeddings across processes: local anchors against global candidates. The
@@ -101,6 +273,15 @@ class RBSigmoidLoss(nn.Module):
             adapter_logit: initial ``x`` of the adapter (0 gives ``delta = 0.5``, as in the released experiments).
             chunk_size: compute the loss in blocks of this many candidates (each block recomputed during backward),
                 so memory grows with batch x chunk instead of batch x candidates. None: one block.
+            check_inputs: check the embeddings (finite) and the loss parameters (finite) in every forward, with one
+                host-device sync in all. False: no check and no sync (then ``torch.compile(fullgraph=True)`` traces
+                ``compute_loss_from_embeddings`` whole); NaN input then gives a NaN loss instead of an error.
+            directions: MultipleNegativesRankingLoss's argument: ``("query_to_doc",)`` or
+                ``("query_to_doc", "doc_to_query")`` (= ``symmetric=True``); the other directions are refused.
+
+        MultipleNegativesRankingLoss's other arguments are accepted at their no-op value and refused otherwise, with
+        the reason: ``similarity_fct`` (only ``cos_sim``), ``hardness_mode`` (None), ``hardness_strength`` (0),
+        ``partition_mode`` (refused: there is no softmax partition).
 
         References:
             - Bangachev, Bresler, Noman, Polyanskiy: Global Minimizers of Sigmoid Contrastive Loss, NeurIPS 2025.
@@ -131,8 +312,14 @@ class RBSigmoidLoss(nn.Module):
               and averages their gradients across processes.
             - The loss parameters train with the trainer's learning rate; at fine-tuning rates (e.g. 2e-5) ``t`` and
               ``b_rel`` hardly move, so give them their own, e.g.
-              ``SentenceTransformerTrainingArguments(learning_rate_mapping={r"^(log_t|b_rel)$": 1e-2})``.
+              ``SentenceTransformerTrainingArguments(learning_rate_mapping={r"(^|\\.)(log_t|b_rel)$": 1e-2})``
+              (the pattern also finds them under a wrapper such as ``MatryoshkaLoss``, as ``loss.log_t``).
             - Use ``BatchSamplers.NO_DUPLICATES`` so no in-batch negative duplicates an anchor's positive.
+            - For batches beyond what fits in memory use :class:`~st_weince.losses.CachedRBSigmoidLoss`.
+
+        Relations:
+            - :class:`~st_weince.losses.CachedRBSigmoidLoss` is the same loss with gradient caching (GradCache),
+              with the same options and parameter names.
 
         Example:
             ::
@@ -153,48 +340,46 @@ class RBSigmoidLoss(nn.Module):
                 trainer.train()
         """
         super().__init__()
+        options = RBSigmoidOptions.from_arguments(
+            {
+                "scale": scale,
+                "parametrization": parametrization,
+                "relative_bias": relative_bias,
+                "bias": bias,
+                "trainable_scale": trainable_scale,
+                "trainable_bias": trainable_bias,
+                "gather_across_devices": gather_across_devices,
+                "symmetric": symmetric,
+                "columns": columns,
+                "locked_adapter": locked_adapter,
+                "adapter_logit": adapter_logit,
+                "chunk_size": chunk_size,
+                "check_inputs": check_inputs,
+                "directions": directions,
+            },
+            deprecated_or_mnrl_options,
+            type(self).__name__,
+        )
         self.model = model
-        if parametrization not in ("relative", "absolute"):
-            raise ValueError(f"parametrization must be 'relative' or 'absolute', got {parametrization!r}")
-        if columns not in ("negatives", "modalities"):
-            raise ValueError(f"columns must be 'negatives' or 'modalities', got {columns!r}")
-        if not (math.isfinite(inverse_temperature) and inverse_temperature > 0):
-            raise ValueError(f"inverse_temperature must be a finite number > 0, got {inverse_temperature!r}")
-        if not math.isfinite(relative_bias):
-            raise ValueError(f"relative_bias must be finite, got {relative_bias!r}")
-        if bias is not None and parametrization != "absolute":
-            raise ValueError("bias is the start of the absolute parametrization; use relative_bias with 'relative'")
-        if bias is not None and not math.isfinite(bias):
-            raise ValueError(f"bias must be finite, got {bias!r}")
-        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-            raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
-        if not math.isfinite(adapter_logit):
-            raise ValueError(f"adapter_logit must be finite, got {adapter_logit!r}")
-        self.parametrization = parametrization
-        self.gather_across_devices = gather_across_devices
-        self.symmetric = symmetric
-        self.columns = columns
-        self.chunk_size = chunk_size
-        self.locked_adapter = locked_adapter
-        self.trainable_temperature = trainable_temperature
-        self.trainable_bias = trainable_bias
-        self.initial_values = {"inverse_temperature": float(inverse_temperature), "relative_bias": float(relative_bias)}
+        self.parametrization = options.parametrization
+        self.trainable_scale = options.trainable_scale
+        self.trainable_bias = options.trainable_bias
+        self.gather_across_devices = options.gather_across_devices
+        self.symmetric = options.symmetric
+        self.columns = options.columns
+        self.locked_adapter = options.locked_adapter
+        self.chunk_size = options.chunk_size
+        self.check_inputs = options.check_inputs
+        self.initial_options = options
 
-        log_t = torch.tensor(math.log(inverse_temperature), dtype=torch.float32)
-        if trainable_temperature:
-            self.log_t = nn.Parameter(log_t)
+        self._register_scalar("log_t", math.log(options.scale), options.trainable_scale)
+        if options.parametrization == "relative":
+            self._register_scalar("b_rel", options.relative_bias, options.trainable_bias)
         else:
-            self.register_buffer("log_t", log_t)
-        if parametrization == "relative":
-            self._register_scalar("b_rel", float(relative_bias), trainable_bias)
-        else:
-            start = float(bias) if bias is not None else float(inverse_temperature * relative_bias)
-            self.initial_values["bias"] = start
-            self._register_scalar("bias", start, trainable_bias)
-        if locked_adapter:
-            self.adapter_logit = nn.Parameter(torch.tensor(float(adapter_logit), dtype=torch.float32))
-            self.initial_values["adapter_logit"] = float(adapter_logit)
-        self.logged_statistics = RunningMeans()
+            self._register_scalar("bias", options.bias, options.trainable_bias)
+        if options.locked_adapter:
+            self._register_scalar("adapter_logit", options.adapter_logit, True)
+        self.logged_statistics = DeviceRunningMeans()
 
     def _register_scalar(self, name: str, value: float, trainable: bool) -> None:
         tensor = torch.tensor(value, dtype=torch.float32)
@@ -205,23 +390,29 @@ class RBSigmoidLoss(nn.Module):
 
     # ----- the loss parameters -----
     @property
-    def inverse_temperature(self) -> Tensor:
-        """``t = exp(log_t)`` (a tensor in the autograd graph)."""
+    def scale(self) -> Tensor:
+        """The current ``t = exp(log_t)`` (a tensor in the autograd graph)."""
         return self.log_t.exp()
+
+    @property
+    def inverse_temperature(self) -> Tensor:
+        """Deprecated alias of :attr:`scale`."""
+        warnings.warn("inverse_temperature is deprecated, use scale", DeprecationWarning, stacklevel=2)
+        return self.scale
 
     @property
     def relative_bias(self) -> Tensor:
         """``b_rel`` (relative) or ``b / t`` (absolute)."""
         if self.parametrization == "relative":
             return self.b_rel
-        return self.bias / self.inverse_temperature
+        return self.bias / self.scale
 
     @property
     def absolute_bias(self) -> Tensor:
         """``b = t b_rel`` (relative) or ``b`` (absolute)."""
         if self.parametrization == "absolute":
             return self.bias
-        return self.inverse_temperature * self.b_rel
+        return self.scale * self.b_rel
 
     @property
     def delta(self) -> Tensor | None:
@@ -232,13 +423,43 @@ class RBSigmoidLoss(nn.Module):
         """Names of this loss's own parameters (relative to the loss), none of which should get weight decay."""
         return [name for name, _ in self.named_parameters() if not name.startswith("model.")]
 
-    def _bias_kwargs(self) -> dict[str, Tensor]:
-        if self.parametrization == "relative":
-            return {"relative_bias": self.b_rel}
-        return {"bias": self.bias}
+    def loss_parameters(self) -> dict[str, Tensor]:
+        """The loss's own scalars by name (parameters or, when fixed, buffers): ``log_t``, ``b_rel`` or ``bias``,
+        and ``adapter_logit`` with the adapter. Every computation reads them from such a dict, so that the cached
+        variant can substitute stand-ins."""
+        names = ["log_t", "b_rel" if self.parametrization == "relative" else "bias"]
+        if self.locked_adapter:
+            names.append("adapter_logit")
+        return {name: getattr(self, name) for name in names}
 
-    def _transform(self, scores: Tensor) -> Tensor:
-        return locked_adapter_scores(scores, torch.sigmoid(self.adapter_logit)) if self.locked_adapter else scores
+    def _logit_arguments(self, params: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Any]:
+        """Keyword arguments of the functional losses for these parameter values, in the computation dtype (the
+        scale is exponentiated in that dtype, so float64 inputs get a float64 ``t``)."""
+        arguments: dict[str, Any] = {"scale": params["log_t"].to(dtype).exp()}
+        if self.parametrization == "relative":
+            arguments["relative_bias"] = params["b_rel"]
+        else:
+            arguments["bias"] = params["bias"]
+        return arguments
+
+    def _score_transform(self, params: dict[str, Tensor], dtype: torch.dtype) -> Callable[[Tensor], Tensor] | None:
+        if not self.locked_adapter:
+            return None
+        delta = torch.sigmoid(params["adapter_logit"].to(dtype))
+        return lambda scores: locked_adapter_scores(scores, delta)
+
+    def _new_checks(self) -> DeferredChecks | None:
+        return DeferredChecks() if self.check_inputs else None
+
+    @staticmethod
+    def _require_finite_parameters(params: dict[str, Tensor], checks: DeferredChecks | None) -> None:
+        if checks is None:
+            return
+        for name, value in params.items():
+            checks.require(
+                torch.isfinite(value.detach()),
+                f"loss parameter {name} is not finite: training diverged (lower its learning rate)",
+            )
 
     # ----- entry points -----
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
@@ -252,103 +473,179 @@ class RBSigmoidLoss(nn.Module):
         Used by the vision adapter; with the locked adapter enabled it is applied to ``scores`` first."""
         if scores.dim() != 2:
             raise ValueError(f"scores must be a 2-D [anchors, candidates] matrix, got shape {tuple(scores.shape)}")
-        targets = targets_from_positive_index(positive_index, scores.shape[1])
-        scores = self._transform(scores)
+        checks = self._new_checks()
+        check_inputs = checks if checks is not None else False
+        dtype = compute_dtype(scores)
+        targets = targets_from_positive_index(positive_index, scores.shape[1], check_inputs=check_inputs, dtype=dtype)
+        params = self.loss_parameters()
+        self._require_finite_parameters(params, checks)
+        transform = self._score_transform(params, dtype)
+        scores = scores.to(dtype) if transform is None else transform(scores)
         loss = sigmoid_contrastive_loss(
-            scores, targets, inverse_temperature=self.inverse_temperature, valid_mask=valid_mask, **self._bias_kwargs()
+            scores, targets, valid_mask=valid_mask, check_inputs=check_inputs, **self._logit_arguments(params, dtype)
         )
-        margin = None
-        valid = torch.ones_like(targets, dtype=torch.bool) if valid_mask is None else valid_mask
-        if (valid & (targets == 1)).any() and (valid & (targets == 0)).any():
-            margin = constellation_margin_from_extremes(*score_extremes(scores, targets, valid_mask))[0]
-        self._record(margin)
+        extremes = score_extremes(scores, targets, valid_mask, check_inputs=False)
+        if checks is not None:
+            checks.raise_if_failed()
+        self._record(params, *extremes)
         return loss
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
         """The loss on already computed column embeddings (``[anchor, positive, *negatives]`` or modalities)."""
-        check_embedding_columns(embeddings, type(self).__name__)
-        columns = [F.normalize(embedding.float(), dim=-1) for embedding in embeddings]
+        checks = self._new_checks()
+        columns, gathered, positive_index = self._prepare_columns(embeddings, checks)
+        params = self.loss_parameters()
+        self._require_finite_parameters(params, checks)
+        loss = columns[0].new_zeros(())
+        extremes = None
+        for anchor_column, candidates, weight in self._directional_blocks(columns, gathered):
+            value, low, high = self._block_loss(columns[anchor_column], candidates, positive_index, params)
+            loss = loss + weight * value
+            extremes = (low, high) if extremes is None else extremes
+        if checks is not None:
+            checks.raise_if_failed()
+        self._record(params, *extremes)
+        return loss
+
+    # ----- the pieces, shared with CachedRBSigmoidLoss -----
+    def _prepare_columns(
+        self, embeddings: list[Tensor], checks: DeferredChecks | None
+    ) -> tuple[list[Tensor], list[Tensor], Tensor]:
+        """Normalized columns in the computation dtype, the candidate columns (gathered across processes with
+        ``gather_across_devices``) and each local anchor's positive row among the candidates."""
+        check_embedding_columns(embeddings, type(self).__name__, checks=checks if checks is not None else False)
+        columns = self._normalized(embeddings)
+        gathered, positive_index = self._candidates(columns)
+        return columns, gathered, positive_index
+
+    def _candidates(self, columns: list[Tensor]) -> tuple[list[Tensor], Tensor]:
+        """The candidate columns (the local ones, or with ``gather_across_devices`` those of all processes, with
+        gradient) and the row of each local anchor's positive among them."""
         batch_size = columns[0].shape[0]
         offset = 0
         gathered = columns
         if self.gather_across_devices:
             gathered = [all_gather_with_grad(column) for column in columns]
             offset = get_rank() * batch_size
-        positive_index = torch.arange(offset, offset + batch_size, device=columns[0].device)
+        return gathered, torch.arange(offset, offset + batch_size, device=columns[0].device)
 
-        # The logged margin is that of the first block: anchors (column 0) against their candidates.
+    @staticmethod
+    def _normalized(embeddings: list[Tensor]) -> list[Tensor]:
+        """Unit-length rows in the computation dtype (float64 stays float64, half precision becomes float32)."""
+        dtype = compute_dtype(*embeddings)
+        return [F.normalize(embedding.to(dtype), dim=-1) for embedding in embeddings]
+
+    def _directional_blocks(self, columns: list[Tensor], candidates: list[Tensor]) -> list[tuple[int, Tensor, float]]:
+        """``(anchor column, candidate matrix, weight)`` of every anchors-against-candidates block whose weighted sum
+        is the loss. The first block's margin is the one logged."""
         if self.columns == "negatives":
-            loss, margin = self._directional_loss(columns[0], torch.cat(gathered[1:], dim=0), positive_index)
-            if self.symmetric:
-                loss = (loss + self._directional_loss(columns[1], gathered[0], positive_index)[0]) / 2
+            documents = candidates[1] if len(candidates) == 2 else torch.cat(candidates[1:], dim=0)
+            pairs, reverse = [(0, documents)], [(1, candidates[0])]
         else:
-            losses, margin = [], None
-            for i, j in combinations(range(len(columns)), 2):
-                pair_loss, pair_margin = self._directional_loss(columns[i], gathered[j], positive_index)
-                margin = pair_margin if margin is None else margin
-                if self.symmetric:
-                    pair_loss = (pair_loss + self._directional_loss(columns[j], gathered[i], positive_index)[0]) / 2
-                losses.append(pair_loss)
-            loss = torch.stack(losses).sum()
-        self._record(margin)
-        return loss
+            index_pairs = list(combinations(range(len(columns)), 2))
+            pairs = [(i, candidates[j]) for i, j in index_pairs]
+            reverse = [(j, candidates[i]) for i, j in index_pairs]
+        if not self.symmetric:
+            return [(column, block, 1.0) for column, block in pairs]
+        # Each direction of a pair gets half the weight: the symmetric loss is the mean of both directions.
+        return [(column, block, 0.5) for column, block in pairs + reverse]
 
-    def _directional_loss(
-        self, anchors: Tensor, candidates: Tensor, positive_index: Tensor
-    ) -> tuple[Tensor, Tensor | None]:
-        """Loss of one anchor set against its candidates, and the block's margin (None without negatives)."""
-        loss, min_positive, max_negative = chunked_sigmoid_contrastive_loss(
+    def _block_loss(
+        self, anchors: Tensor, candidates: Tensor, positive_index: Tensor, params: dict[str, Tensor]
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Mean over ``anchors`` of their loss against ``candidates``, with the block's smallest matching and largest
+        non-matching score (no gradient)."""
+        dtype = anchors.dtype
+        return chunked_sigmoid_contrastive_loss(
             anchors,
             candidates,
             positive_index,
-            inverse_temperature=self.inverse_temperature,
-            score_transform=self._transform if self.locked_adapter else None,
+            score_transform=self._score_transform(params, dtype),
             chunk_size=self.chunk_size,
             return_extremes=True,
-            **self._bias_kwargs(),
+            check_inputs=False,  # the embeddings and parameters are checked by the caller, in the same sync
+            **self._logit_arguments(params, dtype),
         )
-        if not (torch.isfinite(min_positive) and torch.isfinite(max_negative)):
-            return loss, None
-        return loss, constellation_margin_from_extremes(min_positive, max_negative)[0]
 
     # ----- statistics -----
     @torch.no_grad()
-    def _record(self, margin: Tensor | None) -> None:
-        values: dict[str, Any] = {
-            "rb_sigmoid_t": self.inverse_temperature,
-            "rb_sigmoid_b_rel": self.relative_bias,
-            "rb_sigmoid_b": self.absolute_bias,
-        }
-        if margin is not None:
-            values["rb_sigmoid_margin"] = margin
+    def _record(self, params: dict[str, Tensor], min_positive: Tensor, max_negative: Tensor) -> None:
+        """Keep ``t``, ``b_rel``, ``b``, the margin (and ``delta``) as device tensors: no sync in the hot path."""
+        t = params["log_t"].detach().exp()
+        if self.parametrization == "relative":
+            b_rel = params["b_rel"].detach()
+            b = t * b_rel
+        else:
+            b = params["bias"].detach()
+            b_rel = b / t
+        values = {"rb_sigmoid_t": t, "rb_sigmoid_b_rel": b_rel, "rb_sigmoid_b": b}
+        # A block without matching or without non-matching pairs has an infinite "margin": not counted.
+        values["rb_sigmoid_margin"] = constellation_margin_from_extremes(min_positive, max_negative)[0]
         if self.locked_adapter:
-            values["rb_sigmoid_delta"] = self.delta
+            values["rb_sigmoid_delta"] = torch.sigmoid(params["adapter_logit"].detach())
         self.logged_statistics.add(values)
 
     def pop_logged_statistics(self) -> dict[str, float]:
         """Means since the last call of ``t``, ``b_rel``, ``b`` and the batch margin (and ``delta`` with the
         adapter); used by :func:`st_weince.training.log_loss_statistics`. The margin is that of the (local) batch:
-        ``(min matching score - max non-matching score) / 2`` of the anchor-vs-candidates block."""
+        ``(min matching score - max non-matching score) / 2`` of the anchor-vs-candidates block. Reading them is the
+        one host-device sync, at logging time only."""
         return self.logged_statistics.pop()
 
     def get_config_dict(self) -> dict[str, Any]:
-        config: dict[str, Any] = {
-            "parametrization": self.parametrization,
-            "inverse_temperature": float(self.inverse_temperature.detach()),
-            "relative_bias": float(self.relative_bias.detach()),
-            "bias": float(self.absolute_bias.detach()),
-            "trainable_temperature": self.trainable_temperature,
-            "trainable_bias": self.trainable_bias,
-            "gather_across_devices": self.gather_across_devices,
-            "symmetric": self.symmetric,
-            "columns": self.columns,
-            "locked_adapter": self.locked_adapter,
-            "chunk_size": self.chunk_size,
-        }
-        if self.locked_adapter:
-            config["delta"] = float(self.delta.detach())
-        return config
+        """The constructor's options with the loss parameters' current values, so that
+        ``type(loss)(model, **loss.get_config_dict())`` rebuilds this loss (JSON-able)."""
+        values = {name: float(value.detach()) for name, value in self.loss_parameters().items()}
+        options = dataclasses.replace(
+            self.initial_options,
+            # exp in float64 of the float32 log_t: its log rounds back to the same float32
+            scale=math.exp(values["log_t"]),
+            relative_bias=values.get("b_rel"),
+            bias=values.get("bias"),
+            adapter_logit=values.get("adapter_logit", self.initial_options.adapter_logit),
+            trainable_scale=self.trainable_scale,
+            trainable_bias=self.trainable_bias,
+            gather_across_devices=self.gather_across_devices,
+            symmetric=self.symmetric,
+            chunk_size=self.chunk_size,
+            check_inputs=self.check_inputs,
+        )
+        return dataclasses.asdict(options)
 
     @property
     def citation(self) -> str:
         return RB_SIGMOID_CITATION
+
+
+class DeviceRunningMeans:
+    """Running means of scalar statistics kept on their device: :meth:`add` makes no host-device sync, :meth:`pop`
+    reads everything with one. Non-finite values (e.g. the margin of a block without negatives) are not counted."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, Tensor] = {}
+        self._counts: dict[str, Tensor] = {}
+
+    def add(self, values: dict[str, Tensor]) -> None:
+        for key, value in values.items():
+            value = value.detach().reshape(()).float()
+            finite = torch.isfinite(value)
+            contribution = torch.where(finite, value, torch.zeros_like(value))
+            if key in self._sums:
+                self._sums[key] = self._sums[key] + contribution
+                self._counts[key] = self._counts[key] + finite.float()
+            else:
+                self._sums[key] = contribution
+                self._counts[key] = finite.float()
+
+    def pop(self) -> dict[str, float]:
+        if not self._sums:
+            return {}
+        keys = list(self._sums)
+        device = self._sums[keys[0]].device
+        # One transfer for all sums and counts.
+        tensors = [self._sums[key] for key in keys] + [self._counts[key] for key in keys]
+        flat = torch.stack([tensor.to(device) for tensor in tensors]).tolist()
+        sums, counts = flat[: len(keys)], flat[len(keys) :]
+        self._sums.clear()
+        self._counts.clear()
+        return {key: total / count for key, total, count in zip(keys, sums, counts) if count > 0}

@@ -1,0 +1,218 @@
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from sentence_transformers.base.losses.gradcache import CachedLossMixin, has_static_embedding_input
+from torch import Tensor, nn
+
+from st_weince.losses._columns import check_embedding_columns
+from st_weince.losses.rb_sigmoid import DEFAULT_SCALE, RBSigmoidLoss, flag_option, positive_int_option
+
+
+class CachedRBSigmoidLoss(CachedLossMixin, RBSigmoidLoss):
+    def __init__(
+        self,
+        model: nn.Module | None,
+        scale: float = DEFAULT_SCALE,
+        *,
+        mini_batch_size: int = 32,
+        mini_batch_num_tokens: int | None = None,
+        show_progress_bar: bool = False,
+        **options: Any,
+    ) -> None:
+        """
+        :class:`~st_weince.losses.RBSigmoidLoss` with gradient caching (GradCache, Gao et al. 2021), for batches far
+        larger than fit in memory, built on sentence-transformers' ``CachedLossMixin`` as
+        ``CachedMultipleNegativesRankingLoss`` is:
+
+            (1) embed every mini-batch without gradients;
+            (2) compute the loss over row chunks of ``mini_batch_size`` anchors, back-propagating each chunk to the
+                embeddings at once, so that one ``[mini_batch_size, candidates]`` block of scores is alive at a
+                time (the sigmoid loss has no softmax normalization, so it is exactly the sum of the chunks' losses):
+                memory grows linearly with the batch;
+            (3) re-embed every mini-batch with gradients and apply the cached embedding gradients.
+
+        Loss, model gradients and loss-parameter gradients equal those of :class:`RBSigmoidLoss` on the same batch
+        (tested to 1e-5); the parameters have the same names (``log_t``, ``b_rel`` or ``bias``, ``adapter_logit``),
+        so checkpoints, ``learning_rate_mapping`` and :func:`st_weince.training.prepare_trainer` carry over.
+
+        **Gradients of the loss's own parameters.** The mixin runs step (2), the loss's backward, inside
+        ``forward``: a parameter that took part in it would receive its gradient there, before and outside the
+        trainer's backward, so without the loss scaling of fp16 training (a GradScaler's factor) and without the
+        division by the gradient-accumulation steps; the gradient would be off by exactly those factors (the model's
+        gradients are fine: the mixin's backward hook multiplies them by the outer gradient). Here step (2) runs on
+        detached stand-ins of ``log_t`` and ``b_rel``; their gradients ``g`` are handed to the outer backward through
+        a term ``sum_p (p - p.detach()) g_p`` that is zero in value and added to the returned loss, so the
+        parameters receive ``g`` times whatever the outer backward passes (scaling, accumulation, the weights of
+        ``MatryoshkaLoss``, which wraps the loss computation), exactly as in the uncached loss.
+
+        Args:
+            model: SentenceTransformer model.
+            scale: initial ``t = 1 / temperature``, as in :class:`RBSigmoidLoss`.
+            mini_batch_size: rows per mini-batch when embedding (memory of the encoder) and anchors per chunk of the
+                loss (memory of the score block).
+            mini_batch_num_tokens: instead of ``mini_batch_size`` rows, pack embedding mini-batches by this many
+                non-padding tokens (as in ``CachedMultipleNegativesRankingLoss``).
+            show_progress_bar: show a progress bar while embedding mini-batches.
+            **options: every option of :class:`RBSigmoidLoss` (``parametrization``, ``relative_bias``, ``bias``,
+                ``trainable_scale``, ``trainable_bias``, ``gather_across_devices``, ``symmetric``, ``columns``,
+                ``locked_adapter``, ``adapter_logit``, ``chunk_size``, ``check_inputs``, ``directions``), validated
+                the same way.
+
+        References:
+            - Gao, Zhang, Han, Callan: Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup
+              (GradCache), RepL4NLP 2021.
+            - See :class:`RBSigmoidLoss` for the loss itself.
+
+        Requirements:
+            1. As :class:`RBSigmoidLoss`; a model whose inputs can be split into mini-batches (not a
+               StaticEmbedding).
+
+        Inputs:
+            +-------------------------------------------------+--------+
+            | Texts                                           | Labels |
+            +=================================================+========+
+            | (anchor, positive) pairs                        | none   |
+            +-------------------------------------------------+--------+
+            | (anchor, positive, negative_1, ..., negative_n) | none   |
+            +-------------------------------------------------+--------+
+            | (modality_1, ..., modality_k), columns=         | none   |
+            | "modalities"                                    |        |
+            +-------------------------------------------------+--------+
+
+        Example:
+            ::
+
+                from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+                from sentence_transformers import SentenceTransformerTrainingArguments
+                from st_weince.losses import CachedRBSigmoidLoss
+                from st_weince.training import prepare_trainer
+
+                model = SentenceTransformer("all-MiniLM-L6-v2")
+                loss = CachedRBSigmoidLoss(model, mini_batch_size=64)
+                args = SentenceTransformerTrainingArguments(output_dir="out", per_device_train_batch_size=4096)
+                trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train_dataset, loss=loss)
+                prepare_trainer(trainer)
+                trainer.train()
+        """
+        super().__init__(model, scale, **options)
+        if model is not None and has_static_embedding_input(model):
+            raise ValueError(
+                "CachedRBSigmoidLoss cannot split the inputs of a StaticEmbedding model into mini-batches; "
+                "use RBSigmoidLoss instead"
+            )
+        self.mini_batch_size = positive_int_option("mini_batch_size", mini_batch_size)
+        self.mini_batch_num_tokens = positive_int_option("mini_batch_num_tokens", mini_batch_num_tokens, optional=True)
+        self.show_progress_bar = flag_option("show_progress_bar", show_progress_bar)
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {
+            **super().get_config_dict(),
+            "mini_batch_size": self.mini_batch_size,
+            "mini_batch_num_tokens": self.mini_batch_num_tokens,
+            "show_progress_bar": self.show_progress_bar,
+        }
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
+        sentence_features = list(sentence_features)
+        if not torch.is_grad_enabled():
+            return self.forward_cached(sentence_features, labels)
+        # The loss computation returns a term carrying the loss parameters' gradients (see the class docstring).
+        # The mixin detaches whatever the computation returns, so the term is taken here, from around the whole
+        # computation, including a wrapper such as MatryoshkaLoss's, which replaces ``calculate_loss`` on this
+        # instance and weights each of its calls.
+        computation = self.calculate_loss
+        replaced_on_instance = "calculate_loss" in self.__dict__
+        parameter_terms: list[Tensor] = []
+
+        def capture_parameter_term(reps: list[list[Tensor]], labels: Tensor | None = None, **kwargs: Any) -> Tensor:
+            total = computation(reps, labels, **kwargs)
+            parameter_terms.append(total - total.detach())
+            return total.detach()
+
+        self.calculate_loss = capture_parameter_term
+        try:
+            loss = self.forward_cached(sentence_features, labels)
+        finally:
+            if replaced_on_instance:
+                self.calculate_loss = computation
+            else:
+                del self.calculate_loss
+        return loss + sum(parameter_terms) if parameter_terms else loss
+
+    def calculate_loss(
+        self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
+    ) -> Tensor:
+        """The RB-Sigmoid loss of the whole batch from the per-mini-batch embeddings, over row chunks of
+        ``mini_batch_size`` anchors. With ``with_backward`` each chunk is back-propagated to the embeddings at once;
+        the loss parameters' gradients are returned as the zero-valued term ``sum_p (p - p.detach()) g_p`` added to
+        the detached loss (see the class docstring)."""
+        embeddings = [torch.cat(column) for column in reps]
+        checks = self._new_checks()
+        check_embedding_columns(embeddings, type(self).__name__, checks=checks if checks is not None else False)
+        params = self.loss_parameters()
+        self._require_finite_parameters(params, checks)
+        if not with_backward:
+            total, extremes = self._row_chunk_losses(embeddings, params, backward=False)
+        else:
+            stand_ins = {name: value.detach().requires_grad_(value.requires_grad) for name, value in params.items()}
+            total, extremes = self._row_chunk_losses(embeddings, stand_ins, backward=True)
+            for name, value in params.items():
+                if value.requires_grad and stand_ins[name].grad is not None:
+                    total = total + (value - value.detach()) * stand_ins[name].grad
+        if checks is not None:
+            checks.raise_if_failed()
+        self._record(params, *extremes)
+        return total
+
+    def _row_chunk_losses(
+        self, embeddings: list[Tensor], params: dict[str, Tensor], backward: bool
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """Sum of the chunk losses (detached when ``backward``) and the first block's extremes.
+
+        With ``backward``, normalization and gathering run once on leaves: each chunk's backward stops at the
+        normalized (and gathered) columns, and one backward per column then carries the accumulated gradients
+        through the gather and the normalization to the embeddings."""
+        normalized = self._normalized(embeddings)
+        columns = [column.detach().requires_grad_() for column in normalized] if backward else normalized
+        gathered, positive_index = self._candidates(columns)
+        # Without gathering the candidates are the columns themselves; gathered ones become leaves of their own.
+        candidates = gathered
+        if self.gather_across_devices and backward:
+            candidates = [column.detach().requires_grad_() for column in gathered]
+        batch_size = columns[0].shape[0]
+
+        total = columns[0].new_zeros(())
+        extremes: tuple[Tensor, Tensor] | None = None
+        for block_index, (anchor_column, block, weight) in enumerate(self._directional_blocks(columns, candidates)):
+            for begin in range(0, batch_size, self.mini_batch_size):
+                end = min(begin + self.mini_batch_size, batch_size)
+                value, low, high = self._block_loss(
+                    columns[anchor_column][begin:end], block, positive_index[begin:end], params
+                )
+                # The block loss is the mean over the chunk's anchors; the loss is the mean over all anchors.
+                value = value * (weight * (end - begin) / batch_size)
+                if backward:
+                    value.backward()
+                    value = value.detach()
+                total = total + value
+                if block_index == 0:  # the logged margin is the first block's, as in RBSigmoidLoss
+                    extremes = (low, high) if extremes is None else _merge(extremes, low, high)
+        if backward:
+            if self.gather_across_devices:
+                _backward_where_used(gathered, candidates)
+            _backward_where_used(normalized, columns)
+        return total, extremes
+
+
+def _merge(extremes: tuple[Tensor, Tensor], low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
+    return torch.minimum(extremes[0], low), torch.maximum(extremes[1], high)
+
+
+def _backward_where_used(outputs: list[Tensor], leaves: list[Tensor]) -> None:
+    """Back-propagate the gradients accumulated on detached ``leaves`` through the graph of ``outputs``."""
+    pairs = [(output, leaf.grad) for output, leaf in zip(outputs, leaves) if leaf.grad is not None]
+    if pairs:
+        torch.autograd.backward([output for output, _ in pairs], [grad for _, grad in pairs])
