@@ -4,6 +4,7 @@ in the trainer's logs, and harmlessness for WEINCELoss (no parameters)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -14,7 +15,7 @@ from sentence_transformers import SentenceTransformer, SentenceTransformerTraine
 from transformers import TrainerCallback
 
 from st_weince.losses import RBSigmoidLoss, WEINCELoss
-from st_weince.training import LOSS_STATE_FILE, prepare_trainer
+from st_weince.training import LOSS_STATE_FILE, LOSS_STATE_RECORD, prepare_trainer, read_checkpoint_loss_state
 from tests.conftest import TINY_SENTENCES
 
 pytestmark = pytest.mark.slow
@@ -24,7 +25,10 @@ def pairs_dataset() -> Dataset:
     return Dataset.from_dict({"anchor": TINY_SENTENCES, "positive": TINY_SENTENCES[1:] + TINY_SENTENCES[:1]})
 
 
-def make_trainer(model_dir, output_dir, *, loss_cls=RBSigmoidLoss, prepare=True, callbacks=None, **overrides):
+def make_trainer(
+    model_dir, output_dir, *, loss_cls=RBSigmoidLoss, prepare=True, callbacks=None, allow_missing_loss_state=False,
+    **overrides,
+):
     model = SentenceTransformer(str(model_dir), device="cpu")
     loss = loss_cls(model)
     settings = {
@@ -49,7 +53,7 @@ def make_trainer(model_dir, output_dir, *, loss_cls=RBSigmoidLoss, prepare=True,
         model=model, args=args, train_dataset=pairs_dataset(), loss=loss, callbacks=callbacks or []
     )
     if prepare:
-        prepare_trainer(trainer)
+        prepare_trainer(trainer, allow_missing_loss_state=allow_missing_loss_state)
     return trainer
 
 
@@ -70,10 +74,10 @@ def test_interrupted_and_resumed_run_ends_like_an_uninterrupted_one(tiny_model_d
     full = make_trainer(tiny_model_dir, tmp_path / "full")
     full.train()
     expected = final_parameters(full)
-    assert os.path.isfile(tmp_path / "full" / "checkpoint-3" / LOSS_STATE_FILE)
-    saved = torch.load(tmp_path / "full" / "checkpoint-3" / LOSS_STATE_FILE, weights_only=True)
+    saved = read_checkpoint_loss_state(tmp_path / "full" / "checkpoint-3")
     assert set(saved) == {"log_t", "b_rel"}
     assert saved["log_t"].item() != pytest.approx(torch.tensor(10.0).log().item())  # it moved in 3 steps
+    assert not os.path.exists(tmp_path / "full" / "checkpoint-3" / LOSS_STATE_FILE)  # inside trainer_state.json
 
     interrupted = make_trainer(tiny_model_dir, tmp_path / "split", callbacks=[StopAt(3)])
     interrupted.train()
@@ -84,12 +88,18 @@ def test_interrupted_and_resumed_run_ends_like_an_uninterrupted_one(tiny_model_d
     got = final_parameters(resumed)
     assert got == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
-    # Without the saved loss state (a checkpoint written without prepare_trainer) the loss parameters restart from
-    # their initial values on resume, and the comparison above fails.
+    # A checkpoint without the loss state (written without prepare_trainer) is refused: resuming from it would
+    # restart t and b_rel while their optimizer state is restored. (Before: a warning, and the run went on.)
     stripped = tmp_path / "stripped" / "checkpoint-3"
     shutil.copytree(tmp_path / "split" / "checkpoint-3", stripped)
-    os.remove(stripped / LOSS_STATE_FILE)
-    restarted = make_trainer(tiny_model_dir, tmp_path / "stripped")
+    trainer_state = json.loads((stripped / "trainer_state.json").read_text())
+    del trainer_state["stateful_callbacks"][LOSS_STATE_RECORD]
+    (stripped / "trainer_state.json").write_text(json.dumps(trainer_state))
+    refused = make_trainer(tiny_model_dir, tmp_path / "stripped")
+    with pytest.raises(FileNotFoundError, match=r"trainer_state\.json.*allow_missing_loss_state=True"):
+        refused.train(resume_from_checkpoint=str(stripped))
+    # The opt-in starts the loss parameters fresh, and the run ends elsewhere.
+    restarted = make_trainer(tiny_model_dir, tmp_path / "stripped", allow_missing_loss_state=True)
     restarted.train(resume_from_checkpoint=str(stripped))
     assert final_parameters(restarted) != pytest.approx(expected, rel=1e-5, abs=1e-6)
 
