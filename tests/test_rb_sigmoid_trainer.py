@@ -15,7 +15,13 @@ from sentence_transformers import SentenceTransformer, SentenceTransformerTraine
 from transformers import TrainerCallback
 
 from st_weince.losses import RBSigmoidLoss, WEINCELoss
-from st_weince.training import LOSS_STATE_FILE, LOSS_STATE_RECORD, prepare_trainer, read_checkpoint_loss_state
+from st_weince.training import (
+    DEFAULT_LOSS_LEARNING_RATE,
+    LOSS_STATE_FILE,
+    LOSS_STATE_RECORD,
+    prepare_trainer,
+    read_checkpoint_loss_state,
+)
 from tests.conftest import TINY_SENTENCES
 
 pytestmark = pytest.mark.slow
@@ -27,7 +33,7 @@ def pairs_dataset() -> Dataset:
 
 def make_trainer(
     model_dir, output_dir, *, loss_cls=RBSigmoidLoss, prepare=True, callbacks=None, allow_missing_loss_state=False,
-    **overrides,
+    eval_dataset=None, **overrides,
 ):
     model = SentenceTransformer(str(model_dir), device="cpu")
     loss = loss_cls(model)
@@ -50,7 +56,8 @@ def make_trainer(
     settings.update(overrides)
     args = SentenceTransformerTrainingArguments(**settings)
     trainer = SentenceTransformerTrainer(
-        model=model, args=args, train_dataset=pairs_dataset(), loss=loss, callbacks=callbacks or []
+        model=model, args=args, train_dataset=pairs_dataset(), eval_dataset=eval_dataset, loss=loss,
+        callbacks=callbacks or [],
     )
     if prepare:
         prepare_trainer(trainer, allow_missing_loss_state=allow_missing_loss_state)
@@ -160,3 +167,38 @@ def test_prepare_trainer_is_harmless_for_weince(tiny_model_dir, tmp_path):
     assert not os.path.exists(tmp_path / "weince" / "checkpoint-3" / LOSS_STATE_FILE)
     records = [r for r in trainer.state.log_history if "loss" in r]
     assert "weince_lambda_mean" in records[-1]
+
+
+def test_t_and_b_rel_move_materially_at_a_fine_tuning_rate(tiny_model_dir, tmp_path, one_torch_thread):
+    """Issue 11: at the model's fine-tuning rate (2e-5) t and b_rel hardly move; prepare_trainer's own learning rate
+    for them (DEFAULT_LOSS_LEARNING_RATE) makes them train."""
+    settings = {"max_steps": 5, "learning_rate": 2e-5, "weight_decay": 0.0, "save_strategy": "no"}
+    moved = {}
+    for name, loss_learning_rate in (("own", DEFAULT_LOSS_LEARNING_RATE), ("model", None)):
+        trainer = make_trainer(tiny_model_dir, tmp_path / name, prepare=False, **settings)
+        prepare_trainer(trainer, loss_learning_rate=loss_learning_rate)
+        trainer.train()
+        t, b_rel = final_parameters(trainer)
+        moved[name] = (abs(t / 10.0 - 1), abs(b_rel - 0.7))
+    assert moved["own"][0] > 0.02 and moved["own"][1] > 0.02, moved  # 5 Adam steps of about 1e-2 each
+    assert moved["model"][0] < 1e-3 and moved["model"][1] < 1e-3, moved
+
+
+def test_load_best_model_at_end_loads_the_best_checkpoints_loss_state(tiny_model_dir, tmp_path, one_torch_thread):
+    trainer = make_trainer(
+        tiny_model_dir,
+        tmp_path / "best",
+        max_steps=4,
+        save_steps=1,
+        eval_strategy="steps",
+        eval_steps=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        greater_is_better=False,
+        eval_dataset=pairs_dataset(),
+    )
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best is not None and not best.endswith("checkpoint-4")  # else the test would show nothing
+    saved = read_checkpoint_loss_state(best)
+    assert trainer.loss.log_t.item() == saved["log_t"].item() and trainer.loss.b_rel.item() == saved["b_rel"].item()
