@@ -57,7 +57,7 @@ _CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")  # as transfo
 
 #: Learning rate of the loss's own parameters set by :func:`prepare_trainer` (chosen by measurement:
 #: benchmarks/loss_learning_rate.py, docs/training.md).
-DEFAULT_LOSS_LEARNING_RATE = 1e-2
+DEFAULT_LOSS_LEARNING_RATE = 3e-2
 
 
 # ----- which tensors belong to the loss -----
