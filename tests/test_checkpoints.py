@@ -194,3 +194,19 @@ def test_loss_state_file_helpers(tiny_model, tmp_path):
     with pytest.raises(FloatingPointError, match="log_t"):
         save_loss_state(loss, tmp_path / "inf")
     assert not (tmp_path / "inf" / LOSS_STATE_FILE).exists()
+
+
+def test_resume_with_restore_callback_states_from_checkpoint(tiny_model_dir, tmp_path, uninterrupted, one_torch_thread):
+    """With the trainer's own callback-state restore switched on, it re-creates LossStateRecord from the checkpoint;
+    the re-created record is linked to the loss again and the run still ends like the uninterrupted one."""
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step >= 2
+
+    output = tmp_path / "run"
+    prepare_trainer(build_trainer(tiny_model_dir, output, callbacks=[StopAt()])).train()
+    trainer = prepare_trainer(build_trainer(tiny_model_dir, output, restore_callback_states_from_checkpoint=True))
+    trainer.train(resume_from_checkpoint=True)
+    assert_same_run(outcome(trainer), uninterrupted)
+    assert read_checkpoint_loss_state(output / "checkpoint-6")["log_t"].item() == trainer.loss.log_t.item()
