@@ -48,6 +48,14 @@ def uninterrupted(tiny_model_dir, tmp_path_factory) -> dict:
     return result
 
 
+def readable_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def run_and_kill(model_dir, output_dir: Path, block: str = "none", step: int = -1, delay: float | None = None):
     """Start the worker; SIGKILL it when it signals that it blocks inside the save (or ``delay`` seconds after its
     first checkpoint is complete). Returns True if it was killed (False: it finished first)."""
@@ -58,7 +66,7 @@ def run_and_kill(model_dir, output_dir: Path, block: str = "none", step: int = -
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 240
     trigger = ready if delay is None else output_dir / "checkpoint-2" / "trainer_state.json"
-    while not trigger.exists():
+    while not (trigger.exists() and (delay is None or readable_json(trigger))):
         if process.poll() is not None:
             if delay is not None:
                 return False
