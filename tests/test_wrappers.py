@@ -96,3 +96,19 @@ def test_own_tensors_of_a_dict_of_losses_use_the_trainers_names(tiny_model):
     assert sorted(own_tensors(RBSigmoidLoss(tiny_model, trainable_temperature=False), trainable_only=True)) == [
         "b_rel"
     ]
+
+
+def test_arguments_reused_for_another_loss_do_not_carry_the_loss_pattern(tiny_model_dir, tmp_path):
+    from sentence_transformers import SentenceTransformerTrainer
+
+    from st_weince.losses import WEINCELoss
+
+    rb = prepare_trainer(build_trainer(tiny_model_dir, tmp_path))
+    assert any("log_t" in pattern for pattern in rb.args.learning_rate_mapping)
+    shared_args = build_trainer(tiny_model_dir, tmp_path).args
+    for loss_cls in (RBSigmoidLoss, WEINCELoss):
+        trainer = SentenceTransformerTrainer(
+            model=rb.model, args=shared_args, train_dataset=rb.train_dataset, loss=loss_cls(rb.model)
+        )
+        prepare_trainer(trainer).create_optimizer()  # WEINCE: would raise "No parameters found matching the pattern"
+    assert shared_args.learning_rate_mapping == {}

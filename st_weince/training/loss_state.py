@@ -27,6 +27,7 @@ last complete one.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -500,6 +501,9 @@ def prepare_trainer(
         own_names = own_tensors(trainer.loss, trainable_only=True)
         if not any(re.search(p, name) for p in user_mapping for name in own_names):
             # First in the mapping: the trainer applies the entries in order, so a later user entry would still win.
+            # On a copy of the arguments: an arguments object reused for another trainer (another loss) must not
+            # carry this pattern, which the trainer would refuse there ("No parameters found matching").
+            trainer.args = copy.copy(trainer.args)
             trainer.args.learning_rate_mapping = {pattern: float(loss_learning_rate), **user_mapping}
     if trainer.optimizer is not None:
         _regroup_existing_optimizer(trainer, loss_learning_rate if pattern is not None else None)
