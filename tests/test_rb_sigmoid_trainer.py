@@ -4,6 +4,7 @@ in the trainer's logs, and harmlessness for WEINCELoss (no parameters)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from functools import partial
@@ -15,7 +16,13 @@ from sentence_transformers import SentenceTransformer, SentenceTransformerTraine
 from transformers import TrainerCallback
 
 from st_weince.losses import CachedRBSigmoidLoss, RBSigmoidLoss, WEINCELoss
-from st_weince.training import LOSS_STATE_FILE, prepare_trainer
+from st_weince.training import (
+    DEFAULT_LOSS_LEARNING_RATE,
+    LOSS_STATE_FILE,
+    LOSS_STATE_RECORD,
+    prepare_trainer,
+    read_checkpoint_loss_state,
+)
 from tests.conftest import TINY_SENTENCES
 
 pytestmark = pytest.mark.slow
@@ -26,7 +33,8 @@ def pairs_dataset() -> Dataset:
 
 
 def make_trainer(
-    model_dir, output_dir, *, loss_cls=RBSigmoidLoss, prepare=True, callbacks=None, dropout=True, **overrides
+    model_dir, output_dir, *, loss_cls=RBSigmoidLoss, prepare=True, callbacks=None, allow_missing_loss_state=False,
+    eval_dataset=None, dropout=True, **overrides,
 ):
     model = SentenceTransformer(str(model_dir), device="cpu")
     if not dropout:  # deterministic forward passes, so that cached and uncached training can be compared
@@ -53,10 +61,11 @@ def make_trainer(
     settings.update(overrides)
     args = SentenceTransformerTrainingArguments(**settings)
     trainer = SentenceTransformerTrainer(
-        model=model, args=args, train_dataset=pairs_dataset(), loss=loss, callbacks=callbacks or []
+        model=model, args=args, train_dataset=pairs_dataset(), eval_dataset=eval_dataset, loss=loss,
+        callbacks=callbacks or [],
     )
     if prepare:
-        prepare_trainer(trainer)
+        prepare_trainer(trainer, allow_missing_loss_state=allow_missing_loss_state)
     return trainer
 
 
@@ -77,10 +86,10 @@ def test_interrupted_and_resumed_run_ends_like_an_uninterrupted_one(tiny_model_d
     full = make_trainer(tiny_model_dir, tmp_path / "full")
     full.train()
     expected = final_parameters(full)
-    assert os.path.isfile(tmp_path / "full" / "checkpoint-3" / LOSS_STATE_FILE)
-    saved = torch.load(tmp_path / "full" / "checkpoint-3" / LOSS_STATE_FILE, weights_only=True)
+    saved = read_checkpoint_loss_state(tmp_path / "full" / "checkpoint-3")
     assert set(saved) == {"log_t", "b_rel"}
     assert saved["log_t"].item() != pytest.approx(torch.tensor(10.0).log().item())  # it moved in 3 steps
+    assert not os.path.exists(tmp_path / "full" / "checkpoint-3" / LOSS_STATE_FILE)  # inside trainer_state.json
 
     interrupted = make_trainer(tiny_model_dir, tmp_path / "split", callbacks=[StopAt(3)])
     interrupted.train()
@@ -91,12 +100,18 @@ def test_interrupted_and_resumed_run_ends_like_an_uninterrupted_one(tiny_model_d
     got = final_parameters(resumed)
     assert got == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
-    # Without the saved loss state (a checkpoint written without prepare_trainer) the loss parameters restart from
-    # their initial values on resume, and the comparison above fails.
+    # A checkpoint without the loss state (written without prepare_trainer) is refused: resuming from it would
+    # restart t and b_rel while their optimizer state is restored. (Before: a warning, and the run went on.)
     stripped = tmp_path / "stripped" / "checkpoint-3"
     shutil.copytree(tmp_path / "split" / "checkpoint-3", stripped)
-    os.remove(stripped / LOSS_STATE_FILE)
-    restarted = make_trainer(tiny_model_dir, tmp_path / "stripped")
+    trainer_state = json.loads((stripped / "trainer_state.json").read_text())
+    del trainer_state["stateful_callbacks"][LOSS_STATE_RECORD]
+    (stripped / "trainer_state.json").write_text(json.dumps(trainer_state))
+    refused = make_trainer(tiny_model_dir, tmp_path / "stripped")
+    with pytest.raises(FileNotFoundError, match=r"trainer_state\.json.*allow_missing_loss_state=True"):
+        refused.train(resume_from_checkpoint=str(stripped))
+    # The opt-in starts the loss parameters fresh, and the run ends elsewhere.
+    restarted = make_trainer(tiny_model_dir, tmp_path / "stripped", allow_missing_loss_state=True)
     restarted.train(resume_from_checkpoint=str(stripped))
     assert final_parameters(restarted) != pytest.approx(expected, rel=1e-5, abs=1e-6)
 
@@ -179,9 +194,44 @@ def test_cached_loss_trains_like_the_uncached_one_with_accumulation(tiny_model_d
         )
         trainer.train()
         finals[name] = final_parameters(trainer)
-        saved = torch.load(tmp_path / name / "checkpoint-3" / LOSS_STATE_FILE, weights_only=True)
+        saved = read_checkpoint_loss_state(tmp_path / name / "checkpoint-3")
         assert set(saved) == {"log_t", "b_rel"}
         record = [r for r in trainer.state.log_history if "loss" in r][-1]
         assert {"rb_sigmoid_t", "rb_sigmoid_b_rel", "rb_sigmoid_b", "rb_sigmoid_margin"} <= set(record)
     assert finals["uncached"][0] != pytest.approx(10.0, rel=1e-4), "t must have moved"
     assert finals["cached"] == pytest.approx(finals["uncached"], rel=1e-5, abs=1e-6)
+
+
+def test_t_and_b_rel_move_materially_at_a_fine_tuning_rate(tiny_model_dir, tmp_path, one_torch_thread):
+    """Issue 11: at the model's fine-tuning rate (2e-5) t and b_rel hardly move; prepare_trainer's own learning rate
+    for them (DEFAULT_LOSS_LEARNING_RATE) makes them train."""
+    settings = {"max_steps": 5, "learning_rate": 2e-5, "weight_decay": 0.0, "save_strategy": "no"}
+    moved = {}
+    for name, loss_learning_rate in (("own", DEFAULT_LOSS_LEARNING_RATE), ("model", None)):
+        trainer = make_trainer(tiny_model_dir, tmp_path / name, prepare=False, **settings)
+        prepare_trainer(trainer, loss_learning_rate=loss_learning_rate)
+        trainer.train()
+        t, b_rel = final_parameters(trainer)
+        moved[name] = (abs(t / 10.0 - 1), abs(b_rel - 0.7))
+    assert moved["own"][0] > 0.02 and moved["own"][1] > 0.02, moved  # 5 Adam steps of about 1e-2 each
+    assert moved["model"][0] < 1e-3 and moved["model"][1] < 1e-3, moved
+
+
+def test_load_best_model_at_end_loads_the_best_checkpoints_loss_state(tiny_model_dir, tmp_path, one_torch_thread):
+    trainer = make_trainer(
+        tiny_model_dir,
+        tmp_path / "best",
+        max_steps=4,
+        save_steps=1,
+        eval_strategy="steps",
+        eval_steps=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        greater_is_better=False,
+        eval_dataset=pairs_dataset(),
+    )
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best is not None and not best.endswith("checkpoint-4")  # else the test would show nothing
+    saved = read_checkpoint_loss_state(best)
+    assert trainer.loss.log_t.item() == saved["log_t"].item() and trainer.loss.b_rel.item() == saved["b_rel"].item()

@@ -1,26 +1,40 @@
 """Trainer integration: logging of loss statistics (and, for losses with parameters, their state handling)."""
 
 from st_weince.training.loss_state import (
+    DEFAULT_LOSS_LEARNING_RATE,
     LOSS_STATE_FILE,
+    LOSS_STATE_RECORD,
     LossStateCallback,
+    LossStateRecord,
     average_loss_gradients,
     load_loss_state,
     load_loss_state_dict,
     loss_state_dict,
+    no_weight_decay_names,
+    own_tensors,
     prepare_trainer,
+    read_checkpoint_loss_state,
     save_loss_state,
+    set_aside_incomplete_checkpoints,
 )
 from st_weince.training.statistics import LossStatisticsCallback, RunningMeans, log_loss_statistics
 
 __all__ = [
+    "DEFAULT_LOSS_LEARNING_RATE",
     "LOSS_STATE_FILE",
+    "LOSS_STATE_RECORD",
     "LossStateCallback",
+    "LossStateRecord",
     "average_loss_gradients",
     "load_loss_state",
     "load_loss_state_dict",
     "loss_state_dict",
+    "no_weight_decay_names",
+    "own_tensors",
     "prepare_trainer",
+    "read_checkpoint_loss_state",
     "save_loss_state",
+    "set_aside_incomplete_checkpoints",
     "LossStatisticsCallback",
     "RunningMeans",
     "log_loss_statistics",

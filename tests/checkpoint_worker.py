@@ -1,0 +1,126 @@
+"""A tiny RB-Sigmoid trainer run for the checkpoint tests (tests/test_checkpoints.py), also run as a subprocess
+that the test SIGKILLs at a chosen moment of a checkpoint save.
+
+    python tests/checkpoint_worker.py MODEL_DIR OUTPUT_DIR [--block WHERE --block-step N --ready FILE]
+
+``--block`` makes the run signal (create ``--ready``) and then sleep at one moment of the save of
+``checkpoint-N``, so that the parent kills it exactly there:
+
+- ``model``: the model files are written, nothing else (inside ``Trainer.save_model``);
+- ``state``: model, optimizer and RNG states are written, ``trainer_state.json`` is not yet (inside the trainer's
+  collection of ``ExportableState`` callback states, which comes right before that file);
+- ``on_save``: the checkpoint is complete, the ``on_save`` callbacks run (where the loss state used to be written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from datasets import Dataset
+from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: import this checkout
+
+from st_weince.losses import RBSigmoidLoss  # noqa: E402
+from st_weince.training import prepare_trainer  # noqa: E402
+from tests.conftest import TINY_SENTENCES  # noqa: E402
+
+MAX_STEPS = 6
+SAVE_STEPS = 2
+
+
+def build_trainer(model_dir, output_dir, callbacks=(), **overrides) -> SentenceTransformerTrainer:
+    model = SentenceTransformer(str(model_dir), device="cpu")
+    settings = {
+        "output_dir": str(output_dir),
+        "per_device_train_batch_size": 4,
+        "max_steps": MAX_STEPS,
+        "learning_rate": 5e-2,
+        "lr_scheduler_type": "constant",
+        "save_strategy": "steps",
+        "save_steps": SAVE_STEPS,
+        "logging_steps": 1,
+        "report_to": [],
+        "seed": 0,
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+    }
+    settings.update(overrides)
+    dataset = Dataset.from_dict({"anchor": TINY_SENTENCES, "positive": TINY_SENTENCES[1:] + TINY_SENTENCES[:1]})
+    trainer = SentenceTransformerTrainer(
+        model=model,
+        args=SentenceTransformerTrainingArguments(**settings),
+        train_dataset=dataset,
+        loss=RBSigmoidLoss(model),
+        callbacks=list(callbacks),
+    )
+    return trainer
+
+
+def block_forever(ready: str) -> None:
+    Path(ready).touch()
+    while True:
+        time.sleep(60)
+
+
+class BlockInState(TrainerCallback, ExportableState):
+    """Its ``state()`` is called by the trainer while it saves, after the optimizer, before trainer_state.json."""
+
+    def __init__(self, step: int = -1, ready: str = "") -> None:
+        self.step, self.ready, self.global_step = step, ready, 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.global_step = state.global_step
+
+    def state(self) -> dict:
+        if self.global_step == self.step:
+            block_forever(self.ready)
+        return {"args": {}, "attributes": {}}
+
+
+class BlockOnSave(TrainerCallback):
+    def __init__(self, step: int, ready: str) -> None:
+        self.step, self.ready = step, ready
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            block_forever(self.ready)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_dir")
+    parser.add_argument("output_dir")
+    parser.add_argument("--block", choices=["none", "model", "state", "on_save"], default="none")
+    parser.add_argument("--block-step", type=int, default=-1)
+    parser.add_argument("--ready", default="")
+    options = parser.parse_args()
+    callbacks = []
+    if options.block == "state":
+        callbacks.append(BlockInState(options.block_step, options.ready))
+    if options.block == "on_save":
+        callbacks.append(BlockOnSave(options.block_step, options.ready))
+    trainer = prepare_trainer(build_trainer(options.model_dir, options.output_dir, callbacks=callbacks))
+    if options.block == "model":
+        save_model = trainer.save_model
+
+        def save_model_then_block(output_dir=None, _internal_call=False):
+            save_model(output_dir, _internal_call=_internal_call)
+            if trainer.state.global_step == options.block_step:
+                block_forever(options.ready)
+
+        trainer.save_model = save_model_then_block
+    Path(options.output_dir, "started").touch()
+    trainer.train()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main()

@@ -1,0 +1,220 @@
+"""The loss state survives any kill: subprocess runs SIGKILLed at chosen moments of a checkpoint save (and at a
+random moment), then resumed here with ``resume_from_checkpoint=True``, end exactly like an uninterrupted run
+(t, b_rel, every per-step loss). Also: refused checkpoints, corrupt loss state, non-finite loss parameters."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from st_weince.losses import RBSigmoidLoss
+from st_weince.training import (
+    LOSS_STATE_FILE,
+    LOSS_STATE_RECORD,
+    load_loss_state,
+    prepare_trainer,
+    read_checkpoint_loss_state,
+    save_loss_state,
+)
+from tests.checkpoint_worker import MAX_STEPS, build_trainer
+from tests.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.slow
+WORKER = REPO_ROOT / "tests" / "checkpoint_worker.py"
+
+
+def outcome(trainer) -> dict:
+    losses = {r["step"]: r["loss"] for r in trainer.state.log_history if "loss" in r}
+    return {"t": trainer.loss.inverse_temperature.item(), "b_rel": trainer.loss.b_rel.item(), "losses": losses}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model_dir, tmp_path_factory) -> dict:
+    torch.set_num_threads(1)
+    trainer = prepare_trainer(build_trainer(tiny_model_dir, tmp_path_factory.mktemp("full")))
+    trainer.train()
+    result = outcome(trainer)
+    assert sorted(result["losses"]) == list(range(1, MAX_STEPS + 1))
+    return result
+
+
+def readable_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def run_and_kill(model_dir, output_dir: Path, block: str = "none", step: int = -1, delay: float | None = None):
+    """Start the worker; SIGKILL it when it signals that it blocks inside the save (or ``delay`` seconds after its
+    first checkpoint is complete). Returns True if it was killed (False: it finished first)."""
+    ready = output_dir.parent / f"{output_dir.name}.ready"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, str(WORKER), str(model_dir), str(output_dir), "--block", block]
+    command += ["--block-step", str(step), "--ready", str(ready)]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    trigger = ready if delay is None else output_dir / "checkpoint-2" / "trainer_state.json"
+    while not (trigger.exists() and (delay is None or readable_json(trigger))):
+        if process.poll() is not None:
+            if delay is not None:
+                return False
+            raise AssertionError(f"the worker ended before blocking: {process.stderr.read().decode()[-3000:]}")
+        assert time.monotonic() < deadline, "the worker did not reach the save in time"
+        time.sleep(0.05)
+    if delay is not None:
+        time.sleep(delay)
+    killed = process.poll() is None
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    process.stderr.close()
+    return killed
+
+
+def resume(model_dir, output_dir: Path) -> dict:
+    trainer = prepare_trainer(build_trainer(model_dir, output_dir))
+    trainer.train(resume_from_checkpoint=True)
+    return outcome(trainer)
+
+
+def assert_same_run(got: dict, expected: dict) -> None:
+    assert got["t"] == pytest.approx(expected["t"], rel=1e-5)
+    assert got["b_rel"] == pytest.approx(expected["b_rel"], rel=1e-5, abs=1e-6)
+    assert sorted(got["losses"]) == sorted(expected["losses"])
+    for step, loss in expected["losses"].items():
+        assert got["losses"][step] == pytest.approx(loss, rel=1e-4, abs=1e-4), f"loss at step {step}"
+
+
+@pytest.mark.parametrize(
+    ("block", "resumed_from"),
+    [
+        ("model", 2),  # checkpoint-4 holds the model only: set aside, resume from checkpoint-2
+        ("state", 2),  # model, optimizer, RNG, no trainer_state.json yet: set aside as well
+        ("on_save", 4),  # complete: the moment at which the loss state used to be missing (issue 11)
+    ],
+)
+def test_killed_inside_a_save_resumes_like_an_uninterrupted_run(
+    block, resumed_from, tiny_model_dir, tmp_path, uninterrupted, one_torch_thread
+):
+    output = tmp_path / "run"
+    assert run_and_kill(tiny_model_dir, output, block=block, step=4)
+    assert (output / "checkpoint-4").is_dir()
+    got = resume(tiny_model_dir, output)
+    assert (output / "incomplete-checkpoint-4").is_dir() == (resumed_from == 2)
+    assert read_checkpoint_loss_state(output / "checkpoint-2")["log_t"].item() != pytest.approx(10.0)
+    assert_same_run(got, uninterrupted)
+    first_resumed = json.loads((output / "checkpoint-6" / "trainer_state.json").read_text())["log_history"]
+    assert any(r.get("step") == resumed_from + 1 for r in first_resumed)
+
+
+def test_killed_at_a_random_moment_resumes_like_an_uninterrupted_run(
+    tiny_model_dir, tmp_path, uninterrupted, one_torch_thread
+):
+    output = tmp_path / "run"
+    # Steps 3-6 and the saves of checkpoint-4 and -6 take about 0.5 s here; the kill lands anywhere in them.
+    delay = random.Random().uniform(0.0, 0.6)
+    killed = run_and_kill(tiny_model_dir, output, delay=delay)
+    print(f"killed={killed} after {delay:.3f} s; left: {sorted(p.name for p in output.iterdir())}")
+    assert_same_run(resume(tiny_model_dir, output), uninterrupted)
+
+
+def test_checkpoint_without_loss_state_is_refused_and_corrupt_state_named(tiny_model_dir, tmp_path, one_torch_thread):
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step >= 2
+
+    output = tmp_path / "run"
+    prepare_trainer(build_trainer(tiny_model_dir, output, callbacks=[StopAt()])).train()
+    trainer_state_file = output / "checkpoint-2" / "trainer_state.json"
+    content = json.loads(trainer_state_file.read_text())
+
+    # A corrupt loss-state entry: the error names trainer_state.json and never suggests weights_only=False.
+    content["stateful_callbacks"][LOSS_STATE_RECORD]["attributes"]["entries"]["log_t"]["values"] = "garbage"
+    trainer_state_file.write_text(json.dumps(content))
+    with pytest.raises(ValueError, match=r"trainer_state\.json.*'log_t' is corrupt") as error:
+        prepare_trainer(build_trainer(tiny_model_dir, output)).train(resume_from_checkpoint=True)
+    assert "weights_only" not in str(error.value)
+
+    # No loss state at all (written without prepare_trainer): refused, naming the file and the opt-in.
+    del content["stateful_callbacks"][LOSS_STATE_RECORD]
+    trainer_state_file.write_text(json.dumps(content))
+    with pytest.raises(FileNotFoundError, match=r"trainer_state\.json.*allow_missing_loss_state=True"):
+        prepare_trainer(build_trainer(tiny_model_dir, output)).train(resume_from_checkpoint=True)
+
+    # An empty trainer_state.json (a kill while the trainer wrote it): that checkpoint is set aside, with a warning
+    # naming the file, and resume_from_checkpoint=True finds no other one.
+    trainer_state_file.write_text("")
+    trainer = prepare_trainer(build_trainer(tiny_model_dir, output))
+    assert (output / "incomplete-checkpoint-2" / "trainer_state.json").is_file()
+    with pytest.raises(ValueError, match="No valid checkpoint"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+def test_non_finite_loss_parameters_stop_training_before_the_checkpoint(tiny_model_dir, tmp_path, one_torch_thread):
+    class Diverge(TrainerCallback):
+        def __init__(self, loss):
+            self.loss = loss
+
+        def on_step_end(self, args, state, control, **kwargs):  # runs before prepare_trainer's callbacks
+            if state.global_step == 4:
+                with torch.no_grad():
+                    self.loss.b_rel.fill_(float("nan"))
+
+    output = tmp_path / "run"
+    trainer = build_trainer(tiny_model_dir, output)
+    trainer.add_callback(Diverge(trainer.loss))
+    prepare_trainer(trainer)
+    with pytest.raises(FloatingPointError, match=r"checkpoint at step 4.*b_rel.*not finite"):
+        trainer.train()
+    assert sorted(p.name for p in output.iterdir() if p.name.startswith(("checkpoint", "incomplete"))) == [
+        "checkpoint-2"
+    ]
+
+
+def test_loss_state_file_helpers(tiny_model, tmp_path):
+    loss = RBSigmoidLoss(tiny_model, inverse_temperature=3.0)
+    with pytest.raises(FileNotFoundError, match=LOSS_STATE_FILE):
+        load_loss_state(loss, tmp_path)
+    path = Path(save_loss_state(loss, tmp_path))
+    assert sorted(torch.load(path, weights_only=True)) == ["b_rel", "log_t"]
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    fresh = RBSigmoidLoss(tiny_model)
+    load_loss_state(fresh, tmp_path)
+    assert fresh.inverse_temperature.item() == pytest.approx(3.0)
+    for content, message in [(b"", "is empty"), (b"\x80\x02not a zip", "is corrupt")]:
+        path.write_bytes(content)
+        with pytest.raises(ValueError, match=message) as error:
+            load_loss_state(fresh, tmp_path)
+        assert str(path) in str(error.value) and "weights_only" not in str(error.value)
+    with torch.no_grad():
+        loss.log_t.fill_(float("inf"))
+    with pytest.raises(FloatingPointError, match="log_t"):
+        save_loss_state(loss, tmp_path / "inf")
+    assert not (tmp_path / "inf" / LOSS_STATE_FILE).exists()
+
+
+def test_resume_with_restore_callback_states_from_checkpoint(tiny_model_dir, tmp_path, uninterrupted, one_torch_thread):
+    """With the trainer's own callback-state restore switched on, it re-creates LossStateRecord from the checkpoint;
+    the re-created record is linked to the loss again and the run still ends like the uninterrupted one."""
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step >= 2
+
+    output = tmp_path / "run"
+    prepare_trainer(build_trainer(tiny_model_dir, output, callbacks=[StopAt()])).train()
+    trainer = prepare_trainer(build_trainer(tiny_model_dir, output, restore_callback_states_from_checkpoint=True))
+    trainer.train(resume_from_checkpoint=True)
+    assert_same_run(outcome(trainer), uninterrupted)
+    assert read_checkpoint_loss_state(output / "checkpoint-6")["log_t"].item() == trainer.loss.log_t.item()
