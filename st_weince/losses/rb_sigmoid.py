@@ -26,6 +26,7 @@ from st_weince.functional.sigmoid import (
     targets_from_positive_index,
 )
 from st_weince.losses._columns import check_embedding_columns
+from st_weince.training.statistics import RunningMeans
 from st_weince.utils.hotpath import DeferredChecks
 
 Parametrization = Literal["relative", "absolute"]
@@ -379,7 +380,7 @@ class RBSigmoidLoss(nn.Module):
             self._register_scalar("bias", options.bias, options.trainable_bias)
         if options.locked_adapter:
             self._register_scalar("adapter_logit", options.adapter_logit, True)
-        self.logged_statistics = DeviceRunningMeans()
+        self.logged_statistics = RunningMeans()
 
     def _register_scalar(self, name: str, value: float, trainable: bool) -> None:
         tensor = torch.tensor(value, dtype=torch.float32)
@@ -615,37 +616,3 @@ class RBSigmoidLoss(nn.Module):
     @property
     def citation(self) -> str:
         return RB_SIGMOID_CITATION
-
-
-class DeviceRunningMeans:
-    """Running means of scalar statistics kept on their device: :meth:`add` makes no host-device sync, :meth:`pop`
-    reads everything with one. Non-finite values (e.g. the margin of a block without negatives) are not counted."""
-
-    def __init__(self) -> None:
-        self._sums: dict[str, Tensor] = {}
-        self._counts: dict[str, Tensor] = {}
-
-    def add(self, values: dict[str, Tensor]) -> None:
-        for key, value in values.items():
-            value = value.detach().reshape(()).float()
-            finite = torch.isfinite(value)
-            contribution = torch.where(finite, value, torch.zeros_like(value))
-            if key in self._sums:
-                self._sums[key] = self._sums[key] + contribution
-                self._counts[key] = self._counts[key] + finite.float()
-            else:
-                self._sums[key] = contribution
-                self._counts[key] = finite.float()
-
-    def pop(self) -> dict[str, float]:
-        if not self._sums:
-            return {}
-        keys = list(self._sums)
-        device = self._sums[keys[0]].device
-        # One transfer for all sums and counts.
-        tensors = [self._sums[key] for key in keys] + [self._counts[key] for key in keys]
-        flat = torch.stack([tensor.to(device) for tensor in tensors]).tolist()
-        sums, counts = flat[: len(keys)], flat[len(keys) :]
-        self._sums.clear()
-        self._counts.clear()
-        return {key: total / count for key, total, count in zip(keys, sums, counts) if count > 0}
