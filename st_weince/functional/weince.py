@@ -344,6 +344,8 @@ def weince_tail_fit(
     ``checks``: True validates the inputs here (one host sync), a DeferredChecks collects the value checks for the
     caller to read, False skips them (the caller guarantees finite scores and valid positives).
     """
+    if isinstance(valid_mask, WeinceOptions):
+        raise TypeError("valid_mask got a WeinceOptions: pass the options as options=... (the fourth argument)")
     options = resolve_options(options, overrides)
     deferred = _checks_for(checks)
     _check_scores(scores, positive_index, valid_mask, deferred)
