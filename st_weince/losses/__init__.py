@@ -1,6 +1,11 @@
 """sentence-transformers loss classes: thin adapters over :mod:`st_weince.functional`."""
 
+from st_weince.losses.cached_weince import CachedWEINCELoss
 from st_weince.losses.rb_sigmoid import RBSigmoidLoss
 from st_weince.losses.weince import WEINCELoss
 
-__all__ = ["RBSigmoidLoss", "WEINCELoss"]
+__all__ = [
+    "CachedWEINCELoss",
+    "RBSigmoidLoss",
+    "WEINCELoss",
+]
