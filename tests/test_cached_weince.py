@@ -177,3 +177,40 @@ def test_loss_stage_never_allocates_the_full_score_matrix():
     full_matrix = batch_size * 3 * batch_size
     assert max(largest) <= mini_batch_size * 3 * batch_size
     assert max(largest) < full_matrix / 10
+
+
+@pytest.mark.slow
+def test_trainer_with_prepare_trainer_logs_and_trains(tiny_model, tmp_path, one_torch_thread):
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer
+    from sentence_transformers.sentence_transformer.training_args import SentenceTransformerTrainingArguments
+
+    from st_weince.training import prepare_trainer
+
+    sentences = TINY_SENTENCES * 2
+    dataset = Dataset.from_dict(
+        {"anchor": sentences, "positive": sentences[::-1], "negative": sentences[1:] + sentences[:1]}
+    )
+    loss = CachedWEINCELoss(tiny_model, mini_batch_size=5)
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=24,
+        max_steps=2,
+        logging_steps=1,
+        learning_rate=1e-3,
+        report_to=[],
+        save_strategy="steps",
+        save_steps=2,
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = SentenceTransformerTrainer(model=tiny_model, args=args, train_dataset=dataset, loss=loss)
+    prepare_trainer(trainer)
+    before = [p.detach().clone() for p in tiny_model.parameters()]
+    trainer.train()
+    assert any(not torch.equal(b, p) for b, p in zip(before, tiny_model.parameters())), "training changed nothing"
+    logged = [record for record in trainer.state.log_history if "loss" in record]
+    assert len(logged) == 2
+    for record in logged:
+        assert 0.0 <= record["weince_lambda_mean"] <= 1.0 and record["weince_rho0"] > 0.0
+    assert (tmp_path / "out" / "checkpoint-2").is_dir()
