@@ -1,4 +1,4 @@
-"""Numerics found by fuzzing: tails without shape (all negatives equal) and embeddings with huge finite norms."""
+"""Numerics found by fuzzing: tails without shape (all negatives equal) and embeddings whose norm overflows."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
 from st_weince.functional import WeinceOptions, normalize_rows, weince_statistics
-from st_weince.losses import WEINCELoss
+from st_weince.losses import CachedWEINCELoss, WEINCELoss
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
@@ -58,28 +58,45 @@ def test_spread_tails_are_still_fitted():
     assert (stats.delta_aic[16:] != 0).all()
 
 
-@pytest.mark.parametrize("magnitude", [1e20, 1e30, 1e-30])
-def test_huge_and_tiny_norms_are_normalised_exactly(magnitude):
+@pytest.mark.parametrize("magnitude", [1e20, 1e30])
+@pytest.mark.parametrize("cached", [False, True])
+def test_norms_that_overflow_are_refused_clearly(magnitude, cached):
+    generator = torch.Generator().manual_seed(1)
+    columns = [torch.randn(16, 8, generator=generator) for _ in range(3)]
+    columns[2][5] *= magnitude  # finite entries, norm beyond float32
+    assert torch.isfinite(columns[2]).all()
+    if cached:
+        loss = CachedWEINCELoss(None, mini_batch_size=4)
+        compute = lambda cols, labels: loss.calculate_loss([list(c.split(4)) for c in cols], labels)  # noqa: E731
+    else:
+        compute = WEINCELoss(None).compute_loss_from_embeddings
+    with pytest.raises(ValueError, match="column 2: a row's L2 norm overflows"):
+        compute([c.requires_grad_() for c in columns], None)
+
+
+def test_large_norms_below_the_overflow_are_exact():
     generator = torch.Generator().manual_seed(1)
     base = [torch.randn(16, 8, generator=generator) for _ in range(2)]
-    scaled = [(c * magnitude).requires_grad_() for c in base]
+    scaled = [(c * 1e15).requires_grad_() for c in base]
     plain = [c.clone().requires_grad_() for c in base]
     loss_scaled = WEINCELoss(None).compute_loss_from_embeddings(scaled, None)
     loss_plain = WEINCELoss(None).compute_loss_from_embeddings(plain, None)
     loss_scaled.backward()
     loss_plain.backward()
     assert float(loss_scaled.detach()) == pytest.approx(float(loss_plain.detach()), rel=1e-5)
-    # normalisation is scale-invariant: the gradient scales as 1 / magnitude
-    torch.testing.assert_close(scaled[0].grad * magnitude, plain[0].grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(scaled[0].grad * 1e15, plain[0].grad, rtol=1e-4, atol=1e-6)
     assert torch.allclose(normalize_rows(scaled[0].detach()).norm(dim=1), torch.ones(16))
 
 
-def test_mnrl_cos_sim_loses_huge_norms_which_weince_keeps():
-    """The behaviour the scale-safe normalisation avoids: sentence-transformers' cos_sim squares the entries, so a
-    norm above ~1e19 overflows in float32 and the row becomes a zero vector (uniform softmax, zero gradient)."""
+def test_mnrl_cos_sim_loses_huge_norms_silently():
+    """The behaviour the check refuses: sentence-transformers' cos_sim squares the entries, so a norm above ~1e19
+    overflows in float32 and the row becomes a zero vector (uniform softmax, zero gradient), without an error.
+    WEINCELoss(check_inputs=False) skips the check and behaves the same way."""
     generator = torch.Generator().manual_seed(2)
     columns = [(torch.randn(16, 8, generator=generator) * 1e20).requires_grad_() for _ in range(2)]
     loss = MultipleNegativesRankingLoss(None).compute_loss_from_embeddings(columns, None)
     loss.backward()
     assert float(loss.detach()) == pytest.approx(math.log(16), rel=1e-6)
     assert float(columns[0].grad.abs().max()) == 0.0
+    unchecked = WEINCELoss(None, check_inputs=False).compute_loss_from_embeddings(columns, None)
+    assert float(unchecked.detach()) == pytest.approx(math.log(16), rel=1e-6)

@@ -4,16 +4,19 @@
 - :func:`mnrl_layout`: sentence-transformers' MultipleNegativesRankingLoss layout (columns, directions, partition
   modes, gathered candidates), for any block of rows, so a cached loss can process the score matrix in row chunks;
   :func:`mnrl_cross_entropy` is its softmax over the groups' logits.
-- :func:`normalize_rows`: unit-length rows that do not overflow for huge finite norms.
+- :func:`normalize_rows`: unit-length rows, refusing norms that overflow.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
+
+from st_weince.utils.hotpath import DeferredChecks
 
 Direction = Literal["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"]
 PartitionMode = Literal["joint", "per_direction"]
@@ -22,18 +25,25 @@ QUERY_ANCHORED: tuple[Direction, ...] = ("query_to_doc", "query_to_query")
 DOC_ANCHORED: tuple[Direction, ...] = ("doc_to_query", "doc_to_doc")
 
 
-def normalize_rows(embeddings: Tensor) -> Tensor:
-    """Rows scaled to unit L2 norm, safe for any finite values.
+def normalize_rows(embeddings: Tensor, checks: DeferredChecks | None = None, name: str = "embeddings") -> Tensor:
+    """Rows scaled to unit L2 norm, exactly ``torch.nn.functional.normalize`` (as in sentence-transformers'
+    ``cos_sim``), with a check of the norms.
 
-    ``torch.nn.functional.normalize`` (and so sentence-transformers' ``cos_sim``) squares the entries: a finite row
-    with a norm above about 1e19 overflows in float32 and becomes a zero vector with zero gradient (issue 10 item 5).
-    Dividing by the row's largest magnitude first keeps the squares in range. The divisor is a constant for
-    autograd, which is exact: normalisation is scale-invariant, so the gradient is that of ``normalize(x)``.
-    A zero row stays zero.
+    The norm squares the entries: a finite row with a norm above about 1e19 overflows in float32 and would become a
+    zero vector with zero gradient, silently (what ``cos_sim`` does, issue 10 item 5). With ``checks`` such rows are
+    refused with an error naming ``name``. Refusing costs nothing (the norm is needed anyway), while a scale-safe
+    normalisation (divide by the largest entry first) costs two extra passes over the embeddings every step for
+    an input that only a diverged model produces.
     """
-    largest = embeddings.detach().abs().amax(dim=-1, keepdim=True)
-    largest = torch.where(largest > 0, largest, torch.ones_like(largest))
-    return torch.nn.functional.normalize(embeddings / largest, p=2, dim=-1)
+    norms = torch.linalg.vector_norm(embeddings, dim=-1, keepdim=True)
+    if checks is not None:
+        checks.require(
+            torch.isfinite(norms),
+            f"{name}: a row's L2 norm overflows {embeddings.dtype} (finite entries, norm above about "
+            f"{math.sqrt(torch.finfo(embeddings.dtype).max):.0e}); it would normalise to a zero vector. "
+            "The model diverged: lower the learning rate, or normalise the embeddings in the model.",
+        )
+    return embeddings / norms.clamp_min(1e-12)
 
 
 def nt_xent_layout(view_a: Tensor, view_b: Tensor) -> tuple[Tensor, Tensor, Tensor]:

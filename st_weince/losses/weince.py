@@ -277,7 +277,13 @@ class WEINCELoss(nn.Module):
             offset = get_rank() * queries.shape[0]
             queries = all_gather_with_grad(queries)
             docs = [all_gather_with_grad(doc) for doc in docs]
-        return normalize_rows(queries), [normalize_rows(doc) for doc in docs], offset
+        deferred = checks if isinstance(checks, DeferredChecks) else None
+        name = type(self).__name__
+        return (
+            normalize_rows(queries, deferred, f"{name}: column 0"),
+            [normalize_rows(doc, deferred, f"{name}: column {index}") for index, doc in enumerate(docs, start=1)],
+            offset,
+        )
 
     # -- losses ------------------------------------------------------------------------------------------------
 
