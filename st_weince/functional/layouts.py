@@ -31,17 +31,18 @@ def normalize_rows(embeddings: Tensor, checks: DeferredChecks | None = None, nam
 
     The norm squares the entries: a finite row with a norm above about 1e19 overflows in float32 and would become a
     zero vector with zero gradient, silently (what ``cos_sim`` does, issue 10 item 5). With ``checks`` such rows are
-    refused with an error naming ``name``. Refusing costs nothing (the norm is needed anyway), while a scale-safe
-    normalisation (divide by the largest entry first) costs two extra passes over the embeddings every step for
-    an input that only a diverged model produces.
+    refused with an error naming ``name``, and so are NaN/Inf entries (they make the norm non-finite too): one check
+    on the [rows] norms, which the normalisation needs anyway. A scale-safe normalisation (divide by the largest
+    entry first) would cost two extra passes over the embeddings every step, for an input only a diverged model
+    produces.
     """
     norms = torch.linalg.vector_norm(embeddings, dim=-1, keepdim=True)
     if checks is not None:
         checks.require(
             torch.isfinite(norms),
-            f"{name}: a row's L2 norm overflows {embeddings.dtype} (finite entries, norm above about "
-            f"{math.sqrt(torch.finfo(embeddings.dtype).max):.0e}); it would normalise to a zero vector. "
-            "The model diverged: lower the learning rate, or normalise the embeddings in the model.",
+            f"{name} has NaN or Inf embeddings, or finite ones whose L2 norm overflows {embeddings.dtype} (above "
+            f"about {math.sqrt(torch.finfo(embeddings.dtype).max):.0e}, which would normalise to a zero vector); "
+            "the model diverged or its input is broken",
         )
     return embeddings / norms.clamp_min(1e-12)
 

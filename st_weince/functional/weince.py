@@ -280,9 +280,14 @@ def _top_negative_scores(
         scores = scores.masked_fill(~valid_mask, float("-inf"))
     if positive_index is None:
         return scores.topk(k_max, dim=1).values
-    values, columns = scores.topk(min(k_max + 1, scores.shape[1]), dim=1, sorted=False)
-    values = values.masked_fill(columns == positive_index[:, None], float("-inf"))
-    return values.sort(dim=1, descending=True).values[:, :k_max]
+    values, columns = scores.topk(min(k_max + 1, scores.shape[1]), dim=1, sorted=True)
+    # Drop the positive without re-sorting: position j takes the value at j, or at j + 1 once the positive has been
+    # passed. A row whose positive is not among its top k_max + 1 (or that has none) keeps its first k_max values.
+    width = values.shape[1]
+    passed = (columns[:, :k_max] == positive_index[:, None]).cumsum(dim=1)
+    positions = torch.arange(k_max, device=scores.device)[None, :] + passed
+    beyond = positions >= width  # only when the row has no k_max-th negative (k_max = number of columns)
+    return values.gather(1, positions.clamp_max_(width - 1)).masked_fill_(beyond, float("-inf"))
 
 
 def tail_sizes(num_negatives: Tensor, *, tail_frac: float, min_tail_points: int) -> Tensor:
@@ -495,9 +500,9 @@ class _BlendedLogit(torch.autograd.Function):
     def forward(ctx, scores: Tensor, lam: Tensor, beta: Tensor, temperature: float, eps: float) -> Tensor:
         linear_weight = (1.0 - lam) / temperature
         shortfall_weight = lam * beta
-        shortfall = torch.rsub(scores, 1.0)
-        logits = torch.log(shortfall.clamp_min(eps)).mul_(-shortfall_weight).addcmul_(scores, linear_weight)
-        shortfall.masked_fill_(shortfall < eps, float("inf"))
+        shortfall = torch.rsub(scores, 1.0).clamp_min_(eps)
+        logits = torch.log(shortfall).mul_(-shortfall_weight).addcmul_(scores, linear_weight)
+        torch.threshold_(shortfall, eps, float("inf"))  # one pass: entries at the clamp (<= eps) become +inf
         ctx.save_for_backward(shortfall, linear_weight, shortfall_weight)
         return logits
 
