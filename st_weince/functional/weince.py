@@ -305,19 +305,38 @@ def max_tail_size(num_candidates: int, options: WeinceOptions) -> int:
     return min(max(10, k), num_candidates)
 
 
+def _fit_tables(k_max: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+    """Per tail size k = 0..k_max: the burn-in b, the 0/1 weights of the fitted ranks (b, k] and the centred
+    responses of both lines at those ranks (zero elsewhere): log F_r (Weibull) and log(-log F_r) (Gumbel proxy),
+    F_r = r / (k + 1). They depend on k only, so they are computed once for [k_max + 1, k_max] and each row picks
+    its k's row, instead of re-deriving them on every [A, k_max] row."""
+    sizes = torch.arange(k_max + 1, device=device)[:, None]
+    rank = torch.arange(1, k_max + 1, device=device, dtype=dtype)[None, :]
+    burn_in = torch.clamp(torch.div(sizes, 20, rounding_mode="floor"), min=1)
+    used = (rank <= sizes) & (rank > burn_in)
+    weight = used.to(dtype)
+    n = weight.sum(1, keepdim=True).clamp_min(1.0)
+    # positions outside the fit get a harmless 0.5 so no NaN enters the sums
+    log_cdf = torch.log(torch.where(used, rank / (sizes.to(dtype) + 1.0), 0.5))
+    centred = tuple((y - (y * weight).sum(1, keepdim=True) / n) * weight for y in (log_cdf, torch.log(-log_cdf)))
+    return burn_in.squeeze(1), weight, centred
+
+
 def _fit_lines(
-    x: Tensor, ys: tuple[Tensor, ...], weight: Tensor, n: Tensor
+    x: Tensor, centred_ys: tuple[Tensor, ...], weight: Tensor, n: Tensor, first_used: Tensor
 ) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
     """Row-wise least squares y ~ a + slope * x for several y on the same x, over the points with weight 1.
 
-    ``x``, ``weight`` and each y are [A, k] (unused positions must be finite), ``n`` [A, 1] the points per row.
-    Returns (slope, residual sum of squares) per y and the rows whose x has no spread (``degenerate``, slope 0).
+    ``x`` and ``weight`` are [A, k] (x finite everywhere), ``centred_ys`` the responses already centred over the
+    used points and zero elsewhere, ``n`` [A, 1] the points per row, ``first_used`` [A, 1] the position of each
+    row's first used point. Returns (slope, residual sum of squares) per y and the rows whose x has no spread
+    (``degenerate``, slope 0).
 
     x is shifted by one of its own points before centring, so equal x give exactly zero deviations, and a row is
     degenerate when the RMS deviation is below a few units of rounding of x's magnitude (a relative threshold,
     valid in every dtype). Residuals are summed directly, not as syy - sxy^2 / sxx, which cancels in float32.
     """
-    reference = x.gather(1, weight.argmax(1, keepdim=True))  # the first used point of each row
+    reference = x.gather(1, first_used)
     xs = (x - reference).mul_(weight)
     xc = (xs - xs.sum(1, keepdim=True) / n).mul_(weight)
     sxx = (xc * xc).sum(1)
@@ -325,10 +344,9 @@ def _fit_lines(
     degenerate = sxx <= n.squeeze(1) * resolution * resolution
     sxx_safe = torch.where(degenerate, torch.ones_like(sxx), sxx)
     fits = []
-    for y in ys:
-        yc = (y - (y * weight).sum(1, keepdim=True) / n).mul_(weight)
+    for yc in centred_ys:
         slope = torch.where(degenerate, torch.zeros_like(sxx), (xc * yc).sum(1) / sxx_safe)
-        residual = yc.addcmul_(xc, slope[:, None], value=-1.0)
+        residual = torch.addcmul(yc, xc, slope[:, None], value=-1.0)
         fits.append((slope, (residual * residual).sum(1)))
     return fits, degenerate
 
@@ -362,23 +380,23 @@ def weince_tail_fit(
     has_negatives = num_negatives > 0
 
     top = _top_negative_scores(scores, positive_index, valid_mask, k_max).to(dtype)
-    rank = torch.arange(1, k_max + 1, device=device, dtype=dtype)[None, :]
-    tail_size = k[:, None]
-    in_tail = rank <= tail_size
-    # Positions beyond a row's tail (-inf padding) get shortfall 1 (log 0) so no inf or NaN enters the sums.
-    shortfall = torch.where(in_tail, torch.rsub(top, 1.0), 1.0).clamp_min_(options.eps)
+    # Shortfalls of the sorted tail; the -inf padding of rows with fewer than k_max negatives gives +inf, whose log
+    # is set to 0 so that no inf or NaN enters the (weighted) sums.
+    shortfall = torch.rsub(top, 1.0).clamp_min_(options.eps)
     rho = torch.where(has_negatives, shortfall[:, 0], 1.0)
+    log_shortfall = torch.log(shortfall).nan_to_num_(posinf=0.0)
 
-    burn_in = torch.clamp(torch.div(k, 20, rounding_mode="floor"), min=1)
+    burn_in_of, weight_of, centred_of = _fit_tables(k_max, dtype, device)
+    burn_in = burn_in_of[k]
     n = (k - burn_in).clamp_min(0)
     fitted = n >= _MIN_FIT_POINTS
     n_safe = n.clamp_min(1).to(dtype)[:, None]
-    used = in_tail & (rank > burn_in[:, None])
-
-    # Empirical CDF levels; positions outside the fit get a harmless 0.5 so no NaN enters the sums.
-    log_cdf = torch.log(torch.where(used, rank / (tail_size.to(dtype) + 1.0), 0.5))
     ((beta_hat, sse_weibull), (gumbel_slope, sse_gumbel)), degenerate = _fit_lines(
-        torch.log(shortfall), (log_cdf, torch.log(-log_cdf)), used.to(dtype), n_safe
+        log_shortfall,
+        tuple(table.index_select(0, k) for table in centred_of),
+        weight_of.index_select(0, k),
+        n_safe,
+        burn_in.clamp_max(k_max - 1)[:, None],
     )
     sse_weibull = (sse_weibull + _WRONG_SIGN_PENALTY * (beta_hat <= 0)).clamp_min(_MIN_SSE)
     sse_gumbel = (sse_gumbel + _WRONG_SIGN_PENALTY * (gumbel_slope >= 0)).clamp_min(_MIN_SSE)
