@@ -15,6 +15,7 @@ from st_weince.functional import (
     weince_cross_entropy,
     weince_logits,
     weince_statistics,
+    weince_tail_fit,
 )
 from tests.weince_reference import reference_loss, reference_statistics
 
@@ -210,3 +211,18 @@ def test_property_finite_bounded_and_permutation_invariant(num_anchors, extra, n
     inverse = torch.argsort(perm)
     permuted = weince_cross_entropy(scores[:, perm], inverse[positive_index], temperature=0.05, beta=beta)
     assert float(permuted) == pytest.approx(float(loss), rel=1e-5, abs=1e-6)
+
+
+def test_statistics_do_not_depend_on_how_many_rows_are_fitted_together():
+    """Row blocks (as a cached loss fits them) give bit-identical statistics to the whole matrix, although the
+    fit design is tabulated per tail size for the whole matrix and computed per row for small blocks."""
+    scores = paired_scores(90, 130, seed=11)
+    valid_mask = torch.rand(90, 130, generator=torch.Generator().manual_seed(3)) > 0.3  # many distinct tail sizes
+    positive_index = torch.arange(90)
+    valid_mask[positive_index, positive_index] = True
+    whole = weince_tail_fit(scores, positive_index, valid_mask)
+    blocks = [
+        weince_tail_fit(scores[i : i + 7], positive_index[i : i + 7], valid_mask[i : i + 7]) for i in range(0, 90, 7)
+    ]
+    for field in ("rho", "beta_hat", "delta_aic", "fitted"):
+        assert torch.equal(getattr(whole, field), torch.cat([getattr(b, field) for b in blocks])), field

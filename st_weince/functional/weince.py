@@ -305,13 +305,12 @@ def max_tail_size(num_candidates: int, options: WeinceOptions) -> int:
     return min(max(10, k), num_candidates)
 
 
-def _fit_tables(k_max: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
-    """Per tail size k = 0..k_max: the burn-in b, the 0/1 weights of the fitted ranks (b, k] and the centred
-    responses of both lines at those ranks (zero elsewhere): log F_r (Weibull) and log(-log F_r) (Gumbel proxy),
-    F_r = r / (k + 1). They depend on k only, so they are computed once for [k_max + 1, k_max] and each row picks
-    its k's row, instead of re-deriving them on every [A, k_max] row."""
-    sizes = torch.arange(k_max + 1, device=device)[:, None]
-    rank = torch.arange(1, k_max + 1, device=device, dtype=dtype)[None, :]
+def _fit_design(sizes: Tensor, k_max: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+    """For tail sizes ``sizes`` [R]: the burn-in b [R], the 0/1 weights [R, k_max] of the fitted ranks (b, k] and
+    the centred responses of both lines at those ranks (zero elsewhere): log F_r (Weibull) and log(-log F_r)
+    (Gumbel proxy), F_r = r / (k + 1)."""
+    sizes = sizes[:, None]
+    rank = torch.arange(1, k_max + 1, device=sizes.device, dtype=dtype)[None, :]
     burn_in = torch.clamp(torch.div(sizes, 20, rounding_mode="floor"), min=1)
     used = (rank <= sizes) & (rank > burn_in)
     weight = used.to(dtype)
@@ -320,6 +319,17 @@ def _fit_tables(k_max: int, dtype: torch.dtype, device: torch.device) -> tuple[T
     log_cdf = torch.log(torch.where(used, rank / (sizes.to(dtype) + 1.0), 0.5))
     centred = tuple((y - (y * weight).sum(1, keepdim=True) / n) * weight for y in (log_cdf, torch.log(-log_cdf)))
     return burn_in.squeeze(1), weight, centred
+
+
+def _row_design(k: Tensor, k_max: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+    """:func:`_fit_design` for each row's tail size. The design depends on k only, so when there are more rows
+    than possible sizes it is computed once per size ([k_max + 1, k_max]) and each row picks its size's row, which
+    saves about 15 passes over the [A, k_max] tails; otherwise (e.g. the small row chunks of a cached loss, where
+    that table would grow quadratically with the batch) per row. Both give identical values."""
+    if k_max + 1 > k.shape[0]:
+        return _fit_design(k, k_max, dtype)
+    burn_in, weight, centred = _fit_design(torch.arange(k_max + 1, device=k.device), k_max, dtype)
+    return burn_in[k], weight.index_select(0, k), tuple(table.index_select(0, k) for table in centred)
 
 
 def _fit_lines(
@@ -386,17 +396,12 @@ def weince_tail_fit(
     rho = torch.where(has_negatives, shortfall[:, 0], 1.0)
     log_shortfall = torch.log(shortfall).nan_to_num_(posinf=0.0)
 
-    burn_in_of, weight_of, centred_of = _fit_tables(k_max, dtype, device)
-    burn_in = burn_in_of[k]
+    burn_in, weight, centred = _row_design(k, k_max, dtype)
     n = (k - burn_in).clamp_min(0)
     fitted = n >= _MIN_FIT_POINTS
     n_safe = n.clamp_min(1).to(dtype)[:, None]
     ((beta_hat, sse_weibull), (gumbel_slope, sse_gumbel)), degenerate = _fit_lines(
-        log_shortfall,
-        tuple(table.index_select(0, k) for table in centred_of),
-        weight_of.index_select(0, k),
-        n_safe,
-        burn_in.clamp_max(k_max - 1)[:, None],
+        log_shortfall, centred, weight, n_safe, burn_in.clamp_max(k_max - 1)[:, None]
     )
     sse_weibull = (sse_weibull + _WRONG_SIGN_PENALTY * (beta_hat <= 0)).clamp_min(_MIN_SSE)
     sse_gumbel = (sse_gumbel + _WRONG_SIGN_PENALTY * (gumbel_slope >= 0)).clamp_min(_MIN_SSE)
