@@ -29,7 +29,6 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from st_weince.utils.hotpath import DeferredChecks
@@ -562,6 +561,63 @@ def weince_logits(
     return logits
 
 
+class _BlendedCrossEntropy(torch.autograd.Function):
+    """Per-row cross-entropy of the blended logits with the positive as the target, fused with the logit.
+
+    The separate logit + log-sum-exp + gather chain makes autograd run about seven passes over [A, C] in backward;
+    fused, the gradient (softmax - one-hot) * dl/ds takes four: dl/ds = (1 - lam) / tau + lam beta / (1 - s) with the
+    row's upstream gradient folded into the two per-row weights.
+    """
+
+    @staticmethod
+    def forward(ctx, scores, lam, beta, positive_index, valid_mask, temperature, eps):
+        linear_weight = (1.0 - lam) / temperature
+        shortfall_weight = lam * beta
+        shortfall = torch.rsub(scores, 1.0).clamp_min_(eps)
+        logits = torch.log(shortfall).mul_(-shortfall_weight).addcmul_(scores, linear_weight)
+        torch.threshold_(shortfall, eps, float("inf"))  # entries at the clamp: no shortfall gradient
+        if valid_mask is not None:
+            logits.masked_fill_(~valid_mask, float("-inf"))
+        log_z = torch.logsumexp(logits, dim=1)
+        positive = logits.gather(1, positive_index[:, None]).squeeze(1)
+        ctx.save_for_backward(logits, shortfall, linear_weight, shortfall_weight, positive_index, log_z)
+        return log_z - positive
+
+    @staticmethod
+    def backward(ctx, grad_rows: Tensor):
+        logits, shortfall, linear_weight, shortfall_weight, positive_index, log_z = ctx.saved_tensors
+        grad_rows = grad_rows[:, None]
+        probabilities = torch.sub(logits, log_z[:, None]).exp_()
+        probabilities.scatter_add_(1, positive_index[:, None], -torch.ones_like(grad_rows))
+        slope = torch.addcdiv(linear_weight * grad_rows, shortfall_weight * grad_rows, shortfall)
+        return probabilities.mul_(slope), None, None, None, None, None, None
+
+
+def blended_cross_entropy(
+    scores: Tensor,
+    lam: Tensor,
+    beta: Tensor,
+    positive_index: Tensor,
+    valid_mask: Tensor | None = None,
+    *,
+    temperature: float,
+    eps: float = DEFAULTS.eps,
+) -> Tensor:
+    """Per-row cross-entropy [A] of :func:`weince_logits` with ``positive_index`` as the target, fused (fewer passes
+    over the matrix in backward). Same dtypes and gradient as the unfused logits + ``F.cross_entropy``."""
+    temperature = check_temperature(temperature)
+    dtype = compute_dtype(scores.dtype)
+    return _BlendedCrossEntropy.apply(
+        scores.to(dtype),
+        lam.detach().to(dtype)[:, None],
+        beta.detach().to(dtype)[:, None],
+        positive_index,
+        valid_mask,
+        temperature,
+        float(eps),
+    )
+
+
 def _reduce(values: Tensor, reduction: str) -> Tensor:
     if reduction == "mean":
         return values.mean()
@@ -608,7 +664,7 @@ def weince_cross_entropy(
                 "the positive of a row is masked out by valid_mask",
             )
     _finish(deferred, checks)
-    logits = weince_logits(
-        scores, statistics.lam, statistics.beta, valid_mask, temperature=temperature, eps=options.eps
+    rows = blended_cross_entropy(
+        scores, statistics.lam, statistics.beta, positive_index, valid_mask, temperature=temperature, eps=options.eps
     )
-    return _reduce(F.cross_entropy(logits, positive_index, reduction="none"), reduction)
+    return _reduce(rows, reduction)

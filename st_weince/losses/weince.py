@@ -23,6 +23,7 @@ from st_weince.functional.weince import (
     WeinceMode,
     WeinceOptions,
     WeinceStatistics,
+    blended_cross_entropy,
     check_scale,
     statistics_from_fit,
     weince_cross_entropy,
@@ -253,6 +254,21 @@ class WEINCELoss(nn.Module):
 
     def _rows_loss(self, layout: MNRLLayout, statistics: list[WeinceStatistics]) -> Tensor:
         """Per-row loss of one block of rows of the MNRL layout, given each group's statistics of those rows."""
+        if len(layout.groups) == 1 or layout.partition_mode == "per_direction":
+            # every group is its own softmax: the fused cross-entropy (mean over directions for per_direction)
+            rows = [
+                blended_cross_entropy(
+                    group.scores,
+                    stats.lam,
+                    stats.beta,
+                    group.positive_index,
+                    group.valid_mask,
+                    temperature=self.temperature,
+                    eps=self.options.eps,
+                )
+                for group, stats in zip(layout.groups, statistics)
+            ]
+            return rows[0] if len(rows) == 1 else torch.stack(rows, dim=1).mean(dim=1)
         logits = [
             weince_logits(
                 group.scores,
