@@ -109,3 +109,29 @@ def test_every_mnrl_argument_is_accepted_or_refused_with_the_reason():
         WEINCELoss(None, hardness_strength=5.0)
     with pytest.raises(TypeError, match="gather_across_devices"):
         WEINCELoss(None, gather_across_devices="yes")
+
+
+def test_shape_and_dtype_mistakes_get_errors_in_the_projects_words():
+    generator = torch.Generator().manual_seed(1)
+    good = [torch.randn(8, 6, generator=generator) for _ in range(2)]
+    loss = WEINCELoss(None)
+    with pytest.raises(
+        ValueError, match="column 1 must be a 2-D \\[batch, dimension\\] embedding matrix, got shape \\(8, 2, 3\\)"
+    ):
+        loss.compute_loss_from_embeddings([good[0], good[1].reshape(8, 2, 3)], None)
+    with pytest.raises(ValueError, match="column 0 must be a 2-D .* got shape \\(6,\\)"):
+        loss.compute_loss_from_embeddings([good[0][0], good[1]], None)
+    with pytest.raises(ValueError, match="same embedding dimension, got \\[6, 5\\]"):
+        loss.compute_loss_from_embeddings([good[0], good[1][:, :5]], None)
+    with pytest.raises(ValueError, match="floating-point embeddings"):
+        loss.compute_loss_from_embeddings([good[0], good[1].long()], None)
+    scores = torch.nn.functional.normalize(good[0], dim=1) @ torch.nn.functional.normalize(good[1], dim=1).T
+    with pytest.raises(ValueError, match="positive_index must be a torch.long tensor, got torch.int32"):
+        weince_statistics(scores, torch.arange(8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="positive_index must lie in"):
+        weince_statistics(scores, torch.full((8,), 8))
+    # a NumPy float temperature is a number like any other
+    from st_weince.functional import weince_cross_entropy
+
+    value = weince_cross_entropy(scores, torch.arange(8), temperature=np.float32(0.05))
+    assert torch.isfinite(value)
