@@ -171,10 +171,6 @@ class TailFit:
     fitted: Tensor  # [A] bool: at least 3 tail points after the burn-in
     has_negatives: Tensor  # [A] bool: at least one negative
 
-    def rows(self, index: slice | Tensor) -> TailFit:
-        """The fits of a subset of rows (e.g. one row chunk of a cached loss)."""
-        return TailFit(*(getattr(self, f.name)[index] for f in fields(self)))
-
     @staticmethod
     def cat(parts: list[TailFit]) -> TailFit:
         """Row chunks' fits, concatenated in order."""
@@ -643,7 +639,8 @@ def weince_cross_entropy(
 ) -> Tensor:
     """WEINCE loss: cross-entropy of the blended logits of each row with its positive as the target.
 
-    ``statistics`` reuses precomputed statistics of these rows (else they are computed here with ``options``).
+    ``statistics`` reuses precomputed statistics of these rows (else they are computed here with ``options``); their
+    computation checked the values of these inputs, so only shapes are checked again.
     """
     options = resolve_options(options, overrides)
     temperature = check_temperature(temperature)
@@ -655,7 +652,8 @@ def weince_cross_entropy(
             scores, positive_index, valid_mask, options, rho0=rho0, checks=deferred if deferred is not None else False
         )
     else:
-        _check_scores(scores, positive_index, valid_mask, deferred)
+        # shapes only: the values were checked when these statistics were computed from the same inputs
+        _check_scores(scores, positive_index, valid_mask, None)
     if deferred is not None:
         deferred.require(positive_index >= 0, "every row needs a positive for the cross-entropy (positive_index >= 0)")
         if valid_mask is not None:
