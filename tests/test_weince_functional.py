@@ -240,7 +240,7 @@ def test_fused_cross_entropy_equals_logits_then_cross_entropy(dtype):
     valid_mask[positive_index, positive_index] = True
     lam = torch.rand(30, generator=torch.Generator().manual_seed(5), dtype=dtype)
     beta = 0.5 + 10 * torch.rand(30, generator=torch.Generator().manual_seed(6), dtype=dtype)
-    weights = torch.rand(30, dtype=dtype)  # an upstream gradient that differs per row
+    weights = torch.rand(30, generator=torch.Generator().manual_seed(7), dtype=dtype)  # upstream gradient per row
     fused_input = scores.clone().requires_grad_()
     plain_input = scores.clone().requires_grad_()
     fused = blended_cross_entropy(fused_input, lam, beta, positive_index, valid_mask, temperature=0.05)
@@ -252,5 +252,5 @@ def test_fused_cross_entropy_equals_logits_then_cross_entropy(dtype):
     (plain * weights).sum().backward()
     # float32: p - 1 at the positive cancels, so compare against the gradient's scale there
     scale = float(plain_input.grad.abs().max())
-    atol = 1e-12 if dtype == torch.float64 else 1e-6 * scale
+    atol = 1e-12 if dtype == torch.float64 else 1e-5 * scale
     torch.testing.assert_close(fused_input.grad, plain_input.grad, atol=atol, rtol=1e-5)
