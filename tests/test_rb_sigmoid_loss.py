@@ -264,3 +264,18 @@ def test_works_inside_sentence_transformers_wrappers(tiny_model, wrapper):
     assert {name for name, _ in loss.named_parameters() if re.search(pattern, name)} == own
     assert inner.log_t.grad is not None and inner.b_rel.grad is not None
     assert inner.pop_logged_statistics()["rb_sigmoid_t"] == pytest.approx(10.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_overflowing_norms_are_refused_not_zeroed(cached):
+    """A finite float32 row with a norm above ~1e19 would normalise to a zero vector with zero gradient (as in
+    cos_sim); the checks refuse it and name the column."""
+    from st_weince.losses import CachedRBSigmoidLoss
+
+    embeddings = [torch.randn(6, 8), torch.randn(6, 8)]
+    embeddings[1][2] = 3e19
+    loss = CachedRBSigmoidLoss(None, mini_batch_size=2) if cached else RBSigmoidLoss(None)
+    compute = loss.calculate_loss if cached else loss.compute_loss_from_embeddings
+    reps = [[e] for e in embeddings] if cached else embeddings
+    with pytest.raises(ValueError, match="column 1 .*overflows"):
+        compute(reps, None)

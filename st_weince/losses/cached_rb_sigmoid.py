@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from st_weince.losses._columns import check_embedding_columns
 from st_weince.losses.rb_sigmoid import DEFAULT_SCALE, RBSigmoidLoss, flag_option, positive_int_option
+from st_weince.utils.hotpath import DeferredChecks
 
 
 class CachedRBSigmoidLoss(CachedLossMixin, RBSigmoidLoss):
@@ -151,14 +152,14 @@ class CachedRBSigmoidLoss(CachedLossMixin, RBSigmoidLoss):
         the detached loss (see the class docstring)."""
         embeddings = [torch.cat(column) for column in reps]
         checks = self._new_checks()
-        check_embedding_columns(embeddings, type(self).__name__, checks=checks if checks is not None else False)
+        check_embedding_columns(embeddings, type(self).__name__, checks=False)  # values: by normalize_rows' check
         params = self.loss_parameters()
         self._require_finite_parameters(params, checks)
         if not with_backward:
-            total, extremes = self._row_chunk_losses(embeddings, params, backward=False)
+            total, extremes = self._row_chunk_losses(embeddings, params, checks, backward=False)
         else:
             stand_ins = {name: value.detach().requires_grad_(value.requires_grad) for name, value in params.items()}
-            total, extremes = self._row_chunk_losses(embeddings, stand_ins, backward=True)
+            total, extremes = self._row_chunk_losses(embeddings, stand_ins, checks, backward=True)
             for name, value in params.items():
                 if value.requires_grad and stand_ins[name].grad is not None:
                     total = total + (value - value.detach()) * stand_ins[name].grad
@@ -168,14 +169,14 @@ class CachedRBSigmoidLoss(CachedLossMixin, RBSigmoidLoss):
         return total
 
     def _row_chunk_losses(
-        self, embeddings: list[Tensor], params: dict[str, Tensor], backward: bool
+        self, embeddings: list[Tensor], params: dict[str, Tensor], checks: DeferredChecks | None, backward: bool
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """Sum of the chunk losses (detached when ``backward``) and the first block's extremes.
 
         With ``backward``, normalization and gathering run once on leaves: each chunk's backward stops at the
         normalized (and gathered) columns, and one backward per column then carries the accumulated gradients
         through the gather and the normalization to the embeddings."""
-        normalized = self._normalized(embeddings)
+        normalized = self._normalized(embeddings, checks)
         columns = [column.detach().requires_grad_() for column in normalized] if backward else normalized
         gathered, positive_index = self._candidates(columns)
         # Without gathering the candidates are the columns themselves; gathered ones become leaves of their own.

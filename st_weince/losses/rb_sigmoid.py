@@ -11,11 +11,11 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from sentence_transformers.base.losses.merged_forward import embed_columns
 from sentence_transformers.util import all_gather_with_grad, cos_sim, get_rank
 from torch import Tensor, nn
 
+from st_weince.functional.layouts import normalize_rows
 from st_weince.functional.sigmoid import (
     chunked_sigmoid_contrastive_loss,
     compute_dtype,
@@ -514,8 +514,9 @@ class RBSigmoidLoss(nn.Module):
     ) -> tuple[list[Tensor], list[Tensor], Tensor]:
         """Normalized columns in the computation dtype, the candidate columns (gathered across processes with
         ``gather_across_devices``) and each local anchor's positive row among the candidates."""
-        check_embedding_columns(embeddings, type(self).__name__, checks=checks if checks is not None else False)
-        columns = self._normalized(embeddings)
+        # Shapes here; the values (NaN, Inf, overflowing norms) by the norm check of normalize_rows.
+        check_embedding_columns(embeddings, type(self).__name__, checks=False)
+        columns = self._normalized(embeddings, checks)
         gathered, positive_index = self._candidates(columns)
         return columns, gathered, positive_index
 
@@ -530,11 +531,15 @@ class RBSigmoidLoss(nn.Module):
             offset = get_rank() * batch_size
         return gathered, torch.arange(offset, offset + batch_size, device=columns[0].device)
 
-    @staticmethod
-    def _normalized(embeddings: list[Tensor]) -> list[Tensor]:
-        """Unit-length rows in the computation dtype (float64 stays float64, half precision becomes float32)."""
+    def _normalized(self, embeddings: list[Tensor], checks: DeferredChecks | None) -> list[Tensor]:
+        """Unit-length rows in the computation dtype (float64 stays float64, half precision becomes float32); with
+        ``checks``, rows with NaN/Inf or an overflowing norm are refused (they would normalise to zero vectors)."""
         dtype = compute_dtype(*embeddings)
-        return [F.normalize(embedding.to(dtype), dim=-1) for embedding in embeddings]
+        name = type(self).__name__
+        return [
+            normalize_rows(embedding.to(dtype), checks, f"{name}: column {index}")
+            for index, embedding in enumerate(embeddings)
+        ]
 
     def _directional_blocks(self, columns: list[Tensor], candidates: list[Tensor]) -> list[tuple[int, Tensor, float]]:
         """``(anchor column, candidate matrix, weight)`` of every anchors-against-candidates block whose weighted sum
