@@ -1,4 +1,5 @@
-"""eval/sts.py: SentEval-style STS evaluation from local files, checked against an independent computation."""
+"""eval/sts.py, st_weince.data.sts, st_weince.evaluation.sts: SentEval-style STS evaluation from local files,
+checked against an independent computation."""
 
 from __future__ import annotations
 
@@ -19,16 +20,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # `eval/` is a top-level folder of the repository, not an installed package
     sys.path.insert(0, str(REPO_ROOT))
 
-from eval import sts  # noqa: E402
-from eval.sts import (  # noqa: E402
-    MissingDataError,
-    aggregate_spearman,
-    evaluate_sts,
-    load_sts_task,
-    read_senteval_subset,
-    resolve_task_names,
-    sts_details,
-)
+from eval import sts as sts_cli  # noqa: E402
+from st_weince.data import sts  # noqa: E402
+from st_weince.data.sts import MissingDataError, load_sts_task, read_senteval_subset, resolve_task_names  # noqa: E402
+from st_weince.evaluation.sts import aggregate_spearman, evaluate_sts, sts_details  # noqa: E402
 from tests.conftest import copy_head_lines  # noqa: E402
 
 STS12_SUBSETS = sts.SENTEVAL_SUBSETS["STS12"]
@@ -260,7 +255,7 @@ def test_model_path_is_loaded(model, tiny_data: Path, tmp_path: Path):
 def test_cli_writes_json_and_table(model, tiny_data: Path, tmp_path: Path, capsys):
     model.save(str(tmp_path / "m"))
     out = tmp_path / "out" / "sts.json"
-    sts.main(
+    sts_cli.main(
         ["--model", str(tmp_path / "m"), "--tasks", "STS12", "SICK-R", "--data-dir", str(tiny_data)]
         + ["--name", "tiny", "--output", str(out)]
     )
