@@ -187,6 +187,26 @@ def read_stsb_csv(path: str | Path, name: str = "STSBenchmark") -> STSSubset:
     return STSSubset(name, s1, s2, np.asarray(scores, dtype=np.float64))
 
 
+def read_stsb_splits(folder: str | Path, dev_pairs: int | None = None) -> dict[str, STSSubset]:
+    """``{"dev": ..., "test": ...}`` from a folder holding ``stsb-en-dev.csv`` and ``stsb-en-test.csv`` (the recipes'
+    ``--stsb-dir``); ``dev_pairs`` keeps the first N dev pairs only."""
+    splits = {}
+    for split in ("dev", "test"):
+        path = Path(folder) / f"stsb-en-{split}.csv"
+        if not path.is_file():
+            raise MissingDataError(
+                f"STS-B {split} file {str(path)!r} not found. Pass --stsb-dir with a folder holding stsb-en-dev.csv "
+                "and stsb-en-test.csv (CSV sentence1,sentence2,score without header), e.g. eval/data/stsb."
+            )
+        splits[split] = read_stsb_csv(path, name=f"STSBenchmark/{split}")
+    if dev_pairs:
+        dev = splits["dev"]
+        splits["dev"] = STSSubset(
+            dev.name, dev.sentences1[:dev_pairs], dev.sentences2[:dev_pairs], dev.scores[:dev_pairs]
+        )
+    return splits
+
+
 def read_sick(path: str | Path, name: str = "SICK-R") -> STSSubset:
     """SICK as distributed (TSV with a header; columns ``sentence_A``, ``sentence_B``, ``relatedness_score``)."""
     path = Path(path)

@@ -40,6 +40,8 @@ class STSEvaluator(EmbeddingSimilarityEvaluator):
         show_progress_bar: passed to ``model.encode``.
         embeddings: sentence -> embedding, encoded already (e.g. for all subsets of a table at once); ``None``
             encodes this subset's distinct sentences at every call.
+        num_modules: score ``model[:num_modules]`` only, e.g. the encoder without a training-only head (SimCSE's
+            MLP); ``None``: the whole model.
 
     A model in training mode is put back into it after encoding (``encode`` switches to eval mode), so the
     evaluator can run mid-training. Returns the evaluator's metrics dict; ``{name}_spearman_cosine`` is the score.
@@ -53,6 +55,7 @@ class STSEvaluator(EmbeddingSimilarityEvaluator):
         batch_size: int = 64,
         show_progress_bar: bool = False,
         embeddings: Mapping[str, np.ndarray] | None = None,
+        num_modules: int | None = None,
     ) -> None:
         super().__init__(
             subset.sentences1,
@@ -66,6 +69,7 @@ class STSEvaluator(EmbeddingSimilarityEvaluator):
             write_csv=False,
         )
         self.embeddings = embeddings
+        self.num_modules = num_modules
         self._call_embeddings: Mapping[str, np.ndarray] | None = None
 
     def encode_distinct(self, model: Any, sentences: Iterable[str]) -> dict[str, np.ndarray]:
@@ -80,6 +84,10 @@ class STSEvaluator(EmbeddingSimilarityEvaluator):
         return dict(zip(distinct, np.asarray(vectors), strict=True))
 
     def __call__(self, model: Any, output_path: str | None = None, epoch: int = -1, steps: int = -1) -> dict:
+        if self.num_modules is not None and len(model) > self.num_modules:
+            from sentence_transformers import SentenceTransformer
+
+            model = SentenceTransformer(modules=list(model)[: self.num_modules], device=str(model.device))
         table = self.embeddings
         if table is None:
             table = self.encode_distinct(model, [*self.sentences1, *self.sentences2])
