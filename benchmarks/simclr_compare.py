@@ -20,7 +20,6 @@ import argparse
 import csv
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -28,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from st_weince.utils.provenance import provenance
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results" / "simclr"
@@ -63,7 +64,12 @@ def run_command(loss: str, seed: int, output_dir: Path, data_dir: Path, scale: d
     command = [sys.executable, str(REPO / "recipes" / "simclr.py"), "--loss", loss, "--seed", str(seed)]
     command += ["--data-dir", str(data_dir), "--output-dir", str(output_dir), "--threads", "1", "--log-every", "20"]
     for key, value in scale.items():
-        command += [f"--{key.replace('_', '-')}", str(value)]
+        if key == "temperature":  # the recipe's flag is the scale, 1 / temperature
+            command += ["--scale", str(1.0 / value)]
+        elif key == "beta":  # a WEINCE option
+            command += ["--loss-option", f"beta={value}"]
+        else:
+            command += [f"--{key.replace('_', '-')}", str(value)]
     return command
 
 
@@ -141,8 +147,7 @@ def summarize(runs_dir: Path, seeds: list[int], command: str, missing: list[str]
         ),
         "scale": SCALE,
         "seeds": seeds,
-        "command": command,
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": platform.python_version()},
+        **provenance(shlex.split(command)[1:]),  # command, machine, versions, git commit of this summary
         "environment_of_runs": any_result["environment"] if any_result else None,
         "missing_runs": missing,
         "per_loss": per_loss,

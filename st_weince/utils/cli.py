@@ -70,10 +70,22 @@ class DeprecatedAlias(argparse.Action):
             value = self.convert(values) if self.convert is not None else values
         except ValueError as error:
             parser.error(f"{option_string}: {error}")
-        if self.append:
-            setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), value])
+        if self.append:  # a list value (e.g. from a JSON object) extends the list
+            added = value if isinstance(value, list) else [value]
+            setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), *added])
         else:
             setattr(namespace, self.dest, value)
+
+
+def json_object_to_key_values(value: str) -> list[str]:
+    """``--loss-kwargs '{"beta": 1}'`` -> ``["beta=1"]`` (what ``--loss-option beta=1`` gives)."""
+    try:
+        options = json.loads(value)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"expected a JSON object, got {value!r} ({error})") from None
+    if not isinstance(options, dict):
+        raise ValueError(f"expected a JSON object, got {value!r}")
+    return [f"{key}={json.dumps(item)}" for key, item in options.items()]
 
 
 def inverse_temperature(value: str) -> float:
