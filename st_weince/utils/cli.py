@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import warnings
 from collections.abc import Callable, Sequence
@@ -79,10 +80,9 @@ class DeprecatedAlias(argparse.Action):
 
 def json_object_to_key_values(value: str) -> list[str]:
     """``--loss-kwargs '{"beta": 1}'`` -> ``["beta=1"]`` (what ``--loss-option beta=1`` gives)."""
-    try:
+    options = None
+    with contextlib.suppress(json.JSONDecodeError):
         options = json.loads(value)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"expected a JSON object, got {value!r} ({error})") from None
     if not isinstance(options, dict):
         raise ValueError(f"expected a JSON object, got {value!r}")
     return [f"{key}={json.dumps(item)}" for key, item in options.items()]
