@@ -83,7 +83,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "cpu-demo": {
         "model": None, "train_file": str(DEMO_TRAIN_FILE), "batch_size": 64, "learning_rate": 3e-5,
-        "max_seq_length": 32, "scale": 20.0, "epochs": 1.0, "max_steps": 30, "eval_steps": 30, "logging_steps": 5,
+        "max_seq_length": 32, "scale": 20.0, "epochs": 1.0, "max_steps": 20, "eval_steps": 20, "logging_steps": 5,
         "pooling": "model", "mlp_head": False, "eval_before": True, "save_optimizer_state": False,
     },
 }  # fmt: skip
