@@ -199,6 +199,15 @@ def test_printed_scores_are_what_eval_sts_gives_on_the_saved_model(weince_run, s
         assert f"{cli['scores']['STSBenchmark']:.2f}" == f"{printed:.2f}"
 
 
+def test_paper_preset_truncates_training_only(recipe, tiny_model_dir, tmp_path):
+    """SimCSE trains at 32 tokens but evaluates untruncated: the paper preset's model keeps the tokenizer's length."""
+    args = recipe.parse_args(["--preset", "paper", "--model", str(tiny_model_dir), "--output-dir", str(tmp_path)])
+    model, num_encoder_modules = recipe.load_model(args)
+    assert args.max_seq_length == 32 and args.pooling == "cls" and args.save_optimizer_state
+    assert num_encoder_modules == 2 and len(model) == 3  # Transformer, CLS pooling, the training-only MLP head
+    assert model.max_seq_length == args.eval_max_length > 32
+
+
 def test_no_optimizer_state_unless_asked(recipe, tiny_model_dir, small_stsb, train_file, tmp_path):
     out = tmp_path / "lean"
     flags = ["--loss", "infonce", "--max-steps", "2", "--eval-steps", "2"]
