@@ -419,3 +419,14 @@ def test_pair_csv_and_stsb_split_readers(tiny_data: Path, tmp_path: Path):
     assert splits["dev"].sentences2 == dev.sentences2[:7]
     with pytest.raises(MissingDataError, match=r"STS-B dev file .*not found.*--stsb-dir"):
         read_stsb_splits(tmp_path)
+
+
+def test_moved_names_still_import_from_eval_sts_with_a_warning():
+    from st_weince.evaluation import sts as evaluation
+
+    with pytest.warns(DeprecationWarning, match=r"eval\.sts\.evaluate_sts is deprecated.*st_weince\.evaluation"):
+        assert sts_cli.evaluate_sts is evaluation.evaluate_sts
+    with pytest.warns(DeprecationWarning, match=r"st_weince\.data\.sts\.read_stsb_csv"):
+        assert sts_cli.read_stsb_csv is sts.read_stsb_csv
+    with pytest.raises(AttributeError, match="no attribute 'paired_cosine'"):
+        sts_cli.paired_cosine  # noqa: B018 - removed: sentence-transformers' evaluator computes the cosines
