@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from tqdm import tqdm
 
 from st_weince.diagnostics.geometry import constellation_test, modality_gap_separability
 from st_weince.functional import constellation_margin, locked_adapter_scores, sigmoid_contrastive_loss
+from st_weince.utils.provenance import provenance
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -45,6 +45,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def sphere(n: int, d: int, generator: torch.Generator) -> torch.Tensor:
     return F.normalize(torch.randn(n, d, generator=generator), dim=-1)
+
+
+def setting(args: argparse.Namespace, steps: int) -> dict:
+    """The arguments every run of a part shares: problem size, step count and seed."""
+    return {"num_pairs": args.num_pairs, "dim": args.dim, "steps": steps, "seed": args.seed}
 
 
 def train_pairs(
@@ -146,10 +151,7 @@ def run_bias(args: argparse.Namespace) -> list[dict]:
         for b in (-10.0, -5.0, 0.0, 5.0, 10.0):
             bias0 = b / 10.0 if parametrization == "relative" else b
             result = train_pairs(
-                num_pairs=args.num_pairs,
-                dim=args.dim,
-                steps=args.bias_steps,
-                seed=args.seed,
+                **setting(args, args.bias_steps),
                 parametrization=parametrization,
                 t0=10.0,
                 bias0=bias0,
@@ -163,10 +165,7 @@ def run_fixed_rel(args: argparse.Namespace) -> list[dict]:
     runs = []
     for b_rel in (-0.78, -0.11, 0.33, 0.78, 1.0):
         result = train_pairs(
-            num_pairs=args.num_pairs,
-            dim=args.dim,
-            steps=args.other_steps,
-            seed=args.seed,
+            **setting(args, args.other_steps),
             bias0=b_rel,
             train_bias=False,
             desc=f"fixed b_rel={b_rel}",
@@ -179,10 +178,7 @@ def run_temperature(args: argparse.Namespace) -> list[dict]:
     runs = []
     for t0, trainable in ((10.0, True), (10.0, False), (100.0, False), (1000.0, False)):
         result = train_pairs(
-            num_pairs=args.num_pairs,
-            dim=args.dim,
-            steps=args.other_steps,
-            seed=args.seed,
+            **setting(args, args.other_steps),
             t0=t0,
             train_t=trainable,
             bias0=0.5,
@@ -197,10 +193,7 @@ def run_frozen(args: argparse.Namespace) -> list[dict]:
     for train_bias, bias0 in ((True, 0.0), (False, 0.0), (False, 0.5)):
         for adapter in (False, True):
             result = train_pairs(
-                num_pairs=args.num_pairs,
-                dim=args.dim,
-                steps=args.other_steps,
-                seed=args.seed,
+                **setting(args, args.other_steps),
                 bias0=bias0,
                 train_bias=train_bias,
                 frozen_u=True,
@@ -396,10 +389,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    import sentence_transformers
-    import transformers
-
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
     dirty = subprocess.run(
         ["git", "status", "--porcelain", "--", "st_weince/functional", "st_weince/diagnostics/geometry.py", __file__],
         capture_output=True,
@@ -407,16 +396,8 @@ def main() -> None:
         cwd=Path(__file__).resolve().parents[1],
     )
     results: dict = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "git_commit": commit.stdout.strip(),
+        **provenance(["benchmarks/sigmoid_synthetic.py", *sys.argv[1:]]),  # command, machine, versions, git commit
         "uncommitted_library_changes": dirty.stdout.strip().splitlines(),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads},
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "sentence_transformers": sentence_transformers.__version__,
-            "transformers": transformers.__version__,
-        },
         "seed": args.seed,
         "scale": {
             "num_pairs": args.num_pairs,

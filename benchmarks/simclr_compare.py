@@ -3,8 +3,7 @@
 Every run gets the identical budget (same backbone, width, batch, steps, data subset, evaluation); only the loss and
 the seed change. Runs go one after another (one CPU thread each, so another job can share the machine), each in
 its own process, logging to ``<runs-dir>/<loss>-seed<k>/log.txt``; a finished run (``results.json`` present) is not
-repeated, so the script can be re-started to add seeds or the RB-Sigmoid runs. RB-Sigmoid runs are deferred to the
-end while ``st_weince.losses.RBSigmoidLoss`` cannot be imported, and skipped (recorded as missing) if it never can.
+repeated, so the script can be re-started to add seeds. InfoNCE and WEINCE run first (seed-major), then RB-Sigmoid.
 
     OMP_NUM_THREADS=1 python benchmarks/simclr_compare.py            # run what is missing, then summarise
     python benchmarks/simclr_compare.py --summarize-only             # only rebuild the summary
@@ -20,7 +19,6 @@ import argparse
 import csv
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -28,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from st_weince.utils.provenance import provenance
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results" / "simclr"
@@ -53,17 +53,16 @@ SCALE: dict[str, Any] = {
 }
 
 
-def rb_sigmoid_available() -> bool:
-    """Checked in a fresh process, so a loss file that lands while the comparison runs is seen."""
-    probe = [sys.executable, "-c", "from st_weince.losses import RBSigmoidLoss"]
-    return subprocess.run(probe, capture_output=True, cwd=REPO, check=False).returncode == 0
-
-
 def run_command(loss: str, seed: int, output_dir: Path, data_dir: Path, scale: dict[str, Any]) -> list[str]:
     command = [sys.executable, str(REPO / "recipes" / "simclr.py"), "--loss", loss, "--seed", str(seed)]
     command += ["--data-dir", str(data_dir), "--output-dir", str(output_dir), "--threads", "1", "--log-every", "20"]
     for key, value in scale.items():
-        command += [f"--{key.replace('_', '-')}", str(value)]
+        if key == "temperature":  # the recipe's flag is the scale, 1 / temperature
+            command += ["--scale", str(1.0 / value)]
+        elif key == "beta":  # a WEINCE option
+            command += ["--loss-option", f"beta={value}"]
+        else:
+            command += [f"--{key.replace('_', '-')}", str(value)]
     return command
 
 
@@ -141,8 +140,7 @@ def summarize(runs_dir: Path, seeds: list[int], command: str, missing: list[str]
         ),
         "scale": SCALE,
         "seeds": seeds,
-        "command": command,
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": platform.python_version()},
+        **provenance(shlex.split(command)[1:]),  # command, machine, versions, git commit of this summary
         "environment_of_runs": any_result["environment"] if any_result else None,
         "missing_runs": missing,
         "per_loss": per_loss,
@@ -228,20 +226,9 @@ def main() -> None:
         # InfoNCE and WEINCE first (seed-major, so partial results stay balanced), then RB-Sigmoid's seeds.
         queue = [(loss, seed) for seed in args.seeds for loss in args.losses if loss != "rb-sigmoid"]
         queue += [("rb-sigmoid", seed) for seed in args.seeds if "rb-sigmoid" in args.losses]
-        deferred: list[tuple[str, int]] = []
         for loss, seed in queue:
-            if loss == "rb-sigmoid" and not rb_sigmoid_available():
-                deferred.append((loss, seed))
-                continue
             if not run_one(loss, seed, args.runs_dir, args.data_dir, SCALE):
                 missing.append(f"{loss}-seed{seed} (failed, see its log.txt)")
-            summarize(args.runs_dir, args.seeds, command, missing)
-        for loss, seed in deferred:
-            if rb_sigmoid_available():
-                if not run_one(loss, seed, args.runs_dir, args.data_dir, SCALE):
-                    missing.append(f"{loss}-seed{seed} (failed, see its log.txt)")
-            else:
-                missing.append(f"{loss}-seed{seed} (RBSigmoidLoss not available when the run was due)")
             summarize(args.runs_dir, args.seeds, command, missing)
     else:
         for loss in args.losses:

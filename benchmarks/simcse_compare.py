@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import json
 import os
 import statistics
@@ -29,9 +28,14 @@ import sys
 import time
 from pathlib import Path
 
+from st_weince.data.sts import read_stsb_splits
+from st_weince.evaluation.sts import STSEvaluator
+from st_weince.utils.pretrained import minilm_path
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "simcse.py"
 RESULTS = REPO / "benchmarks" / "results" / "simcse"
+STSB_DIR = REPO / "eval" / "data" / "stsb"
 
 # The scale (see docs/simcse.md for the justification; it is set by the shared 2-core machine, where one training
 # step takes ~40 s and one pass over an STS-B split 2-3 minutes): batch 64 (the paper's, so WEINCE's tail fit sees
@@ -51,18 +55,11 @@ SCALE = {
 CONFIGS: dict[str, list[str]] = {
     "infonce": ["--loss", "infonce"],
     "weince": ["--loss", "weince"],  # WEINCELoss's text default for beta
-    "weince-beta1": ["--loss", "weince", "--beta", "1"],  # the reference implementation's beta
-    "weince-beta10": ["--loss", "weince", "--beta", "10"],  # beta = 1 x (0.5 / tau): the reference ratio at tau 0.05
+    "weince-beta1": ["--loss", "weince", "--loss-option", "beta=1"],  # the reference implementation's beta
+    "weince-beta10": ["--loss", "weince", "--loss-option", "beta=10"],  # 1 x (0.5 / tau): the reference ratio at 0.05
     "rb-sigmoid": ["--loss", "rb-sigmoid"],
 }
 DEFAULT_CONFIGS = ["infonce", "weince", "rb-sigmoid", "weince-beta1", "weince-beta10"]
-
-
-def load_recipe():
-    spec = importlib.util.spec_from_file_location("simcse_recipe", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def common_args(seed: int, output_dir: Path) -> list[str]:
@@ -79,7 +76,7 @@ def common_args(seed: int, output_dir: Path) -> list[str]:
         "--dev-pairs", str(SCALE["dev_pairs"]),
         "--no-eval-before",
         "--save-total-limit", "1",
-        "--num-threads", "1",
+        "--threads", "1",
     ]  # fmt: skip
 
 
@@ -89,16 +86,16 @@ def baseline(out_dir: Path) -> dict[str, float]:
     scores = json.loads(path.read_text()) if path.exists() else {}
     if "stsb_dev" in scores and "stsb_test" in scores and scores.get("dev_pairs") == SCALE["dev_pairs"]:
         return scores
-    recipe = load_recipe()
-    args = recipe.parse_args(["--preset", "cpu-demo", "--output-dir", str(out_dir / "baseline"),
-                              "--dev-pairs", str(SCALE["dev_pairs"])])  # fmt: skip
-    model, n = recipe.load_model(args)
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(minilm_path(), device="cpu")
+    stsb = read_stsb_splits(STSB_DIR, SCALE["dev_pairs"])
     if "stsb_dev" in scores:  # an earlier baseline on the full dev split
         scores["stsb_dev_full"] = scores.pop("stsb_dev")
-    scores["stsb_dev"] = 100 * recipe.make_evaluator(args, "dev", n)(model)["stsb-dev_spearman_cosine"]
+    scores["stsb_dev"] = 100 * STSEvaluator(stsb["dev"], name="stsb-dev").spearman(model)
     if "stsb_test" not in scores:
-        scores["stsb_test"] = 100 * recipe.make_evaluator(args, "test", n)(model)["stsb-test_spearman_cosine"]
-    scores |= {"model": str(recipe.minilm_dir()), "eval_max_length": args.eval_max_length, "dev_pairs": args.dev_pairs}
+        scores["stsb_test"] = 100 * STSEvaluator(stsb["test"], name="stsb-test").spearman(model)
+    scores |= {"model": minilm_path(), "eval_max_length": model.max_seq_length, "dev_pairs": SCALE["dev_pairs"]}
     path.write_text(json.dumps(scores, indent=2) + "\n")
     return scores
 
@@ -109,8 +106,9 @@ def full_dev(runs_dir: Path, configs: list[str], seeds: list[int]) -> None:
     The runs' own dev score uses the first 500 pairs only, which are all from one genre (STS-B dev is ordered by
     source: captions first); the full split is the fair basis for choosing between configurations.
     """
-    recipe = load_recipe()
     from sentence_transformers import SentenceTransformer
+
+    dev = STSEvaluator(read_stsb_splits(STSB_DIR)["dev"], name="stsb-dev")
 
     for config in configs:
         for seed in seeds:
@@ -118,20 +116,11 @@ def full_dev(runs_dir: Path, configs: list[str], seeds: list[int]) -> None:
             if not (run / "final").is_dir() or (run / "full_dev.json").exists():
                 continue
             print(f"full STS-B dev: {config} seed {seed} ...", flush=True)
-            args = recipe.parse_args(["--preset", "cpu-demo", "--output-dir", str(run)])
             saved = json.loads((run / "results.json").read_text())
-            args.eval_max_length = saved["config"]["eval_max_length"]
             model = SentenceTransformer(str(run / "final"), device="cpu")
-            score = 100 * recipe.make_evaluator(args, "dev", len(model))(model)["stsb-dev_spearman_cosine"]
+            model.max_seq_length = saved["config"]["eval_max_length"]  # final/ of older runs kept the training length
+            score = 100 * dev.spearman(model)
             (run / "full_dev.json").write_text(json.dumps({"stsb_dev_full": score, "pairs": 1500}) + "\n")
-
-
-def rb_sigmoid_available() -> bool:
-    try:
-        from st_weince.losses import RBSigmoidLoss  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def summarize(runs_dir: Path, configs: list[str], seeds: list[int], base: dict[str, float], command: str) -> None:
@@ -282,9 +271,6 @@ def main() -> None:
     for index, (config, seed) in enumerate(plan, 1):
         out = runs_dir / f"{config}-seed{seed}"
         if (out / "results.json").exists():
-            continue
-        if config == "rb-sigmoid" and not rb_sigmoid_available():
-            print(f"[{index}/{len(plan)}] rb-sigmoid seed {seed}: skipped, st_weince.losses.RBSigmoidLoss missing")
             continue
         out.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, str(RECIPE), *CONFIGS[config], *common_args(seed, out)]

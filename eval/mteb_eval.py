@@ -17,8 +17,9 @@ MTEB's result cache is never used (``cache=None``): models without a name share 
 return ANOTHER model's scores. Every model is also given its own name (``model_card_data.model_name``) and fresh task
 objects.
 
-The STS tasks here score the same local pairs as ``eval/sts.py``: STS12-16 as one concatenated test set each (which
-is SentEval's ``all`` aggregation), STS-B and SICK-R test, so both scripts give the same STS numbers. Scores are the
+The STS tasks here score the same local pairs as ``eval/sts.py`` (both read by ``st_weince.data.sts``): STS12-16 as
+one concatenated test set each (which is SentEval's ``all`` aggregation), STS-B and SICK-R test, so both scripts give
+the same STS numbers. Scores are the
 tasks' MTEB main scores x100 (``cosine_spearman`` for STS, ``accuracy`` for classification).
 
 Outputs in ``--output-dir``: ``mteb_scores.json`` (scores, per-task metrics, machine, versions, command),
@@ -39,11 +40,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the `eval` package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eval.sts import TASKS as STS_TASKS  # noqa: E402
-from eval.sts import MissingDataError, default_data_dir, format_table, load_sts_task  # noqa: E402
+from st_weince.data.sts import TASKS as STS_TASKS
+from st_weince.data.sts import MissingDataError, default_data_dir, load_sts_task
+from st_weince.evaluation.sts import format_table
 
 DEFAULT_TASKS: tuple[str, ...] = (*STS_TASKS, "Banking77Classification")
 # Presets; everything beyond the local tasks needs the Hugging Face hub.

@@ -1,14 +1,17 @@
 """SimCLR-style image pre-training with InfoNCE, WEINCE or RB-Sigmoid, then frozen-feature evaluation.
 
-Only the loss changes between runs; it is the SAME class as on the text side (see st_weince/vision/objectives.py):
+Only the loss changes between runs; it is the SAME class as on the text side (see st_weince/vision/objectives.py).
+Loss options go to the loss class, which validates them: ``--loss-option KEY=VALUE`` (repeatable, as in
+recipes/simcse.py); ``--scale`` is infonce/weince's factor on cosine scores (1 / temperature, docs/conventions.md):
 
     --loss infonce      sentence-transformers' MultipleNegativesRankingLoss, both view orders (= NT-Xent)
     --loss weince       st_weince.losses.WEINCELoss.loss_from_scores on the NT-Xent 2N layout (beta = 1)
     --loss rb-sigmoid   st_weince.losses.RBSigmoidLoss.loss_from_scores on the same layout (t, b_rel trained)
 
 Defaults follow the released SimCLR setup of the WEINCE paper (ALGORITHMS.md 1.5): CIFAR-stem ResNet-18, projection
-head to 64 dimensions, Adam (lr 1e-3, weight decay 1e-6), temperature 0.5, batch 256 pairs, 100 epochs; evaluation
-by a linear probe (100 epochs on frozen features) and weighted k-NN (temperature 0.1, k in {1, 2, 5, 10, 20, 50}).
+head to 64 dimensions, Adam (lr 1e-3, weight decay 1e-6), scale 2 (temperature 0.5), batch 256 pairs, 100 epochs;
+evaluation by a linear probe (100 epochs on frozen features) and weighted k-NN (temperature 0.1, k in
+{1, 2, 5, 10, 20, 50}).
 Augmentations run batched on the training device (st_weince/vision/augment.py).
 
     # offline, reduced scale (a few minutes on one CPU core)
@@ -28,13 +31,10 @@ all k, recall@k, throughput, loss curve, configuration, machine, library version
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import math
 import os
-import platform
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,6 +46,14 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from st_weince.training import average_loss_gradients
+from st_weince.utils.cli import (
+    DeprecatedAlias,
+    inverse_temperature,
+    json_object_to_key_values,
+    parse_key_values,
+    positive_float,
+)
+from st_weince.utils.provenance import provenance
 from st_weince.vision import (
     KNN_KS,
     KNN_TEMPERATURE,
@@ -86,9 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--projection-dim", type=int, default=64)
     loss = parser.add_argument_group("loss")
     loss.add_argument("--loss", default="weince", choices=LOSSES)
-    loss.add_argument("--temperature", type=float, default=0.5)
-    loss.add_argument("--beta", default="1.0", help="WEINCE tail index: a number or 'auto'")
-    loss.add_argument("--loss-kwargs", default="{}", help="JSON of extra loss arguments, e.g. RB-Sigmoid's start")
+    loss.add_argument("--scale", type=positive_float, default=2.0, help="infonce/weince: 1 / temperature")
+    loss.add_argument(
+        "--loss-option", action="append", default=[], metavar="KEY=VALUE", help="loss keyword, e.g. beta=1; repeatable"
+    )
     train = parser.add_argument_group("training")
     train.add_argument("--batch-size", type=int, default=256, help="pairs per step and process (2x views)")
     train.add_argument("--lr", type=float, default=1e-3)
@@ -97,6 +106,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--max-steps", type=int, default=-1, help="overrides --epochs when > 0")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    old = parser.add_argument_group("deprecated aliases, removed in the next release")
+    old.add_argument(
+        "--temperature", dest="scale", action=DeprecatedAlias, new_flag="--scale", convert=inverse_temperature
+    )
+    old.add_argument("--beta", dest="loss_option", action=DeprecatedAlias, new_flag="--loss-option beta=VALUE",
+                     convert=lambda value: f"beta={value}", append=True)  # fmt: skip
+    old.add_argument("--loss-kwargs", dest="loss_option", action=DeprecatedAlias, new_flag="--loss-option KEY=VALUE",
+                     convert=json_object_to_key_values, append=True)  # fmt: skip
     train.add_argument("--log-every", type=int, default=10)
     evaluation = parser.add_argument_group("evaluation")
     evaluation.add_argument("--probe-epochs", type=int, default=100)
@@ -105,11 +122,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-dir", default="runs/simclr")
     parser.add_argument("--no-save-model", action="store_true")
     args = parser.parse_args(argv)
-    args.beta = args.beta if args.beta == "auto" else float(args.beta)
     try:
-        args.loss_kwargs = json.loads(args.loss_kwargs)
-    except json.JSONDecodeError as error:
-        parser.error(f"--loss-kwargs must be JSON: {error}")
+        args.loss_kwargs = parse_key_values(args.loss_option)
+    except ValueError as error:
+        parser.error(str(error))
     for name in ("limit_train", "limit_probe_train", "limit_eval"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -117,38 +133,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.batch_size < 2:
         parser.error("--batch-size must be at least 2 (the NT-Xent layout needs 2 pairs)")
     return args
-
-
-def environment() -> dict[str, Any]:
-    import accelerate
-    import sentence_transformers
-    import torchvision
-
-    try:
-        st_weince_version = importlib.metadata.version("st-weince")
-    except importlib.metadata.PackageNotFoundError:
-        st_weince_version = "unknown"
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, check=False
-        ).stdout.strip()
-    except OSError:
-        commit = ""
-    return {
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torchvision": torchvision.__version__,
-        "sentence_transformers": sentence_transformers.__version__,
-        "accelerate": accelerate.__version__,
-        "st_weince": st_weince_version,
-        "git_commit": commit,
-    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -180,7 +164,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         hidden_dim=args.hidden_dim,
         projection_dim=args.projection_dim,
     )
-    objective = SimCLRObjective(args.loss, args.temperature, beta=args.beta, loss_kwargs=args.loss_kwargs).to(device)
+    options = dict(args.loss_kwargs)
+    beta = options.pop("beta", 1.0)  # the vision reference setting (WEINCELoss's own default is "auto")
+    objective = SimCLRObjective(args.loss, beta=beta, loss_kwargs=options, scale=args.scale).to(device)
     loss_parameters = [p for p in objective.parameters() if p.requires_grad]
     param_groups = [{"params": list(model.parameters())}]
     if loss_parameters:
@@ -312,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "num_processes": accelerator.num_processes,
                 "train_seconds": train_seconds,
                 "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-                "environment": environment(),
+                "environment": provenance(),
             }
         )
         output_dir.mkdir(parents=True, exist_ok=True)

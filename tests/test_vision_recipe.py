@@ -107,3 +107,14 @@ def test_recipe_rejects_bad_flags(recipe, tiny_zip, tmp_path):
         recipe.main(["--dataset", "imagefolder", "--data-dir", str(tiny_zip), "--batch-size", "64", "--width", "2"])
     with pytest.raises(ValueError, match="needs --data-dir"):
         recipe.main(["--dataset", "imagefolder", "--data-dir", str(tmp_path / "missing")])
+
+
+def test_loss_flags_are_spelled_as_in_the_simcse_recipe(recipe):
+    args = recipe.parse_args(["--loss-option", "beta=auto", "--loss-option", "kappa_rho=3", "--scale", "4"])
+    assert args.scale == 4.0 and args.loss_kwargs == {"beta": "auto", "kappa_rho": 3}
+    assert recipe.parse_args([]).scale == pytest.approx(2.0)  # SimCLR's temperature 0.5
+    with pytest.warns(FutureWarning, match="--temperature is deprecated.*use --scale"):
+        old = recipe.parse_args(["--temperature", "0.25", "--beta", "auto", "--loss-kwargs", '{"kappa_rho": 3}'])
+    assert old.scale == pytest.approx(4.0) and old.loss_kwargs == args.loss_kwargs
+    with pytest.raises(SystemExit):
+        recipe.parse_args(["--loss-option", "beta"])  # KEY=VALUE

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from st_weince.data.sentences import sample_distinct_lines
 from st_weince.diagnostics.collect import (
     choice_data,
     encode_images,
@@ -46,7 +47,6 @@ from st_weince.diagnostics.collect import (
     hardest_negatives,
     negative_pool,
     read_pairs,
-    read_sentences,
 )
 from st_weince.diagnostics.evt import pot_fit, pot_fit_rows, summarize_shapes, threshold_stability
 from st_weince.diagnostics.link import LinkFit, fit_link
@@ -116,7 +116,7 @@ def _text_views(args: argparse.Namespace) -> tuple[torch.Tensor, Views, dict]:
         raise ValueError(f"--model {args.model!r} is not a local directory (the Hugging Face hub is not used)")
     model = SentenceTransformer(args.model, device="cpu")
     model.max_seq_length = args.max_seq_length
-    sentences = read_sentences(args.sentences, args.num_inputs, args.seed)
+    sentences = sample_distinct_lines(args.sentences, args.num_inputs, args.seed)  # a duplicate is no negative
     bs = args.encode_batch_size
     print(f"encoding {len(sentences)} sentences (eval mode) for the negative pool", flush=True)
     frozen = encode_texts(model, sentences, batch_size=bs, show_progress_bar=True)

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import csv
 import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,59 +21,45 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from st_weince.data.sts import read_pair_csv
 from st_weince.functional.layouts import nt_xent_layout
 
 LAYOUTS = ("pairs", "nt_xent")
 
 
-def read_sentences(path: str | Path, limit: int | None = None, seed: int = 0) -> list[str]:
-    """Non-empty, distinct lines of a text file (one sentence a line); a seeded random subset of ``limit`` of them.
+def __getattr__(name: str) -> object:
+    if name == "read_sentences":  # renamed; kept for one release
+        import warnings
 
-    Duplicates are dropped because a sentence paired with its own copy is no negative (its score is exactly 1).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"sentence file {path} not found")
-    lines = dict.fromkeys(line.strip() for line in path.read_text(encoding="utf-8").splitlines())
-    sentences = [line for line in lines if line]
-    if len(sentences) < 2:
-        raise ValueError(f"{path} holds {len(sentences)} distinct sentences; at least 2 are needed")
-    if limit is not None:
-        if limit < 2:
-            raise ValueError(f"limit must be at least 2, got {limit}")
-        if limit < len(sentences):
-            keep = sorted(random.Random(seed).sample(range(len(sentences)), limit))
-            sentences = [sentences[i] for i in keep]
-    return sentences
+        from st_weince.data.sentences import sample_distinct_lines
+
+        warnings.warn(
+            "st_weince.diagnostics.collect.read_sentences is deprecated and will be removed in the next release; "
+            "use st_weince.data.sentences.sample_distinct_lines",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return sample_distinct_lines
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def read_pairs(
     path: str | Path, min_score: float | None = None, limit: int | None = None, seed: int = 0
 ) -> list[tuple[str, str]]:
-    """Sentence pairs from a CSV ``sentence1,sentence2[,score]`` without header (STS-B's layout here).
+    """Sentence pairs from a CSV ``sentence1,sentence2[,score]`` without header (STS-B's layout here), read by
+    :func:`st_weince.data.sts.read_pair_csv`.
 
-    ``min_score`` keeps pairs whose score is at least this value (e.g. 4.0 of 5 for near-paraphrases); pairs are
-    deduplicated on their first sentence so that no anchor appears twice.
+    ``min_score`` keeps pairs whose score is at least this value (e.g. 4.0 of 5 for near-paraphrases; the file then
+    needs the score column); pairs are deduplicated on their first sentence so that no anchor appears twice, and a
+    pair of identical sentences is dropped (it is no choice).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"pair file {path} not found")
+    first, second, scores = read_pair_csv(path, scored=min_score is not None)
     pairs: dict[str, str] = {}
-    with path.open(encoding="utf-8", newline="") as handle:
-        for row in csv.reader(handle):
-            if len(row) < 2:
-                continue
-            if min_score is not None:
-                if len(row) < 3:
-                    raise ValueError(f"min_score needs a third column with a score in {path}")
-                try:
-                    if float(row[2]) < min_score:
-                        continue
-                except ValueError:  # a header line
-                    continue
-            first, second = row[0].strip(), row[1].strip()
-            if first and second and first != second:
-                pairs.setdefault(first, second)
+    for index, (a, b) in enumerate(zip(first, second)):
+        if min_score is not None and scores[index] < min_score:
+            continue
+        if a and b and a != b:
+            pairs.setdefault(a, b)
     out = list(pairs.items())
     if len(out) < 2:
         raise ValueError(f"{path} yields {len(out)} usable pairs (min_score={min_score}); at least 2 are needed")

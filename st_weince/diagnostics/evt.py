@@ -57,42 +57,25 @@ class PotFit:
 
 
 def gpd_loglik(exceedances: np.ndarray, xi: float, sigma: float | np.ndarray) -> np.ndarray:
-    """Log-likelihood of exceedances (``y >= 0``) under GPD(xi, sigma); ``-inf`` outside the support.
+    """Log-likelihood of exceedances (``y >= 0``) under GPD(xi, sigma) (``scipy.stats.genpareto``, shape ``c = xi``);
+    ``-inf`` outside the support.
 
     ``sigma`` may be an array of scales (shape [G]); the result then has shape [G].
     """
     y = np.asarray(exceedances, dtype=np.float64)
     sig = np.atleast_1d(np.asarray(sigma, dtype=np.float64))[:, None]
-    n = y.size
-    if abs(xi) < 1e-10:
-        out = -n * np.log(sig[:, 0]) - (y[None, :] / sig).sum(1)
-    else:
-        z = 1.0 + xi * y[None, :] / sig
-        with np.errstate(divide="ignore", invalid="ignore"):
-            terms = np.log(z)
-        bad = (z <= 0).any(1)
-        out = -n * np.log(sig[:, 0]) - (1.0 + 1.0 / xi) * terms.sum(1)
-        out = np.where(bad, -np.inf, out)
+    out = stats.genpareto.logpdf(y[None, :], xi, scale=sig).sum(1)
     return out if np.ndim(sigma) else out[0]
 
 
 def gpd_quantile(probabilities: np.ndarray, xi: float, sigma: float) -> np.ndarray:
     """Quantiles of GPD(xi, sigma) at the given probabilities (for QQ plots)."""
-    p = np.asarray(probabilities, dtype=np.float64)
-    if abs(xi) < 1e-10:
-        return -sigma * np.log1p(-p)
-    return sigma / xi * ((1.0 - p) ** (-xi) - 1.0)
+    return stats.genpareto.ppf(np.asarray(probabilities, dtype=np.float64), xi, scale=sigma)
 
 
 def gpd_density(y: np.ndarray, xi: float, sigma: float) -> np.ndarray:
     """Density of GPD(xi, sigma) at ``y`` (0 outside the support)."""
-    y = np.asarray(y, dtype=np.float64)
-    if abs(xi) < 1e-10:
-        return np.where(y >= 0, np.exp(-y / sigma) / sigma, 0.0)
-    z = 1.0 + xi * y / sigma
-    with np.errstate(divide="ignore", invalid="ignore"):
-        dens = np.where((z > 0) & (y >= 0), z ** (-1.0 / xi - 1.0) / sigma, 0.0)
-    return dens
+    return stats.genpareto.pdf(np.asarray(y, dtype=np.float64), xi, scale=sigma)
 
 
 def _profile_sigma(y: np.ndarray, xi: float) -> tuple[float, float]:

@@ -29,12 +29,18 @@ def _paired_scores(u: Tensor, v: Tensor, normalize: bool) -> Tensor:
         )
     if u.shape[0] < 2:
         raise ValueError(f"need at least 2 pairs, got {u.shape[0]}")
+    u, v = _finite_doubles(u, v, normalize)
+    return u @ v.T
+
+
+def _finite_doubles(u: Tensor, v: Tensor, normalize: bool) -> tuple[Tensor, Tensor]:
+    """Detached float64 copies of two embedding matrices, L2-normalised if asked; NaN or Inf is refused."""
     if not (torch.isfinite(u).all() and torch.isfinite(v).all()):
         raise ValueError("u and v must be finite (NaN or Inf embeddings)")
     u, v = u.detach().double(), v.detach().double()
     if normalize:
         u, v = F.normalize(u, dim=-1), F.normalize(v, dim=-1)
-    return u @ v.T
+    return u, v
 
 
 def margin(u: Tensor, v: Tensor, *, normalize: bool = True) -> tuple[float, float]:
@@ -107,11 +113,7 @@ def modality_gap_separability(u: Tensor, v: Tensor, *, normalize: bool = True) -
 
     if u.dim() != 2 or v.dim() != 2 or u.shape[1] != v.shape[1]:
         raise ValueError(f"u and v must be [N, D] and [M, D], got {tuple(u.shape)} and {tuple(v.shape)}")
-    if not (torch.isfinite(u).all() and torch.isfinite(v).all()):
-        raise ValueError("u and v must be finite (NaN or Inf embeddings)")
-    uu, vv = u.detach().double(), v.detach().double()
-    if normalize:
-        uu, vv = F.normalize(uu, dim=-1), F.normalize(vv, dim=-1)
+    uu, vv = _finite_doubles(u, v, normalize)
     points = torch.cat([uu, vv]).numpy()
     labels = np.concatenate([np.ones(uu.shape[0]), -np.ones(vv.shape[0])])
     count, dim = points.shape

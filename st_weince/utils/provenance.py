@@ -1,4 +1,7 @@
-"""What every committed output records: machine, library versions, command, git commit (eval, diagnostics)."""
+"""What every committed output records: machine, library versions, command, git commit.
+
+The one record for all of them: eval/, the diagnostics, the recipes and the benchmarks.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import sys
 from pathlib import Path
 
 _PACKAGES = (
+    "st-weince",
     "torch",
     "transformers",
     "sentence-transformers",
@@ -21,6 +25,7 @@ _PACKAGES = (
     "scipy",
     "scikit-learn",
     "torchvision",
+    "accelerate",
 )
 
 
@@ -57,7 +62,9 @@ def provenance(argv: list[str] | None = None) -> dict:
             "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.is_available(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         },
+        "world_size": int(os.environ.get("WORLD_SIZE", "1")),  # processes of a torchrun / accelerate launch
         "python": platform.python_version(),
         # torch's own string keeps the build tag (e.g. +cu130 or +cpu) that the package metadata drops
         "versions": {**{p: _version(p) for p in _PACKAGES}, "torch": torch.__version__},

@@ -14,15 +14,18 @@ No loss math lives here: each objective only arranges two views ``z1, z2`` [N, D
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Any
 
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 from torch import Tensor, nn
 
 from st_weince.functional import nt_xent_layout
-from st_weince.losses import WEINCELoss
+from st_weince.losses import RBSigmoidLoss, WEINCELoss
 
 LOSSES = ("infonce", "weince", "rb-sigmoid")
+SIMCLR_SCALE = 2.0  # SimCLR's temperature 0.5 on images
 
 
 class SimCLRObjective(nn.Module):
@@ -30,35 +33,51 @@ class SimCLRObjective(nn.Module):
 
     Args:
         name: "infonce", "weince" or "rb-sigmoid".
-        temperature: softmax temperature of InfoNCE and WEINCE (``scale = 1 / temperature``; SimCLR vision: 0.5).
-            Not used by RB-Sigmoid, whose inverse temperature ``t`` is its own (trainable) parameter.
+        temperature: deprecated (removed in the next release): pass ``scale = 1 / temperature``. Kept in second
+            position so that calls written for the previous release keep their meaning.
         beta: WEINCE's tail index in the shortfall logit (reference implementation: 1.0).
-        loss_kwargs: extra keyword arguments for the loss class (e.g. RB-Sigmoid's initial ``t`` / ``b_rel``).
+        loss_kwargs: extra keyword arguments for the loss class, validated by it (e.g. RB-Sigmoid's start values).
+        scale: the factor on cosine scores of InfoNCE and WEINCE (``1 / temperature``; SimCLR on images: 2.0, i.e.
+            temperature 0.5). Not used by RB-Sigmoid, whose scale ``t`` is its own trainable parameter (its start
+            value goes in ``loss_kwargs``).
     """
 
     def __init__(
         self,
         name: str,
-        temperature: float = 0.5,
+        temperature: float | None = None,
         beta: float | str = 1.0,
         loss_kwargs: dict[str, Any] | None = None,
+        *,
+        scale: float | None = None,
     ) -> None:
         super().__init__()
         if name not in LOSSES:
             raise ValueError(f"unknown loss {name!r}; choose one of {LOSSES}")
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if temperature is not None:
+            warnings.warn(
+                "SimCLRObjective(temperature=...) is deprecated and will be removed in the next release; "
+                "pass scale=1/temperature",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if scale is not None:
+                raise ValueError("pass scale only (temperature is its deprecated alias, scale = 1 / temperature)")
+            if not (isinstance(temperature, int | float) and 0 < temperature < math.inf):
+                raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+            scale = 1.0 / temperature
+        scale = SIMCLR_SCALE if scale is None else scale
+        if not (isinstance(scale, int | float) and 0 < scale < math.inf):
+            raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
         self.name = name
         kwargs = dict(loss_kwargs or {})
         if name == "infonce":
             self.loss: nn.Module = MultipleNegativesRankingLoss(
-                None, scale=1.0 / temperature, directions=("query_to_doc", "query_to_query"), **kwargs
+                None, scale=scale, directions=("query_to_doc", "query_to_query"), **kwargs
             )
         elif name == "weince":
-            self.loss = WEINCELoss(None, scale=1.0 / temperature, beta=beta, **kwargs)
+            self.loss = WEINCELoss(None, scale=scale, beta=beta, **kwargs)
         else:
-            from st_weince.losses import RBSigmoidLoss  # written alongside; imported lazily
-
             self.loss = RBSigmoidLoss(None, **kwargs)
 
     def forward(self, z1: Tensor, z2: Tensor) -> Tensor:
