@@ -44,19 +44,29 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "gpu_check.json"
 
 
-class EmbeddingTable(nn.Module):
-    """A stand-in "model" for cached losses: row ``input_ids[:, 0]`` of a trainable table is the embedding.
-
-    The cached losses call ``model(features)["sentence_embedding"]`` on mini-batches; with a lookup the encoder costs
-    nothing, so a loss-level timing of a cached loss measures the loss and the cache machinery only.
-    """
-
+class _TableLookup(nn.Module):
     def __init__(self, rows: int, dim: int, dtype: torch.dtype, device: str) -> None:
         super().__init__()
         self.table = nn.Parameter(torch.randn(rows, dim, device=device, dtype=dtype))
 
     def forward(self, features: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {"sentence_embedding": self.table[features["input_ids"][:, 0]]}
+
+
+class EmbeddingTable(nn.Sequential):
+    """A stand-in "model" for cached losses: row ``input_ids[:, 0]`` of a trainable table is the embedding.
+
+    The cached losses call ``model(features)["sentence_embedding"]`` on mini-batches (and look at ``model[0]``, as in
+    a SentenceTransformer); with a lookup the encoder costs nothing, so a loss-level timing of a cached loss measures
+    the loss and the cache machinery only.
+    """
+
+    def __init__(self, rows: int, dim: int, dtype: torch.dtype, device: str) -> None:
+        super().__init__(_TableLookup(rows, dim, dtype, device))
+
+    @property
+    def table(self) -> nn.Parameter:
+        return self[0].table
 
 
 def losses_uncached(model: nn.Module | None, check_inputs: bool = True) -> dict[str, nn.Module]:

@@ -217,7 +217,8 @@ def test_no_optimizer_state_unless_asked(recipe, tiny_model_dir, small_stsb, tra
     assert not any(checkpoint.glob("optimizer*")) and not any(checkpoint.glob("scheduler*"))
     resume = recipe.parse_args(base_args(tiny_model_dir, small_stsb, train_file, out, *flags,
                                          "--resume-from-checkpoint", "latest"))  # fmt: skip
-    with pytest.raises(ValueError, match=r"checkpoint-2' is not a checkpoint with optimizer state.*--save-optimizer-state"):
+    expected = r"checkpoint-2' is not a checkpoint with optimizer state.*--save-optimizer-state"
+    with pytest.raises(ValueError, match=expected):
         recipe.run(resume)
 
 
