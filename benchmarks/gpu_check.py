@@ -270,7 +270,10 @@ def _time_optimizer_steps(model: nn.Module, named: dict[str, nn.Module], feature
     optimizers = {}
     for name, loss in named.items():
         loss.to(device)
-        optimizers[name] = torch.optim.AdamW(list(model.parameters()) + list(loss.parameters()), lr=1e-5)
+        # the model's parameters and the loss's own (a loss holds the model as a child: no duplicates)
+        model_ids = {id(p) for p in model.parameters()}
+        own = [p for p in loss.parameters() if id(p) not in model_ids]
+        optimizers[name] = torch.optim.AdamW(list(model.parameters()) + own, lr=1e-5)
 
     def step(name: str) -> Callable[[], None]:
         def run() -> None:
