@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from st_weince.utils.profiling import cpu_peak_bytes
 from st_weince.utils.provenance import provenance
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wiki" / "wiki1m_sample.txt"
@@ -46,20 +47,8 @@ def build_losses(model, mini_batch_size: int) -> dict:
 
 
 def loss_stage_peak_bytes(loss, reps: list[list[torch.Tensor]]) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
     leaves = [[r.detach().clone().requires_grad_() for r in column] for column in reps]
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-        loss.calculate_loss(leaves, None, with_backward=True)
-    changes = [
-        (event.time_range.start, event.cpu_memory_usage if event.name == "[memory]" else event.self_cpu_memory_usage)
-        for event in profiler.events()
-    ]
-    live = peak = 0
-    for _, change in sorted(changes, key=lambda item: (item[0], item[1] < 0)):
-        live += change
-        peak = max(peak, live)
-    return peak
+    return cpu_peak_bytes(lambda: loss.calculate_loss(leaves, None, with_backward=True))
 
 
 def main() -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from st_weince.utils.profiling import cpu_peak_bytes
 from st_weince.utils.provenance import provenance
 
 LOSSES = ("mnrl", "weince", "weince_beta1", "weince_unchecked", "rb_sigmoid")
@@ -93,30 +94,12 @@ def time_losses(names, batch_size, num_columns, dim, device, repeats, seed) -> d
     return samples
 
 
-def _profiled_peak_bytes(loss, embeddings: list[torch.Tensor]) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-        run_once(loss, embeddings)
-    # An op's own allocations are its self memory; frees arrive as separate "[memory]" events. At equal
-    # timestamps allocations go first, so a tie cannot hide a peak.
-    changes = [
-        (event.time_range.start, event.cpu_memory_usage if event.name == "[memory]" else event.self_cpu_memory_usage)
-        for event in profiler.events()
-    ]
-    live = peak = 0
-    for _, change in sorted(changes, key=lambda item: (item[0], item[1] < 0)):
-        live += change
-        peak = max(peak, live)
-    return peak
-
-
 def peak_memory(name: str, batch_size: int, num_columns: int, dim: int, device: str, seed: int) -> int:
     embeddings = make_embeddings(batch_size, num_columns, dim, device, seed)
     loss = build_loss(name).to(device)
     run_once(loss, embeddings)  # the embeddings' gradients exist from here on, as in training
     if not device.startswith("cuda"):
-        return _profiled_peak_bytes(loss, embeddings)
+        return cpu_peak_bytes(lambda: run_once(loss, embeddings))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()

@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--encoder", default="minilm", choices=("minilm", "tiny", "base"))
-    parser.add_argument("--batches", type=int, nargs="*", default=[64, 256], help="uncached batches (none: only cached)")
+    parser.add_argument("--batches", type=int, nargs="*", default=[64, 256], help="uncached batches")
     parser.add_argument("--cached-batch", type=int, default=1024)
     parser.add_argument("--mini-batch", type=int, default=64)
     parser.add_argument("--skip-cached", action="store_true")
