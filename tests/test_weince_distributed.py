@@ -1,4 +1,5 @@
-"""WEINCELoss under torchrun --nproc_per_node 2 (gloo, CPU) equals one process on the same global batch."""
+"""WEINCELoss and CachedWEINCELoss under torchrun --nproc_per_node 2 (gloo, CPU) equal one process on the same
+global batch."""
 
 from __future__ import annotations
 
@@ -45,6 +46,15 @@ def test_two_processes_equal_one(distributed_results, setting):
     # Gradients: each rank's rows receive d(sum of rank losses)/d(rows) = 2 x d(global mean)/d(rows).
     for column_index, column in enumerate(columns):
         distributed_grad = torch.cat([r["grads"][column_index] for r in ranks]) / 2
+        torch.testing.assert_close(distributed_grad, column.grad, atol=1e-5, rtol=1e-4)
+    # The cached loss stage (mini-batches of 5 rows on each rank) gives the same.
+    assert abs(float((ranks[0]["cached_loss"] + ranks[1]["cached_loss"]) / 2 - loss.detach())) < 1e-5
+    assert float(ranks[1]["cached_rho0"]) == pytest.approx(float(loss_fn.last_statistics.rho0), abs=0)
+    torch.testing.assert_close(
+        torch.cat([r["cached_lam"] for r in ranks]), loss_fn.last_statistics.lam, atol=1e-6, rtol=0
+    )
+    for column_index, column in enumerate(columns):
+        distributed_grad = torch.cat([r["cached_grads"][column_index] for r in ranks]) / 2
         torch.testing.assert_close(distributed_grad, column.grad, atol=1e-5, rtol=1e-4)
 
 

@@ -15,6 +15,7 @@ from st_weince.functional import (
     weince_cross_entropy,
     weince_logits,
     weince_statistics,
+    weince_tail_fit,
 )
 from tests.weince_reference import reference_loss, reference_statistics
 
@@ -210,3 +211,46 @@ def test_property_finite_bounded_and_permutation_invariant(num_anchors, extra, n
     inverse = torch.argsort(perm)
     permuted = weince_cross_entropy(scores[:, perm], inverse[positive_index], temperature=0.05, beta=beta)
     assert float(permuted) == pytest.approx(float(loss), rel=1e-5, abs=1e-6)
+
+
+def test_statistics_do_not_depend_on_how_many_rows_are_fitted_together():
+    """Row blocks (as a cached loss fits them) give bit-identical statistics to the whole matrix, although the
+    fit design is tabulated per tail size for the whole matrix and computed per row for small blocks."""
+    scores = paired_scores(90, 130, seed=11)
+    valid_mask = torch.rand(90, 130, generator=torch.Generator().manual_seed(3)) > 0.3  # many distinct tail sizes
+    positive_index = torch.arange(90)
+    valid_mask[positive_index, positive_index] = True
+    whole = weince_tail_fit(scores, positive_index, valid_mask)
+    blocks = [
+        weince_tail_fit(scores[i : i + 7], positive_index[i : i + 7], valid_mask[i : i + 7]) for i in range(0, 90, 7)
+    ]
+    for field in ("rho", "beta_hat", "delta_aic", "fitted"):
+        assert torch.equal(getattr(whole, field), torch.cat([getattr(b, field) for b in blocks])), field
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_cross_entropy_equals_logits_then_cross_entropy(dtype):
+    from st_weince.functional import blended_cross_entropy
+
+    scores = paired_scores(30, 40, seed=12).to(dtype)
+    scores[3, 7] = 1.0  # a negative at the cap: the clamp's zero shortfall gradient
+    scores[5, 5] = 1.0  # a positive at the cap
+    positive_index = torch.arange(30)
+    valid_mask = torch.rand(30, 40, generator=torch.Generator().manual_seed(4)) > 0.2
+    valid_mask[positive_index, positive_index] = True
+    lam = torch.rand(30, generator=torch.Generator().manual_seed(5), dtype=dtype)
+    beta = 0.5 + 10 * torch.rand(30, generator=torch.Generator().manual_seed(6), dtype=dtype)
+    weights = torch.rand(30, dtype=dtype)  # an upstream gradient that differs per row
+    fused_input = scores.clone().requires_grad_()
+    plain_input = scores.clone().requires_grad_()
+    fused = blended_cross_entropy(fused_input, lam, beta, positive_index, valid_mask, temperature=0.05)
+    logits = weince_logits(plain_input, lam, beta, valid_mask, temperature=0.05)
+    plain = F.cross_entropy(logits, positive_index, reduction="none")
+    assert fused.dtype == dtype
+    torch.testing.assert_close(fused, plain)
+    (fused * weights).sum().backward()
+    (plain * weights).sum().backward()
+    # float32: p - 1 at the positive cancels, so compare against the gradient's scale there
+    scale = float(plain_input.grad.abs().max())
+    atol = 1e-12 if dtype == torch.float64 else 1e-6 * scale
+    torch.testing.assert_close(fused_input.grad, plain_input.grad, atol=atol, rtol=1e-5)

@@ -1,7 +1,8 @@
 """Run by tests/test_weince_distributed.py under ``torchrun --nproc_per_node 2`` (gloo, CPU).
 
 Each rank takes its slice of one global batch of embeddings, computes WEINCELoss with gather_across_devices=True,
-back-propagates, and writes its loss and the gradients of its own rows to OUTPUT_DIR/rank{r}.pt.
+back-propagates, and writes its loss and the gradients of its own rows to OUTPUT_DIR/rank{r}.pt; then the same with
+CachedWEINCELoss's loss stage (``calculate_loss`` on mini-batches of the rank's rows, with backward).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from st_weince.losses import WEINCELoss
+from st_weince.losses import CachedWEINCELoss, WEINCELoss
 
 
 def global_batch(batch_size: int, num_columns: int, dim: int = 16) -> list[torch.Tensor]:
@@ -43,9 +44,21 @@ def main() -> None:
         loss = loss_fn.compute_loss_from_embeddings(mine, None)
         loss.backward()
         statistics = loss_fn.last_statistics
-        results.append(
-            {"loss": loss.detach(), "grads": [m.grad for m in mine], "lam": statistics.lam, "rho0": statistics.rho0}
+        result = {
+            "loss": loss.detach(),
+            "grads": [m.grad for m in mine],
+            "lam": statistics.lam,
+            "rho0": statistics.rho0,
+        }
+        cached = CachedWEINCELoss(
+            None, gather_across_devices=True, directions=directions, partition_mode=partition_mode, mini_batch_size=5
         )
+        reps = [[part.detach().clone().requires_grad_() for part in m.detach().split(5)] for m in mine]
+        result["cached_loss"] = cached.calculate_loss(reps, None, with_backward=True)
+        result["cached_grads"] = [torch.cat([part.grad for part in column]) for column in reps]
+        result["cached_lam"] = cached.last_statistics.lam
+        result["cached_rho0"] = cached.last_statistics.rho0
+        results.append(result)
     torch.save(results, f"{output_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 

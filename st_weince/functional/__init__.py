@@ -1,6 +1,13 @@
 """Pure tensor functions on score matrices: the math every loss adapter (text and vision) calls."""
 
-from st_weince.functional.layouts import nt_xent_layout
+from st_weince.functional.layouts import (
+    CandidateGroup,
+    MNRLLayout,
+    mnrl_cross_entropy,
+    mnrl_layout,
+    normalize_rows,
+    nt_xent_layout,
+)
 from st_weince.functional.sigmoid import (
     chunked_sigmoid_contrastive_loss,
     constellation_margin,
@@ -12,11 +19,16 @@ from st_weince.functional.sigmoid import (
     targets_from_positive_index,
 )
 from st_weince.functional.weince import (
-    DEFAULT_OPTIONS,
+    DEFAULTS,
     TailFit,
+    WeinceOptions,
     WeinceStatistics,
     batch_pivot,
     blend_weights,
+    blended_cross_entropy,
+    check_scale,
+    check_temperature,
+    statistics_from_fit,
     tail_index,
     tail_sizes,
     weince_cross_entropy,
@@ -34,11 +46,21 @@ __all__ = [
     "sigmoid_contrastive_loss",
     "sigmoid_logits",
     "targets_from_positive_index",
-    "DEFAULT_OPTIONS",
+    "DEFAULTS",
     "TailFit",
+    "WeinceOptions",
     "WeinceStatistics",
     "batch_pivot",
     "blend_weights",
+    "blended_cross_entropy",
+    "check_scale",
+    "check_temperature",
+    "statistics_from_fit",
+    "CandidateGroup",
+    "MNRLLayout",
+    "mnrl_cross_entropy",
+    "mnrl_layout",
+    "normalize_rows",
     "nt_xent_layout",
     "tail_index",
     "tail_sizes",

@@ -1,10 +1,50 @@
-"""Candidate layouts as (scores, positive_index, valid_mask) triples, shared by text and vision."""
+"""Candidate layouts as (scores, positive_index, valid_mask) triples, shared by text and vision.
+
+- :func:`nt_xent_layout`: SimCLR's 2N x 2N layout.
+- :func:`mnrl_layout`: sentence-transformers' MultipleNegativesRankingLoss layout (columns, directions, partition
+  modes, gathered candidates), for any block of rows, so a cached loss can process the score matrix in row chunks;
+  :func:`mnrl_cross_entropy` is its softmax over the groups' logits.
+- :func:`normalize_rows`: unit-length rows, refusing norms that overflow.
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from st_weince.utils.hotpath import DeferredChecks
+
+Direction = Literal["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"]
+PartitionMode = Literal["joint", "per_direction"]
+DIRECTIONS: tuple[Direction, ...] = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+QUERY_ANCHORED: tuple[Direction, ...] = ("query_to_doc", "query_to_query")
+DOC_ANCHORED: tuple[Direction, ...] = ("doc_to_query", "doc_to_doc")
+
+
+def normalize_rows(embeddings: Tensor, checks: DeferredChecks | None = None, name: str = "embeddings") -> Tensor:
+    """Rows scaled to unit L2 norm, exactly ``torch.nn.functional.normalize`` (as in sentence-transformers'
+    ``cos_sim``), with a check of the norms.
+
+    The norm squares the entries: a finite row with a norm above about 1e19 overflows in float32 and would become a
+    zero vector with zero gradient, silently (what ``cos_sim`` does, issue 10 item 5). With ``checks`` such rows are
+    refused with an error naming ``name``, and so are NaN/Inf entries (they make the norm non-finite too): one check
+    on the [rows] norms, which the normalisation needs anyway. A scale-safe normalisation (divide by the largest
+    entry first) would cost two extra passes over the embeddings every step, for an input only a diverged model
+    produces.
+    """
+    norms = torch.linalg.vector_norm(embeddings, dim=-1, keepdim=True)
+    if checks is not None:
+        checks.require(
+            torch.isfinite(norms),
+            f"{name} has NaN or Inf embeddings, or finite ones whose L2 norm overflows {embeddings.dtype} (above "
+            f"about {math.sqrt(torch.finfo(embeddings.dtype).max):.0e}, which would normalise to a zero vector); "
+            "the model diverged or its input is broken",
+        )
+    return embeddings / norms.clamp_min(1e-12)
 
 
 def nt_xent_layout(view_a: Tensor, view_b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -20,9 +60,148 @@ def nt_xent_layout(view_a: Tensor, view_b: Tensor) -> tuple[Tensor, Tensor, Tens
     num_pairs = view_a.shape[0]
     if num_pairs < 2:
         raise ValueError(f"the NT-Xent layout needs at least 2 pairs, got {num_pairs}")
-    views = F.normalize(torch.cat([view_a, view_b], dim=0), dim=-1)
+    views = normalize_rows(torch.cat([view_a, view_b], dim=0))
     scores = views @ views.T
     index = torch.arange(num_pairs, device=views.device)
     positive_index = torch.cat([index + num_pairs, index])
     valid_mask = ~torch.eye(2 * num_pairs, dtype=torch.bool, device=views.device)
     return scores, positive_index, valid_mask
+
+
+def check_directions(directions: tuple[str, ...], partition_mode: str) -> tuple[Direction, ...]:
+    """MultipleNegativesRankingLoss's rules for ``directions`` and ``partition_mode`` (same messages)."""
+    if isinstance(directions, str) or not directions:
+        raise ValueError(f"directions must be a non-empty tuple of direction names, got {directions!r}")
+    directions = tuple(directions)
+    valid = set(DIRECTIONS)
+    if not set(directions) <= valid:
+        raise ValueError(f"Invalid directions: {set(directions) - valid}. Valid: {valid}")
+    if len(set(directions)) != len(directions):
+        raise ValueError(f"directions must not repeat a direction, got {directions}")
+    if "query_to_doc" not in directions:
+        raise ValueError("'query_to_doc' direction is required (contains the positive pair).")
+    if partition_mode not in ("joint", "per_direction"):
+        raise ValueError(f"partition_mode must be 'joint' or 'per_direction', got {partition_mode!r}")
+    if partition_mode == "per_direction" and set(directions) & {"query_to_query", "doc_to_doc"}:
+        raise ValueError(
+            "partition_mode='per_direction' requires every direction to contain the positive pair; "
+            "'query_to_query' and 'doc_to_doc' do not. Use partition_mode='joint'."
+        )
+    # canonical order, so the blocks of a group sit side by side as in MNRL
+    return tuple(d for d in DIRECTIONS if d in directions)
+
+
+@dataclass(frozen=True)
+class CandidateGroup:
+    """One anchor set's candidate rows: the score blocks of its directions side by side."""
+
+    directions: tuple[Direction, ...]
+    scores: Tensor  # [R, sum(widths)]
+    widths: tuple[int, ...]
+    positive_index: Tensor  # [R] long: the positive's column, or -1 for rows without one (e.g. doc_to_doc only)
+    valid_mask: Tensor | None  # [R, sum(widths)] bool, or None when every entry is a candidate
+    has_positive: bool  # whether positive_index is >= 0 (every row alike)
+
+
+@dataclass(frozen=True)
+class MNRLLayout:
+    """The MNRL layout of a block of rows: the candidate groups and how their logits form the softmax."""
+
+    groups: tuple[CandidateGroup, ...]
+    partition_mode: PartitionMode
+    num_rows: int
+
+
+def mnrl_layout(
+    queries: Tensor,
+    docs: list[Tensor],
+    directions: tuple[Direction, ...] = ("query_to_doc",),
+    partition_mode: PartitionMode = "joint",
+    *,
+    row_start: int = 0,
+    row_end: int | None = None,
+) -> MNRLLayout:
+    """MultipleNegativesRankingLoss's candidate layout for the rows ``row_start:row_end`` of the (gathered) batch.
+
+    ``queries`` [B, D] and each of ``docs`` (positives, then hard-negative columns) [B, D] are *unit-normalised*
+    embeddings of the whole batch (under data parallelism: gathered, this process's rows at ``rank * local_batch``).
+    Row ``i`` is query ``i`` (and, for the doc-anchored directions, document ``i``):
+
+    - query_to_doc: query i against every document (positive: doc i);
+    - query_to_query: query i against every query except itself;
+    - doc_to_query: document i against every query (positive: query i);
+    - doc_to_doc: document i against every document except those of query i.
+
+    ``partition_mode="joint"`` gives two groups, the query-anchored and the doc-anchored directions, each group one
+    anchor set whose rows get one set of statistics; ``"per_direction"`` one group per direction. Invalid entries
+    are marked in ``valid_mask`` (not set to -inf), so statistics see only real candidates. Memory is linear in
+    the number of rows: a cached loss calls this per row chunk.
+    """
+    directions = check_directions(directions, partition_mode)
+    num_queries = queries.shape[0]
+    row_end = num_queries if row_end is None else row_end
+    if not 0 <= row_start < row_end <= num_queries:
+        raise ValueError(f"rows {row_start}:{row_end} must be a non-empty range within the {num_queries} queries")
+    device = queries.device
+    rows = torch.arange(row_start, row_end, device=device)
+    docs_all = torch.cat(docs, dim=0) if len(docs) > 1 else docs[0]
+    row_queries = queries[row_start:row_end]
+    row_docs = docs[0][row_start:row_end]
+
+    blocks: dict[str, tuple[Tensor, Tensor | None]] = {"query_to_doc": (row_queries @ docs_all.T, None)}
+    if "query_to_query" in directions:
+        not_self = torch.arange(num_queries, device=device)[None, :] != rows[:, None]
+        blocks["query_to_query"] = (row_queries @ queries.T, not_self)
+    if "doc_to_query" in directions:
+        blocks["doc_to_query"] = (row_docs @ queries.T, None)
+    if "doc_to_doc" in directions:
+        other_query = (torch.arange(docs_all.shape[0], device=device) % num_queries)[None, :] != rows[:, None]
+        blocks["doc_to_doc"] = (row_docs @ docs_all.T, other_query)
+
+    if partition_mode == "joint":
+        grouped = [tuple(d for d in QUERY_ANCHORED if d in blocks), tuple(d for d in DOC_ANCHORED if d in blocks)]
+    else:
+        grouped = [(d,) for d in blocks]
+    groups = []
+    for group in filter(None, grouped):
+        scores = torch.cat([blocks[d][0] for d in group], dim=1) if len(group) > 1 else blocks[group[0]][0]
+        valid_mask = None  # all valid: no mask tensor, no masked copies
+        if any(blocks[d][1] is not None for d in group):
+            valid_mask = torch.cat(
+                [
+                    blocks[d][1] if blocks[d][1] is not None else torch.ones_like(blocks[d][0], dtype=torch.bool)
+                    for d in group
+                ],
+                dim=1,
+            )
+        has_positive = group[0] in ("query_to_doc", "doc_to_query")
+        groups.append(
+            CandidateGroup(
+                directions=group,
+                scores=scores,
+                widths=tuple(blocks[d][0].shape[1] for d in group),
+                positive_index=rows if has_positive else torch.full_like(rows, -1),
+                valid_mask=valid_mask,
+                has_positive=has_positive,
+            )
+        )
+    return MNRLLayout(groups=tuple(groups), partition_mode=partition_mode, num_rows=row_end - row_start)
+
+
+def mnrl_cross_entropy(layout: MNRLLayout, group_logits: list[Tensor]) -> Tensor:
+    """Per-row loss [R] from the logits of each group of ``layout`` (invalid entries at -inf), as MNRL does:
+    ``"joint"``, one softmax over every direction of the row, with the query_to_doc positive as the target;
+    ``"per_direction"``, the mean over directions of each direction's own cross-entropy."""
+    if len(group_logits) != len(layout.groups):
+        raise ValueError(f"need one logits tensor per group ({len(layout.groups)}), got {len(group_logits)}")
+    if layout.partition_mode == "joint":
+        query_group = layout.groups[0]
+        positive = group_logits[0].gather(1, query_group.positive_index[:, None]).squeeze(1)
+        # log-sum-exp per group, then across groups: no concatenated copy of the rows
+        log_z = torch.stack([logits.logsumexp(dim=1) for logits in group_logits], dim=1).logsumexp(dim=1)
+        return log_z - positive
+    losses = [
+        logits.logsumexp(dim=1) - logits.gather(1, group.positive_index[:, None]).squeeze(1)
+        for group, logits in zip(layout.groups, group_logits)
+    ]
+    return torch.stack(losses, dim=1).mean(dim=1)

@@ -2,7 +2,8 @@
 
 Data flows one way: scores -> per-anchor tail fits -> batch pivot -> blend weights -> logits -> cross-entropy.
 Every adapter (sentence-transformers losses, the vision recipe, the diagnostics) calls these functions, so each
-formula of ``shared/docs/ALGORITHMS.md`` section 1 lives here exactly once.
+formula of ``shared/docs/ALGORITHMS.md`` section 1 lives here exactly once, and the nine options live in one place,
+:class:`WeinceOptions`.
 
 Conventions
 -----------
@@ -11,53 +12,174 @@ Conventions
                     (e.g. the ``query_to_query`` direction of MultipleNegativesRankingLoss).
 ``valid_mask``      [A, C] bool, False for entries that are no candidate at all (self-pairs, masked documents).
 Negatives of a row are its valid entries other than its positive.
+
+Hot path: no function here reads a device value on the host. Shapes decide every Python branch (the largest tail
+size comes from the number of columns), value checks are collected in a :class:`~st_weince.utils.hotpath.DeferredChecks`
+and read with one sync, or skipped (``checks=False``), so the loss compiles with ``torch.compile(fullgraph=True)``.
+
+Dtypes: the statistics and the logits are computed in the scores' dtype, float16/bfloat16 in float32.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-WeinceMode = Literal["both", "rho", "aic"]
+from st_weince.utils.hotpath import DeferredChecks
 
-# Defaults of the released reference implementation (ALGORITHMS.md 1.1).
-DEFAULT_OPTIONS: dict[str, float | int | str] = {
-    "q": 0.2,
-    "kappa_rho": 10.0,
-    "kappa_aic": 1.0,
-    "aic_margin": 2.0,
-    "tail_frac": 0.10,
-    "min_tail_points": 32,
-    "eps": 1e-6,
-    "mode": "both",
-    "beta": 1.0,
-}
+WeinceMode = Literal["both", "rho", "aic"]
+WEINCE_MODES = ("both", "rho", "aic")
 BETA_AUTO_RANGE = (0.5, 16.0)
 # A wrong-signed slope disqualifies its line by this residual penalty (reference implementation).
 _WRONG_SIGN_PENALTY = 1e6
 _MIN_SSE = 1e-12
 _MIN_FIT_POINTS = 3
+# A tail whose log-shortfalls spread less than this many units of rounding (RMS, relative to their size) has no
+# shape: its line fits are rounding noise (issue 10 item 5: 0.92 everywhere gave lambda 1.0).
+_DEGENERATE_SPREAD_ULPS = 16.0
+
+Checks = DeferredChecks | bool
+
+
+def _real(name: str, value: Any) -> float:
+    """``value`` as a finite Python float; bools, strings, tensors and non-finite numbers are refused by name."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def check_scale(scale: Any, name: str = "scale") -> float:
+    """``scale = 1 / temperature`` as a float: a finite number > 0 (the error names ``name``)."""
+    value = _real(name, scale)
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0 ({name} = 1 / temperature), got {value}")
+    return value
+
+
+def check_temperature(temperature: Any) -> float:
+    """A softmax temperature: a finite number > 0."""
+    return check_scale(temperature, name="temperature")
+
+
+@dataclass(frozen=True)
+class WeinceOptions:
+    """The nine WEINCE options: the one source of their defaults (the released implementation's) and validation.
+
+    Built once (by the loss classes in ``__init__``); every field is checked here, with an error naming the field.
+    Numbers may be any real (Python or NumPy) number and are stored as Python ``float`` / ``int``; bools, strings
+    (other than ``beta="auto"``) and non-finite values are refused.
+
+    Args:
+        q: quantile of the hardest-negative shortfalls that defines the batch pivot ``rho0``, in [0, 1].
+        kappa_rho: slope of the hardness gate, >= 0.
+        kappa_aic: slope of the geometry (AIC) gate, >= 0.
+        aic_margin: AIC difference at which the geometry gate is one half (any finite number).
+        tail_frac: share of an anchor's negatives used for the tail fit, in (0, 1].
+        min_tail_points: minimum tail size, an integer >= 1.
+        eps: floor of the shortfall ``1 - s``, in (0, 0.5).
+        mode: "both" (hardness x geometry), "rho" (hardness only) or "aic" (geometry only).
+        beta: tail index of the shortfall logit, a finite number > 0, or "auto" (each anchor's estimate, clamped
+            to [0.5, 16]). The reference implementation uses 1.0.
+    """
+
+    q: float = 0.2
+    kappa_rho: float = 10.0
+    kappa_aic: float = 1.0
+    aic_margin: float = 2.0
+    tail_frac: float = 0.10
+    min_tail_points: int = 32
+    eps: float = 1e-6
+    mode: WeinceMode = "both"
+    beta: float | str = 1.0
+
+    def __post_init__(self) -> None:
+        def store(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        store("q", _real("q", self.q))
+        if not 0.0 <= self.q <= 1.0:
+            raise ValueError(f"q must lie in [0, 1], got {self.q}")
+        for name in ("kappa_rho", "kappa_aic"):
+            store(name, _real(name, getattr(self, name)))
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        store("aic_margin", _real("aic_margin", self.aic_margin))
+        store("tail_frac", _real("tail_frac", self.tail_frac))
+        if not 0.0 < self.tail_frac <= 1.0:
+            raise ValueError(f"tail_frac must lie in (0, 1], got {self.tail_frac}")
+        points = self.min_tail_points
+        if isinstance(points, bool) or not isinstance(points, numbers.Integral):
+            raise TypeError(f"min_tail_points must be an integer, got {type(points).__name__} {points!r}")
+        store("min_tail_points", int(self.min_tail_points))
+        if self.min_tail_points < 1:
+            raise ValueError(f"min_tail_points must be at least 1, got {self.min_tail_points}")
+        store("eps", _real("eps", self.eps))
+        if not 0.0 < self.eps < 0.5:
+            raise ValueError(f"eps must lie in (0, 0.5), got {self.eps}")
+        if not isinstance(self.mode, str) or self.mode not in WEINCE_MODES:
+            raise ValueError(f"mode must be 'both', 'rho' or 'aic', got {self.mode!r}")
+        if isinstance(self.beta, str):
+            if self.beta != "auto":
+                raise ValueError(f"beta must be a positive number or 'auto', got {self.beta!r}")
+        else:
+            try:
+                beta = _real("beta", self.beta)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"{error} (beta must be a finite number > 0 or 'auto')") from None
+            if not beta > 0:
+                raise ValueError(f"beta must be a positive number or 'auto', got {beta}")
+            store("beta", beta)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def replace(self, **changes: Any) -> WeinceOptions:
+        """A copy with ``changes`` applied (validated like the constructor)."""
+        unknown = set(changes) - {f.name for f in fields(self)}
+        if unknown:
+            raise TypeError(f"unknown WEINCE option(s) {sorted(unknown)}; valid: {[f.name for f in fields(self)]}")
+        return WeinceOptions(**{**self.as_dict(), **changes})
+
+
+DEFAULTS = WeinceOptions()
+
+
+def resolve_options(options: WeinceOptions | None, overrides: dict[str, Any]) -> WeinceOptions:
+    """``options`` (default: the defaults) with keyword ``overrides`` applied."""
+    if options is not None and not isinstance(options, WeinceOptions):
+        raise TypeError(f"options must be a WeinceOptions, got {type(options).__name__}")
+    options = options or DEFAULTS
+    return options.replace(**overrides) if overrides else options
 
 
 @dataclass(frozen=True)
 class TailFit:
-    """Per-anchor results of the tail fits (no gradient)."""
+    """Per-anchor results of the tail fits (no gradient), in the statistics dtype."""
 
     rho: Tensor  # [A] shortfall 1 - s of the hardest negative, at least eps; 1.0 where a row has no negative
-    beta_hat: Tensor  # [A] slope of the Weibull line (estimated tail index); 0.0 where not fitted
-    delta_aic: Tensor  # [A] AIC_Gumbel - AIC_Weibull; 0.0 where not fitted
+    beta_hat: Tensor  # [A] slope of the Weibull line (estimated tail index); 0.0 where not fitted or degenerate
+    delta_aic: Tensor  # [A] AIC_Gumbel - AIC_Weibull; 0.0 where not fitted or degenerate (no tail shape)
     fitted: Tensor  # [A] bool: at least 3 tail points after the burn-in
     has_negatives: Tensor  # [A] bool: at least one negative
+
+    @staticmethod
+    def cat(parts: list[TailFit]) -> TailFit:
+        """Row chunks' fits, concatenated in order."""
+        return TailFit(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(TailFit)))
 
 
 @dataclass(frozen=True)
 class WeinceStatistics:
-    """Everything the WEINCE logit needs, per anchor; computed without gradient."""
+    """Everything the WEINCE logit needs, per anchor; computed without gradient, in the statistics dtype."""
 
     lam: Tensor  # [A] blend weight in [0, 1); 0 gives InfoNCE
     beta: Tensor  # [A] tail index used in the shortfall logit
@@ -68,10 +190,32 @@ class WeinceStatistics:
     fitted: Tensor  # [A] bool
 
 
-def _check_scores(scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None) -> None:
-    """Validate shapes and values of a score matrix, its positives and its mask."""
-    if scores.dim() != 2:
-        raise ValueError(f"scores must be a 2-D [anchors, candidates] matrix, got shape {tuple(scores.shape)}")
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the statistics and logits for scores of ``dtype``: float64 stays, everything else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _checks_for(checks: Checks) -> DeferredChecks | None:
+    if isinstance(checks, DeferredChecks):
+        return checks
+    return DeferredChecks() if checks else None
+
+
+def _finish(local: DeferredChecks | None, checks: Checks) -> None:
+    """Read the checks now if this function owns them (``checks=True``); a caller's DeferredChecks it reads itself."""
+    if local is not None and checks is True:
+        local.raise_if_failed()
+
+
+def _check_scores(
+    scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None, checks: DeferredChecks | None
+) -> None:
+    """Shapes and dtypes now (free); values (finite scores, positives in range) into ``checks``."""
+    if not isinstance(scores, Tensor) or scores.dim() != 2:
+        shape = tuple(scores.shape) if isinstance(scores, Tensor) else type(scores).__name__
+        raise ValueError(f"scores must be a 2-D [anchors, candidates] matrix, got shape {shape}")
+    if not scores.is_floating_point():
+        raise ValueError(f"scores must be a floating-point tensor, got {scores.dtype}")
     num_anchors, num_candidates = scores.shape
     if num_anchors == 0 or num_candidates == 0:
         raise ValueError(f"scores is empty (shape {tuple(scores.shape)})")
@@ -86,12 +230,21 @@ def _check_scores(scores: Tensor, positive_index: Tensor | None, valid_mask: Ten
                 f"positive_index must have one entry per anchor ({num_anchors}), "
                 f"got shape {tuple(positive_index.shape)}"
             )
-        if positive_index.numel() and (positive_index.max() >= num_candidates or positive_index.min() < -1):
-            raise ValueError(f"positive_index must lie in [-1, {num_candidates - 1}]")
+        if positive_index.dtype != torch.long:
+            raise ValueError(f"positive_index must be a torch.long tensor, got {positive_index.dtype}")
+    if checks is None:
+        return
+    if positive_index is not None:
+        checks.require(
+            (positive_index < num_candidates) & (positive_index >= -1),
+            f"positive_index must lie in [-1, {num_candidates - 1}]",
+        )
     # One reduction pass: NaN or +-Inf in any valid entry makes the sum non-finite.
     valid_scores = scores.detach() if valid_mask is None else scores.detach().masked_fill(~valid_mask, 0.0)
-    if not torch.isfinite(valid_scores.float().sum()):
-        raise ValueError("scores contain NaN or Inf (check the embeddings: a NaN embedding gives NaN scores)")
+    checks.require(
+        torch.isfinite(valid_scores.sum(dtype=compute_dtype(scores.dtype))),
+        "scores contain NaN or Inf (check the embeddings: a NaN embedding gives NaN scores)",
+    )
 
 
 def _count_negatives(positive_index: Tensor | None, valid_mask: Tensor | None, shape: torch.Size, device) -> Tensor:
@@ -102,10 +255,9 @@ def _count_negatives(positive_index: Tensor | None, valid_mask: Tensor | None, s
     else:
         count = valid_mask.sum(1)
     if positive_index is not None:
-        has_positive = positive_index >= 0
-        positive_valid = has_positive
+        positive_valid = positive_index >= 0
         if valid_mask is not None:
-            positive_valid = has_positive & valid_mask.gather(1, positive_index.clamp_min(0)[:, None]).squeeze(1)
+            positive_valid = positive_valid & valid_mask.gather(1, positive_index.clamp_min(0)[:, None]).squeeze(1)
         count = count - positive_valid.long()
     return count
 
@@ -113,18 +265,24 @@ def _count_negatives(positive_index: Tensor | None, valid_mask: Tensor | None, s
 def _top_negative_scores(
     scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None, k_max: int
 ) -> Tensor:
-    """The k_max largest negative scores of each row, descending, padded with -inf (float32, no gradient).
+    """The k_max largest negative scores of each row, descending, padded with -inf (no gradient, scores' dtype).
 
-    Takes the top k_max + 1 of the row and drops the positive among them, instead of masking a full copy.
+    Takes the top k_max + 1 of the row and drops the positive among them (by column, so ties cannot confuse it),
+    instead of masking a full copy of the matrix. A row without a positive (-1) keeps its top k_max.
     """
-    scores = scores.detach().float()
+    scores = scores.detach()
     if valid_mask is not None:
         scores = scores.masked_fill(~valid_mask, float("-inf"))
-    if positive_index is None or not bool((positive_index >= 0).any()):
+    if positive_index is None:
         return scores.topk(k_max, dim=1).values
-    values, columns = scores.topk(min(k_max + 1, scores.shape[1]), dim=1, sorted=False)
-    values = values.masked_fill(columns == positive_index[:, None], float("-inf"))
-    return values.sort(dim=1, descending=True).values[:, :k_max]
+    values, columns = scores.topk(min(k_max + 1, scores.shape[1]), dim=1, sorted=True)
+    # Drop the positive without re-sorting: position j takes the value at j, or at j + 1 once the positive has been
+    # passed. A row whose positive is not among its top k_max + 1 (or that has none) keeps its first k_max values.
+    width = values.shape[1]
+    passed = (columns[:, :k_max] == positive_index[:, None]).cumsum(dim=1)
+    positions = torch.arange(k_max, device=scores.device)[None, :] + passed
+    beyond = positions >= width  # only when the row has no k_max-th negative (k_max = number of columns)
+    return values.gather(1, positions.clamp_max_(width - 1)).masked_fill_(beyond, float("-inf"))
 
 
 def tail_sizes(num_negatives: Tensor, *, tail_frac: float, min_tail_points: int) -> Tensor:
@@ -135,27 +293,67 @@ def tail_sizes(num_negatives: Tensor, *, tail_frac: float, min_tail_points: int)
     return torch.minimum(k, num_negatives)
 
 
-def _fit_lines(x: Tensor, ys: tuple[Tensor, ...], weight: Tensor, n: Tensor) -> list[tuple[Tensor, Tensor]]:
-    """Row-wise weighted least squares y ~ a + slope * x for several y on the same x (float64).
+def max_tail_size(num_candidates: int, options: WeinceOptions) -> int:
+    """The largest tail size any row of ``num_candidates`` columns can have (k is non-decreasing in K <= C)."""
+    # the formula of tail_sizes in plain Python: shapes decide, no tensor is read
+    k = min(max(options.min_tail_points, round(options.tail_frac * num_candidates)), num_candidates)
+    return min(max(10, k), num_candidates)
 
-    ``x`` is [A, k]; ``weight`` (0/1), ``n`` (points per row, as a column) and each y are either per row ([A, k],
-    [A, 1]) or one row shared by all anchors ([1, k], [1, 1]: the usual case of equal tail sizes, which saves
-    most passes over [A, k]). Returns (slope, residual sum of squares) per y, the latter as syy - sxy^2 / sxx;
-    a row whose x has no spread (duplicate scores) gets slope 0 and residual syy.
+
+def _fit_design(sizes: Tensor, k_max: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+    """For tail sizes ``sizes`` [R]: the burn-in b [R], the 0/1 weights [R, k_max] of the fitted ranks (b, k] and
+    the centred responses of both lines at those ranks (zero elsewhere): log F_r (Weibull) and log(-log F_r)
+    (Gumbel proxy), F_r = r / (k + 1)."""
+    sizes = sizes[:, None]
+    rank = torch.arange(1, k_max + 1, device=sizes.device, dtype=dtype)[None, :]
+    burn_in = torch.clamp(torch.div(sizes, 20, rounding_mode="floor"), min=1)
+    used = (rank <= sizes) & (rank > burn_in)
+    weight = used.to(dtype)
+    n = weight.sum(1, keepdim=True).clamp_min(1.0)
+    # positions outside the fit get a harmless 0.5 so no NaN enters the sums
+    log_cdf = torch.log(torch.where(used, rank / (sizes.to(dtype) + 1.0), 0.5))
+    centred = tuple((y - (y * weight).sum(1, keepdim=True) / n) * weight for y in (log_cdf, torch.log(-log_cdf)))
+    return burn_in.squeeze(1), weight, centred
+
+
+def _row_design(k: Tensor, k_max: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+    """:func:`_fit_design` for each row's tail size. The design depends on k only, so when there are more rows
+    than possible sizes it is computed once per size ([k_max + 1, k_max]) and each row picks its size's row, which
+    saves about 15 passes over the [A, k_max] tails; otherwise (e.g. the small row chunks of a cached loss, where
+    that table would grow quadratically with the batch) per row. Both give identical values."""
+    if k_max + 1 > k.shape[0]:
+        return _fit_design(k, k_max, dtype)
+    burn_in, weight, centred = _fit_design(torch.arange(k_max + 1, device=k.device), k_max, dtype)
+    return burn_in[k], weight.index_select(0, k), tuple(table.index_select(0, k) for table in centred)
+
+
+def _fit_lines(
+    x: Tensor, centred_ys: tuple[Tensor, ...], weight: Tensor, n: Tensor, first_used: Tensor
+) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
+    """Row-wise least squares y ~ a + slope * x for several y on the same x, over the points with weight 1.
+
+    ``x`` and ``weight`` are [A, k] (x finite everywhere), ``centred_ys`` the responses already centred over the
+    used points and zero elsewhere, ``n`` [A, 1] the points per row, ``first_used`` [A, 1] the position of each
+    row's first used point. Returns (slope, residual sum of squares) per y and the rows whose x has no spread
+    (``degenerate``, slope 0).
+
+    x is shifted by one of its own points before centring, so equal x give exactly zero deviations, and a row is
+    degenerate when the RMS deviation is below a few units of rounding of x's magnitude (a relative threshold,
+    valid in every dtype). Residuals are summed directly, not as syy - sxy^2 / sxx, which cancels in float32.
     """
-    mean_x = (x * weight).sum(1, keepdim=True) / n
-    xc = (x - mean_x).mul_(weight)
+    reference = x.gather(1, first_used)
+    xs = (x - reference).mul_(weight)
+    xc = (xs - xs.sum(1, keepdim=True) / n).mul_(weight)
     sxx = (xc * xc).sum(1)
-    degenerate = sxx <= 1e-300
+    resolution = _DEGENERATE_SPREAD_ULPS * torch.finfo(x.dtype).eps * reference.squeeze(1).abs()
+    degenerate = sxx <= n.squeeze(1) * resolution * resolution
     sxx_safe = torch.where(degenerate, torch.ones_like(sxx), sxx)
     fits = []
-    for y in ys:
-        yc = (y - (y * weight).sum(1, keepdim=True) / n) * weight
-        sxy = (xc * yc).sum(1) if yc.shape[0] > 1 else (xc @ yc[0])
-        syy = (yc * yc).sum(1)
-        slope = torch.where(degenerate, torch.zeros_like(sxx), sxy / sxx_safe)
-        fits.append((slope, (syy - slope * sxy).clamp_min(0.0)))
-    return fits
+    for yc in centred_ys:
+        slope = torch.where(degenerate, torch.zeros_like(sxx), (xc * yc).sum(1) / sxx_safe)
+        residual = torch.addcmul(yc, xc, slope[:, None], value=-1.0)
+        fits.append((slope, (residual * residual).sum(1)))
+    return fits, degenerate
 
 
 @torch.no_grad()
@@ -163,57 +361,54 @@ def weince_tail_fit(
     scores: Tensor,
     positive_index: Tensor | None,
     valid_mask: Tensor | None = None,
+    options: WeinceOptions | None = None,
     *,
-    tail_frac: float = 0.10,
-    min_tail_points: int = 32,
-    eps: float = 1e-6,
+    checks: Checks = True,
+    **overrides: Any,
 ) -> TailFit:
-    """Per-anchor shortfall tail fits (ALGORITHMS.md 1.1 steps 1-4), vectorised over anchors; fits in float64."""
-    _check_scores(scores, positive_index, valid_mask)
-    num_negatives = _count_negatives(positive_index, valid_mask, scores.shape, scores.device)
-    k = tail_sizes(num_negatives, tail_frac=tail_frac, min_tail_points=min_tail_points)
-    k_max = int(k.max())
+    """Per-anchor shortfall tail fits (ALGORITHMS.md 1.1 steps 1-4), vectorised over anchors, in the scores'
+    dtype (float16/bfloat16: float32).
+
+    ``checks``: True validates the inputs here (one host sync), a DeferredChecks collects the value checks for the
+    caller to read, False skips them (the caller guarantees finite scores and valid positives).
+    """
+    if isinstance(valid_mask, WeinceOptions):
+        raise TypeError("valid_mask got a WeinceOptions: pass the options as options=... (the fourth argument)")
+    options = resolve_options(options, overrides)
+    deferred = _checks_for(checks)
+    _check_scores(scores, positive_index, valid_mask, deferred)
+    dtype = compute_dtype(scores.dtype)
+    device = scores.device
+    num_negatives = _count_negatives(positive_index, valid_mask, scores.shape, device)
+    k = tail_sizes(num_negatives, tail_frac=options.tail_frac, min_tail_points=options.min_tail_points)
+    k_max = max(max_tail_size(scores.shape[1], options), 1)
     has_negatives = num_negatives > 0
-    num_anchors = scores.shape[0]
-    if k_max == 0:
-        zeros = torch.zeros(num_anchors, dtype=torch.float64, device=scores.device)
-        no = torch.zeros(num_anchors, dtype=torch.bool, device=scores.device)
-        return TailFit(rho=zeros + 1.0, beta_hat=zeros, delta_aic=zeros, fitted=no, has_negatives=has_negatives)
 
-    top = _top_negative_scores(scores, positive_index, valid_mask, k_max).double()
-    rank = torch.arange(1, k_max + 1, device=scores.device, dtype=torch.float64)[None, :]
-    # When every anchor has the same tail size (the usual case) the tail positions, burn-in and CDF levels are
-    # one row shared by all anchors.
-    same_k = bool((k == k_max).all())
-    tail_size = k[:1, None] if same_k else k[:, None]
-    shortfall = torch.rsub(top, 1.0).clamp_min_(eps)
-    if not same_k:
-        shortfall = torch.where(rank <= tail_size, shortfall, 1.0)  # padding of short rows: log 1 = 0
+    top = _top_negative_scores(scores, positive_index, valid_mask, k_max).to(dtype)
+    # Shortfalls of the sorted tail; the -inf padding of rows with fewer than k_max negatives gives +inf, whose log
+    # is set to 0 so that no inf or NaN enters the (weighted) sums.
+    shortfall = torch.rsub(top, 1.0).clamp_min_(options.eps)
     rho = torch.where(has_negatives, shortfall[:, 0], 1.0)
+    log_shortfall = torch.log(shortfall).nan_to_num_(posinf=0.0)
 
-    burn_in = torch.clamp(torch.div(k, 20, rounding_mode="floor"), min=1)
+    burn_in, weight, centred = _row_design(k, k_max, dtype)
     n = (k - burn_in).clamp_min(0)
     fitted = n >= _MIN_FIT_POINTS
-    n_safe = n.clamp_min(1).double()
-    used = (rank <= tail_size) & (rank > (burn_in[:1, None] if same_k else burn_in[:, None]))
-
-    # Empirical CDF levels; positions outside the fit get a harmless 0.5 so no NaN enters the sums.
-    log_cdf = torch.log(torch.where(used, rank / (tail_size.double() + 1.0), 0.5))
-    (beta_hat, sse_weibull), (gumbel_slope, sse_gumbel) = _fit_lines(
-        torch.log(shortfall),
-        (log_cdf, torch.log(-log_cdf)),
-        used.double(),
-        n_safe[:1, None] if same_k else n_safe[:, None],
+    n_safe = n.clamp_min(1).to(dtype)[:, None]
+    ((beta_hat, sse_weibull), (gumbel_slope, sse_gumbel)), degenerate = _fit_lines(
+        log_shortfall, centred, weight, n_safe, burn_in.clamp_max(k_max - 1)[:, None]
     )
     sse_weibull = (sse_weibull + _WRONG_SIGN_PENALTY * (beta_hat <= 0)).clamp_min(_MIN_SSE)
     sse_gumbel = (sse_gumbel + _WRONG_SIGN_PENALTY * (gumbel_slope >= 0)).clamp_min(_MIN_SSE)
-    aic_weibull = n_safe * torch.log(sse_weibull / n_safe) + 4.0
-    aic_gumbel = n_safe * torch.log(sse_gumbel / n_safe) + 4.0
+    # AIC_G - AIC_W = n log(SSE_G / n) - n log(SSE_W / n); the +4 of both cancel.
+    delta_aic = n_safe.squeeze(1) * (torch.log(sse_gumbel) - torch.log(sse_weibull))
+    shaped = fitted & ~degenerate
     zero = torch.zeros_like(rho)
+    _finish(deferred, checks)
     return TailFit(
         rho=rho,
-        beta_hat=torch.where(fitted, beta_hat, zero),
-        delta_aic=torch.where(fitted, aic_gumbel - aic_weibull, zero),
+        beta_hat=torch.where(shaped, beta_hat, zero),
+        delta_aic=torch.where(shaped, delta_aic, zero),
         fitted=fitted,
         has_negatives=has_negatives,
     )
@@ -223,61 +418,67 @@ def weince_tail_fit(
 def batch_pivot(rho: Tensor, has_negatives: Tensor, q: float = 0.2) -> Tensor:
     """``rho0``: the q-quantile of rho over the anchors that have negatives (sort ascending, index round(q (A-1))).
 
-    Pass the rho of the whole (global) batch: under data parallelism, gather first, so the pivot does not depend
-    on how the batch is split over processes.
+    Sort plus gather, no boolean-mask indexing: rows without negatives sort last (+inf) and the index counts only
+    the others. 1.0 when no anchor has a negative. Pass the rho of the whole (global) batch: under data
+    parallelism, gather first, so the pivot does not depend on how the batch is split over processes.
     """
-    if not 0.0 <= q <= 1.0:
-        raise ValueError(f"q must lie in [0, 1], got {q}")
-    pool = torch.sort(rho[has_negatives]).values
-    if pool.numel() == 0:
-        return torch.ones((), dtype=rho.dtype, device=rho.device)
-    return pool[round(q * (pool.numel() - 1))]
+    q = WeinceOptions(q=q).q  # validated like the option
+    pool = torch.sort(torch.where(has_negatives, rho, float("inf"))).values
+    count = has_negatives.sum()
+    # round half to even, like Python's round() in the reference implementation
+    index = torch.round(q * (count - 1).clamp_min(0).double()).long().clamp(0, rho.numel() - 1)
+    return torch.where(count > 0, pool.gather(0, index[None])[0], torch.ones((), dtype=rho.dtype, device=rho.device))
 
 
 @torch.no_grad()
-def blend_weights(
-    fit: TailFit,
-    rho0: Tensor | float,
-    *,
-    kappa_rho: float = 10.0,
-    kappa_aic: float = 1.0,
-    aic_margin: float = 2.0,
-    mode: WeinceMode = "both",
-) -> Tensor:
+def blend_weights(fit: TailFit, rho0: Tensor | float, options: WeinceOptions | None = None, **overrides: Any) -> Tensor:
     """lambda(a) = sigmoid(kappa_rho log(rho0 / rho)) * sigmoid(kappa_aic (dAIC - margin)); 0 where not fitted."""
+    options = resolve_options(options, overrides)
     rho0 = torch.as_tensor(rho0, dtype=fit.rho.dtype, device=fit.rho.device)
-    hardness = torch.sigmoid(kappa_rho * (torch.log(rho0) - torch.log(fit.rho)))
-    geometry = torch.sigmoid(kappa_aic * (fit.delta_aic - aic_margin))
-    if mode == "both":
+    hardness = torch.sigmoid(options.kappa_rho * (torch.log(rho0) - torch.log(fit.rho)))
+    geometry = torch.sigmoid(options.kappa_aic * (fit.delta_aic - options.aic_margin))
+    if options.mode == "both":
         lam = hardness * geometry
-    elif mode == "rho":
+    elif options.mode == "rho":
         lam = hardness
-    elif mode == "aic":
-        lam = geometry
     else:
-        raise ValueError(f"mode must be 'both', 'rho' or 'aic', got {mode!r}")
+        lam = geometry
     return torch.where(fit.fitted, lam, torch.zeros_like(lam))
 
 
 def tail_index(fit: TailFit, beta: float | str = 1.0) -> Tensor:
     """beta(a) in the shortfall logit: a constant (reference implementation: 1.0) or "auto", the clamped estimate."""
+    beta = WeinceOptions(beta=beta).beta
     if beta == "auto":
         low, high = BETA_AUTO_RANGE
         return torch.where(fit.fitted, fit.beta_hat.clamp(low, high), torch.ones_like(fit.beta_hat))
-    if isinstance(beta, str) or not float(beta) > 0:
-        raise ValueError(f"beta must be a positive number or 'auto', got {beta!r}")
-    return torch.full_like(fit.beta_hat, float(beta))
+    return torch.full_like(fit.beta_hat, beta)
 
 
-def _check_options(q: float, tail_frac: float, min_tail_points: int, eps: float) -> None:
-    if not 0.0 < tail_frac <= 1.0:
-        raise ValueError(f"tail_frac must lie in (0, 1], got {tail_frac}")
-    if min_tail_points < 1:
-        raise ValueError(f"min_tail_points must be at least 1, got {min_tail_points}")
-    if not 0.0 < eps < 0.5:
-        raise ValueError(f"eps must lie in (0, 0.5), got {eps}")
-    if not 0.0 <= q <= 1.0:
-        raise ValueError(f"q must lie in [0, 1], got {q}")
+@torch.no_grad()
+def statistics_from_fit(
+    fit: TailFit,
+    options: WeinceOptions | None = None,
+    *,
+    rho0: Tensor | float | None = None,
+    gather: Callable[[Tensor], Tensor] | None = None,
+) -> WeinceStatistics:
+    """Steps 5-7 of ALGORITHMS.md 1.1 on given tail fits: the pivot (over ``gather``'s global batch unless ``rho0``
+    is given), the blend weights and the tail index."""
+    options = resolve_options(options, {})
+    if rho0 is None:
+        gather = gather or (lambda local: local)
+        rho0 = batch_pivot(gather(fit.rho), gather(fit.has_negatives), options.q)
+    rho0 = torch.as_tensor(rho0, dtype=fit.rho.dtype, device=fit.rho.device)
+    return WeinceStatistics(
+        lam=blend_weights(fit, rho0, options),
+        beta=tail_index(fit, options.beta),
+        rho=fit.rho,
+        delta_aic=fit.delta_aic,
+        rho0=rho0,
+        beta_hat=fit.beta_hat,
+        fitted=fit.fitted,
+    )
 
 
 @torch.no_grad()
@@ -285,77 +486,50 @@ def weince_statistics(
     scores: Tensor,
     positive_index: Tensor | None,
     valid_mask: Tensor | None = None,
+    options: WeinceOptions | None = None,
     *,
-    q: float = 0.2,
-    kappa_rho: float = 10.0,
-    kappa_aic: float = 1.0,
-    aic_margin: float = 2.0,
-    tail_frac: float = 0.10,
-    min_tail_points: int = 32,
-    eps: float = 1e-6,
-    mode: WeinceMode = "both",
-    beta: float | str = 1.0,
     rho0: Tensor | float | None = None,
     gather: Callable[[Tensor], Tensor] | None = None,
+    checks: Checks = True,
+    **overrides: Any,
 ) -> WeinceStatistics:
-    """Per-anchor WEINCE statistics (no gradient).
+    """Per-anchor WEINCE statistics (no gradient), in the scores' dtype (float16/bfloat16: float32).
 
+    ``options`` (default :data:`DEFAULTS`), with keyword ``overrides`` (e.g. ``beta="auto"``) applied.
     ``rho0`` overrides the batch pivot. ``gather`` maps a per-anchor tensor of this process to the one of the global
     batch (e.g. an all-gather under data parallelism), so that the pivot is taken over every process's anchors.
+    ``checks`` as in :func:`weince_tail_fit`.
     """
-    _check_options(q, tail_frac, min_tail_points, eps)
-    fit = weince_tail_fit(
-        scores, positive_index, valid_mask, tail_frac=tail_frac, min_tail_points=min_tail_points, eps=eps
-    )
-    if rho0 is None:
-        gather = gather or (lambda local: local)
-        rho0 = batch_pivot(gather(fit.rho), gather(fit.has_negatives), q)
-    rho0 = torch.as_tensor(rho0, dtype=fit.rho.dtype, device=fit.rho.device)
-    lam = blend_weights(fit, rho0, kappa_rho=kappa_rho, kappa_aic=kappa_aic, aic_margin=aic_margin, mode=mode)
-    return WeinceStatistics(
-        lam=lam.float(),
-        beta=tail_index(fit, beta).float(),
-        rho=fit.rho.float(),
-        delta_aic=fit.delta_aic.float(),
-        rho0=rho0.float(),
-        beta_hat=fit.beta_hat.float(),
-        fitted=fit.fitted,
-    )
-
-
-def check_temperature(temperature: float) -> None:
-    if not (isinstance(temperature, (int, float)) and temperature > 0 and temperature < float("inf")):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    options = resolve_options(options, overrides)
+    fit = weince_tail_fit(scores, positive_index, valid_mask, options, checks=checks)
+    return statistics_from_fit(fit, options, rho0=rho0, gather=gather)
 
 
 class _BlendedLogit(torch.autograd.Function):
     """l = (1 - lam) s / tau - lam beta log(max(1 - s, eps)) with a hand-written backward.
 
     ``max(1 - s, eps)`` is ``1 - min(s, 1 - eps)``. Fusing keeps one [A, C] tensor for backward (the shortfall)
-    instead of the several intermediates autograd would store, and needs fewer passes over the matrix.
+    instead of the several intermediates autograd would store, and needs fewer passes over the matrix. Where the
+    clamp is active the saved shortfall is +inf, so the shortfall term's slope lam beta / shortfall is exactly 0
+    there without a data-dependent branch.
     """
 
     @staticmethod
     def forward(ctx, scores: Tensor, lam: Tensor, beta: Tensor, temperature: float, eps: float) -> Tensor:
         linear_weight = (1.0 - lam) / temperature
         shortfall_weight = lam * beta
-        shortfall = torch.rsub(scores, 1.0)
-        # Whether the clamp at 1 - eps is active anywhere decides if backward needs the mask (rarely).
-        ctx.clamped = bool(shortfall.min() < eps)
-        shortfall.clamp_min_(eps)
+        shortfall = torch.rsub(scores, 1.0).clamp_min_(eps)
         logits = torch.log(shortfall).mul_(-shortfall_weight).addcmul_(scores, linear_weight)
+        torch.threshold_(shortfall, eps, float("inf"))  # one pass: entries at the clamp (<= eps) become +inf
         ctx.save_for_backward(shortfall, linear_weight, shortfall_weight)
-        ctx.eps = eps
         return logits
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
         shortfall, linear_weight, shortfall_weight = ctx.saved_tensors
         # d/ds [(1 - lam) s / tau - lam beta log(1 - s)] = (1 - lam) / tau + lam beta / (1 - s) below the cap,
-        # and (1 - lam) / tau where the clamp at 1 - eps is active
+        # and (1 - lam) / tau where the clamp at 1 - eps is active (saved shortfall +inf)
         slope = torch.addcdiv(linear_weight, shortfall_weight, shortfall)
-        if ctx.clamped:
-            slope = torch.where(shortfall <= ctx.eps, linear_weight, slope)
         return slope.mul_(grad_output), None, None, None, None
 
 
@@ -366,22 +540,78 @@ def weince_logits(
     valid_mask: Tensor | None = None,
     *,
     temperature: float,
-    eps: float = 1e-6,
+    eps: float = DEFAULTS.eps,
 ) -> Tensor:
-    """Blended logits (1 - lam) s / tau + lam (-beta log(1 - min(s, 1 - eps))), float32, -inf at invalid entries.
+    """Blended logits (1 - lam) s / tau + lam (-beta log(1 - min(s, 1 - eps))), -inf at invalid entries.
 
-    Gradient flows through ``scores`` only; ``lam`` and ``beta`` are treated as constants.
+    In the scores' dtype; float16/bfloat16 (autocast) scores are computed in float32, since the shortfall log
+    needs it. Gradient flows through ``scores`` only; ``lam`` and ``beta`` are treated as constants.
     """
-    check_temperature(temperature)
-    s = scores.float()  # the shortfall log must be float32 even under fp16/bf16 autocast
-    lam = lam.detach().float()[:, None]
-    if bool((lam == 0).all()):
-        logits = s / temperature  # plain InfoNCE: skip the shortfall term
-    else:
-        logits = _BlendedLogit.apply(s, lam, beta.detach().float()[:, None], float(temperature), float(eps))
+    temperature = check_temperature(temperature)
+    dtype = compute_dtype(scores.dtype)
+    s = scores.to(dtype)
+    lam = lam.detach().to(dtype)[:, None]
+    logits = _BlendedLogit.apply(s, lam, beta.detach().to(dtype)[:, None], temperature, float(eps))
     if valid_mask is not None:
         logits = logits.masked_fill(~valid_mask, float("-inf"))
     return logits
+
+
+class _BlendedCrossEntropy(torch.autograd.Function):
+    """Per-row cross-entropy of the blended logits with the positive as the target, fused with the logit.
+
+    The separate logit + log-sum-exp + gather chain makes autograd run about seven passes over [A, C] in backward;
+    fused, the gradient (softmax - one-hot) * dl/ds takes four: dl/ds = (1 - lam) / tau + lam beta / (1 - s) with the
+    row's upstream gradient folded into the two per-row weights.
+    """
+
+    @staticmethod
+    def forward(ctx, scores, lam, beta, positive_index, valid_mask, temperature, eps):
+        linear_weight = (1.0 - lam) / temperature
+        shortfall_weight = lam * beta
+        shortfall = torch.rsub(scores, 1.0).clamp_min_(eps)
+        logits = torch.log(shortfall).mul_(-shortfall_weight).addcmul_(scores, linear_weight)
+        torch.threshold_(shortfall, eps, float("inf"))  # entries at the clamp: no shortfall gradient
+        if valid_mask is not None:
+            logits.masked_fill_(~valid_mask, float("-inf"))
+        log_z = torch.logsumexp(logits, dim=1)
+        positive = logits.gather(1, positive_index[:, None]).squeeze(1)
+        ctx.save_for_backward(logits, shortfall, linear_weight, shortfall_weight, positive_index, log_z)
+        return log_z - positive
+
+    @staticmethod
+    def backward(ctx, grad_rows: Tensor):
+        logits, shortfall, linear_weight, shortfall_weight, positive_index, log_z = ctx.saved_tensors
+        grad_rows = grad_rows[:, None]
+        probabilities = torch.sub(logits, log_z[:, None]).exp_()
+        probabilities.scatter_add_(1, positive_index[:, None], -torch.ones_like(grad_rows))
+        slope = torch.addcdiv(linear_weight * grad_rows, shortfall_weight * grad_rows, shortfall)
+        return probabilities.mul_(slope), None, None, None, None, None, None
+
+
+def blended_cross_entropy(
+    scores: Tensor,
+    lam: Tensor,
+    beta: Tensor,
+    positive_index: Tensor,
+    valid_mask: Tensor | None = None,
+    *,
+    temperature: float,
+    eps: float = DEFAULTS.eps,
+) -> Tensor:
+    """Per-row cross-entropy [A] of :func:`weince_logits` with ``positive_index`` as the target, fused (fewer passes
+    over the matrix in backward). Same dtypes and gradient as the unfused logits + ``F.cross_entropy``."""
+    temperature = check_temperature(temperature)
+    dtype = compute_dtype(scores.dtype)
+    return _BlendedCrossEntropy.apply(
+        scores.to(dtype),
+        lam.detach().to(dtype)[:, None],
+        beta.detach().to(dtype)[:, None],
+        positive_index,
+        valid_mask,
+        temperature,
+        float(eps),
+    )
 
 
 def _reduce(values: Tensor, reduction: str) -> Tensor:
@@ -398,40 +628,41 @@ def weince_cross_entropy(
     scores: Tensor,
     positive_index: Tensor,
     valid_mask: Tensor | None = None,
+    options: WeinceOptions | None = None,
     *,
     temperature: float,
     reduction: str = "mean",
-    q: float = 0.2,
-    kappa_rho: float = 10.0,
-    kappa_aic: float = 1.0,
-    aic_margin: float = 2.0,
-    tail_frac: float = 0.10,
-    min_tail_points: int = 32,
-    eps: float = 1e-6,
-    mode: WeinceMode = "both",
-    beta: float | str = 1.0,
     rho0: Tensor | float | None = None,
+    statistics: WeinceStatistics | None = None,
+    checks: Checks = True,
+    **overrides: Any,
 ) -> Tensor:
-    """WEINCE loss: cross-entropy of the blended logits of each row with its positive as the target."""
-    check_temperature(temperature)
-    if (positive_index < 0).any():
-        raise ValueError("every row needs a positive for the cross-entropy (positive_index >= 0)")
-    stats = weince_statistics(
-        scores,
-        positive_index,
-        valid_mask,
-        q=q,
-        kappa_rho=kappa_rho,
-        kappa_aic=kappa_aic,
-        aic_margin=aic_margin,
-        tail_frac=tail_frac,
-        min_tail_points=min_tail_points,
-        eps=eps,
-        mode=mode,
-        beta=beta,
-        rho0=rho0,
+    """WEINCE loss: cross-entropy of the blended logits of each row with its positive as the target.
+
+    ``statistics`` reuses precomputed statistics of these rows (else they are computed here with ``options``); their
+    computation checked the values of these inputs, so only shapes are checked again.
+    """
+    options = resolve_options(options, overrides)
+    temperature = check_temperature(temperature)
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    deferred = _checks_for(checks)
+    if statistics is None:
+        statistics = weince_statistics(
+            scores, positive_index, valid_mask, options, rho0=rho0, checks=deferred if deferred is not None else False
+        )
+    else:
+        # shapes only: the values were checked when these statistics were computed from the same inputs
+        _check_scores(scores, positive_index, valid_mask, None)
+    if deferred is not None:
+        deferred.require(positive_index >= 0, "every row needs a positive for the cross-entropy (positive_index >= 0)")
+        if valid_mask is not None:
+            deferred.require(
+                valid_mask.gather(1, positive_index.clamp_min(0)[:, None]),
+                "the positive of a row is masked out by valid_mask",
+            )
+    _finish(deferred, checks)
+    rows = blended_cross_entropy(
+        scores, statistics.lam, statistics.beta, positive_index, valid_mask, temperature=temperature, eps=options.eps
     )
-    if valid_mask is not None and not valid_mask.gather(1, positive_index[:, None]).all():
-        raise ValueError("the positive of a row is masked out by valid_mask")
-    logits = weince_logits(scores, stats.lam, stats.beta, valid_mask, temperature=temperature, eps=eps)
-    return _reduce(F.cross_entropy(logits, positive_index, reduction="none"), reduction)
+    return _reduce(rows, reduction)

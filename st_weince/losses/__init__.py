@@ -1,7 +1,13 @@
 """sentence-transformers loss classes: thin adapters over :mod:`st_weince.functional`."""
 
 from st_weince.losses.cached_rb_sigmoid import CachedRBSigmoidLoss
+from st_weince.losses.cached_weince import CachedWEINCELoss
 from st_weince.losses.rb_sigmoid import RBSigmoidLoss
 from st_weince.losses.weince import WEINCELoss
 
-__all__ = ["CachedRBSigmoidLoss", "RBSigmoidLoss", "WEINCELoss"]
+__all__ = [
+    "CachedRBSigmoidLoss",
+    "CachedWEINCELoss",
+    "RBSigmoidLoss",
+    "WEINCELoss",
+]

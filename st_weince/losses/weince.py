@@ -1,27 +1,38 @@
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, Literal
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from sentence_transformers.base.losses.merged_forward import embed_columns
-from sentence_transformers.util import all_gather_with_grad, cos_sim, get_rank
+from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim, get_rank
 from torch import Tensor, nn
 
+from st_weince.functional.layouts import (
+    Direction,
+    MNRLLayout,
+    PartitionMode,
+    check_directions,
+    mnrl_cross_entropy,
+    mnrl_layout,
+    normalize_rows,
+)
 from st_weince.functional.weince import (
+    DEFAULTS,
+    TailFit,
     WeinceMode,
+    WeinceOptions,
     WeinceStatistics,
-    check_temperature,
+    blended_cross_entropy,
+    check_scale,
+    statistics_from_fit,
+    weince_cross_entropy,
     weince_logits,
     weince_statistics,
+    weince_tail_fit,
 )
 from st_weince.losses._columns import check_embedding_columns
-from st_weince.training.statistics import RunningMeans
-from st_weince.utils.distributed import gather_rows_no_grad
-
-Direction = Literal["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"]
-_QUERY_ANCHORED = ("query_to_doc", "query_to_query")
-_DOC_ANCHORED = ("doc_to_query", "doc_to_doc")
+from st_weince.utils.hotpath import DeferredChecks
 
 WEINCE_CITATION = """
 @inproceedings{erol2026weince,
@@ -34,25 +45,58 @@ WEINCE_CITATION = """
 }
 """
 
+# The loss class's one departure from the released implementation's defaults (WeinceOptions): see its docstring.
+LOSS_BETA_DEFAULT = "auto"
+LOGGED_STATISTICS = (
+    "weince_lambda_mean",
+    "weince_lambda_gt_half",
+    "weince_rho0",
+    "weince_delta_aic_mean",
+    "weince_beta_mean",
+)
+
+
+def check_mnrl_only_arguments(
+    similarity_fct: Callable[[Tensor, Tensor], Tensor], hardness_mode: str | None, hardness_strength: float
+) -> None:
+    """MultipleNegativesRankingLoss arguments that WEINCE cannot honour are refused with the reason."""
+    if similarity_fct is not cos_sim:
+        name = getattr(similarity_fct, "__name__", type(similarity_fct).__name__)
+        raise ValueError(
+            f"WEINCE needs cosine scores (similarity_fct=cos_sim), got {name}: its shortfall logit "
+            "-beta log(1 - s) and its tail fit assume scores capped at the endpoint 1, which other similarities "
+            "(dot product, Euclidean, Manhattan) do not have."
+        )
+    if hardness_mode is not None or hardness_strength != 0.0:
+        raise ValueError(
+            "hardness_mode / hardness_strength (MNRL's hardness weighting) are not supported: they add "
+            "alpha * s to the negative logits, so the softmax would no longer be the choice model whose tail WEINCE "
+            "fits; WEINCE's own lambda already up-weights anchors with hard negatives. Leave them at None / 0.0."
+        )
+
 
 class WEINCELoss(nn.Module):
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | None,
         scale: float = 20.0,
         gather_across_devices: bool = False,
         directions: tuple[Direction, ...] = ("query_to_doc",),
-        partition_mode: Literal["joint", "per_direction"] = "joint",
+        partition_mode: PartitionMode = "joint",
         *,
-        beta: float | str = "auto",
-        mode: WeinceMode = "both",
-        q: float = 0.2,
-        kappa_rho: float = 10.0,
-        kappa_aic: float = 1.0,
-        aic_margin: float = 2.0,
-        tail_frac: float = 0.10,
-        min_tail_points: int = 32,
-        eps: float = 1e-6,
+        beta: float | str = LOSS_BETA_DEFAULT,
+        mode: WeinceMode = DEFAULTS.mode,
+        q: float = DEFAULTS.q,
+        kappa_rho: float = DEFAULTS.kappa_rho,
+        kappa_aic: float = DEFAULTS.kappa_aic,
+        aic_margin: float = DEFAULTS.aic_margin,
+        tail_frac: float = DEFAULTS.tail_frac,
+        min_tail_points: int = DEFAULTS.min_tail_points,
+        eps: float = DEFAULTS.eps,
+        check_inputs: bool = True,
+        similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
+        hardness_mode: str | None = None,
+        hardness_strength: float = 0.0,
     ) -> None:
         """
         WEINCE (Weibull-enhanced InfoNCE): a drop-in replacement for
@@ -66,7 +110,8 @@ class WEINCELoss(nn.Module):
         gradient; the loss has no trainable parameters. With ``lambda = 0`` it is exactly MNRL.
 
         Args:
-            model: SentenceTransformer model.
+            model: SentenceTransformer model (None for :meth:`compute_loss_from_embeddings` /
+                :meth:`loss_from_scores` only).
             scale: inverse temperature, ``scale = 1 / temperature`` (as in MNRL; 20 = temperature 0.05).
             gather_across_devices: gather embeddings across processes (local anchors x global candidates); the pivot
                 ``rho0`` is then taken over the anchors of the global batch, so results do not depend on the split.
@@ -75,9 +120,9 @@ class WEINCELoss(nn.Module):
                 rows anchored at documents (doc_to_query, doc_to_doc) get their own.
             partition_mode: "joint" (one softmax over all directions) or "per_direction" (one per direction,
                 averaged), as in MNRL.
-            beta: tail index in the shortfall logit. "auto" (the text default) uses each anchor's estimate,
+            beta: tail index in the shortfall logit. "auto" (this class's default) uses each anchor's estimate,
                 clamped to [0.5, 16]; the reference implementation's 1.0 was tuned at temperature 0.5 and is
-                10-20x too soft at SimCSE's 0.05 (see the README's measurements).
+                10-20x too soft at SimCSE's 0.05 (see docs/weince.md).
             mode: "both" (hardness x geometry gate, default), "rho" (hardness only) or "aic" (geometry only).
             q: quantile of the hardest-negative shortfalls that defines the batch pivot ``rho0``.
             kappa_rho: slope of the hardness gate.
@@ -86,6 +131,16 @@ class WEINCELoss(nn.Module):
             tail_frac: share of an anchor's negatives used for the tail fit.
             min_tail_points: minimum tail size.
             eps: floor of the shortfall ``1 - s``.
+            check_inputs: check the embeddings for NaN/Inf in every forward pass, with one host-device sync
+                (all checks read at once). False makes the hot path free of host syncs, so
+                ``torch.compile(loss.compute_loss_from_embeddings, fullgraph=True)`` and CUDA graphs work;
+                a NaN embedding then gives a NaN loss instead of an error.
+            similarity_fct: only ``cos_sim`` (accepted for MNRL compatibility): WEINCE needs scores with endpoint 1.
+            hardness_mode: only None (MNRL's hardness weighting does not combine with WEINCE; refused otherwise).
+            hardness_strength: only 0.0.
+
+        The nine WEINCE options are validated at construction (types, ranges, finiteness), by
+        :class:`st_weince.functional.WeinceOptions`, which holds their defaults.
 
         References:
             - Erol et al., When Softmax Fails at the Top: Extreme-Value Corrections for InfoNCE, ICML 2026,
@@ -95,6 +150,7 @@ class WEINCELoss(nn.Module):
         Requirements:
             1. (anchor, positive) pairs or (anchor, positive, negative_1, ..., negative_n) tuples.
             2. Batches with many in-batch negatives: anchors with fewer than 4 negatives fall back to InfoNCE.
+               For batches in the thousands use :class:`st_weince.losses.CachedWEINCELoss`.
 
         Inputs:
             +-------------------------------------------------+--------+
@@ -132,174 +188,197 @@ class WEINCELoss(nn.Module):
         """
         super().__init__()
         self.model = model
-        if not scale > 0:
-            raise ValueError(f"scale must be > 0 (scale = 1 / temperature), got {scale}")
-        self.scale = float(scale)
-        check_temperature(1.0 / self.scale)
-        valid_directions = set(_QUERY_ANCHORED + _DOC_ANCHORED)
-        if not directions:
-            raise ValueError("At least one direction must be specified.")
-        if not set(directions) <= valid_directions:
-            raise ValueError(f"Invalid directions: {set(directions) - valid_directions}. Valid: {valid_directions}")
-        if "query_to_doc" not in directions:
-            raise ValueError("'query_to_doc' direction is required (contains the positive pair).")
-        if partition_mode not in ("joint", "per_direction"):
-            raise ValueError(f"partition_mode must be 'joint' or 'per_direction', got {partition_mode!r}")
-        if partition_mode == "per_direction" and set(directions) & {"query_to_query", "doc_to_doc"}:
-            raise ValueError(
-                "partition_mode='per_direction' requires every direction to contain the positive pair; "
-                "'query_to_query' and 'doc_to_doc' do not. Use partition_mode='joint'."
-            )
+        self.scale = check_scale(scale)
+        if not isinstance(gather_across_devices, bool):
+            raise TypeError(f"gather_across_devices must be a bool, got {gather_across_devices!r}")
+        if not isinstance(check_inputs, bool):
+            raise TypeError(f"check_inputs must be a bool, got {check_inputs!r}")
+        check_directions(directions, partition_mode)
+        check_mnrl_only_arguments(similarity_fct, hardness_mode, hardness_strength)
         self.directions = tuple(directions)
         self.partition_mode = partition_mode
         self.gather_across_devices = gather_across_devices
-        self.beta = beta
-        if beta != "auto" and (isinstance(beta, str) or not float(beta) > 0):
-            raise ValueError(f"beta must be a positive number or 'auto', got {beta!r}")
-        self.mode = mode
-        self.options = {
-            "q": q,
-            "kappa_rho": kappa_rho,
-            "kappa_aic": kappa_aic,
-            "aic_margin": aic_margin,
-            "tail_frac": tail_frac,
-            "min_tail_points": min_tail_points,
-            "eps": eps,
-        }
-        if mode not in ("both", "rho", "aic"):
-            raise ValueError(f"mode must be 'both', 'rho' or 'aic', got {mode!r}")
-        self.logged_statistics = RunningMeans()
+        self.check_inputs = check_inputs
+        self.options = WeinceOptions(
+            q=q,
+            kappa_rho=kappa_rho,
+            kappa_aic=kappa_aic,
+            aic_margin=aic_margin,
+            tail_frac=tail_frac,
+            min_tail_points=min_tail_points,
+            eps=eps,
+            mode=mode,
+            beta=beta,
+        )
         self.last_statistics: WeinceStatistics | None = None
+        # Sums of LOGGED_STATISTICS since the last pop, kept on the device: read only when the trainer logs.
+        self._logged_sums: Tensor | None = None
+        self._logged_steps: Tensor | None = None
 
     @property
     def temperature(self) -> float:
         return 1.0 / self.scale
 
+    @property
+    def beta(self) -> float | str:
+        return self.options.beta
+
+    @property
+    def mode(self) -> str:
+        return self.options.mode
+
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         embeddings = embed_columns(self.model, sentence_features)
         return self.compute_loss_from_embeddings(embeddings, labels)
+
+    # -- statistics --------------------------------------------------------------------------------------------
+
+    def _gather(self, local: Tensor) -> Tensor:
+        """A per-anchor tensor of this process -> the global batch's (no gradient); identity without gathering."""
+        return all_gather(local) if self.gather_across_devices else local
 
     def statistics(
         self, scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None = None
     ) -> WeinceStatistics:
         """Statistics of rows held by this process; the pivot rho0 is taken over all processes' rows."""
         return weince_statistics(
-            scores,
-            positive_index,
-            valid_mask,
-            mode=self.mode,
-            beta=self.beta,
-            gather=gather_rows_no_grad if self.gather_across_devices else None,
-            **self.options,
+            scores, positive_index, valid_mask, self.options, gather=self._gather, checks=self.check_inputs
         )
 
-    def logits_from_scores(
-        self, scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None = None
-    ) -> tuple[Tensor, WeinceStatistics]:
-        """Blended logits of one group of rows (one anchor set with its candidates) and their statistics."""
-        stats = self.statistics(scores, positive_index, valid_mask)
-        logits = weince_logits(
-            scores, stats.lam, stats.beta, valid_mask, temperature=self.temperature, eps=self.options["eps"]
+    def _group_fits(self, layout: MNRLLayout) -> list[TailFit]:
+        # The scores come from normalised finite embeddings (checked by the caller): no value checks here.
+        return [
+            weince_tail_fit(group.scores, group.positive_index, group.valid_mask, self.options, checks=False)
+            for group in layout.groups
+        ]
+
+    def _rows_loss(self, layout: MNRLLayout, statistics: list[WeinceStatistics]) -> Tensor:
+        """Per-row loss of one block of rows of the MNRL layout, given each group's statistics of those rows."""
+        if len(layout.groups) == 1 or layout.partition_mode == "per_direction":
+            # every group is its own softmax: the fused cross-entropy (mean over directions for per_direction)
+            rows = [
+                blended_cross_entropy(
+                    group.scores,
+                    stats.lam,
+                    stats.beta,
+                    group.positive_index,
+                    group.valid_mask,
+                    temperature=self.temperature,
+                    eps=self.options.eps,
+                )
+                for group, stats in zip(layout.groups, statistics)
+            ]
+            return rows[0] if len(rows) == 1 else torch.stack(rows, dim=1).mean(dim=1)
+        logits = [
+            weince_logits(
+                group.scores,
+                stats.lam,
+                stats.beta,
+                group.valid_mask,
+                temperature=self.temperature,
+                eps=self.options.eps,
+            )
+            for group, stats in zip(layout.groups, statistics)
+        ]
+        return mnrl_cross_entropy(layout, logits)
+
+    def _normalized_columns(
+        self, embeddings: list[Tensor], checks: DeferredChecks | bool
+    ) -> tuple[Tensor, list[Tensor], int]:
+        """Checked, (gathered,) unit-normalised columns and the global row of this process's first anchor."""
+        # Shapes here; the values (NaN, Inf, overflowing norms) by the norm check of normalize_rows.
+        check_embedding_columns(embeddings, type(self).__name__, checks=False)
+        queries, docs = embeddings[0], list(embeddings[1:])
+        offset = 0
+        if self.gather_across_devices:
+            offset = get_rank() * queries.shape[0]
+            queries = all_gather_with_grad(queries)
+            docs = [all_gather_with_grad(doc) for doc in docs]
+        deferred = checks if isinstance(checks, DeferredChecks) else None
+        name = type(self).__name__
+        return (
+            normalize_rows(queries, deferred, f"{name}: column 0"),
+            [normalize_rows(doc, deferred, f"{name}: column {index}") for index, doc in enumerate(docs, start=1)],
+            offset,
         )
-        return logits, stats
+
+    # -- losses ------------------------------------------------------------------------------------------------
 
     def loss_from_scores(self, scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None) -> Tensor:
         """Cross-entropy over one score matrix, e.g. the SimCLR 2N x 2N layout of
         :func:`st_weince.functional.nt_xent_layout`. Used by the vision adapter."""
-        logits, stats = self.logits_from_scores(scores, positive_index, valid_mask)
+        checks = DeferredChecks() if self.check_inputs else False
+        stats = weince_statistics(scores, positive_index, valid_mask, self.options, gather=self._gather, checks=checks)
+        loss = weince_cross_entropy(
+            scores,
+            positive_index,
+            valid_mask,
+            self.options,
+            temperature=self.temperature,
+            statistics=stats,
+            checks=checks,
+        )
+        if checks:
+            checks.raise_if_failed()
         self._record(stats)
-        return nn.functional.cross_entropy(logits, positive_index)
+        return loss
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
-        check_embedding_columns(embeddings, type(self).__name__)
-        queries, docs = embeddings[0], list(embeddings[1:])
-        batch_size = queries.size(0)
-        offset = 0
-        if self.gather_across_devices:
-            queries = all_gather_with_grad(queries)
-            docs = [all_gather_with_grad(doc) for doc in docs]
-            offset = get_rank() * batch_size
-        world_batch_size = queries.size(0)
-        device = queries.device
-        docs_all = torch.cat(docs, dim=0)
-        local_indices = torch.arange(offset, offset + batch_size, device=device)
-        row_indices = torch.arange(batch_size, device=device)
-        local_queries = queries[local_indices]
-        local_docs = docs[0][local_indices]
+        checks = DeferredChecks() if self.check_inputs else False
+        queries, docs, offset = self._normalized_columns(embeddings, checks)
+        batch_size = embeddings[0].shape[0]
+        layout = mnrl_layout(
+            queries, docs, self.directions, self.partition_mode, row_start=offset, row_end=offset + batch_size
+        )
+        statistics = [statistics_from_fit(fit, self.options, gather=self._gather) for fit in self._group_fits(layout)]
+        loss = self._rows_loss(layout, statistics).mean()
+        if checks:
+            checks.raise_if_failed()  # the one host sync of the step
+        self._record(statistics[0])
+        return loss
 
-        # One score block per direction, its invalid entries marked in a mask (not -inf in the scores, so the
-        # tail statistics see only real candidates).
-        blocks: dict[str, tuple[Tensor, Tensor | None]] = {"query_to_doc": (cos_sim(local_queries, docs_all), None)}
-        if "query_to_query" in self.directions:
-            mask = torch.ones(batch_size, world_batch_size, dtype=torch.bool, device=device)
-            mask[row_indices, local_indices] = False
-            blocks["query_to_query"] = (cos_sim(local_queries, queries), mask)
-        if "doc_to_query" in self.directions:
-            blocks["doc_to_query"] = (cos_sim(local_docs, queries), None)
-        if "doc_to_doc" in self.directions:
-            same_query = torch.eye(world_batch_size, dtype=torch.bool, device=device)[local_indices]
-            blocks["doc_to_doc"] = (cos_sim(local_docs, docs_all), ~same_query.repeat(1, len(docs)))
-
-        if self.partition_mode == "joint":
-            groups = [[d for d in _QUERY_ANCHORED if d in blocks], [d for d in _DOC_ANCHORED if d in blocks]]
-        else:
-            groups = [[d] for d in blocks]
-        logits: dict[str, Tensor] = {}
-        for group in filter(None, groups):
-            # A group is one anchor set: its blocks side by side form each anchor's full candidate row.
-            scores = torch.cat([blocks[d][0] for d in group], dim=1) if len(group) > 1 else blocks[group[0]][0]
-            valid_mask = None  # all valid: no mask tensor, no masked copies
-            if any(blocks[d][1] is not None for d in group):
-                valid_mask = torch.cat(
-                    [
-                        blocks[d][1] if blocks[d][1] is not None else torch.ones_like(blocks[d][0], dtype=torch.bool)
-                        for d in group
-                    ],
-                    dim=1,
-                )
-            has_positive = group[0] in ("query_to_doc", "doc_to_query")
-            positive_index = local_indices if has_positive else torch.full_like(local_indices, -1)
-            group_logits, stats = self.logits_from_scores(scores, positive_index, valid_mask)
-            if group[0] == "query_to_doc":
-                self._record(stats)
-            widths = [blocks[d][0].shape[1] for d in group]
-            logits.update(zip(group, group_logits.split(widths, dim=1)))
-
-        if self.partition_mode == "joint":
-            positive_logits = logits["query_to_doc"][row_indices, local_indices]
-            joint = torch.cat([logits[d] for d in blocks], dim=1) if len(blocks) > 1 else logits["query_to_doc"]
-            log_z = torch.logsumexp(joint, dim=1)
-            return -(positive_logits - log_z).mean()
-        per_direction = [
-            -(logits[d][row_indices, local_indices] - torch.logsumexp(logits[d], dim=1)).mean() for d in blocks
-        ]
-        return torch.stack(per_direction).mean()
+    # -- logging -----------------------------------------------------------------------------------------------
 
     def _record(self, stats: WeinceStatistics) -> None:
-        self.last_statistics = stats
-        self.logged_statistics.add(
-            {
-                "weince_lambda_mean": stats.lam.mean(),
-                "weince_lambda_gt_half": (stats.lam > 0.5).float().mean(),
-                "weince_rho0": stats.rho0,
-                "weince_delta_aic_mean": stats.delta_aic[stats.fitted].mean() if stats.fitted.any() else 0.0,
-                "weince_beta_mean": stats.beta.mean(),
-            }
-        )
+        """Keep the statistics of the query rows: the latest ones, and their sums for the trainer's logs (on the
+        device, so no step reads them on the host)."""
+        if not torch.compiler.is_compiling():
+            self.last_statistics = stats
+        fitted = stats.fitted.to(stats.lam.dtype)
+        values = torch.stack(
+            [
+                stats.lam.mean(),
+                (stats.lam > 0.5).to(stats.lam.dtype).mean(),
+                stats.rho0,
+                (stats.delta_aic * fitted).sum() / fitted.sum().clamp_min(1.0),
+                stats.beta.mean(),
+            ]
+        ).detach()
+        if self._logged_sums is None or self._logged_sums.device != values.device:
+            self._logged_sums = torch.zeros(len(LOGGED_STATISTICS), dtype=torch.float32, device=values.device)
+            self._logged_steps = torch.zeros((), dtype=torch.float32, device=values.device)
+        self._logged_sums.add_(values.to(self._logged_sums.dtype))
+        self._logged_steps.add_(1.0)
 
     def pop_logged_statistics(self) -> dict[str, float]:
-        """Means of the statistics since the last call (used by :func:`st_weince.training.log_loss_statistics`)."""
-        return self.logged_statistics.pop()
+        """Means of the statistics since the last call (used by :func:`st_weince.training.log_loss_statistics`);
+        the one place they are read on the host."""
+        if self._logged_sums is None or not float(self._logged_steps):
+            return {}
+        means = (self._logged_sums / self._logged_steps).tolist()
+        self._logged_sums.zero_()
+        self._logged_steps.zero_()
+        return dict(zip(LOGGED_STATISTICS, means))
 
     def get_config_dict(self) -> dict[str, Any]:
+        """The constructor arguments: ``type(loss)(model, **loss.get_config_dict())`` rebuilds the same loss."""
         return {
             "scale": self.scale,
             "gather_across_devices": self.gather_across_devices,
             "directions": list(self.directions),
             "partition_mode": self.partition_mode,
-            "beta": self.beta,
-            "mode": self.mode,
-            **self.options,
+            **self.options.as_dict(),
+            "check_inputs": self.check_inputs,
         }
 
     @property

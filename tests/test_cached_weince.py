@@ -1,0 +1,216 @@
+"""CachedWEINCELoss equals WEINCELoss (loss, statistics, model gradients), also under MatryoshkaLoss; configs
+rebuild; the loss stage never holds the full score matrix; at most one host sync."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss
+
+from st_weince.losses import CachedWEINCELoss, WEINCELoss
+from st_weince.utils.hotpath import count_host_syncs
+from tests.conftest import TINY_SENTENCES
+
+SETTINGS = [
+    {},
+    {"beta": 1.0, "mode": "rho"},
+    {"directions": ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")},
+    {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction", "beta": 10.0},
+    {"directions": ("query_to_doc", "doc_to_doc"), "q": 0.5, "tail_frac": 0.3, "min_tail_points": 8},
+]
+
+
+def triplet_features(model, batch_size: int = 48, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """(anchor, positive, negative) columns of distinct word sequences over the tiny model's vocabulary."""
+    import random
+
+    words = " ".join(TINY_SENTENCES).split()
+    rng = random.Random(seed)
+    columns = [[" ".join(rng.choices(words, k=rng.randint(3, 9))) for _ in range(batch_size)] for _ in range(3)]
+    return [model.tokenize(column) for column in columns]
+
+
+def loss_and_gradients(model, loss, features) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    value = loss(features, None)
+    value.backward()
+    return float(value.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_gradients_equal(grads, expected_grads, dtype):
+    """float64: equal to 1e-9 (the algorithm is exact: differences are about 1e-13); float32: to 5e-5 of each
+    tensor's largest gradient. The row-chunk matmuls round the scores differently from one big matmul (about one
+    ulp), and the shortfall logit's slope lam beta / (1 - s) amplifies that: measured up to 2e-5 under
+    MatryoshkaLoss at dimension 8 (CachedMultipleNegativesRankingLoss vs MNRL: 2e-6)."""
+    assert grads.keys() == expected_grads.keys() and len(grads) > 10
+    for name, grad in grads.items():
+        expected = expected_grads[name]
+        atol = 1e-9 if dtype == torch.float64 else 5e-5 * max(float(expected.abs().max()), 1.0)
+        torch.testing.assert_close(grad, expected, atol=atol, rtol=1e-4 if dtype == torch.float32 else 1e-7, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("options", SETTINGS)
+def test_cached_equals_uncached_on_a_tiny_bert(tiny_model, one_torch_thread, options, dtype):
+    tiny_model.eval()  # no dropout: both losses see the same embeddings
+    tiny_model.to(dtype)
+    features = triplet_features(tiny_model)
+    uncached = WEINCELoss(tiny_model, **options)
+    cached = CachedWEINCELoss(tiny_model, mini_batch_size=5, **options)
+    expected, expected_grads = loss_and_gradients(tiny_model, uncached, features)
+    value, grads = loss_and_gradients(tiny_model, cached, features)
+    assert float(uncached.last_statistics.lam.max()) > 0.05, "the check needs a non-trivial blend"
+    assert value == pytest.approx(expected, abs=1e-5 if dtype == torch.float32 else 1e-12)
+    assert_gradients_equal(grads, expected_grads, dtype)
+    for field in ("lam", "beta", "rho", "delta_aic", "rho0"):
+        torch.testing.assert_close(
+            getattr(cached.last_statistics, field), getattr(uncached.last_statistics, field), atol=1e-6, rtol=1e-5
+        )
+    assert cached.pop_logged_statistics().keys() == uncached.pop_logged_statistics().keys()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cached_equals_uncached_under_matryoshka(tiny_model, one_torch_thread, dtype):
+    tiny_model.eval()
+    tiny_model.to(dtype)
+    features = triplet_features(tiny_model, seed=1)
+    dims = [32, 16, 8]
+    uncached = MatryoshkaLoss(tiny_model, WEINCELoss(tiny_model), dims, matryoshka_weights=[1.0, 0.5, 0.25])
+    cached = MatryoshkaLoss(
+        tiny_model, CachedWEINCELoss(tiny_model, mini_batch_size=5), dims, matryoshka_weights=[1.0, 0.5, 0.25]
+    )
+    expected, expected_grads = loss_and_gradients(tiny_model, uncached, features)
+    value, grads = loss_and_gradients(tiny_model, cached, features)
+    assert value == pytest.approx(expected, abs=1e-5 if dtype == torch.float32 else 1e-12)
+    assert_gradients_equal(grads, expected_grads, dtype)
+
+
+def test_evaluation_without_gradient_gives_the_same_loss(tiny_model, one_torch_thread):
+    tiny_model.eval()
+    features = triplet_features(tiny_model, batch_size=20, seed=2)
+    with torch.no_grad():
+        cached = CachedWEINCELoss(tiny_model, mini_batch_size=7)(features, None)
+        uncached = WEINCELoss(tiny_model)(features, None)
+    assert float(cached) == pytest.approx(float(uncached), abs=1e-6)
+
+
+def rebuild_configs() -> list[tuple[type, dict]]:
+    configs = [(WEINCELoss, dict(options)) for options in SETTINGS]
+    configs += [(CachedWEINCELoss, {**options, "mini_batch_size": 7}) for options in SETTINGS]
+    configs += [
+        (WEINCELoss, {"scale": 2.0, "gather_across_devices": True, "check_inputs": False, "eps": 1e-4}),
+        (WEINCELoss, {"aic_margin": -3.0, "kappa_aic": 0.0, "kappa_rho": 0.0, "beta": "auto"}),
+        (CachedWEINCELoss, {"mini_batch_num_tokens": 512, "show_progress_bar": True, "check_inputs": False}),
+    ]
+    return configs
+
+
+@pytest.mark.parametrize(("cls", "options"), rebuild_configs())
+def test_config_round_trip_rebuilds_the_same_loss(tiny_model, one_torch_thread, cls, options):
+    loss = cls(tiny_model, **options)
+    config = loss.get_config_dict()
+    assert json.loads(json.dumps(config)) == config
+    rebuilt = cls(tiny_model, **config)
+    assert rebuilt.get_config_dict() == config
+    assert rebuilt.options == loss.options
+    if not loss.gather_across_devices:
+        tiny_model.eval()
+        features = triplet_features(tiny_model, batch_size=16, seed=3)
+        with torch.no_grad():
+            assert float(rebuilt(features, None)) == float(loss(features, None))
+
+
+def test_bad_cached_arguments_are_refused(tiny_model):
+    with pytest.raises(ValueError, match="mini_batch_size"):
+        CachedWEINCELoss(tiny_model, mini_batch_size=0)
+    with pytest.raises(ValueError, match="mini_batch_num_tokens"):
+        CachedWEINCELoss(tiny_model, mini_batch_num_tokens=-5)
+    with pytest.raises(ValueError, match="kappa_rho must be finite"):
+        CachedWEINCELoss(tiny_model, kappa_rho=float("inf"))
+    with pytest.raises(ValueError, match="at least 2 input columns"):
+        CachedWEINCELoss(tiny_model)(triplet_features(tiny_model, batch_size=4)[:1], None)
+
+
+def cached_reps(batch_size: int, mini_batch_size: int, dim: int = 16, seed: int = 0) -> list[list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    base = torch.randn(batch_size, dim, generator=generator)
+    columns = [base + torch.randn(batch_size, dim, generator=generator) for _ in range(3)]
+    return [[part.clone().requires_grad_() for part in column.split(mini_batch_size)] for column in columns]
+
+
+@pytest.mark.parametrize("check_inputs", [True, False])
+def test_loss_stage_syncs_at_most_once(check_inputs):
+    reps = cached_reps(96, 10)
+    loss = CachedWEINCELoss(None, mini_batch_size=10, check_inputs=check_inputs)
+    with count_host_syncs() as syncs:
+        loss.calculate_loss(reps, None, with_backward=True)
+    assert syncs.total == (1 if check_inputs else 0)
+    assert all(part.grad is not None for column in reps for part in column)
+    broken = cached_reps(24, 10)
+    with torch.no_grad():
+        broken[1][1][0, 0] = float("nan")
+    with pytest.raises(ValueError, match="column 1 has NaN or Inf"):
+        CachedWEINCELoss(None, mini_batch_size=10).calculate_loss(broken, None, with_backward=True)
+
+
+def test_loss_stage_never_allocates_the_full_score_matrix():
+    """Every tensor the loss stage allocates is at most mini_batch_size x (candidates) elements, plus O(B d)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    batch_size, mini_batch_size, dim = 400, 16, 8
+    largest = []
+
+    class LargestOutput(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(tensor, torch.Tensor):
+                    largest.append(tensor.numel())
+            return out
+
+    reps = cached_reps(batch_size, mini_batch_size, dim=dim)
+    loss = CachedWEINCELoss(None, mini_batch_size=mini_batch_size, directions=("query_to_doc", "doc_to_doc"))
+    with LargestOutput():
+        loss.calculate_loss(reps, None, with_backward=True)
+    full_matrix = batch_size * 3 * batch_size
+    assert max(largest) <= mini_batch_size * 3 * batch_size
+    assert max(largest) < full_matrix / 10
+
+
+@pytest.mark.slow
+def test_trainer_with_prepare_trainer_logs_and_trains(tiny_model, tmp_path, one_torch_thread):
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer
+    from sentence_transformers.sentence_transformer.training_args import SentenceTransformerTrainingArguments
+
+    from st_weince.training import prepare_trainer
+
+    sentences = TINY_SENTENCES * 2
+    dataset = Dataset.from_dict(
+        {"anchor": sentences, "positive": sentences[::-1], "negative": sentences[1:] + sentences[:1]}
+    )
+    loss = CachedWEINCELoss(tiny_model, mini_batch_size=5)
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=24,
+        max_steps=2,
+        logging_steps=1,
+        learning_rate=1e-3,
+        report_to=[],
+        save_strategy="steps",
+        save_steps=2,
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = SentenceTransformerTrainer(model=tiny_model, args=args, train_dataset=dataset, loss=loss)
+    prepare_trainer(trainer)
+    before = [p.detach().clone() for p in tiny_model.parameters()]
+    trainer.train()
+    assert any(not torch.equal(b, p) for b, p in zip(before, tiny_model.parameters())), "training changed nothing"
+    logged = [record for record in trainer.state.log_history if "loss" in record]
+    assert len(logged) == 2
+    for record in logged:
+        assert 0.0 <= record["weince_lambda_mean"] <= 1.0 and record["weince_rho0"] > 0.0
+    assert (tmp_path / "out" / "checkpoint-2").is_dir()
