@@ -135,3 +135,23 @@ def test_tiny_comparison_writes_lines_and_resumes(compare, tiny_model_dir, tmp_p
     again = compare.main(argv)
     assert (out / "runs.jsonl").read_text() == before
     assert again["losses"] == summary["losses"]
+
+
+def test_diagnostic_only_on_the_starting_model(compare, tiny_model_dir, tmp_path, one_torch_thread):
+    data = tmp_path / "data" / "banking77"
+    data.mkdir(parents=True)
+    write_split(data / "train.csv", labelled_rows(per_class=20))
+    write_split(data / "test.csv", labelled_rows(per_class=4, seed=1))
+    argv = [
+        "--model", str(tiny_model_dir), "--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "out"),
+        "--seeds", "0", "1", "--grid", "absolute:0.0", "absolute:0.5", "--batch-size", "8", "--diagnostic-only", "3",
+    ]  # fmt: skip
+    record = compare.main(argv)
+    assert json.loads((tmp_path / "out" / "diagnostic_start.json").read_text()) == record
+    tight, loose = record["diagnostic"]
+    assert tight["anchors"] == loose["anchors"] == 2 * 3 * 8
+    # the same batches: the same false negatives and the same "before"; a looser threshold removes more
+    assert tight["false_negatives_per_anchor"] == loose["false_negatives_per_anchor"] > 0
+    assert tight["blended_share_before"] == loose["blended_share_before"]
+    assert loose["masked_per_anchor"] >= tight["masked_per_anchor"]
+    assert not (tmp_path / "out" / "runs.jsonl").exists()
