@@ -28,6 +28,7 @@ SETTINGS = [
     ({"parametrization": "absolute", "chunk_size": 5}, 3),
     ({"symmetric": True, "locked_adapter": True}, 3),
     ({"columns": "modalities"}, 3),
+    ({"false_negative_filter": ("absolute", 0.3), "symmetric": True}, 3),
 ]
 GLOBAL_BATCH = 16
 TRAIN_STEPS = 4

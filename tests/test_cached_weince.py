@@ -103,6 +103,8 @@ def rebuild_configs() -> list[tuple[type, dict]]:
         (WEINCELoss, {"scale": 2.0, "gather_across_devices": True, "check_inputs": False, "eps": 1e-4}),
         (WEINCELoss, {"aic_margin": -3.0, "kappa_aic": 0.0, "kappa_rho": 0.0, "beta": "auto"}),
         (CachedWEINCELoss, {"mini_batch_num_tokens": 512, "show_progress_bar": True, "check_inputs": False}),
+        (WEINCELoss, {"false_negative_filter": ("absolute", 0.1), "mode": "none"}),
+        (CachedWEINCELoss, {"false_negative_filter": ["relative", 0.95], "mini_batch_size": 7}),
     ]
     return configs
 

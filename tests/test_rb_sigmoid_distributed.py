@@ -39,6 +39,8 @@ def test_two_processes_equal_one_process(ranks, setting):
     loss_fn = RBSigmoidLoss(None, **options)
     loss = loss_fn.compute_loss_from_embeddings(columns)
     loss.backward()
+    if "false_negative_filter" in options:  # the guard must act for the check to mean something
+        assert loss_fn.pop_logged_statistics()["rb_sigmoid_fn_masked_share"] > 0.01
 
     # Each rank averages over its own anchors: the global loss is the mean of the two rank losses.
     assert float((per_rank[0]["loss"] + per_rank[1]["loss"]) / 2) == pytest.approx(loss.item(), rel=1e-5)

@@ -136,6 +136,8 @@ def _configurations() -> list[dict]:
         {"scale": 3.0, "relative_bias": -0.2, "adapter_logit": 0.4, "locked_adapter": True},
         {"parametrization": "absolute", "scale": 8.0, "bias": -2.0},
         {"parametrization": "absolute", "scale": 4.0, "relative_bias": 0.25},
+        {"false_negative_filter": ("relative", 0.9)},
+        {"false_negative_filter": ["absolute", 0.05], "symmetric": True, "chunk_size": 2},
     ]
     return configurations
 

@@ -12,7 +12,7 @@ import torch
 
 from st_weince.losses import WEINCELoss
 from tests.conftest import torchrun_command
-from tests.weince_distributed_worker import SETTINGS, global_batch
+from tests.weince_distributed_worker import GUARD, SETTINGS, global_batch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,3 +67,22 @@ def test_local_pivot_would_differ():
     global_rho0 = float(loss_fn.last_statistics.rho0)
     loss_fn.compute_loss_from_embeddings([c[:32] for c in columns], None)
     assert abs(float(loss_fn.last_statistics.rho0) - global_rho0) > 1e-3
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("setting", range(len(SETTINGS)))
+def test_two_processes_equal_one_with_the_false_negative_guard(distributed_results, setting):
+    """The guard sees the same global candidates with and without gather_across_devices (uncached and cached)."""
+    directions, partition_mode, num_columns = SETTINGS[setting]
+    ranks = [distributed_results[r][setting] for r in range(2)]
+    columns = [c.clone().requires_grad_(True) for c in global_batch(64, num_columns)]
+    loss_fn = WEINCELoss(None, directions=directions, partition_mode=partition_mode, false_negative_filter=GUARD)
+    loss = loss_fn.compute_loss_from_embeddings(columns, None)
+    loss.backward()
+    assert loss_fn.pop_logged_statistics()["weince_fn_masked_share"] > 0.01, "the guard must act for the check"
+    for prefix in ("guarded_", "guarded_cached_"):
+        distributed_loss = (ranks[0][f"{prefix}loss"] + ranks[1][f"{prefix}loss"]) / 2
+        assert abs(float(distributed_loss - loss.detach())) < 1e-5
+        for column_index, column in enumerate(columns):
+            distributed_grad = torch.cat([r[f"{prefix}grads"][column_index] for r in ranks]) / 2
+            torch.testing.assert_close(distributed_grad, column.grad, atol=1e-5, rtol=1e-4)

@@ -2,7 +2,8 @@
 
 Each rank takes its slice of one global batch of embeddings, computes WEINCELoss with gather_across_devices=True,
 back-propagates, and writes its loss and the gradients of its own rows to OUTPUT_DIR/rank{r}.pt; then the same with
-CachedWEINCELoss's loss stage (``calculate_loss`` on mini-batches of the rank's rows, with backward).
+CachedWEINCELoss's loss stage (``calculate_loss`` on mini-batches of the rank's rows, with backward); and both again
+with the false-negative guard ``GUARD`` (keys prefixed ``guarded_``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ SETTINGS = [
     (("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"), "joint", 2),
     (("query_to_doc", "doc_to_query"), "per_direction", 2),
 ]
+GUARD = ("absolute", 0.2)  # masks candidates in the high-spread half of global_batch (checked by the test)
 
 
 def main() -> None:
@@ -58,6 +60,29 @@ def main() -> None:
         result["cached_grads"] = [torch.cat([part.grad for part in column]) for column in reps]
         result["cached_lam"] = cached.last_statistics.lam
         result["cached_rho0"] = cached.last_statistics.rho0
+        guarded = WEINCELoss(
+            None,
+            gather_across_devices=True,
+            directions=directions,
+            partition_mode=partition_mode,
+            false_negative_filter=GUARD,
+        )
+        guarded_rows = [m.detach().clone().requires_grad_(True) for m in mine]
+        guarded_loss = guarded.compute_loss_from_embeddings(guarded_rows, None)
+        guarded_loss.backward()
+        result["guarded_loss"] = guarded_loss.detach()
+        result["guarded_grads"] = [m.grad for m in guarded_rows]
+        guarded_cached = CachedWEINCELoss(
+            None,
+            gather_across_devices=True,
+            directions=directions,
+            partition_mode=partition_mode,
+            mini_batch_size=5,
+            false_negative_filter=GUARD,
+        )
+        reps = [[part.detach().clone().requires_grad_() for part in m.detach().split(5)] for m in mine]
+        result["guarded_cached_loss"] = guarded_cached.calculate_loss(reps, None, with_backward=True)
+        result["guarded_cached_grads"] = [torch.cat([part.grad for part in column]) for column in reps]
         results.append(result)
     torch.save(results, f"{output_dir}/rank{rank}.pt")
     dist.destroy_process_group()

@@ -1,5 +1,11 @@
 """Pure tensor functions on score matrices: the math every loss adapter (text and vision) calls."""
 
+from st_weince.functional.false_negatives import (
+    FalseNegativeFilter,
+    FilterCounts,
+    apply_false_negative_filter,
+    false_negative_mask,
+)
 from st_weince.functional.layouts import (
     CandidateGroup,
     MNRLLayout,
@@ -38,6 +44,10 @@ from st_weince.functional.weince import (
 )
 
 __all__ = [
+    "FalseNegativeFilter",
+    "FilterCounts",
+    "apply_false_negative_filter",
+    "false_negative_mask",
     "chunked_sigmoid_contrastive_loss",
     "constellation_margin",
     "constellation_margin_from_extremes",

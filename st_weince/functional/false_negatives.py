@@ -43,8 +43,7 @@ class FalseNegativeFilter:
             return spec
         if not isinstance(spec, (tuple, list)) or len(spec) != 2:
             raise ValueError(
-                "false_negative_filter must be None, ('absolute', margin) or ('relative', ratio), "
-                f"got {spec!r}"
+                f"false_negative_filter must be None, ('absolute', margin) or ('relative', ratio), got {spec!r}"
             )
         rule, value = spec
         if rule not in ("absolute", "relative"):
@@ -83,8 +82,9 @@ def false_negative_mask(
     """[A, C] bool, True at the candidates the guard removes (never a row's positive, never an invalid entry).
 
     ``positive_scores`` [A] overrides the threshold's ``s_pos`` (for a block whose rows have their positive in another
-    block, e.g. MNRL's ``query_to_query`` direction); rows without a positive (``positive_index == -1`` and no
-    override) mask nothing.
+    block, e.g. MNRL's ``doc_to_doc`` direction without ``doc_to_query``, or a block of candidate columns that may
+    not hold the positive); an override of ``+inf`` masks nothing in that row. Rows without a positive
+    (``positive_index == -1`` and no override) mask nothing.
     """
     num_anchors, num_candidates = scores.shape
     scores = scores.detach()
@@ -109,17 +109,29 @@ def false_negative_mask(
 
 
 @torch.no_grad()
+def filter_row_counts(masked: Tensor, positive_index: Tensor, valid_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Per row [A] (long): how many candidates the guard masked, and how many valid negatives the row had before.
+
+    Counts add up over row chunks and candidate blocks (a cached loss sums them), shares do not: a loss that computes
+    its score matrix in pieces sums these and calls :func:`shares_from_row_counts` once."""
+    num_candidates = masked.shape[1]
+    valid = valid_mask.sum(1) if valid_mask is not None else torch.full_like(positive_index, num_candidates)
+    negatives = (valid - (positive_index >= 0).long()).clamp_min(0)
+    return masked.sum(1), negatives
+
+
+def shares_from_row_counts(masked_per_row: Tensor, negatives_per_row: Tensor) -> tuple[Tensor, Tensor]:
+    """``(masked_share, anchors_share)`` as float32 device scalars: masked candidates over valid negatives (0 when
+    there are none), and the share of rows with at least one masked candidate."""
+    masked_share = masked_per_row.sum().float() / negatives_per_row.sum().clamp_min(1).float()
+    return masked_share, (masked_per_row > 0).float().mean()
+
+
+@torch.no_grad()
 def filter_counts(masked: Tensor, positive_index: Tensor, valid_mask: Tensor | None) -> FilterCounts:
     """Shares of masked negatives and of affected anchors, as device scalars (float32)."""
-    num_anchors, num_candidates = masked.shape
-    valid = valid_mask.sum(1) if valid_mask is not None else torch.full_like(positive_index, num_candidates)
-    negatives = (valid - (positive_index >= 0).long()).clamp_min(0).sum().clamp_min(1)
-    masked_per_row = masked.sum(1)
-    return FilterCounts(
-        masked_share=(masked_per_row.sum().float() / negatives.float()),
-        anchors_share=(masked_per_row > 0).float().mean(),
-        masked=masked,
-    )
+    masked_share, anchors_share = shares_from_row_counts(*filter_row_counts(masked, positive_index, valid_mask))
+    return FilterCounts(masked_share=masked_share, anchors_share=anchors_share, masked=masked)
 
 
 def apply_false_negative_filter(

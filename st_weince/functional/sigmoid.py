@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from st_weince.functional.false_negatives import FalseNegativeFilter, false_negative_mask
 from st_weince.utils.hotpath import DeferredChecks
 
 ScalarLike = Tensor | float
@@ -329,16 +330,24 @@ def _embedding_block(
     bias_value: ScalarLike,
     relative: bool,
     score_transform: Callable[[Tensor], Tensor] | None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Loss sum of one candidate block (candidates ``start ...``) with its extremes: the score block of
+    false_negative_filter: FalseNegativeFilter | None = None,
+    positive_scores: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Loss sum of one candidate block (candidates ``start ...``) with its extremes and the number of candidates
+    per row the false-negative guard removed (None without it): the score block of
     :func:`chunked_sigmoid_contrastive_loss`."""
     scores = anchors @ candidates.T
+    valid_mask, masked_per_row = None, None
+    if false_negative_filter is not None:
+        # On the cosine scores (before a score transform), against each row's matching-pair score.
+        masked = false_negative_mask(scores, positive_index - start, None, false_negative_filter, positive_scores)
+        valid_mask, masked_per_row = ~masked, masked.sum(1)
     if score_transform is not None:
         scores = score_transform(scores)
     positive_mask = _positive_mask(positive_index, start, candidates.shape[0])
-    loss_sum = _block_loss_sum(scores, positive_mask, None, scale, bias_value, relative)
-    min_positive, max_negative = _block_extremes(scores, positive_mask, None)
-    return loss_sum, min_positive, max_negative
+    loss_sum = _block_loss_sum(scores, positive_mask, valid_mask, scale, bias_value, relative)
+    min_positive, max_negative = _block_extremes(scores, positive_mask, valid_mask)
+    return loss_sum, min_positive, max_negative, masked_per_row
 
 
 def chunked_sigmoid_contrastive_loss(
@@ -354,7 +363,9 @@ def chunked_sigmoid_contrastive_loss(
     return_extremes: bool = False,
     check_inputs: CheckInputs = True,
     inverse_temperature: ScalarLike | None = None,
-) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+    false_negative_filter: FalseNegativeFilter | tuple | list | None = None,
+    return_guard_counts: bool = False,
+) -> Tensor | tuple[Tensor, ...]:
     """:func:`sigmoid_contrastive_loss` of ``anchors @ candidates.T`` computed block by block over candidates.
 
     The sigmoid loss has no normalization across candidates, so it is the sum of the losses of candidate blocks.
@@ -373,8 +384,15 @@ def chunked_sigmoid_contrastive_loss(
             ``-inf`` when there is none.
         check_inputs: see the module docstring.
         inverse_temperature: deprecated alias of ``scale``.
+        false_negative_filter: the in-batch false-negative guard (:mod:`st_weince.functional.false_negatives`):
+            non-matching candidates whose cosine score is above the threshold set by the row's matching-pair score
+            (``anchors[a] . candidates[positive_index[a]]``) are left out of the loss and of the extremes. Rows
+            without a positive (-1) mask nothing. Applied to the cosine scores, before ``score_transform``.
+        return_guard_counts: also return (last) the number of candidates the guard removed per anchor, [A] long
+            (zeros without a guard).
     """
     scale = _scale_argument(scale, inverse_temperature)
+    false_negative_filter = FalseNegativeFilter.parse(false_negative_filter)
     if anchors.dim() != 2 or candidates.dim() != 2 or anchors.shape[1] != candidates.shape[1]:
         raise ValueError(
             f"anchors and candidates must be [A, D] and [C, D] with the same D, "
@@ -403,18 +421,30 @@ def chunked_sigmoid_contrastive_loss(
     anchors, candidates = anchors.to(dtype), candidates.to(dtype)
     step = num_candidates if chunk_size is None else min(chunk_size, num_candidates)
     recompute = step < num_candidates and torch.is_grad_enabled()
+    positive_scores = None
+    masked_per_row = torch.zeros_like(positive_index, dtype=torch.long)
+    if false_negative_filter is not None:
+        with torch.no_grad():
+            pairs = candidates.detach()[positive_index.clamp_min(0)]
+            pair_scores = (anchors.detach() * pairs).sum(-1)
+            # +inf: a row without a positive has no threshold, so the guard masks nothing there
+            positive_scores = torch.where(positive_index >= 0, pair_scores, float("inf"))
     total = anchors.new_zeros(())
     min_positive = anchors.new_tensor(float("inf"))
     max_negative = anchors.new_tensor(float("-inf"))
     for start in range(0, num_candidates, step):
         arguments = (anchors, candidates[start : start + step], positive_index, start, t, bias_value, relative)
+        guard = (score_transform, false_negative_filter, positive_scores)
         if recompute:
-            loss_sum, low, high = checkpoint(_embedding_block, *arguments, score_transform, use_reentrant=False)
+            loss_sum, low, high, masked = checkpoint(_embedding_block, *arguments, *guard, use_reentrant=False)
         else:
-            loss_sum, low, high = _embedding_block(*arguments, score_transform)
+            loss_sum, low, high, masked = _embedding_block(*arguments, *guard)
         total = total + loss_sum
         min_positive, max_negative = torch.minimum(min_positive, low), torch.maximum(max_negative, high)
+        if masked is not None:
+            masked_per_row = masked_per_row + masked
     loss = total / anchors.shape[0]
-    if return_extremes:
-        return loss, min_positive, max_negative
-    return loss
+    outputs = (loss, min_positive, max_negative) if return_extremes else (loss,)
+    if return_guard_counts:
+        outputs = (*outputs, masked_per_row)
+    return outputs if len(outputs) > 1 else loss

@@ -33,8 +33,10 @@ from torch import Tensor
 
 from st_weince.utils.hotpath import DeferredChecks
 
-WeinceMode = Literal["both", "rho", "aic"]
-WEINCE_MODES = ("both", "rho", "aic")
+WeinceMode = Literal["both", "rho", "aic", "none"]
+# "none": lambda = 0 for every anchor, i.e. exactly InfoNCE / MNRL through the same code path (the control arm of a
+# comparison that keeps everything else, e.g. the false-negative guard, identical).
+WEINCE_MODES = ("both", "rho", "aic", "none")
 BETA_AUTO_RANGE = (0.5, 16.0)
 # A wrong-signed slope disqualifies its line by this residual penalty (reference implementation).
 _WRONG_SIGN_PENALTY = 1e6
@@ -86,7 +88,8 @@ class WeinceOptions:
         tail_frac: share of an anchor's negatives used for the tail fit, in (0, 1].
         min_tail_points: minimum tail size, an integer >= 1.
         eps: floor of the shortfall ``1 - s``, in (0, 0.5).
-        mode: "both" (hardness x geometry), "rho" (hardness only) or "aic" (geometry only).
+        mode: "both" (hardness x geometry), "rho" (hardness only), "aic" (geometry only) or "none" (lambda = 0:
+            exactly InfoNCE / MNRL through the same code path, the control arm of a comparison).
         beta: tail index of the shortfall logit, a finite number > 0, or "auto" (each anchor's estimate, clamped
             to [0.5, 16]). The reference implementation uses 1.0.
     """
@@ -126,7 +129,7 @@ class WeinceOptions:
         if not 0.0 < self.eps < 0.5:
             raise ValueError(f"eps must lie in (0, 0.5), got {self.eps}")
         if not isinstance(self.mode, str) or self.mode not in WEINCE_MODES:
-            raise ValueError(f"mode must be 'both', 'rho' or 'aic', got {self.mode!r}")
+            raise ValueError(f"mode must be 'both', 'rho', 'aic' or 'none', got {self.mode!r}")
         if isinstance(self.beta, str):
             if self.beta != "auto":
                 raise ValueError(f"beta must be a positive number or 'auto', got {self.beta!r}")
@@ -441,8 +444,10 @@ def blend_weights(fit: TailFit, rho0: Tensor | float, options: WeinceOptions | N
         lam = hardness * geometry
     elif options.mode == "rho":
         lam = hardness
-    else:
+    elif options.mode == "aic":
         lam = geometry
+    else:  # "none": InfoNCE
+        lam = torch.zeros_like(hardness)
     return torch.where(fit.fitted, lam, torch.zeros_like(lam))
 
 

@@ -156,22 +156,23 @@ class CachedRBSigmoidLoss(CachedLossMixin, RBSigmoidLoss):
         params = self.loss_parameters()
         self._require_finite_parameters(params, checks)
         if not with_backward:
-            total, extremes = self._row_chunk_losses(embeddings, params, checks, backward=False)
+            total, extremes, guard_counts = self._row_chunk_losses(embeddings, params, checks, backward=False)
         else:
             stand_ins = {name: value.detach().requires_grad_(value.requires_grad) for name, value in params.items()}
-            total, extremes = self._row_chunk_losses(embeddings, stand_ins, checks, backward=True)
+            total, extremes, guard_counts = self._row_chunk_losses(embeddings, stand_ins, checks, backward=True)
             for name, value in params.items():
                 if value.requires_grad and stand_ins[name].grad is not None:
                     total = total + (value - value.detach()) * stand_ins[name].grad
         if checks is not None:
             checks.raise_if_failed()
-        self._record(params, *extremes)
+        self._record(params, *extremes, guard_counts)
         return total
 
     def _row_chunk_losses(
         self, embeddings: list[Tensor], params: dict[str, Tensor], checks: DeferredChecks | None, backward: bool
-    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        """Sum of the chunk losses (detached when ``backward``) and the first block's extremes.
+    ) -> tuple[Tensor, tuple[Tensor, Tensor], tuple[Tensor, Tensor] | None]:
+        """Sum of the chunk losses (detached when ``backward``), the first block's extremes and its false-negative
+        guard counts per anchor (None without the guard).
 
         With ``backward``, normalization and gathering run once on leaves: each chunk's backward stops at the
         normalized (and gathered) columns, and one backward per column then carries the accumulated gradients
@@ -187,10 +188,11 @@ class CachedRBSigmoidLoss(CachedLossMixin, RBSigmoidLoss):
 
         total = columns[0].new_zeros(())
         extremes: tuple[Tensor, Tensor] | None = None
+        guard_counts: list[tuple[Tensor, Tensor]] = []
         for block_index, (anchor_column, block, weight) in enumerate(self._directional_blocks(columns, candidates)):
             for begin in range(0, batch_size, self.mini_batch_size):
                 end = min(begin + self.mini_batch_size, batch_size)
-                value, low, high = self._block_loss(
+                value, low, high, masked = self._block_loss(
                     columns[anchor_column][begin:end], block, positive_index[begin:end], params
                 )
                 # The block loss is the mean over the chunk's anchors; the loss is the mean over all anchors.
@@ -201,11 +203,16 @@ class CachedRBSigmoidLoss(CachedLossMixin, RBSigmoidLoss):
                 total = total + value
                 if block_index == 0:  # the logged margin is the first block's, as in RBSigmoidLoss
                     extremes = (low, high) if extremes is None else _merge(extremes, low, high)
+                    if masked is not None:
+                        guard_counts.append(self._guard_counts(masked, positive_index[begin:end], block))
         if backward:
             if self.gather_across_devices:
                 _backward_where_used(gathered, candidates)
             _backward_where_used(normalized, columns)
-        return total, extremes
+        guard = None
+        if guard_counts:  # per-anchor counts of the row chunks, in row order
+            guard = (torch.cat([c[0] for c in guard_counts]), torch.cat([c[1] for c in guard_counts]))
+        return total, extremes, guard
 
 
 def _merge(extremes: tuple[Tensor, Tensor], low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:

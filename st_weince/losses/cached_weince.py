@@ -9,6 +9,7 @@ from sentence_transformers.base.losses.gradcache import CachedLossMixin, has_sta
 from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
+from st_weince.functional.false_negatives import FalseNegativeFilter
 from st_weince.functional.layouts import Direction, PartitionMode, mnrl_layout
 from st_weince.functional.weince import DEFAULTS, TailFit, WeinceMode, WeinceStatistics, statistics_from_fit
 from st_weince.losses.weince import LOSS_BETA_DEFAULT, WEINCE_CITATION, WEINCELoss
@@ -60,6 +61,7 @@ class CachedWEINCELoss(CachedLossMixin, WEINCELoss):
         tail_frac: float = DEFAULTS.tail_frac,
         min_tail_points: int = DEFAULTS.min_tail_points,
         eps: float = DEFAULTS.eps,
+        false_negative_filter: FalseNegativeFilter | tuple | list | None = None,
         check_inputs: bool = True,
         similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
         hardness_mode: str | None = None,
@@ -94,6 +96,8 @@ class CachedWEINCELoss(CachedLossMixin, WEINCELoss):
             show_progress_bar: show progress bars over the mini-batches.
             beta, mode, q, kappa_rho, kappa_aic, aic_margin, tail_frac, min_tail_points, eps: the WEINCE options,
                 as in :class:`WEINCELoss` (validated at construction by :class:`st_weince.functional.WeinceOptions`).
+            false_negative_filter: the in-batch false-negative guard, as in :class:`WEINCELoss` (applied to every
+                row chunk before the statistics, so the statistics and the loss equal the uncached ones).
             check_inputs: as in :class:`WEINCELoss` (one host sync per step, or none).
             similarity_fct, hardness_mode, hardness_strength: accepted for MNRL compatibility only at their
                 defaults (cos_sim, None, 0.0); refused otherwise with the reason.
@@ -158,6 +162,7 @@ class CachedWEINCELoss(CachedLossMixin, WEINCELoss):
             tail_frac=tail_frac,
             min_tail_points=min_tail_points,
             eps=eps,
+            false_negative_filter=false_negative_filter,
             check_inputs=check_inputs,
             similarity_fct=similarity_fct,
             hardness_mode=hardness_mode,
@@ -211,13 +216,23 @@ class CachedWEINCELoss(CachedLossMixin, WEINCELoss):
         chunks = [(b, min(b + self.mini_batch_size, batch_size)) for b in range(0, batch_size, self.mini_batch_size)]
 
         def layout_of(begin: int, end: int):
-            return mnrl_layout(
-                queries, docs, self.directions, self.partition_mode, row_start=offset + begin, row_end=offset + end
+            # with the false-negative guard applied (and its per-row counts), or the plain layout and None
+            return self._guarded(
+                mnrl_layout(
+                    queries, docs, self.directions, self.partition_mode, row_start=offset + begin, row_end=offset + end
+                )
             )
 
         # Statistics over the whole score matrix, a row chunk at a time, without gradient.
+        chunk_fits, chunk_counts = [], []
         with torch.no_grad():
-            chunk_fits = [self._group_fits(layout_of(begin, end)) for begin, end in chunks]
+            for begin, end in chunks:
+                layout, counts = layout_of(begin, end)
+                chunk_fits.append(self._group_fits(layout))
+                chunk_counts.append(counts)
+        guard_counts = None
+        if self.false_negative_filter is not None:
+            guard_counts = tuple(torch.cat([counts[part] for counts in chunk_counts]) for part in range(2))
         fits = [TailFit.cat([fits[group] for fits in chunk_fits]) for group in range(len(chunk_fits[0]))]
         statistics = [statistics_from_fit(fit, self.options, gather=self._gather) for fit in fits]
         if checks:
@@ -226,7 +241,7 @@ class CachedWEINCELoss(CachedLossMixin, WEINCELoss):
         total = torch.zeros((), dtype=statistics[0].lam.dtype, device=queries.device)
         for begin, end in tqdm.tqdm(chunks, desc="Calculating loss", disable=not self.show_progress_bar):
             rows = slice(begin, end)
-            chunk_loss = self._rows_loss(layout_of(begin, end), [_rows(s, rows) for s in statistics]).sum()
+            chunk_loss = self._rows_loss(layout_of(begin, end)[0], [_rows(s, rows) for s in statistics]).sum()
             chunk_loss = chunk_loss / batch_size
             if with_backward:
                 chunk_loss.backward()
@@ -238,7 +253,7 @@ class CachedWEINCELoss(CachedLossMixin, WEINCELoss):
                 [n for n, leaf in zip(normalized, leaves) if leaf.grad is not None],
                 [leaf.grad for leaf in leaves if leaf.grad is not None],
             )
-        self._record(statistics[0])
+        self._record(statistics[0], guard_counts)
         return total
 
     def get_config_dict(self) -> dict[str, Any]:

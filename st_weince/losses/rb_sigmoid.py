@@ -15,6 +15,12 @@ from sentence_transformers.base.losses.merged_forward import embed_columns
 from sentence_transformers.util import all_gather_with_grad, cos_sim, get_rank
 from torch import Tensor, nn
 
+from st_weince.functional.false_negatives import (
+    FalseNegativeFilter,
+    false_negative_mask,
+    filter_row_counts,
+    shares_from_row_counts,
+)
 from st_weince.functional.layouts import normalize_rows
 from st_weince.functional.sigmoid import (
     chunked_sigmoid_contrastive_loss,
@@ -141,6 +147,7 @@ class RBSigmoidOptions:
     adapter_logit: float = DEFAULT_ADAPTER_LOGIT
     chunk_size: int | None = None
     check_inputs: bool = True
+    false_negative_filter: FalseNegativeFilter | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -173,6 +180,7 @@ class RBSigmoidOptions:
         put("check_inputs", flag_option("check_inputs", self.check_inputs))
         put("adapter_logit", real_option("adapter_logit", self.adapter_logit))
         put("chunk_size", positive_int_option("chunk_size", self.chunk_size, optional=True))
+        put("false_negative_filter", FalseNegativeFilter.parse(self.false_negative_filter))
 
     @classmethod
     def from_arguments(cls, arguments: dict[str, Any], extra: dict[str, Any], owner: str) -> RBSigmoidOptions:
@@ -232,6 +240,7 @@ class RBSigmoidLoss(nn.Module):
         chunk_size: int | None = None,
         check_inputs: bool = True,
         directions: tuple[str, ...] | None = None,
+        false_negative_filter: FalseNegativeFilter | tuple | list | None = None,
         **deprecated_or_mnrl_options: Any,
     ) -> None:
         """
@@ -279,6 +288,12 @@ class RBSigmoidLoss(nn.Module):
                 ``compute_loss_from_embeddings`` whole); NaN input then gives a NaN loss instead of an error.
             directions: MultipleNegativesRankingLoss's argument: ``("query_to_doc",)`` or
                 ``("query_to_doc", "doc_to_query")`` (= ``symmetric=True``); the other directions are refused.
+            false_negative_filter: the in-batch false-negative guard (off by default): ``("absolute", m)`` leaves
+                out the non-matching candidates with cosine score > s_pos - m, ``("relative", r)`` those with score
+                > r * s_pos, where s_pos is the score of the row's matching pair; they contribute nothing to the loss
+                (neither fitted nor pushed away) and nothing to the logged margin. Logged as
+                ``rb_sigmoid_fn_masked_share`` and ``rb_sigmoid_fn_anchors_share`` (of the first block, like the
+                margin). See ``docs/false-negatives.md``.
 
         MultipleNegativesRankingLoss's other arguments are accepted at their no-op value and refused otherwise, with
         the reason: ``similarity_fct`` (only ``cos_sim``), ``hardness_mode`` (None), ``hardness_strength`` (0),
@@ -357,6 +372,7 @@ class RBSigmoidLoss(nn.Module):
                 "chunk_size": chunk_size,
                 "check_inputs": check_inputs,
                 "directions": directions,
+                "false_negative_filter": false_negative_filter,
             },
             deprecated_or_mnrl_options,
             type(self).__name__,
@@ -371,6 +387,7 @@ class RBSigmoidLoss(nn.Module):
         self.locked_adapter = options.locked_adapter
         self.chunk_size = options.chunk_size
         self.check_inputs = options.check_inputs
+        self.false_negative_filter = options.false_negative_filter
         self.initial_options = options
 
         self._register_scalar("log_t", math.log(options.scale), options.trainable_scale)
@@ -481,6 +498,12 @@ class RBSigmoidLoss(nn.Module):
         params = self.loss_parameters()
         self._require_finite_parameters(params, checks)
         transform = self._score_transform(params, dtype)
+        guard_counts = None
+        if self.false_negative_filter is not None:
+            # on the cosine scores, before the adapter's transform, as in compute_loss_from_embeddings
+            masked = false_negative_mask(scores, positive_index, valid_mask, self.false_negative_filter)
+            guard_counts = filter_row_counts(masked, positive_index, valid_mask)
+            valid_mask = ~masked if valid_mask is None else valid_mask & ~masked
         scores = scores.to(dtype) if transform is None else transform(scores)
         loss = sigmoid_contrastive_loss(
             scores, targets, valid_mask=valid_mask, check_inputs=check_inputs, **self._logit_arguments(params, dtype)
@@ -488,7 +511,7 @@ class RBSigmoidLoss(nn.Module):
         extremes = score_extremes(scores, targets, valid_mask, check_inputs=False)
         if checks is not None:
             checks.raise_if_failed()
-        self._record(params, *extremes)
+        self._record(params, *extremes, guard_counts)
         return loss
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
@@ -498,14 +521,15 @@ class RBSigmoidLoss(nn.Module):
         params = self.loss_parameters()
         self._require_finite_parameters(params, checks)
         loss = columns[0].new_zeros(())
-        extremes = None
+        extremes = guard_counts = None
         for anchor_column, candidates, weight in self._directional_blocks(columns, gathered):
-            value, low, high = self._block_loss(columns[anchor_column], candidates, positive_index, params)
+            value, low, high, masked = self._block_loss(columns[anchor_column], candidates, positive_index, params)
             loss = loss + weight * value
-            extremes = (low, high) if extremes is None else extremes
+            if extremes is None:  # the first block's, logged
+                extremes, guard_counts = (low, high), self._guard_counts(masked, positive_index, candidates)
         if checks is not None:
             checks.raise_if_failed()
-        self._record(params, *extremes)
+        self._record(params, *extremes, guard_counts)
         return loss
 
     # ----- the pieces, shared with CachedRBSigmoidLoss -----
@@ -558,11 +582,12 @@ class RBSigmoidLoss(nn.Module):
 
     def _block_loss(
         self, anchors: Tensor, candidates: Tensor, positive_index: Tensor, params: dict[str, Tensor]
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """Mean over ``anchors`` of their loss against ``candidates``, with the block's smallest matching and largest
-        non-matching score (no gradient)."""
+        non-matching score (no gradient), and the per-anchor count of candidates the false-negative guard removed
+        (None without the guard)."""
         dtype = anchors.dtype
-        return chunked_sigmoid_contrastive_loss(
+        outputs = chunked_sigmoid_contrastive_loss(
             anchors,
             candidates,
             positive_index,
@@ -570,13 +595,33 @@ class RBSigmoidLoss(nn.Module):
             chunk_size=self.chunk_size,
             return_extremes=True,
             check_inputs=False,  # the embeddings and parameters are checked by the caller, in the same sync
+            false_negative_filter=self.false_negative_filter,
+            return_guard_counts=self.false_negative_filter is not None,
             **self._logit_arguments(params, dtype),
         )
+        return outputs if self.false_negative_filter is not None else (*outputs, None)
+
+    @staticmethod
+    def _guard_counts(
+        masked_per_row: Tensor | None, positive_index: Tensor, candidates: Tensor
+    ) -> tuple[Tensor, Tensor] | None:
+        """Per-anchor (masked, non-matching candidates before the guard) of one block, or None without the guard."""
+        if masked_per_row is None:
+            return None
+        negatives = candidates.shape[0] - (positive_index >= 0).long()
+        return masked_per_row, negatives
 
     # ----- statistics -----
     @torch.no_grad()
-    def _record(self, params: dict[str, Tensor], min_positive: Tensor, max_negative: Tensor) -> None:
-        """Keep ``t``, ``b_rel``, ``b``, the margin (and ``delta``) as device tensors: no sync in the hot path."""
+    def _record(
+        self,
+        params: dict[str, Tensor],
+        min_positive: Tensor,
+        max_negative: Tensor,
+        guard_counts: tuple[Tensor, Tensor] | None = None,
+    ) -> None:
+        """Keep ``t``, ``b_rel``, ``b``, the margin (and ``delta``, and the false-negative guard's shares) as device
+        tensors: no sync in the hot path."""
         t = params["log_t"].detach().exp()
         if self.parametrization == "relative":
             b_rel = params["b_rel"].detach()
@@ -589,6 +634,10 @@ class RBSigmoidLoss(nn.Module):
         values["rb_sigmoid_margin"] = constellation_margin_from_extremes(min_positive, max_negative)[0]
         if self.locked_adapter:
             values["rb_sigmoid_delta"] = torch.sigmoid(params["adapter_logit"].detach())
+        if guard_counts is not None:
+            masked_share, anchors_share = shares_from_row_counts(*guard_counts)
+            values["rb_sigmoid_fn_masked_share"] = masked_share
+            values["rb_sigmoid_fn_anchors_share"] = anchors_share
         self.logged_statistics.add(values)
 
     def pop_logged_statistics(self) -> dict[str, float]:
@@ -616,7 +665,10 @@ class RBSigmoidLoss(nn.Module):
             chunk_size=self.chunk_size,
             check_inputs=self.check_inputs,
         )
-        return dataclasses.asdict(options)
+        config = dataclasses.asdict(options)
+        # JSON form of the guard (asdict would make a dict of the dataclass, which the constructor does not take)
+        config["false_negative_filter"] = self.false_negative_filter.to_config() if self.false_negative_filter else None
+        return config
 
     @property
     def citation(self) -> str:

@@ -8,7 +8,14 @@ from sentence_transformers.base.losses.merged_forward import embed_columns
 from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim, get_rank
 from torch import Tensor, nn
 
+from st_weince.functional.false_negatives import (
+    FalseNegativeFilter,
+    false_negative_mask,
+    filter_row_counts,
+    shares_from_row_counts,
+)
 from st_weince.functional.layouts import (
+    CandidateGroup,
     Direction,
     MNRLLayout,
     PartitionMode,
@@ -54,6 +61,8 @@ LOGGED_STATISTICS = (
     "weince_delta_aic_mean",
     "weince_beta_mean",
 )
+# Logged too when the false-negative guard is on (of the query-anchored rows, like the statistics above).
+GUARD_LOGGED_STATISTICS = ("weince_fn_masked_share", "weince_fn_anchors_share")
 
 
 def check_mnrl_only_arguments(
@@ -93,6 +102,7 @@ class WEINCELoss(nn.Module):
         tail_frac: float = DEFAULTS.tail_frac,
         min_tail_points: int = DEFAULTS.min_tail_points,
         eps: float = DEFAULTS.eps,
+        false_negative_filter: FalseNegativeFilter | tuple | list | None = None,
         check_inputs: bool = True,
         similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
         hardness_mode: str | None = None,
@@ -123,7 +133,9 @@ class WEINCELoss(nn.Module):
             beta: tail index in the shortfall logit. "auto" (this class's default) uses each anchor's estimate,
                 clamped to [0.5, 16]; the reference implementation's 1.0 was tuned at temperature 0.5 and is
                 10-20x too soft at SimCSE's 0.05 (see docs/weince.md).
-            mode: "both" (hardness x geometry gate, default), "rho" (hardness only) or "aic" (geometry only).
+            mode: "both" (hardness x geometry gate, default), "rho" (hardness only), "aic" (geometry only) or
+                "none" (lambda = 0: exactly MultipleNegativesRankingLoss through this class's code path, e.g. to
+                compare "InfoNCE with the false-negative guard" against WEINCE with it).
             q: quantile of the hardest-negative shortfalls that defines the batch pivot ``rho0``.
             kappa_rho: slope of the hardness gate.
             kappa_aic: slope of the geometry (AIC) gate.
@@ -131,6 +143,12 @@ class WEINCELoss(nn.Module):
             tail_frac: share of an anchor's negatives used for the tail fit.
             min_tail_points: minimum tail size.
             eps: floor of the shortfall ``1 - s``.
+            false_negative_filter: the in-batch false-negative guard (off by default): ``("absolute", m)`` removes
+                the candidates with score > s_pos - m, ``("relative", r)`` those with score > r * s_pos, from the
+                candidate set of the row, before the tail statistics and the softmax (neither fitted nor pushed
+                away); the positive is never removed. Rows without a positive of their own (``doc_to_doc`` without
+                ``doc_to_query``) use the score of their query_to_doc pair. Logged as ``weince_fn_masked_share``
+                and ``weince_fn_anchors_share``. See ``docs/false-negatives.md``.
             check_inputs: check the embeddings for NaN/Inf in every forward pass, with one host-device sync
                 (all checks read at once). False makes the hot path free of host syncs, so
                 ``torch.compile(loss.compute_loss_from_embeddings, fullgraph=True)`` and CUDA graphs work;
@@ -210,6 +228,8 @@ class WEINCELoss(nn.Module):
             mode=mode,
             beta=beta,
         )
+        self.false_negative_filter = FalseNegativeFilter.parse(false_negative_filter)
+        self._logged_names = LOGGED_STATISTICS + (GUARD_LOGGED_STATISTICS if self.false_negative_filter else ())
         self.last_statistics: WeinceStatistics | None = None
         # Sums of LOGGED_STATISTICS since the last pop, kept on the device: read only when the trainer logs.
         self._logged_sums: Tensor | None = None
@@ -244,6 +264,39 @@ class WEINCELoss(nn.Module):
         return weince_statistics(
             scores, positive_index, valid_mask, self.options, gather=self._gather, checks=self.check_inputs
         )
+
+    def _guarded(self, layout: MNRLLayout) -> tuple[MNRLLayout, tuple[Tensor, Tensor] | None]:
+        """The layout with the false-negative guard's candidates removed from every group's ``valid_mask``, and the
+        per-row counts (masked, negatives before) of the query-anchored group; the layout itself when it is off."""
+        spec = self.false_negative_filter
+        if spec is None:
+            return layout, None
+        query_group = layout.groups[0]
+        # The row's own positive pair score: query i against document i (query_to_doc, the first block of group 0).
+        pair_scores = query_group.scores.gather(1, query_group.positive_index[:, None]).squeeze(1)
+        groups, counts = [], None
+        for group in layout.groups:
+            masked = false_negative_mask(
+                group.scores,
+                group.positive_index,
+                group.valid_mask,
+                spec,
+                positive_scores=None if group.has_positive else pair_scores,
+            )
+            if counts is None:
+                counts = filter_row_counts(masked, group.positive_index, group.valid_mask)
+            valid_mask = ~masked if group.valid_mask is None else group.valid_mask & ~masked
+            groups.append(
+                CandidateGroup(
+                    directions=group.directions,
+                    scores=group.scores,
+                    widths=group.widths,
+                    positive_index=group.positive_index,
+                    valid_mask=valid_mask,
+                    has_positive=group.has_positive,
+                )
+            )
+        return MNRLLayout(groups=tuple(groups), partition_mode=layout.partition_mode, num_rows=layout.num_rows), counts
 
     def _group_fits(self, layout: MNRLLayout) -> list[TailFit]:
         # The scores come from normalised finite embeddings (checked by the caller): no value checks here.
@@ -308,6 +361,11 @@ class WEINCELoss(nn.Module):
         """Cross-entropy over one score matrix, e.g. the SimCLR 2N x 2N layout of
         :func:`st_weince.functional.nt_xent_layout`. Used by the vision adapter."""
         checks = DeferredChecks() if self.check_inputs else False
+        counts = None
+        if self.false_negative_filter is not None:
+            masked = false_negative_mask(scores, positive_index, valid_mask, self.false_negative_filter)
+            counts = filter_row_counts(masked, positive_index, valid_mask)
+            valid_mask = ~masked if valid_mask is None else valid_mask & ~masked
         stats = weince_statistics(scores, positive_index, valid_mask, self.options, gather=self._gather, checks=checks)
         loss = weince_cross_entropy(
             scores,
@@ -320,7 +378,7 @@ class WEINCELoss(nn.Module):
         )
         if checks:
             checks.raise_if_failed()
-        self._record(stats)
+        self._record(stats, counts)
         return loss
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
@@ -330,18 +388,19 @@ class WEINCELoss(nn.Module):
         layout = mnrl_layout(
             queries, docs, self.directions, self.partition_mode, row_start=offset, row_end=offset + batch_size
         )
+        layout, counts = self._guarded(layout)
         statistics = [statistics_from_fit(fit, self.options, gather=self._gather) for fit in self._group_fits(layout)]
         loss = self._rows_loss(layout, statistics).mean()
         if checks:
             checks.raise_if_failed()  # the one host sync of the step
-        self._record(statistics[0])
+        self._record(statistics[0], counts)
         return loss
 
     # -- logging -----------------------------------------------------------------------------------------------
 
-    def _record(self, stats: WeinceStatistics) -> None:
+    def _record(self, stats: WeinceStatistics, guard_counts: tuple[Tensor, Tensor] | None = None) -> None:
         """Keep the statistics of the query rows: the latest ones, and their sums for the trainer's logs (on the
-        device, so no step reads them on the host)."""
+        device, so no step reads them on the host). ``guard_counts``: the guard's per-row (masked, negatives)."""
         if not torch.compiler.is_compiling():
             self.last_statistics = stats
         fitted = stats.fitted.to(stats.lam.dtype)
@@ -352,10 +411,15 @@ class WEINCELoss(nn.Module):
                 stats.rho0,
                 (stats.delta_aic * fitted).sum() / fitted.sum().clamp_min(1.0),
                 stats.beta.mean(),
+                *(
+                    [value.to(stats.lam.dtype) for value in shares_from_row_counts(*guard_counts)]
+                    if guard_counts is not None
+                    else []
+                ),
             ]
         ).detach()
         if self._logged_sums is None or self._logged_sums.device != values.device:
-            self._logged_sums = torch.zeros(len(LOGGED_STATISTICS), dtype=torch.float32, device=values.device)
+            self._logged_sums = torch.zeros(len(self._logged_names), dtype=torch.float32, device=values.device)
             self._logged_steps = torch.zeros((), dtype=torch.float32, device=values.device)
         self._logged_sums.add_(values.to(self._logged_sums.dtype))
         self._logged_steps.add_(1.0)
@@ -368,7 +432,7 @@ class WEINCELoss(nn.Module):
         means = (self._logged_sums / self._logged_steps).tolist()
         self._logged_sums.zero_()
         self._logged_steps.zero_()
-        return dict(zip(LOGGED_STATISTICS, means))
+        return dict(zip(self._logged_names, means))
 
     def get_config_dict(self) -> dict[str, Any]:
         """The constructor arguments: ``type(loss)(model, **loss.get_config_dict())`` rebuilds the same loss."""
@@ -378,6 +442,7 @@ class WEINCELoss(nn.Module):
             "directions": list(self.directions),
             "partition_mode": self.partition_mode,
             **self.options.as_dict(),
+            "false_negative_filter": self.false_negative_filter.to_config() if self.false_negative_filter else None,
             "check_inputs": self.check_inputs,
         }
 
