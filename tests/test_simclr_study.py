@@ -88,7 +88,14 @@ def test_resume_after_a_stop_gives_the_uninterrupted_result(study, image_folder,
     straight = lines(tmp_path / "straight" / "results" / "weince-seed0.jsonl")
     resumed = lines(tmp_path / "resumed" / "results" / "weince-seed0.jsonl")
     assert [r["type"] for r in straight] == ["header", *["checkpoint"] * 4, "final"]
-    assert [r["type"] for r in resumed] == ["header", "checkpoint", "checkpoint", "resume", *["checkpoint"] * 2, "final"]
+    assert [r["type"] for r in resumed] == [
+        "header",
+        "checkpoint",
+        "checkpoint",
+        "resume",
+        *["checkpoint"] * 2,
+        "final",
+    ]
     assert resumed[3]["from_epoch"] == 1
     evaluated_straight = [without_timing(r) for r in straight if r["type"] in ("checkpoint", "final")]
     evaluated_resumed = [without_timing(r) for r in resumed if r["type"] in ("checkpoint", "final")]
