@@ -9,6 +9,10 @@ Per seed, every loss sees the identical batches and augmentations: the data orde
 generator seeded with ``(seed, e)``, the augmentations from a generator seeded with ``seed`` that only the
 augmentation draws from, and the network starts from ``torch.manual_seed(seed)``; nothing depends on the loss.
 
+Runs go in the order of ``RUN_ORDER``; consecutive runs of the same seed (InfoNCE and WEINCE of seed k) advance one
+epoch at a time in turn, so the paired comparison of a seed grows epoch by epoch (the continuation from the saved
+state is exact: the tests check that interleaved, resumed and uninterrupted runs give identical lines).
+
 Checkpoints (at epoch 0, i.e. before training, and after every epoch) each append one JSON line to
 ``<output-dir>/<loss>-seed<k>.jsonl``:
 
@@ -153,6 +157,22 @@ def save_state(path: Path, state: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
     tmp.replace(path)  # atomic: a kill during the write leaves the previous state
+
+
+def script_hash() -> str:
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def run_groups(runs: list[tuple[str, int]]) -> list[list[tuple[str, int]]]:
+    """Consecutive runs of the same seed form a group whose runs advance one epoch at a time in turn, so the
+    paired comparison of a seed grows epoch by epoch instead of waiting for the first loss to finish."""
+    groups: list[list[tuple[str, int]]] = []
+    for loss, seed in runs:
+        if groups and groups[-1][-1][1] == seed:
+            groups[-1].append((loss, seed))
+        else:
+            groups.append([(loss, seed)])
+    return groups
 
 
 def data_order(num_images: int, seed: int, epoch: int) -> Tensor:
@@ -306,8 +326,14 @@ def train_run(
     state_dir: Path,
     argv: list[str],
     stop_after_epoch: int | None = None,
+    epochs_this_call: int | None = None,
+    announce_resume: bool = True,
 ) -> str:
-    """Train (or continue) one run; returns "skipped", "finished" or "stopped"."""
+    """Train (or continue) one run; returns "skipped", "finished", "stopped" (``stop_after_epoch`` reached) or
+    "paused" (``epochs_this_call`` epochs done; the next call continues from the saved state).
+
+    ``announce_resume``: a continuation by a new process adds a ``"type": "resume"`` line; one by the same process
+    (interleaved runs) adds nothing, as the state it continues from is exact."""
     name = run_name(loss, seed)
     path = output_dir / f"{name}.jsonl"
     state_path = state_dir / name / "state.pt"
@@ -332,13 +358,17 @@ def train_run(
         augment_generator.set_state(state["augment_rng"])
         start_epoch, elapsed, train_seconds = state["epoch"], state["elapsed"], state["train_seconds"]
         kept = [r for r in records if r.get("type") != "checkpoint" or r["epoch"] <= start_epoch]
-        write_lines(path, [*kept, {"type": "resume", "from_epoch": start_epoch, **provenance(argv)}])
-        print(f"[resume] {name} from epoch {start_epoch}", flush=True)
+        if announce_resume:
+            kept.append(
+                {"type": "resume", "from_epoch": start_epoch, "script_sha256": script_hash(), **provenance(argv)}
+            )
+            print(f"[resume] {name} from epoch {start_epoch}", flush=True)
+        write_lines(path, kept)
     else:
         header.update(
             {
                 "objective": objective.get_config_dict(),
-                "script_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+                "script_sha256": script_hash(),
                 **provenance(argv),
             }
         )
@@ -418,6 +448,12 @@ def train_run(
         if stop_after_epoch is not None and epoch + 1 >= stop_after_epoch and epoch + 1 < config["epochs"]:
             print(f"[stop] {name} after epoch {epoch + 1} (--stop-after-epoch)", flush=True)
             return "stopped"
+        if (
+            epochs_this_call is not None
+            and epoch + 1 - start_epoch >= epochs_this_call
+            and epoch + 1 < config["epochs"]
+        ):
+            return "paused"
     print(f"[done] {name}", flush=True)
     return "finished"
 
@@ -675,9 +711,26 @@ def main(argv: list[str] | None = None) -> None:
     test = load_dataset(config["dataset"], "test", args.data_dir, limit=config["limit_test"], download=False)
     data = EvalData(train, test, config)
     print(f"data: {len(train)} train, {len(test)} test images ({time.perf_counter() - tick:.0f} s)", flush=True)
-    for loss, seed in args.run_list:
-        train_run(loss, seed, config, data, args.output_dir, args.state_dir, full_argv, args.stop_after_epoch)
-        summarize(args.output_dir)
+    for group in run_groups(args.run_list):
+        pending = list(group)
+        announced: set[tuple[str, int]] = set()
+        while pending:
+            for run in list(pending):
+                status = train_run(
+                    *run,
+                    config,
+                    data,
+                    args.output_dir,
+                    args.state_dir,
+                    full_argv,
+                    stop_after_epoch=args.stop_after_epoch,
+                    epochs_this_call=1 if len(pending) > 1 else None,
+                    announce_resume=run not in announced,
+                )
+                announced.add(run)
+                if status != "paused":
+                    pending.remove(run)
+            summarize(args.output_dir)
 
 
 if __name__ == "__main__":

@@ -137,6 +137,18 @@ def test_losses_share_initialisation_and_summary_pairs_by_seed(study, image_fold
     assert infonce[1]["encoder_weince_statistics"] != other_seed[1]["encoder_weince_statistics"]
     assert infonce[1]["loss_statistics"] == {} and "weince_lambda_mean" in weince[2]["loss_statistics"]
 
+    # The two runs of seed 0 advanced epoch by epoch in turn: the same lines as a run on its own, no resume line.
+    run_study(study, image_folder, tmp_path / "alone", "--runs", "weince-seed0")
+    alone = lines(tmp_path / "alone" / "results" / "weince-seed0.jsonl")
+    assert [r["type"] for r in weince] == ["header", *["checkpoint"] * 4, "final"]
+    assert [without_timing(r) for r in weince[1:]] == [without_timing(r) for r in alone[1:]]
+    assert study.run_groups(study.RUN_ORDER) == [
+        [("infonce", 0), ("weince", 0)],
+        [("infonce", 1), ("weince", 1)],
+        [("infonce", 2), ("weince", 2)],
+        [("rb-sigmoid", 0)],
+    ]
+
     summary = study.summarize(tmp_path / "results")
     paired = summary["paired_final"]["weince_minus_infonce"]
     assert paired["seeds"] == [0]
