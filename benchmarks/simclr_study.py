@@ -398,6 +398,7 @@ def train_run(
             "train_seconds": train_seconds,
             "eval_seconds": evaluation["eval_seconds"],
             "elapsed_seconds": time.perf_counter() - session_start,
+            "load_average": list(os.getloadavg()),  # the machine is shared: read timings next to it
         }
         append_line(path, {"type": "checkpoint", **evaluation["subset"], **base})
         if final:
@@ -535,6 +536,8 @@ def summarize(output_dir: Path) -> dict[str, Any]:
             "xi_backbone": [c["pot_backbone"]["xi"] for c in run["checkpoints"]],
             "encoder_lambda_mean": [c["encoder_weince_statistics"]["lambda_mean"] for c in run["checkpoints"]],
             "train_lambda_mean": [c["loss_statistics"].get("weince_lambda_mean") for c in run["checkpoints"]],
+            "train_loss": [c["train_loss"] for c in run["checkpoints"]],
+            "train_seconds": [c["train_seconds"] for c in run["checkpoints"]],
         }
     paired_curves: dict[str, Any] = {}
     for run in runs.values():
@@ -547,6 +550,16 @@ def summarize(output_dir: Path) -> dict[str, Any]:
             "epoch": epochs,
             **{f"{m}_difference": [mine[e][m] - base[e][m] for e in epochs] for m in metrics},
         }
+    # Mean +- std over the seeds that reached each epoch with both losses (subset probes).
+    paired_along_training: list[dict[str, Any]] = []
+    for epoch in sorted({e for curve in paired_curves.values() for e in curve["epoch"]}):
+        seeds = [key for key, curve in sorted(paired_curves.items()) if epoch in curve["epoch"]]
+        row: dict[str, Any] = {"epoch": epoch, "seeds": seeds}
+        for m in metrics:
+            values = [paired_curves[k][f"{m}_difference"][paired_curves[k]["epoch"].index(epoch)] for k in seeds]
+            row[m] = mean_std(values)
+            row[f"{m}_per_seed"] = values
+        paired_along_training.append(row)
     any_run = next(iter(runs.values()), None)
     summary = {
         "description": (
@@ -562,6 +575,7 @@ def summarize(output_dir: Path) -> dict[str, Any]:
         "per_loss_final": per_loss,
         "paired_final": paired,
         "paired_curves": paired_curves,
+        "paired_along_training": paired_along_training,
         "curves": curves,
         "finals": {
             name: {
@@ -612,19 +626,38 @@ def summary_markdown(summary: dict[str, Any]) -> str:
             f"| {name} | {len(diff['seeds'])} | {_fmt(diff['linear_top1'], sign=True)} "
             f"| {_fmt(diff['knn_top1'], sign=True)} | {per_seed} |"
         )
-    lines += ["", "Along training (probes on the subset): linear / k-NN top-1, xi of projections, encoder lambda", ""]
-    for name, curve in summary["curves"].items():
-        points = ", ".join(
-            f"e{e}: {lin:.1f}/{knn:.1f}, xi {xi if xi is None else round(xi, 3)}, lam {lam:.3f}"
-            for e, lin, knn, xi, lam in zip(
-                curve["epoch"],
-                curve["linear_top1"],
-                curve["knn_top1"],
-                curve["xi_projection"],
-                curve["encoder_lambda_mean"],
-            )
+    lines += ["", "WEINCE - InfoNCE along training, paired by seed (probes on the fixed subset), points", ""]
+    lines += [
+        "| epoch | seeds | linear top-1 | k-NN top-1 | per seed (linear / k-NN) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for row in summary["paired_along_training"]:
+        per_seed = "; ".join(
+            f"{seed}: {lin:+.2f} / {knn:+.2f}"
+            for seed, lin, knn in zip(row["seeds"], row["linear_top1_per_seed"], row["knn_top1_per_seed"])
         )
-        lines.append(f"- {name}: {points}")
+        lines.append(
+            f"| {row['epoch']} | {len(row['seeds'])} | {_fmt(row['linear_top1'], sign=True)} "
+            f"| {_fmt(row['knn_top1'], sign=True)} | {per_seed} |"
+        )
+    lines += ["", "Along training, per run (probes on the fixed subset; lambda: WEINCE's statistics)", ""]
+    lines += [
+        "| run | epoch | linear top-1 | k-NN top-1 | xi projections | xi backbone | lambda encoder (fixed batch) "
+        "| lambda in training | train loss | train s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def number(value: float | None, digits: int) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    for name, curve in summary["curves"].items():
+        for i, epoch in enumerate(curve["epoch"]):
+            lines.append(
+                f"| {name} | {epoch} | {curve['linear_top1'][i]:.2f} | {curve['knn_top1'][i]:.2f} "
+                f"| {number(curve['xi_projection'][i], 3)} | {number(curve['xi_backbone'][i], 3)} "
+                f"| {curve['encoder_lambda_mean'][i]:.3f} | {number(curve['train_lambda_mean'][i], 3)} "
+                f"| {number(curve['train_loss'][i], 4)} | {curve['train_seconds'][i]:.0f} |"
+            )
     if summary["runs_missing"]:
         lines += ["", f"Not finished yet: {', '.join(summary['runs_missing'])}"]
     return "\n".join(lines)

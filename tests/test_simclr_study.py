@@ -24,7 +24,7 @@ TINY = {
     "pot_images": 16,  # 120 pairs
     "pot_quantile": 0.7,  # 36 exceedances (pot_fit needs 30)
 }
-TIMING_KEYS = {"train_seconds", "eval_seconds", "elapsed_seconds"}
+TIMING_KEYS = {"train_seconds", "eval_seconds", "elapsed_seconds", "load_average"}
 
 
 def load_study():
