@@ -99,6 +99,7 @@ STUDY: dict[str, Any] = {
     "limit_train": None,  # None: all 50,000 training images
     "limit_test": None,  # None: all 10,000 test images
     "probe_subset": 10000,  # training images for the probes at intermediate checkpoints (None: all)
+    "full_eval_epochs": [5, 10],  # probes on all training images here too (the last epoch always)
     "probe_epochs": 100,
     "pot_images": 4000,
     "pot_quantile": 0.999,
@@ -115,6 +116,8 @@ RUN_ORDER = [
     ("rb-sigmoid", 0),
 ]
 LOSSES = ("infonce", "weince", "rb-sigmoid")
+# Keys added to STUDY after the first states were written, with the value those states were trained under.
+LATER_KEYS: dict[str, Any] = {"full_eval_epochs": [5, 10]}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -326,11 +329,12 @@ def train_run(
     state_dir: Path,
     argv: list[str],
     stop_after_epoch: int | None = None,
-    epochs_this_call: int | None = None,
+    until_epoch: int | None = None,
     announce_resume: bool = True,
 ) -> str:
     """Train (or continue) one run; returns "skipped", "finished", "stopped" (``stop_after_epoch`` reached) or
-    "paused" (``epochs_this_call`` epochs done; the next call continues from the saved state).
+    "paused" (epoch ``until_epoch`` reached; the next call continues from the saved state) or "waiting" (the saved
+    state is at ``until_epoch`` or beyond already; nothing is done).
 
     ``announce_resume``: a continuation by a new process adds a ``"type": "resume"`` line; one by the same process
     (interleaved runs) adds nothing, as the state it continues from is exact."""
@@ -347,9 +351,13 @@ def train_run(
     augment = SimCLRAugment(generator=augment_generator)
     start_epoch, elapsed, train_seconds = 0, 0.0, 0.0
     state = torch.load(state_path, weights_only=False) if state_path.exists() else None
-    if state is not None and state["config"] != config:
-        changed = sorted(k for k in set(config) | set(state["config"]) if config.get(k) != state["config"].get(k))
-        raise ValueError(f"{state_path} was written with a different configuration ({changed}); move it away")
+    if state is not None:
+        saved = {**{k: v for k, v in LATER_KEYS.items() if k in config}, **state["config"]}
+        if saved != config:
+            changed = sorted(k for k in set(config) | set(saved) if config.get(k) != saved.get(k))
+            raise ValueError(f"{state_path} was written with a different configuration ({changed}); move it away")
+        if until_epoch is not None and state["epoch"] >= until_epoch and records:
+            return "waiting"  # already there: nothing done, nothing written
     header = {"type": "header", "run": name, "loss": loss, "seed": seed, "config": config}
     if state is not None and records and records[0].get("type") == "header":
         model.load_state_dict(state["model"])
@@ -357,7 +365,7 @@ def train_run(
         optimizer.load_state_dict(state["optimizer"])
         augment_generator.set_state(state["augment_rng"])
         start_epoch, elapsed, train_seconds = state["epoch"], state["elapsed"], state["train_seconds"]
-        kept = [r for r in records if r.get("type") != "checkpoint" or r["epoch"] <= start_epoch]
+        kept = [r for r in records if r.get("type") not in ("checkpoint", "full") or r["epoch"] <= start_epoch]
         if announce_resume:
             kept.append(
                 {"type": "resume", "from_epoch": start_epoch, "script_sha256": script_hash(), **provenance(argv)}
@@ -384,7 +392,8 @@ def train_run(
 
     def checkpoint(epoch: int, loss_mean: float | None, loss_statistics: dict[str, float]) -> None:
         final = epoch == config["epochs"]
-        evaluation = evaluate(model, data, config, seed, full=final)
+        full = final or epoch in config["full_eval_epochs"]
+        evaluation = evaluate(model, data, config, seed, full=full)
         base = {
             "epoch": epoch,
             "step": epoch * steps_per_epoch,
@@ -401,8 +410,8 @@ def train_run(
             "load_average": list(os.getloadavg()),  # the machine is shared: read timings next to it
         }
         append_line(path, {"type": "checkpoint", **evaluation["subset"], **base})
-        if final:
-            append_line(path, {"type": "final", **evaluation["full"], **base})
+        if full:  # "final" at the last epoch, "full" at the milestones before it
+            append_line(path, {"type": "final" if final else "full", **evaluation["full"], **base})
         print(
             f"[{name}] epoch {epoch}: linear {evaluation['subset']['linear_top1']:.2f} "
             f"k-NN {evaluation['subset']['knn_top1']:.2f} xi {evaluation['pot_projection']['xi']} "
@@ -449,11 +458,7 @@ def train_run(
         if stop_after_epoch is not None and epoch + 1 >= stop_after_epoch and epoch + 1 < config["epochs"]:
             print(f"[stop] {name} after epoch {epoch + 1} (--stop-after-epoch)", flush=True)
             return "stopped"
-        if (
-            epochs_this_call is not None
-            and epoch + 1 - start_epoch >= epochs_this_call
-            and epoch + 1 < config["epochs"]
-        ):
+        if until_epoch is not None and epoch + 1 >= until_epoch and epoch + 1 < config["epochs"]:
             return "paused"
     print(f"[done] {name}", flush=True)
     return "finished"
@@ -478,6 +483,37 @@ def _fmt(stat: dict[str, float | int], digits: int = 2, sign: bool = False) -> s
     return mean if stat["n"] < 2 else f"{mean} +- {stat['std']:.{digits}f}"
 
 
+def compare_full(records: dict[str, dict[str, Any]], runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per loss mean +- std and paired (same seed) differences to InfoNCE of full evaluations at one epoch."""
+    metrics = ("linear_top1", "knn_top1")
+    by_loss: dict[str, dict[int, dict[str, Any]]] = {}
+    for name, record in records.items():
+        by_loss.setdefault(runs[name]["loss"], {})[runs[name]["seed"]] = record
+    per_loss: dict[str, Any] = {}
+    for loss in LOSSES:
+        done = by_loss.get(loss, {})
+        if done:
+            per_loss[loss] = {
+                "seeds": sorted(done),
+                **{m: mean_std([r[m] for r in done.values()]) for m in metrics},
+                "xi_projection": mean_std([r["pot_projection"]["xi"] for r in done.values()]),
+                "encoder_lambda_mean": mean_std([r["encoder_weince_statistics"]["lambda_mean"] for r in done.values()]),
+                "train_seconds": mean_std([r["train_seconds"] for r in done.values()]),
+            }
+    paired: dict[str, Any] = {}
+    for loss in ("weince", "rb-sigmoid"):
+        mine, base = by_loss.get(loss, {}), by_loss.get("infonce", {})
+        common = sorted(set(mine) & set(base))
+        if common:
+            per_seed = {str(s): {m: mine[s][m] - base[s][m] for m in metrics} for s in common}
+            paired[f"{loss}_minus_infonce"] = {
+                "seeds": common,
+                "per_seed": per_seed,
+                **{m: mean_std([per_seed[str(s)][m] for s in common]) for m in metrics},
+            }
+    return {"per_loss": per_loss, "paired": paired}
+
+
 def summarize(output_dir: Path) -> dict[str, Any]:
     """summary.json, summary.md and curves.png from the run files in ``output_dir``."""
     runs: dict[str, dict[str, Any]] = {}
@@ -493,38 +529,25 @@ def summarize(output_dir: Path) -> dict[str, Any]:
             "header": {k: header.get(k) for k in ("date_utc", "git_commit", "machine", "versions", "command")},
             "checkpoints": [r for r in records if r.get("type") == "checkpoint"],
             "final": next((r for r in records if r.get("type") == "final"), None),
+            "full": [r for r in records if r.get("type") in ("full", "final")],
             "resumes": sum(r.get("type") == "resume" for r in records),
         }
     finals = {name: run for name, run in runs.items() if run["final"] is not None}
     metrics = ("linear_top1", "knn_top1")
-    per_loss: dict[str, Any] = {}
-    for loss in LOSSES:
-        done = [run for run in finals.values() if run["loss"] == loss]
-        if done:
-            per_loss[loss] = {
-                "seeds": sorted(run["seed"] for run in done),
-                **{m: mean_std([run["final"][m] for run in done]) for m in metrics},
-                "xi_projection": mean_std([run["final"]["pot_projection"]["xi"] for run in done]),
-                "encoder_lambda_mean": mean_std(
-                    [run["final"]["encoder_weince_statistics"]["lambda_mean"] for run in done]
-                ),
-                "train_seconds": mean_std([run["final"]["train_seconds"] for run in done]),
-            }
-
-    def seed_map(loss: str) -> dict[int, dict[str, Any]]:
-        return {run["seed"]: run for run in finals.values() if run["loss"] == loss}
-
-    paired: dict[str, Any] = {}
-    for loss in ("weince", "rb-sigmoid"):
-        mine, base = seed_map(loss), seed_map("infonce")
-        common = sorted(set(mine) & set(base))
-        if common:
-            per_seed = {str(s): {m: mine[s]["final"][m] - base[s]["final"][m] for m in metrics} for s in common}
-            paired[f"{loss}_minus_infonce"] = {
-                "seeds": common,
-                "per_seed": per_seed,
-                **{m: mean_std([per_seed[str(s)][m] for s in common]) for m in metrics},
-            }
+    full_epochs = sorted({r["epoch"] for run in runs.values() for r in run["full"]})
+    full_evaluations = {
+        str(epoch): compare_full(
+            {
+                name: next(r for r in run["full"] if r["epoch"] == epoch)
+                for name, run in runs.items()
+                if any(r["epoch"] == epoch for r in run["full"])
+            },
+            runs,
+        )
+        for epoch in full_epochs
+    }
+    last = full_evaluations.get(str(max(run["config"]["epochs"] for run in runs.values()))) if runs else None
+    per_loss, paired = (last["per_loss"], last["paired"]) if last else ({}, {})
     # Curves along training (subset probes), per run and mean per loss at every epoch reached by all its runs.
     curves: dict[str, Any] = {}
     for name, run in sorted(runs.items()):
@@ -574,6 +597,7 @@ def summarize(output_dir: Path) -> dict[str, Any]:
         "runs_missing": [run_name(loss, s) for loss, s in RUN_ORDER if run_name(loss, s) not in finals],
         "per_loss_final": per_loss,
         "paired_final": paired,
+        "full_evaluations": full_evaluations,
         "paired_curves": paired_curves,
         "paired_along_training": paired_along_training,
         "curves": curves,
@@ -603,30 +627,35 @@ def summarize(output_dir: Path) -> dict[str, Any]:
 
 
 def summary_markdown(summary: dict[str, Any]) -> str:
-    lines = [
-        "Final checkpoint (probes on all training images, 10,000 test images; mean +- sample std over seeds)",
-        "",
-        "| loss | seeds | linear top-1 (%) | k-NN top-1, k=20 (%) | xi (projections) | encoder mean lambda |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for loss, stats in summary["per_loss_final"].items():
-        lines.append(
-            f"| {loss} | {', '.join(map(str, stats['seeds']))} | {_fmt(stats['linear_top1'])} "
-            f"| {_fmt(stats['knn_top1'])} | {_fmt(stats['xi_projection'], 3)} "
-            f"| {_fmt(stats['encoder_lambda_mean'], 3)} |"
-        )
-    lines += ["", "Paired by seed (same initialisation, batches and augmentations), final checkpoint", ""]
-    lines += ["| comparison | seeds | linear top-1 (points) | k-NN top-1 (points) | per seed (linear / k-NN) |"]
-    lines += ["| --- | --- | --- | --- | --- |"]
-    for name, diff in summary["paired_final"].items():
-        per_seed = "; ".join(
-            f"seed {s}: {d['linear_top1']:+.2f} / {d['knn_top1']:+.2f}" for s, d in diff["per_seed"].items()
-        )
-        lines.append(
-            f"| {name} | {len(diff['seeds'])} | {_fmt(diff['linear_top1'], sign=True)} "
-            f"| {_fmt(diff['knn_top1'], sign=True)} | {per_seed} |"
-        )
-    lines += ["", "WEINCE - InfoNCE along training, paired by seed (probes on the fixed subset), points", ""]
+    lines: list[str] = []
+    if not summary["full_evaluations"]:
+        lines += ["No full evaluation yet (they come at the epochs in config.full_eval_epochs and at the end).", ""]
+    for epoch, block in summary["full_evaluations"].items():
+        lines += [
+            f"Epoch {epoch}: probes on all training images, 10,000 test images; mean +- sample std over seeds",
+            "",
+            "| loss | seeds | linear top-1 (%) | k-NN top-1, k=20 (%) | xi (projections) | encoder mean lambda |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for loss, stats in block["per_loss"].items():
+            lines.append(
+                f"| {loss} | {', '.join(map(str, stats['seeds']))} | {_fmt(stats['linear_top1'])} "
+                f"| {_fmt(stats['knn_top1'])} | {_fmt(stats['xi_projection'], 3)} "
+                f"| {_fmt(stats['encoder_lambda_mean'], 3)} |"
+            )
+        lines += ["", f"Epoch {epoch}, paired by seed (same initialisation, batches and augmentations), points", ""]
+        lines += ["| comparison | seeds | linear top-1 | k-NN top-1 | per seed (linear / k-NN) |"]
+        lines += ["| --- | --- | --- | --- | --- |"]
+        for name, diff in block["paired"].items():
+            per_seed = "; ".join(
+                f"seed {s}: {d['linear_top1']:+.2f} / {d['knn_top1']:+.2f}" for s, d in diff["per_seed"].items()
+            )
+            lines.append(
+                f"| {name} | {len(diff['seeds'])} | {_fmt(diff['linear_top1'], sign=True)} "
+                f"| {_fmt(diff['knn_top1'], sign=True)} | {per_seed} |"
+            )
+        lines.append("")
+    lines += ["WEINCE - InfoNCE along training, paired by seed (probes on the fixed subset), points", ""]
     lines += [
         "| epoch | seeds | linear top-1 | k-NN top-1 | per seed (linear / k-NN) |",
         "| --- | --- | --- | --- | --- |",
@@ -745,10 +774,12 @@ def main(argv: list[str] | None = None) -> None:
     data = EvalData(train, test, config)
     print(f"data: {len(train)} train, {len(test)} test images ({time.perf_counter() - tick:.0f} s)", flush=True)
     for group in run_groups(args.run_list):
-        pending = list(group)
+        # Lockstep: every run of the group reaches epoch e before any goes on to e + 1.
+        active = list(group)
         announced: set[tuple[str, int]] = set()
-        while pending:
-            for run in list(pending):
+        targets = range(1, config["epochs"] + 1) if len(group) > 1 else [None]
+        for target in targets:
+            for run in list(active):
                 status = train_run(
                     *run,
                     config,
@@ -757,12 +788,13 @@ def main(argv: list[str] | None = None) -> None:
                     args.state_dir,
                     full_argv,
                     stop_after_epoch=args.stop_after_epoch,
-                    epochs_this_call=1 if len(pending) > 1 else None,
+                    until_epoch=target,
                     announce_resume=run not in announced,
                 )
-                announced.add(run)
-                if status != "paused":
-                    pending.remove(run)
+                if status != "waiting":
+                    announced.add(run)
+                if status not in ("paused", "waiting"):
+                    active.remove(run)
             summarize(args.output_dir)
 
 

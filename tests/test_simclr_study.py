@@ -23,7 +23,9 @@ TINY = {
     "probe_epochs": 2,
     "pot_images": 16,  # 120 pairs
     "pot_quantile": 0.7,  # 36 exceedances (pot_fit needs 30)
+    "full_eval_epochs": [2],
 }
+FULL_RUN = ["header", "checkpoint", "checkpoint", "checkpoint", "full", "checkpoint", "final"]
 TIMING_KEYS = {"train_seconds", "eval_seconds", "elapsed_seconds", "load_average"}
 
 
@@ -87,23 +89,17 @@ def test_resume_after_a_stop_gives_the_uninterrupted_result(study, image_folder,
 
     straight = lines(tmp_path / "straight" / "results" / "weince-seed0.jsonl")
     resumed = lines(tmp_path / "resumed" / "results" / "weince-seed0.jsonl")
-    assert [r["type"] for r in straight] == ["header", *["checkpoint"] * 4, "final"]
-    assert [r["type"] for r in resumed] == [
-        "header",
-        "checkpoint",
-        "checkpoint",
-        "resume",
-        *["checkpoint"] * 2,
-        "final",
-    ]
+    assert [r["type"] for r in straight] == FULL_RUN
+    assert [r["type"] for r in resumed] == [*FULL_RUN[:3], "resume", *FULL_RUN[3:]]
     assert resumed[3]["from_epoch"] == 1
-    evaluated_straight = [without_timing(r) for r in straight if r["type"] in ("checkpoint", "final")]
-    evaluated_resumed = [without_timing(r) for r in resumed if r["type"] in ("checkpoint", "final")]
+    evaluated_straight = [without_timing(r) for r in straight if r["type"] in ("checkpoint", "full", "final")]
+    evaluated_resumed = [without_timing(r) for r in resumed if r["type"] in ("checkpoint", "full", "final")]
     assert evaluated_resumed == evaluated_straight  # bit-identical metrics, statistics and POT fits
     final = straight[-1]
     assert final["epoch"] == 3 and final["step"] == 3 * 3 and final["images_seen"] == 3 * 3 * 8
     assert final["probe_train_images"] == 24  # the final probes use all training images, the curve the subset
     assert straight[-2]["probe_train_images"] == 8
+    assert straight[4]["epoch"] == 2 and straight[4]["probe_train_images"] == 24  # the milestone's full probes
     assert final["loss_statistics"]["weince_lambda_mean"] >= 0.0
     assert final["pot_projection"]["num_exceedances"] == 36
 
@@ -124,7 +120,7 @@ def test_unfinished_run_without_state_restarts_from_scratch(study, image_folder,
     (tmp_path / "state" / "infonce-seed0" / "state.pt").unlink()
     run_study(study, image_folder, tmp_path, "--runs", "infonce-seed0")
     records = lines(tmp_path / "results" / "infonce-seed0.jsonl")
-    assert [r["type"] for r in records] == ["header", *["checkpoint"] * 4, "final"]
+    assert [r["type"] for r in records] == FULL_RUN
 
 
 def test_losses_share_initialisation_and_summary_pairs_by_seed(study, image_folder, tmp_path, one_torch_thread):
@@ -140,7 +136,7 @@ def test_losses_share_initialisation_and_summary_pairs_by_seed(study, image_fold
     # The two runs of seed 0 advanced epoch by epoch in turn: the same lines as a run on its own, no resume line.
     run_study(study, image_folder, tmp_path / "alone", "--runs", "weince-seed0")
     alone = lines(tmp_path / "alone" / "results" / "weince-seed0.jsonl")
-    assert [r["type"] for r in weince] == ["header", *["checkpoint"] * 4, "final"]
+    assert [r["type"] for r in weince] == FULL_RUN
     assert [without_timing(r) for r in weince[1:]] == [without_timing(r) for r in alone[1:]]
     assert study.run_groups(study.RUN_ORDER) == [
         [("infonce", 0), ("weince", 0)],
@@ -158,7 +154,12 @@ def test_losses_share_initialisation_and_summary_pairs_by_seed(study, image_fold
     values = [infonce[-1]["knn_top1"], other_seed[-1]["knn_top1"]]
     assert summary["per_loss_final"]["infonce"]["knn_top1"]["std"] == pytest.approx(np.std(values, ddof=1))
     assert summary["curves"]["weince-seed0"]["epoch"] == [0, 1, 2, 3]
-    assert (tmp_path / "results" / "summary.md").read_text().count("| weince_minus_infonce | 1 |") == 1
+    assert sorted(summary["full_evaluations"]) == ["2", "3"]
+    at_two = summary["full_evaluations"]["2"]["paired"]["weince_minus_infonce"]["knn_top1"]["mean"]
+    assert at_two == pytest.approx(weince[4]["knn_top1"] - infonce[4]["knn_top1"])
+    assert (tmp_path / "results" / "summary.md").read_text().count(
+        "| weince_minus_infonce | 1 |"
+    ) == 2  # epochs 2 and 3
     assert (tmp_path / "results" / "curves.png").stat().st_size > 0
 
 
