@@ -692,6 +692,19 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+DOCS_START, DOCS_END = "<!-- simclr_study summary: start -->", "<!-- simclr_study summary: end -->"
+
+
+def update_docs(path: Path, markdown: str) -> None:
+    """Replace the text between the two markers of ``path`` by ``markdown`` (generated, never edited by hand)."""
+    text = path.read_text()
+    if text.count(DOCS_START) != 1 or text.count(DOCS_END) != 1:
+        raise ValueError(f"{path} needs exactly one {DOCS_START!r} and one {DOCS_END!r} line")
+    head, rest = text.split(DOCS_START)
+    _, tail = rest.split(DOCS_END)
+    path.write_text(f"{head}{DOCS_START}\n{markdown}\n{DOCS_END}{tail}")
+
+
 def plot_curves(runs: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -737,6 +750,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--stop-after-epoch", type=int, default=None, help="stop each run after this epoch")
     parser.add_argument("--summarize", action="store_true", help="only write summary.json / .md / curves.png")
+    parser.add_argument(
+        "--docs", type=Path, default=None, help="with --summarize: also put summary.md between the markers of this file"
+    )
     args = parser.parse_args(argv)
     try:
         override = json.loads(args.override)
@@ -764,7 +780,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     full_argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
     if args.summarize:
-        summarize(args.output_dir)
+        summary = summarize(args.output_dir)
+        if args.docs is not None:
+            update_docs(args.docs, summary_markdown(summary))
         return
     torch.set_num_threads(args.threads)
     config = args.config

@@ -180,3 +180,13 @@ def test_resume_refuses_a_changed_configuration(study, image_folder, tmp_path, o
                 "weince-seed0",
             ]
         )
+
+
+def test_update_docs_replaces_only_the_marked_block(study, tmp_path):
+    doc = tmp_path / "evidence.md"
+    doc.write_text(f"intro\n{study.DOCS_START}\nold table\n{study.DOCS_END}\noutro\n")
+    study.update_docs(doc, "| new | table |")
+    assert doc.read_text() == f"intro\n{study.DOCS_START}\n| new | table |\n{study.DOCS_END}\noutro\n"
+    doc.write_text("no markers\n")
+    with pytest.raises(ValueError, match="needs exactly one"):
+        study.update_docs(doc, "x")
