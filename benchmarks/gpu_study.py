@@ -1,0 +1,232 @@
+"""issue 14 item 4: InfoNCE against WEINCE on CIFAR-10 with a full-width ResNet-18, on one GPU in about 8 minutes.
+
+Both losses start from the same seed (same initial network, data order and augmentations). The first loss (InfoNCE)
+trains whole epochs while they fit its share of the time budget; the second (WEINCE) then trains the same number of
+epochs, so the comparison is at equal images seen. Augmentations run on the GPU (st_weince.vision.SimCLRAugment does
+the pixel work on the images' device; only the per-image random parameters are drawn on the CPU), the forward pass
+runs under bf16 autocast with channels_last tensors, the loss in float32. At the end: weighted k-NN top-1 (k = 20,
+temperature 0.1, all k kept) on frozen backbone features of all 50,000 training and 10,000 test images, and the POT
+shape xi of the test projections' negative scores. One JSON with configuration, provenance and both results.
+
+    python benchmarks/gpu_study.py                         # on a GPU machine, ~8 minutes
+    python benchmarks/gpu_study.py --device cpu --quick    # a tiny CPU run of the same code path (seconds)
+
+Not run on a GPU yet (no GPU was available to the session that wrote it): its timing and accuracy are unmeasured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from st_weince.diagnostics import pot_fit
+from st_weince.diagnostics.collect import negative_pool
+from st_weince.utils.provenance import provenance
+from st_weince.vision import (
+    KNN_KS,
+    KNN_TEMPERATURE,
+    SimCLRAugment,
+    SimCLRModel,
+    SimCLRObjective,
+    balanced_subset,
+    eval_transform,
+    extract_features,
+    knn_evaluate,
+    load_dataset,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = REPO.parent / "shared" / "data" / "cifar10" / "cifar10-jpg.zip"
+DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "gpu_study" / "gpu_study.json"
+LOSS_ORDER = ("infonce", "weince")
+KNN_HEADLINE_K = 20
+# Share of the budget for each loss's training; the rest covers data loading, the first epoch's warm-up and evaluation.
+TRAIN_SHARE_PER_LOSS = 0.40
+
+FULL = {"width": 64, "batch_size": 256, "limit_train": None, "limit_test": None, "pot_images": 4000}
+QUICK = {"width": 4, "batch_size": 32, "limit_train": 256, "limit_test": 128, "pot_images": 100}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    parser.add_argument("--budget-seconds", type=float, default=480.0, help="whole script, both losses")
+    parser.add_argument("--epochs", type=int, default=None, help="fixed epochs instead of what fits the budget")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--weight-decay", type=float, default=1e-6)
+    parser.add_argument("--temperature", type=float, default=0.5)
+    parser.add_argument("--quick", action="store_true", help="tiny data and network (CPU smoke run)")
+    parser.add_argument("--no-bf16", action="store_true", help="float32 forward instead of bf16 autocast")
+    args = parser.parse_args(argv)
+    args.scale = QUICK if args.quick else FULL
+    if args.epochs is not None and args.epochs < 1:
+        parser.error(f"--epochs must be at least 1, got {args.epochs}")
+    if not args.budget_seconds > 0:
+        parser.error(f"--budget-seconds must be positive, got {args.budget_seconds}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda but no CUDA device is visible; use --device cpu --quick for a CPU smoke run")
+    return args
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_one(
+    loss: str,
+    images: Tensor,
+    args: argparse.Namespace,
+    device: torch.device,
+    epochs: int | None,
+    train_budget: float,
+) -> tuple[SimCLRModel, dict[str, Any]]:
+    """Train ``epochs`` epochs, or (``epochs`` None) whole epochs while the next one is expected to fit the budget."""
+    torch.manual_seed(args.seed)
+    model = SimCLRModel("resnet18", width=args.scale["width"]).to(device, memory_format=torch.channels_last)
+    objective = SimCLRObjective(loss, args.temperature, beta=1.0).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    augment = SimCLRAugment(generator=torch.Generator().manual_seed(args.seed))
+    data_generator = torch.Generator().manual_seed(args.seed + 1)
+    batch_size = args.scale["batch_size"]
+    steps_per_epoch = images.shape[0] // batch_size
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=not args.no_bf16)
+    losses: list[float] = []
+    epoch_seconds: list[float] = []
+    model.train()
+    synchronize(device)
+    started = time.perf_counter()
+    while epochs is None or len(epoch_seconds) < epochs:
+        tick = time.perf_counter()
+        order = torch.randperm(images.shape[0], generator=data_generator).to(device)
+        loss_sum = torch.zeros((), device=device)
+        for step in range(steps_per_epoch):
+            view_a, view_b = augment(images[order[step * batch_size : (step + 1) * batch_size]])
+            views = torch.cat([view_a, view_b]).contiguous(memory_format=torch.channels_last)
+            with autocast:
+                projections = model(views)
+            z1, z2 = projections.float().chunk(2)  # the loss in float32
+            loss_value = objective(z1, z2)
+            optimizer.zero_grad(set_to_none=True)
+            loss_value.backward()
+            optimizer.step()
+            loss_sum += loss_value.detach()
+        losses.append(float(loss_sum) / steps_per_epoch)  # one host sync per epoch
+        epoch_seconds.append(time.perf_counter() - tick)
+        if not torch.isfinite(torch.tensor(losses[-1])):
+            raise ValueError(f"{loss}: the training loss became {losses[-1]} in epoch {len(losses)}")
+        spent = time.perf_counter() - started
+        # The next epoch costs about as much as the last one (the first includes warm-up).
+        if epochs is None and spent + epoch_seconds[-1] > train_budget:
+            break
+    train_seconds = time.perf_counter() - started
+    pairs = len(epoch_seconds) * steps_per_epoch * batch_size
+    return model, {
+        "epochs": len(epoch_seconds),
+        "steps": len(epoch_seconds) * steps_per_epoch,
+        "images_seen": pairs,
+        "train_seconds": train_seconds,
+        "epoch_seconds": epoch_seconds,
+        "pairs_per_second": pairs / train_seconds,
+        "train_loss_per_epoch": losses,
+        "loss_statistics_last_epoch": objective.pop_logged_statistics(),
+        "objective": objective.get_config_dict(),
+    }
+
+
+def evaluate(model: SimCLRModel, train: Any, test: Any, args: argparse.Namespace, device: torch.device) -> dict:
+    tick = time.perf_counter()
+
+    def transform(images: Tensor) -> Tensor:
+        return eval_transform(images).contiguous(memory_format=torch.channels_last)
+
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=not args.no_bf16)
+    with autocast:
+        train_features = extract_features(model.encoder, train.images, transform, 1024, device)
+        test_features = extract_features(model.encoder, test.images, transform, 1024, device)
+        pot_index = torch.tensor(balanced_subset(test.labels, args.scale["pot_images"], 0))
+        projections = extract_features(model, test.images[pot_index], transform, 1024, device)
+    ks = [k for k in KNN_KS if k <= len(train)]
+    num_classes = len(train.classes)
+    knn = knn_evaluate(train_features, train.labels, test_features, test.labels, ks, KNN_TEMPERATURE, num_classes)
+    try:
+        fit = pot_fit(negative_pool(projections), 0.999 if not args.quick else 0.7)
+        pot = {"xi": fit.xi, "xi_ci": list(fit.xi_ci), "num_exceedances": fit.num_exceedances}
+    except ValueError as error:  # recorded, not hidden
+        pot = {"xi": None, "error": str(error)}
+    headline = KNN_HEADLINE_K if KNN_HEADLINE_K in knn.top1 else max(knn.top1)
+    return {
+        "knn_top1": knn.top1[headline],
+        "knn_k": headline,
+        "knn": knn.as_dict(),
+        "pot_projection": pot,
+        "eval_seconds": time.perf_counter() - tick,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    device = torch.device(args.device)
+    scale = args.scale
+    train = load_dataset("cifar10", "train", args.data_dir, limit=scale["limit_train"], download=False)
+    test = load_dataset("cifar10", "test", args.data_dir, limit=scale["limit_test"], download=False)
+    images = train.images.to(device)
+    train_budget = TRAIN_SHARE_PER_LOSS * args.budget_seconds
+    results: dict[str, Any] = {}
+    epochs = args.epochs
+    for loss in LOSS_ORDER:
+        model, record = train_one(loss, images, args, device, epochs, train_budget)
+        epochs = record["epochs"]  # the second loss trains exactly as many epochs as the first
+        record.update(evaluate(model, train, test, args, device))
+        results[loss] = record
+        print(
+            f"{loss}: {record['epochs']} epochs in {record['train_seconds']:.0f} s "
+            f"({record['pairs_per_second']:.0f} pairs/s), k-NN top-1 {record['knn_top1']:.2f}",
+            flush=True,
+        )
+        del model
+    output = {
+        "description": (
+            "issue 14 item 4: InfoNCE vs WEINCE, SimCLR on CIFAR-10 (JPEG copy), CIFAR-stem ResNet-18, same seed, "
+            "same epochs; GPU-side augmentations, bf16 autocast, channels_last; weighted k-NN top-1 in percent."
+        ),
+        "config": {
+            **scale,
+            "quick": args.quick,
+            "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "budget_seconds": args.budget_seconds,
+            "fixed_epochs": args.epochs,
+            "seed": args.seed,
+            "lr": args.lr,
+            "weight_decay": args.weight_decay,
+            "temperature": args.temperature,
+            "beta": 1.0,
+            "bf16": not args.no_bf16,
+            "channels_last": True,
+            "train_images": len(train),
+            "test_images": len(test),
+        },
+        "results": results,
+        "weince_minus_infonce_knn_top1": results["weince"]["knn_top1"] - results["infonce"]["knn_top1"],
+        "total_seconds": time.perf_counter() - started,
+        **provenance(),
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(output, indent=2) + "\n")
+    print(f"wrote {args.output} ({output['total_seconds']:.0f} s)", flush=True)
+    return output
+
+
+if __name__ == "__main__":
+    main()

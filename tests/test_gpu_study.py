@@ -1,0 +1,59 @@
+"""benchmarks/gpu_study.py in its CPU smoke mode (``--device cpu --quick``) on the shared CIFAR-10 zip."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from tests.conftest import REPO_ROOT
+
+
+def load_gpu_study():
+    spec = importlib.util.spec_from_file_location("gpu_study", REPO_ROOT / "benchmarks" / "gpu_study.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def gpu_study():
+    return load_gpu_study()
+
+
+def test_quick_cpu_run_writes_one_json_with_both_losses(gpu_study, shared_data, tmp_path, one_torch_thread):
+    output = tmp_path / "gpu.json"
+    zip_path = shared_data / "cifar10" / "cifar10-jpg.zip"
+    result = gpu_study.main(
+        ["--device", "cpu", "--quick", "--epochs", "2", "--data-dir", str(zip_path), "--output", str(output)]
+    )
+    assert json.loads(output.read_text()) == json.loads(json.dumps(result))
+    infonce, weince = result["results"]["infonce"], result["results"]["weince"]
+    steps = 256 // 32
+    for record in (infonce, weince):
+        assert record["epochs"] == 2 and record["steps"] == 2 * steps and record["images_seen"] == 2 * steps * 32
+        assert 0.0 <= record["knn_top1"] <= 100.0 and record["knn_k"] == 20
+        assert len(record["train_loss_per_epoch"]) == 2
+    assert weince["loss_statistics_last_epoch"]["weince_lambda_mean"] >= 0.0
+    assert infonce["loss_statistics_last_epoch"] == {}
+    assert result["weince_minus_infonce_knn_top1"] == pytest.approx(weince["knn_top1"] - infonce["knn_top1"])
+    assert result["config"]["bf16"] and result["config"]["channels_last"] and result["config"]["width"] == 4
+    assert result["config"]["train_images"] == 256 and result["config"]["test_images"] == 128
+    assert "versions" in result and "git_commit" in result
+
+
+def test_budget_decides_epochs_and_the_second_loss_follows(gpu_study, shared_data, tmp_path, one_torch_thread):
+    zip_path = shared_data / "cifar10" / "cifar10-jpg.zip"
+    argv = ["--device", "cpu", "--quick", "--budget-seconds", "0.01", "--data-dir", str(zip_path)]
+    result = gpu_study.main([*argv, "--output", str(tmp_path / "gpu.json")])
+    # A budget smaller than one epoch still trains one whole epoch; WEINCE then trains exactly as many.
+    assert result["results"]["infonce"]["epochs"] == 1 == result["results"]["weince"]["epochs"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
+def test_cuda_without_a_gpu_is_a_clear_error(gpu_study, capsys):
+    with pytest.raises(SystemExit):
+        gpu_study.parse_args(["--device", "cuda"])
+    assert "no CUDA device is visible" in capsys.readouterr().err

@@ -1,0 +1,192 @@
+"""benchmarks/simclr_study.py: a tiny configuration on a synthetic ImageFolder; resume, skipping, pairing, summary."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.conftest import REPO_ROOT
+
+TINY = {
+    "width": 2,
+    "hidden_dim": 8,
+    "projection_dim": 4,
+    "batch_size": 8,
+    "epochs": 3,
+    "probe_subset": 8,
+    "probe_epochs": 2,
+    "pot_images": 16,  # 120 pairs
+    "pot_quantile": 0.7,  # 36 exceedances (pot_fit needs 30)
+    "full_eval_epochs": [2],
+}
+FULL_RUN = ["header", "checkpoint", "checkpoint", "checkpoint", "full", "checkpoint", "final"]
+TIMING_KEYS = {"train_seconds", "eval_seconds", "elapsed_seconds", "load_average"}
+
+
+def load_study():
+    spec = importlib.util.spec_from_file_location("simclr_study", REPO_ROOT / "benchmarks" / "simclr_study.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def study():
+    return load_study()
+
+
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory) -> Path:
+    """Two classes of 16x16 images (reddish / bluish noise): 12 train and 10 test images per class."""
+    root = tmp_path_factory.mktemp("folder")
+    rng = np.random.default_rng(0)
+    for split, count in (("train", 12), ("test", 10)):
+        for label, channel in (("red", 0), ("blue", 2)):
+            (root / split / label).mkdir(parents=True)
+            for i in range(count):
+                pixels = rng.integers(0, 120, size=(16, 16, 3), dtype=np.uint8)
+                pixels[..., channel] += 120
+                Image.fromarray(pixels).save(root / split / label / f"{i}.png")
+    return root
+
+
+def run_study(study, image_folder: Path, out: Path, *extra: str) -> None:
+    study.main(
+        [
+            "--data-dir",
+            str(image_folder),
+            "--output-dir",
+            str(out / "results"),
+            "--state-dir",
+            str(out / "state"),
+            "--override",
+            json.dumps(TINY),
+            *extra,
+        ]
+    )
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def without_timing(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k not in TIMING_KEYS}
+
+
+def test_resume_after_a_stop_gives_the_uninterrupted_result(study, image_folder, tmp_path, one_torch_thread):
+    run_study(study, image_folder, tmp_path / "straight", "--runs", "weince-seed0")
+    run_study(study, image_folder, tmp_path / "resumed", "--runs", "weince-seed0", "--stop-after-epoch", "1")
+    stopped = lines(tmp_path / "resumed" / "results" / "weince-seed0.jsonl")
+    assert [r["type"] for r in stopped] == ["header", "checkpoint", "checkpoint"]  # epochs 0 and 1, no final line
+    run_study(study, image_folder, tmp_path / "resumed", "--runs", "weince-seed0")
+
+    straight = lines(tmp_path / "straight" / "results" / "weince-seed0.jsonl")
+    resumed = lines(tmp_path / "resumed" / "results" / "weince-seed0.jsonl")
+    assert [r["type"] for r in straight] == FULL_RUN
+    assert [r["type"] for r in resumed] == [*FULL_RUN[:3], "resume", *FULL_RUN[3:]]
+    assert resumed[3]["from_epoch"] == 1
+    evaluated_straight = [without_timing(r) for r in straight if r["type"] in ("checkpoint", "full", "final")]
+    evaluated_resumed = [without_timing(r) for r in resumed if r["type"] in ("checkpoint", "full", "final")]
+    assert evaluated_resumed == evaluated_straight  # bit-identical metrics, statistics and POT fits
+    final = straight[-1]
+    assert final["epoch"] == 3 and final["step"] == 3 * 3 and final["images_seen"] == 3 * 3 * 8
+    assert final["probe_train_images"] == 24  # the final probes use all training images, the curve the subset
+    assert straight[-2]["probe_train_images"] == 8
+    assert straight[4]["epoch"] == 2 and straight[4]["probe_train_images"] == 24  # the milestone's full probes
+    assert final["loss_statistics"]["weince_lambda_mean"] >= 0.0
+    assert final["pot_projection"]["num_exceedances"] == 36
+
+    state_a = torch.load(tmp_path / "straight" / "state" / "weince-seed0" / "state.pt", weights_only=False)
+    state_b = torch.load(tmp_path / "resumed" / "state" / "weince-seed0" / "state.pt", weights_only=False)
+    for key, tensor in state_a["model"].items():
+        assert torch.equal(tensor, state_b["model"][key]), key
+    assert torch.equal(state_a["augment_rng"], state_b["augment_rng"])
+
+    # A finished run is skipped: its file stays as it is.
+    before = (tmp_path / "straight" / "results" / "weince-seed0.jsonl").read_text()
+    run_study(study, image_folder, tmp_path / "straight", "--runs", "weince-seed0")
+    assert (tmp_path / "straight" / "results" / "weince-seed0.jsonl").read_text() == before
+
+
+def test_unfinished_run_without_state_restarts_from_scratch(study, image_folder, tmp_path, one_torch_thread):
+    run_study(study, image_folder, tmp_path, "--runs", "infonce-seed0", "--stop-after-epoch", "1")
+    (tmp_path / "state" / "infonce-seed0" / "state.pt").unlink()
+    run_study(study, image_folder, tmp_path, "--runs", "infonce-seed0")
+    records = lines(tmp_path / "results" / "infonce-seed0.jsonl")
+    assert [r["type"] for r in records] == FULL_RUN
+
+
+def test_losses_share_initialisation_and_summary_pairs_by_seed(study, image_folder, tmp_path, one_torch_thread):
+    run_study(study, image_folder, tmp_path, "--runs", "infonce-seed0", "weince-seed0", "infonce-seed1")
+    infonce = lines(tmp_path / "results" / "infonce-seed0.jsonl")
+    weince = lines(tmp_path / "results" / "weince-seed0.jsonl")
+    other_seed = lines(tmp_path / "results" / "infonce-seed1.jsonl")
+    # Epoch 0 is evaluated before any step: the same seed gives the same network whatever the loss.
+    assert infonce[1]["encoder_weince_statistics"] == weince[1]["encoder_weince_statistics"]
+    assert infonce[1]["encoder_weince_statistics"] != other_seed[1]["encoder_weince_statistics"]
+    assert infonce[1]["loss_statistics"] == {} and "weince_lambda_mean" in weince[2]["loss_statistics"]
+
+    # The two runs of seed 0 advanced epoch by epoch in turn: the same lines as a run on its own, no resume line.
+    run_study(study, image_folder, tmp_path / "alone", "--runs", "weince-seed0")
+    alone = lines(tmp_path / "alone" / "results" / "weince-seed0.jsonl")
+    assert [r["type"] for r in weince] == FULL_RUN
+    assert [without_timing(r) for r in weince[1:]] == [without_timing(r) for r in alone[1:]]
+    assert study.run_groups(study.RUN_ORDER) == [
+        [("infonce", 0), ("weince", 0)],
+        [("infonce", 1), ("weince", 1)],
+        [("infonce", 2), ("weince", 2)],
+        [("rb-sigmoid", 0)],
+    ]
+
+    summary = study.summarize(tmp_path / "results")
+    paired = summary["paired_final"]["weince_minus_infonce"]
+    assert paired["seeds"] == [0]
+    expected = weince[-1]["linear_top1"] - infonce[-1]["linear_top1"]
+    assert paired["linear_top1"]["mean"] == pytest.approx(expected)
+    assert summary["per_loss_final"]["infonce"]["seeds"] == [0, 1]
+    values = [infonce[-1]["knn_top1"], other_seed[-1]["knn_top1"]]
+    assert summary["per_loss_final"]["infonce"]["knn_top1"]["std"] == pytest.approx(np.std(values, ddof=1))
+    assert summary["curves"]["weince-seed0"]["epoch"] == [0, 1, 2, 3]
+    assert sorted(summary["full_evaluations"]) == ["2", "3"]
+    at_two = summary["full_evaluations"]["2"]["paired"]["weince_minus_infonce"]["knn_top1"]["mean"]
+    assert at_two == pytest.approx(weince[4]["knn_top1"] - infonce[4]["knn_top1"])
+    assert (tmp_path / "results" / "summary.md").read_text().count(
+        "| weince_minus_infonce | 1 |"
+    ) == 2  # epochs 2 and 3
+    assert (tmp_path / "results" / "curves.png").stat().st_size > 0
+
+
+def test_resume_refuses_a_changed_configuration(study, image_folder, tmp_path, one_torch_thread):
+    run_study(study, image_folder, tmp_path, "--runs", "weince-seed0", "--stop-after-epoch", "1")
+    with pytest.raises(ValueError, match="different configuration.*probe_epochs"):
+        study.main(
+            [
+                "--data-dir",
+                str(image_folder),
+                "--output-dir",
+                str(tmp_path / "results"),
+                "--state-dir",
+                str(tmp_path / "state"),
+                "--override",
+                json.dumps({**TINY, "probe_epochs": 3}),
+                "--runs",
+                "weince-seed0",
+            ]
+        )
+
+
+def test_update_docs_replaces_only_the_marked_block(study, tmp_path):
+    doc = tmp_path / "evidence.md"
+    doc.write_text(f"intro\n{study.DOCS_START}\nold table\n{study.DOCS_END}\noutro\n")
+    study.update_docs(doc, "| new | table |")
+    assert doc.read_text() == f"intro\n{study.DOCS_START}\n| new | table |\n{study.DOCS_END}\noutro\n"
+    doc.write_text("no markers\n")
+    with pytest.raises(ValueError, match="needs exactly one"):
+        study.update_docs(doc, "x")
