@@ -134,7 +134,7 @@ class CachedWEINCELoss(CachedLossMixin, WEINCELoss):
                 from datasets import Dataset
                 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
                 from st_weince.losses import CachedWEINCELoss
-                from st_weince.training import log_loss_statistics
+                from st_weince.training import prepare_trainer
 
                 model = SentenceTransformer("all-MiniLM-L6-v2")
                 train_dataset = Dataset.from_dict({
@@ -143,7 +143,7 @@ class CachedWEINCELoss(CachedLossMixin, WEINCELoss):
                 })
                 loss = CachedWEINCELoss(model, mini_batch_size=64)
                 trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
-                log_loss_statistics(trainer)
+                prepare_trainer(trainer)
                 trainer.train()
         """
         WEINCELoss.__init__(

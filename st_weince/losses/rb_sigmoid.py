@@ -326,10 +326,8 @@ class RBSigmoidLoss(nn.Module):
             - Call :func:`st_weince.training.prepare_trainer` on the trainer: it logs ``t``, ``b_rel``, ``b`` and
               the margin, saves and restores the loss parameters with every checkpoint, keeps weight decay off them
               and averages their gradients across processes.
-            - The loss parameters train with the trainer's learning rate; at fine-tuning rates (e.g. 2e-5) ``t`` and
-              ``b_rel`` hardly move, so give them their own, e.g.
-              ``SentenceTransformerTrainingArguments(learning_rate_mapping={r"(^|\\.)(log_t|b_rel)$": 1e-2})``
-              (the pattern also finds them under a wrapper such as ``MatryoshkaLoss``, as ``loss.log_t``).
+            - At fine-tuning rates (e.g. 2e-5) ``t`` and ``b_rel`` hardly move; ``prepare_trainer`` gives them their own
+              learning rate (``loss_learning_rate``, default 3e-2), also under a wrapper such as ``MatryoshkaLoss``.
             - Use ``BatchSamplers.NO_DUPLICATES`` so no in-batch negative duplicates an anchor's positive.
             - For batches beyond what fits in memory use :class:`~st_weince.losses.CachedRBSigmoidLoss`.
 

@@ -183,7 +183,7 @@ class WEINCELoss(nn.Module):
 
         Recommendations:
             - Use ``BatchSamplers.NO_DUPLICATES`` so no in-batch negative duplicates an anchor's positive.
-            - Call :func:`st_weince.training.log_loss_statistics` on the trainer to log the mean lambda, the share
+            - Call :func:`st_weince.training.prepare_trainer` on the trainer to log the mean lambda, the share
               of anchors with lambda > 0.5, rho0 and the mean dAIC.
 
         Example:
@@ -192,7 +192,7 @@ class WEINCELoss(nn.Module):
                 from datasets import Dataset
                 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
                 from st_weince.losses import WEINCELoss
-                from st_weince.training import log_loss_statistics
+                from st_weince.training import prepare_trainer
 
                 model = SentenceTransformer("all-MiniLM-L6-v2")
                 train_dataset = Dataset.from_dict({
@@ -201,7 +201,7 @@ class WEINCELoss(nn.Module):
                 })
                 loss = WEINCELoss(model)
                 trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
-                log_loss_statistics(trainer)
+                prepare_trainer(trainer)
                 trainer.train()
         """
         super().__init__()
