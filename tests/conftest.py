@@ -60,6 +60,19 @@ def copy_head_lines(source: Path, destination: Path, lines: int) -> None:
     destination.write_text("".join(head), encoding="utf-8")
 
 
+def load_script(relative_path: str, name: str):
+    """Import a script of the repository (a recipe or a benchmark, not part of the package) as a module named
+    ``name``, registered in ``sys.modules`` (dataclasses and pickling look their module up there)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / relative_path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def free_port() -> int:
     import socket
 

@@ -4,9 +4,7 @@ writes JSON lines and resumes by skipping finished runs."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,20 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from st_weince.functional.false_negatives import FalseNegativeFilter
-from tests.conftest import TINY_SENTENCES
+from tests.conftest import TINY_SENTENCES, load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def compare():
-    spec = importlib.util.spec_from_file_location(
-        "false_negative_compare", REPO / "benchmarks" / "false_negative_compare.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["false_negative_compare"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/false_negative_compare.py", "false_negative_compare")
 
 
 def labelled_rows(classes: int = 6, per_class: int = 12, seed: int = 0) -> list[tuple[str, str]]:

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import load_script
 
 
 def load_gpu_study():
-    spec = importlib.util.spec_from_file_location("gpu_study", REPO_ROOT / "benchmarks" / "gpu_study.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/gpu_study.py", "gpu_study")
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import load_script
 
 TINY = {
     "width": 2,
@@ -30,10 +29,7 @@ TIMING_KEYS = {"train_seconds", "eval_seconds", "elapsed_seconds", "load_average
 
 
 def load_study():
-    spec = importlib.util.spec_from_file_location("simclr_study", REPO_ROOT / "benchmarks" / "simclr_study.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/simclr_study.py", "simclr_study")
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from st_weince.utils.cli import parse_key_values
-from tests.conftest import torchrun_command
+from tests.conftest import load_script, torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "simcse.py"
@@ -23,10 +22,7 @@ RECIPE = REPO / "recipes" / "simcse.py"
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("simcse_recipe", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("recipes/simcse.py", "simcse_recipe")
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import zipfile
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch
 from PIL import Image
 
 from st_weince.vision import load_encoder
+from tests.conftest import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,10 +22,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("simclr_recipe", REPO / "recipes" / "simclr.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("recipes/simclr.py", "simclr_recipe")
 
 
 @pytest.fixture(scope="module")
