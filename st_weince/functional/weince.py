@@ -22,7 +22,6 @@ Dtypes: the statistics and the logits are computed in the scores' dtype, float16
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
@@ -32,6 +31,7 @@ import torch
 from torch import Tensor
 
 from st_weince.utils.hotpath import DeferredChecks
+from st_weince.utils.options import real_option
 
 WeinceMode = Literal["both", "rho", "aic", "none"]
 # "none": lambda = 0 for every anchor, i.e. exactly InfoNCE / MNRL through the same code path (the control arm of a
@@ -51,12 +51,7 @@ Checks = DeferredChecks | bool
 
 def _real(name: str, value: Any) -> float:
     """``value`` as a finite Python float; bools, strings, tensors and non-finite numbers are refused by name."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
+    return real_option(name, value)
 
 
 def check_scale(scale: Any, name: str = "scale") -> float:

@@ -8,8 +8,9 @@ from sentence_transformers.base.losses.gradcache import CachedLossMixin, has_sta
 from torch import Tensor, nn
 
 from st_weince.losses._columns import check_embedding_columns
-from st_weince.losses.rb_sigmoid import DEFAULT_SCALE, RBSigmoidLoss, flag_option, positive_int_option
+from st_weince.losses.rb_sigmoid import DEFAULT_SCALE, RBSigmoidLoss
 from st_weince.utils.hotpath import DeferredChecks
+from st_weince.utils.options import flag_option, positive_int_option
 
 
 class CachedRBSigmoidLoss(CachedLossMixin, RBSigmoidLoss):

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from itertools import combinations
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from sentence_transformers.base.losses.merged_forward import embed_columns
 from sentence_transformers.util import all_gather_with_grad, cos_sim, get_rank
@@ -34,6 +33,7 @@ from st_weince.functional.sigmoid import (
 from st_weince.losses._columns import check_embedding_columns
 from st_weince.training.statistics import RunningMeans
 from st_weince.utils.hotpath import DeferredChecks
+from st_weince.utils.options import flag_option, positive_int_option, real_option
 
 Parametrization = Literal["relative", "absolute"]
 ColumnMode = Literal["negatives", "modalities"]
@@ -87,38 +87,6 @@ RB_SIGMOID_CITATION = """
     year={2023},
 }
 """
-
-
-# ----- option validation (shared with CachedRBSigmoidLoss) -----
-def real_option(name: str, value: Any, *, positive: bool = False, optional: bool = False) -> float | None:
-    """A finite real number (Python or NumPy; not a bool), as a float; the error names the option."""
-    if value is None and optional:
-        return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    number = float(value)
-    if not math.isfinite(number):
-        raise ValueError(f"{name} must be finite, got {number!r}")
-    if positive and not number > 0:
-        raise ValueError(f"{name} must be > 0, got {number!r}")
-    return number
-
-
-def flag_option(name: str, value: Any) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
-    return bool(value)
-
-
-def positive_int_option(name: str, value: Any, *, optional: bool = False) -> int | None:
-    if value is None and optional:
-        return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        expected = "a positive integer or None" if optional else "a positive integer"
-        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive integer{' or None' if optional else ''}, got {value!r}")
-    return int(value)
 
 
 def _choice_option(name: str, value: Any, choices: tuple[str, ...]) -> str:
