@@ -33,7 +33,6 @@ them for the caller, who reads everything with one sync (:meth:`DeferredChecks.r
 
 from __future__ import annotations
 
-import math
 import numbers
 import warnings
 from collections.abc import Callable
@@ -45,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from st_weince.functional.false_negatives import FalseNegativeFilter, false_negative_mask
 from st_weince.utils.hotpath import DeferredChecks
+from st_weince.utils.options import real_option
 
 ScalarLike = Tensor | float
 CheckInputs = bool | DeferredChecks
@@ -105,12 +105,7 @@ def _scalar(
         return tensor
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number or a scalar tensor, got {type(value).__name__}")
-    number = float(value)
-    if not math.isfinite(number):
-        raise ValueError(f"{name} must be finite, got {number!r}")
-    if positive and not number > 0:
-        raise ValueError(f"{name} must be > 0, got {number!r}")
-    return number
+    return real_option(name, value, positive=positive)
 
 
 def _bias_argument(
