@@ -90,15 +90,21 @@ def read_split(path: Path) -> list[tuple[str, str]]:
         return [(row["text"], row["category"]) for row in reader]
 
 
+def texts_by_class(rows: list[tuple[str, str]]) -> dict[str, list[str]]:
+    """The texts of each class, in the order of ``rows``."""
+    by_class: dict[str, list[str]] = defaultdict(list)
+    for text, label in rows:
+        by_class[label].append(text)
+    return by_class
+
+
 def stratified_split(
     rows: list[tuple[str, str]], fraction: float, seed: int = 0
 ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """(train, validation): ``fraction`` of every class (at least one text, and at least two left for pairs)."""
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"val_fraction must lie in (0, 1), got {fraction}")
-    by_class: dict[str, list[str]] = defaultdict(list)
-    for text, label in rows:
-        by_class[label].append(text)
+    by_class = texts_by_class(rows)
     rng = random.Random(seed)
     train, validation = [], []
     for label in sorted(by_class):
@@ -112,9 +118,7 @@ def stratified_split(
 
 def same_class_pairs(rows: list[tuple[str, str]], seed: int) -> list[tuple[str, str, str]]:
     """(anchor, positive, class): each class's texts shuffled and paired consecutively (each text once)."""
-    by_class: dict[str, list[str]] = defaultdict(list)
-    for text, label in rows:
-        by_class[label].append(text)
+    by_class = texts_by_class(rows)
     rng = random.Random(seed)
     pairs = []
     for label in sorted(by_class):
@@ -138,9 +142,7 @@ def batches(pairs: list[tuple[str, str, str]], batch_size: int, steps: int, seed
 
 
 def reference_set(rows: list[tuple[str, str]], per_class: int, seed: int = 0) -> list[tuple[str, str]]:
-    by_class: dict[str, list[str]] = defaultdict(list)
-    for text, label in rows:
-        by_class[label].append(text)
+    by_class = texts_by_class(rows)
     rng = random.Random(seed)
     out = []
     for label in sorted(by_class):
