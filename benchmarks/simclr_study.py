@@ -65,6 +65,7 @@ from st_weince.utils.provenance import provenance
 from st_weince.vision import (
     KNN_KS,
     KNN_TEMPERATURE,
+    ImageTensorDataset,
     SimCLRAugment,
     SimCLRModel,
     SimCLRObjective,
@@ -104,6 +105,10 @@ STUDY: dict[str, Any] = {
     "pot_images": 4000,
     "pot_quantile": 0.999,
     "subset_seed": 0,
+    # Issue 14 items 2 and 3 run this same loop at other settings (benchmarks/simclr_negatives.py, simclr_grid.py):
+    "holdout": None,  # int: class-balanced training images held out and evaluated on in place of the test set
+    "weince_options": {},  # WEINCE options beyond the vision defaults, e.g. {"aic_margin": 0.0, "kappa_rho": 5.0}
+    "eval_at_start": True,  # the epoch-0 checkpoint (the same for every loss of a seed)
 }
 # Most informative first: a complete InfoNCE/WEINCE pair per seed, RB-Sigmoid last.
 RUN_ORDER = [
@@ -117,7 +122,12 @@ RUN_ORDER = [
 ]
 LOSSES = ("infonce", "weince", "rb-sigmoid")
 # Keys added to STUDY after the first states were written, with the value those states were trained under.
-LATER_KEYS: dict[str, Any] = {"full_eval_epochs": [5, 10]}
+LATER_KEYS: dict[str, Any] = {
+    "full_eval_epochs": [5, 10],
+    "holdout": None,
+    "weince_options": {},
+    "eval_at_start": True,
+}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -311,7 +321,8 @@ def build(loss: str, seed: int, config: dict[str, Any]) -> tuple[SimCLRModel, Si
     )
     if config["channels_last"]:
         model = model.to(memory_format=torch.channels_last)
-    objective = SimCLRObjective(loss, config["temperature"], beta=config["beta"])
+    loss_kwargs = config["weince_options"] if loss == "weince" else None
+    objective = SimCLRObjective(loss, scale=1.0 / config["temperature"], beta=config["beta"], loss_kwargs=loss_kwargs)
     groups = [{"params": list(model.parameters())}]
     loss_parameters = [p for p in objective.parameters() if p.requires_grad]
     if loss_parameters:
@@ -420,7 +431,7 @@ def train_run(
             flush=True,
         )
 
-    if start_epoch == 0:
+    if start_epoch == 0 and config["eval_at_start"]:
         checkpoint(0, None, {})
     model.train()
     for epoch in range(start_epoch, config["epochs"]):
@@ -776,23 +787,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    full_argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
-    if args.summarize:
-        summary = summarize(args.output_dir)
-        if args.docs is not None:
-            update_docs(args.docs, summary_markdown(summary))
-        return
-    torch.set_num_threads(args.threads)
-    config = args.config
+def load_data(config: dict[str, Any], data_dir: Path) -> EvalData:
+    """The training images and the evaluation images: the test split, or with ``config["holdout"]`` a
+    class-balanced part of the training split that is then not trained on (for choosing settings)."""
     tick = time.perf_counter()
-    train = load_dataset(config["dataset"], "train", args.data_dir, limit=config["limit_train"], download=False)
-    test = load_dataset(config["dataset"], "test", args.data_dir, limit=config["limit_test"], download=False)
-    data = EvalData(train, test, config)
-    print(f"data: {len(train)} train, {len(test)} test images ({time.perf_counter() - tick:.0f} s)", flush=True)
-    for group in run_groups(args.run_list):
-        # Lockstep: every run of the group reaches epoch e before any goes on to e + 1.
+    train = load_dataset(config["dataset"], "train", data_dir, limit=config["limit_train"], download=False)
+    if config["holdout"] is None:
+        evaluation = load_dataset(config["dataset"], "test", data_dir, limit=config["limit_test"], download=False)
+    else:
+        if not (isinstance(config["holdout"], int) and 0 < config["holdout"] < len(train)):
+            raise ValueError(f"holdout must be a number of images in 1..{len(train) - 1}, got {config['holdout']!r}")
+        held = torch.zeros(len(train), dtype=torch.bool)
+        held[balanced_subset(train.labels, config["holdout"], config["subset_seed"])] = True
+        evaluation = ImageTensorDataset(train.images[held], train.labels[held], train.classes)
+        train = ImageTensorDataset(train.images[~held], train.labels[~held], train.classes)
+    split = "test" if config["holdout"] is None else "held-out training"
+    print(
+        f"data: {len(train)} train, {len(evaluation)} {split} images ({time.perf_counter() - tick:.0f} s)", flush=True
+    )
+    return EvalData(train, evaluation, config)
+
+
+def run_all(
+    run_list: list[tuple[str, int]],
+    config: dict[str, Any],
+    data: EvalData,
+    output_dir: Path,
+    state_dir: Path,
+    argv: list[str],
+    stop_after_epoch: int | None = None,
+    summarize_each_epoch: bool = True,
+) -> None:
+    """Train the runs in order; consecutive runs of one seed in lockstep (every run of the group reaches epoch e
+    before any goes on to e + 1)."""
+    for group in run_groups(run_list):
         active = list(group)
         announced: set[tuple[str, int]] = set()
         targets = range(1, config["epochs"] + 1) if len(group) > 1 else [None]
@@ -802,10 +830,10 @@ def main(argv: list[str] | None = None) -> None:
                     *run,
                     config,
                     data,
-                    args.output_dir,
-                    args.state_dir,
-                    full_argv,
-                    stop_after_epoch=args.stop_after_epoch,
+                    output_dir,
+                    state_dir,
+                    argv,
+                    stop_after_epoch=stop_after_epoch,
                     until_epoch=target,
                     announce_resume=run not in announced,
                 )
@@ -813,7 +841,21 @@ def main(argv: list[str] | None = None) -> None:
                     announced.add(run)
                 if status not in ("paused", "waiting"):
                     active.remove(run)
-            summarize(args.output_dir)
+            if summarize_each_epoch:
+                summarize(output_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    full_argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+    if args.summarize:
+        summary = summarize(args.output_dir)
+        if args.docs is not None:
+            update_docs(args.docs, summary_markdown(summary))
+        return
+    torch.set_num_threads(args.threads)
+    data = load_data(args.config, args.data_dir)
+    run_all(args.run_list, args.config, data, args.output_dir, args.state_dir, full_argv, args.stop_after_epoch)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,117 @@
+"""benchmarks/simclr_grid.py and simclr_negatives.py (issue 14 items 3 and 2) on the tiny synthetic ImageFolder:
+the held-out split, the grid design, the options reaching the loss, the pairing of the summaries."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import Counter
+
+import pytest
+
+from tests.conftest import load_script
+from tests.test_simclr_study import TINY, image_folder, lines  # noqa: F401  (image_folder is a fixture)
+
+
+@pytest.fixture(scope="module")
+def grid():
+    return load_script("benchmarks/simclr_grid.py", "simclr_grid")
+
+
+@pytest.fixture(scope="module")
+def negatives():
+    return load_script("benchmarks/simclr_negatives.py", "simclr_negatives")
+
+
+def test_latin_square_covers_every_level_three_times_and_holds_the_defaults(grid):
+    points = grid.latin_square()
+    keys = [(p["aic_margin"], p["kappa_rho"], p["kappa_aic"]) for p in points]
+    assert len(set(keys)) == 9
+    assert set(keys) <= set(itertools.product(grid.MARGINS, grid.KAPPA_RHOS, grid.KAPPA_AICS))
+    for position, levels in enumerate((grid.MARGINS, grid.KAPPA_RHOS, grid.KAPPA_AICS)):
+        assert Counter(k[position] for k in keys) == {level: 3 for level in levels}
+    # Every pair of factors meets each combination of levels once (a Latin square, not just balanced margins).
+    for a, b in itertools.combinations(range(3), 2):
+        assert len({(k[a], k[b]) for k in keys}) == 9
+    assert [grid.point_name(p) for p in points if grid.is_default(p)] == ["margin2-krho10-kaic1"]
+
+
+def test_holdout_is_class_balanced_and_never_trained_on(grid, image_folder):  # noqa: F811
+    study = grid.study
+    config = {**study.STUDY, **TINY, "holdout": 4}
+    data = study.load_data(config, image_folder)
+    assert len(data.train) == 20 and len(data.test) == 4
+    assert Counter(data.test.labels.tolist()) == {0: 2, 1: 2}
+    train_images = {bytes(image.numpy()) for image in data.train.images}
+    assert not any(bytes(image.numpy()) in train_images for image in data.test.images)
+    # The held-out images come from the training split, not from the test split.
+    everything = study.load_data({**config, "holdout": None}, image_folder)
+    assert {bytes(i.numpy()) for i in data.test.images} <= {bytes(i.numpy()) for i in everything.train.images}
+    for bad in (0, 24, 2.5):
+        with pytest.raises(ValueError, match="holdout must be a number of images"):
+            study.load_data({**config, "holdout": bad}, image_folder)
+
+
+def test_grid_runs_every_point_with_its_options_and_reruns_the_best(grid, image_folder, tmp_path, one_torch_thread):  # noqa: F811
+    tiny_short = {**TINY, "epochs": 1, "holdout": 4}
+    common = ["--data-dir", str(image_folder), "--output-dir", str(tmp_path / "grid"), "--state-dir"]
+    common += [str(tmp_path / "state"), "--study-output", str(tmp_path / "study")]
+    grid.main([*common, "--override", json.dumps(tiny_short)])
+    summary = json.loads((tmp_path / "grid" / "summary.json").read_text())
+    assert len(summary["points"]) == 9 and summary["points_missing"] == []
+    reference = lines(tmp_path / "grid" / "infonce" / "infonce-seed0.jsonl")[-1]
+    for row in summary["points"]:
+        records = lines(tmp_path / "grid" / row["point"] / "weince-seed0.jsonl")
+        assert [r["type"] for r in records] == ["header", "checkpoint", "final"]  # no epoch-0 evaluation
+        header, final = records[0], records[-1]
+        assert header["config"]["weince_options"] == row["options"]
+        for key, value in row["options"].items():  # the options reached the loss object
+            assert header["objective"][key] == value
+        assert final["probe_train_images"] == 20  # the 24 training images less the 4 held out
+        assert row["linear_minus_infonce"] == pytest.approx(final["linear_top1"] - reference["linear_top1"])
+    best = max(summary["points"], key=lambda r: (r["linear_top1"], r["knn_top1"]))
+    assert summary["best"]["point"] == best["point"]
+
+    grid.main([*common, "--override", json.dumps(TINY), "--rerun-best"])
+    rerun = lines(tmp_path / "grid" / "rerun-best" / "weince-seed0.jsonl")
+    assert rerun[0]["config"]["weince_options"] == best["options"]
+    assert rerun[0]["config"]["holdout"] is None and rerun[-1]["probe_train_images"] == 24  # nothing held out
+    assert rerun[-1]["epoch"] == TINY["epochs"]
+
+
+def test_negatives_pairs_the_losses_per_batch_size_with_the_same_images_seen(
+    negatives,
+    image_folder,  # noqa: F811
+    tmp_path,
+    one_torch_thread,
+):
+    out = tmp_path / "negatives"
+    negatives.main(
+        [
+            "--data-dir",
+            str(image_folder),
+            "--output-dir",
+            str(out),
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--override",
+            json.dumps({**TINY, "epochs": 1}),
+            "--batch-sizes",
+            "4",
+            "8",
+            "--seeds",
+            "0",
+        ]
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    assert [row["batch_pairs"] for row in summary["rows"]] == [4, 8]
+    for row in summary["rows"]:
+        batch = row["batch_pairs"]
+        infonce = lines(out / f"batch{batch}" / "infonce-seed0.jsonl")[-1]
+        weince = lines(out / f"batch{batch}" / "weince-seed0.jsonl")[-1]
+        assert infonce["images_seen"] == weince["images_seen"] == 24  # one epoch whatever the batch size
+        assert weince["step"] == 24 // batch
+        assert row["per_seed"]["0"]["knn_top1_difference"] == pytest.approx(weince["knn_top1"] - infonce["knn_top1"])
+        assert row["linear_top1_difference"]["mean"] == pytest.approx(weince["linear_top1"] - infonce["linear_top1"])
+    assert (out / "difference.png").stat().st_size > 0
+    assert "| 4 | 6 | 1 |" in (out / "summary.md").read_text()
