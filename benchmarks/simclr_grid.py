@@ -1,13 +1,20 @@
-"""Issue 14 item 3: do WEINCE's (margin, kappa_rho, kappa_aic) matter for SimCLR, and are the defaults right?
+"""Issue 14 item 3: do WEINCE's settings matter for SimCLR, and are the defaults right?
 
-The released code tuned the three on the 27-point grid margin {0, 2, 6} x kappa_rho {5, 10, 20} x kappa_aic
-{0.5, 1, 2} (docs/weince.md). Here a 9-point Latin square of that grid (every level of every factor three times,
-the defaults (2, 10, 1) among the points) runs on a short configuration of the study loop
-(benchmarks/simclr_study.py): CIFAR-stem ResNet-18 of width 8, batch 256 pairs, 1 epoch, temperature 0.5, beta 1.
-The settings are chosen on a held-out part of the training images: ``holdout`` class-balanced training images are
-never trained on and stand in for the test set; the probes train on the remaining 45,000. InfoNCE at the same seed
-(identical batches and augmentations) is the reference. The test set is not touched here; the best point is then
-rerun at the full length of study 1 with ``--rerun-best`` (test set, seed 0, paired with study 1's InfoNCE seed 0).
+The released code tuned (aic_margin, kappa_rho, kappa_aic) on the 27-point grid {0, 2, 6} x {5, 10, 20} x
+{0.5, 1, 2}. Measured before training (benchmarks/weince_grid_statistics.py), aic_margin and kappa_aic do not move
+lambda on these encoders: the AIC differences are far above any margin of that grid, so the geometry gate is 1.
+The 9 points trained here are therefore a Latin square (every level of every factor three times, every pair of
+levels of two factors once, the defaults among the points) of the factors that do act: q {0.1, 0.2, 0.4} (rho0, the
+pivot of the hardness gate, is the q-quantile of the batch's shortfalls: it sets which share of the anchors is
+blended), kappa_rho {5, 10, 20} (that gate's sharpness) and beta {0.5, 1, 2} (the slope of the shortfall logit, 1 in
+the reference code). ``--square released`` trains the released factors instead.
+
+Short configuration of the study loop (benchmarks/simclr_study.py): CIFAR-stem ResNet-18 of width 8, batch 256 pairs,
+1 epoch, temperature 0.5. The settings are chosen on a held-out part of the training images: ``holdout``
+class-balanced training images are never trained on and stand in for the test set; the probes train on the
+remaining 45,000. InfoNCE at the same seed (identical batches and augmentations) is the reference. The test set is
+not touched here; the best point is then rerun at the full length of study 1 with ``--rerun-best`` (test set, seed
+0, paired with study 1's InfoNCE and WEINCE seed 0).
 
 Output: ``<output-dir>/<point>/<loss>-seed<k>.jsonl`` (the study loop's run files, resumable), and
 ``<output-dir>/summary.json`` / ``summary.md``: per point the held-out linear and k-NN top-1, the difference to
@@ -46,24 +53,31 @@ SHORT: dict[str, Any] = {
     "full_eval_epochs": [],
     "pot_images": 2000,
 }
-MARGINS, KAPPA_RHOS, KAPPA_AICS = (0.0, 2.0, 6.0), (5.0, 10.0, 20.0), (0.5, 1.0, 2.0)
+# Two 3x3x3 grids, each with the defaults at the middle level of every factor. "released": the factors the released
+# code tuned. "blend": the factors that set which anchors are blended (q: rho0 is the q-quantile of the shortfalls,
+# kappa_rho: the sharpness of that gate) and how strongly (beta: the slope of the shortfall logit).
+SQUARES: dict[str, dict[str, tuple[float, float, float]]] = {
+    "released": {"aic_margin": (0.0, 2.0, 6.0), "kappa_rho": (5.0, 10.0, 20.0), "kappa_aic": (0.5, 1.0, 2.0)},
+    "blend": {"q": (0.1, 0.2, 0.4), "kappa_rho": (5.0, 10.0, 20.0), "beta": (0.5, 1.0, 2.0)},
+}
+TRAINED_SQUARE = "blend"  # why: benchmarks/results/simclr_grid/lambda_statistics.json (docs/evidence.md, study 3)
+SHORT_NAMES = {"aic_margin": "margin", "kappa_rho": "krho", "kappa_aic": "kaic", "q": "q", "beta": "beta"}
 
 
-def latin_square() -> list[dict[str, float]]:
-    """9 of the 27 points: kappa_aic's level is (i + j + 2) mod 3 for margin level i and kappa_rho level j, so each
-    level of each factor appears three times and (i, j) = (1, 1) gives the defaults (2, 10, 1)."""
-    return [
-        {"aic_margin": m, "kappa_rho": kr, "kappa_aic": KAPPA_AICS[(i + j + 2) % 3]}
-        for i, m in enumerate(MARGINS)
-        for j, kr in enumerate(KAPPA_RHOS)
-    ]
+def latin_square(square: str = TRAINED_SQUARE) -> list[dict[str, float]]:
+    """9 of the 27 points of ``SQUARES[square]``: the third factor's level is (i + j + 2) mod 3 for levels i and j
+    of the first two, so each level of each factor appears three times, every pair of factors meets each
+    combination of levels once, and (i, j) = (1, 1) gives the defaults."""
+    (first, a), (second, b), (third, c) = SQUARES[square].items()
+    return [{first: x, second: y, third: c[(i + j + 2) % 3]} for i, x in enumerate(a) for j, y in enumerate(b)]
 
 
 def point_name(options: dict[str, float]) -> str:
-    return f"margin{options['aic_margin']:g}-krho{options['kappa_rho']:g}-kaic{options['kappa_aic']:g}"
+    return "-".join(f"{SHORT_NAMES[key]}{value:g}" for key, value in options.items())
 
 
 def is_default(options: dict[str, float]) -> bool:
+    """The vision defaults (WeinceOptions(), beta 1 as in the reference code)."""
     return all(getattr(DEFAULTS, key) == value for key, value in options.items())
 
 
@@ -90,10 +104,12 @@ def rerun_comparison(output_dir: Path, seed: int, study_output: Path) -> dict[st
     return out
 
 
-def summarize(output_dir: Path, seed: int, study_output: Path = study.DEFAULT_OUTPUT) -> dict[str, Any]:
+def summarize(
+    output_dir: Path, seed: int, study_output: Path = study.DEFAULT_OUTPUT, square: str = TRAINED_SQUARE
+) -> dict[str, Any]:
     reference = final_line(output_dir / "infonce" / f"{study.run_name('infonce', seed)}.jsonl")
     rows = []
-    for options in latin_square():
+    for options in latin_square(square):
         record = final_line(output_dir / point_name(options) / f"{study.run_name('weince', seed)}.jsonl")
         if record is None:
             continue
@@ -115,19 +131,22 @@ def summarize(output_dir: Path, seed: int, study_output: Path = study.DEFAULT_OU
     default = next((r for r in rows if r["default"]), None)
     summary = {
         "description": (
-            "issue 14 item 3: WEINCE (margin, kappa_rho, kappa_aic) on a 9-point Latin square of the released 27-point"
-            " grid, SimCLR short configuration, evaluated on held-out training images (never the test set); "
+            f"issue 14 item 3: WEINCE settings on a 9-point Latin square ({square}: {', '.join(SQUARES[square])}), "
+            "SimCLR short configuration, evaluated on held-out training images (never the test set); "
             "accuracies in percent; probes on the other training images; seed "
             f"{seed} for every point (identical batches and augmentations); one seed, so differences below the "
             "seed spread of study 1 (docs/evidence.md) are not evidence"
         ),
         "config": {**study.STUDY, **SHORT},
         "seed": seed,
+        "square": square,
         "infonce": None
         if reference is None
         else {"linear_top1": reference["linear_top1"], "knn_top1": reference["knn_top1"]},
         "points": rows,
-        "points_missing": [point_name(o) for o in latin_square() if point_name(o) not in {r["point"] for r in rows}],
+        "points_missing": [
+            point_name(o) for o in latin_square(square) if point_name(o) not in {r["point"] for r in rows}
+        ],
         "best": best,
         "best_minus_default": None
         if best is None or default is None
@@ -149,19 +168,20 @@ def markdown(summary: dict[str, Any]) -> str:
         return f"{value:+.{digits}f}" if sign else f"{value:.{digits}f}"
 
     reference = summary["infonce"]
+    keys = list(SQUARES[summary["square"]])
     lines = [
         f"Held-out training images, seed {summary['seed']}; InfoNCE: linear "
         f"{number(reference and reference['linear_top1'])}, k-NN {number(reference and reference['knn_top1'])}",
         "",
-        "| aic_margin | kappa_rho | kappa_aic | linear top-1 | k-NN top-1 | linear - InfoNCE | k-NN - InfoNCE "
+        f"| {' | '.join(keys)} | linear top-1 | k-NN top-1 | linear - InfoNCE | k-NN - InfoNCE "
         "| lambda in training | share lambda > 0.5 | xi (projections) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- " * (len(keys) + 7) + "|",
     ]
     for row in summary["points"]:
         o = row["options"]
         mark = " (default)" if row["default"] else ""
         lines.append(
-            f"| {o['aic_margin']:g}{mark} | {o['kappa_rho']:g} | {o['kappa_aic']:g} | {number(row['linear_top1'])} "
+            f"| {' | '.join(f'{o[k]:g}' for k in keys)}{mark} | {number(row['linear_top1'])} "
             f"| {number(row['knn_top1'])} | {number(row.get('linear_minus_infonce'), sign=True)} "
             f"| {number(row.get('knn_minus_infonce'), sign=True)} | {number(row['train_lambda_mean'], 3)} "
             f"| {number(row['train_lambda_gt_half'], 3)} | {number(row['xi_projection'], 3)} |"
@@ -194,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--state-dir", type=Path, default=STATE)
     parser.add_argument("--override", default="{}", help="JSON of study keys to change on top of the short setup")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--square", choices=sorted(SQUARES), default=TRAINED_SQUARE, help="the factors of the grid")
     parser.add_argument(
         "--study-output", type=Path, default=study.DEFAULT_OUTPUT, help="study 1's run files (the rerun's reference)"
     )
@@ -212,10 +233,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--override has unknown keys {unknown}")
     torch.set_num_threads(args.threads)
     if args.summarize:
-        summarize(args.output_dir, args.seed, args.study_output)
+        summarize(args.output_dir, args.seed, args.study_output, args.square)
         return
     if args.rerun_best:
-        best = summarize(args.output_dir, args.seed, args.study_output)["best"]
+        best = summarize(args.output_dir, args.seed, args.study_output, args.square)["best"]
         if best is None:
             parser.error("no grid point has finished yet")
         config = {**study.STUDY, **override, "weince_options": best["options"]}
@@ -225,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     config = {**study.STUDY, **SHORT, **override}
     data = study.load_data(config, args.data_dir)
-    plan = [("infonce", {}), *(("weince", options) for options in latin_square())]
+    plan = [("infonce", {}), *(("weince", options) for options in latin_square(args.square))]
     for loss, options in plan:
         name = "infonce" if loss == "infonce" else point_name(options)
         run_config = {**config, "weince_options": options}
@@ -238,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
             full_argv,
             summarize_each_epoch=False,
         )
-        summarize(args.output_dir, args.seed, args.study_output)
+        summarize(args.output_dir, args.seed, args.study_output, args.square)
 
 
 if __name__ == "__main__":

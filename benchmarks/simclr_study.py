@@ -321,8 +321,9 @@ def build(loss: str, seed: int, config: dict[str, Any]) -> tuple[SimCLRModel, Si
     )
     if config["channels_last"]:
         model = model.to(memory_format=torch.channels_last)
-    loss_kwargs = config["weince_options"] if loss == "weince" else None
-    objective = SimCLRObjective(loss, scale=1.0 / config["temperature"], beta=config["beta"], loss_kwargs=loss_kwargs)
+    loss_kwargs = dict(config["weince_options"]) if loss == "weince" else {}
+    beta = loss_kwargs.pop("beta", config["beta"])  # a grid point may set WEINCE's beta too
+    objective = SimCLRObjective(loss, scale=1.0 / config["temperature"], beta=beta, loss_kwargs=loss_kwargs)
     groups = [{"params": list(model.parameters())}]
     loss_parameters = [p for p in objective.parameters() if p.requires_grad]
     if loss_parameters:

@@ -8,6 +8,7 @@ import json
 from collections import Counter
 
 import pytest
+import torch
 
 from tests.conftest import load_script
 from tests.test_simclr_study import TINY, image_folder, lines  # noqa: F401  (image_folder is a fixture)
@@ -23,17 +24,46 @@ def negatives():
     return load_script("benchmarks/simclr_negatives.py", "simclr_negatives")
 
 
-def test_latin_square_covers_every_level_three_times_and_holds_the_defaults(grid):
-    points = grid.latin_square()
-    keys = [(p["aic_margin"], p["kappa_rho"], p["kappa_aic"]) for p in points]
+@pytest.mark.parametrize("square", ["released", "blend"])
+def test_latin_square_covers_every_level_three_times_and_holds_the_defaults(grid, square):
+    factors = grid.SQUARES[square]
+    points = grid.latin_square(square)
+    keys = [tuple(p[name] for name in factors) for p in points]
     assert len(set(keys)) == 9
-    assert set(keys) <= set(itertools.product(grid.MARGINS, grid.KAPPA_RHOS, grid.KAPPA_AICS))
-    for position, levels in enumerate((grid.MARGINS, grid.KAPPA_RHOS, grid.KAPPA_AICS)):
+    assert set(keys) <= set(itertools.product(*factors.values()))
+    for position, levels in enumerate(factors.values()):
         assert Counter(k[position] for k in keys) == {level: 3 for level in levels}
     # Every pair of factors meets each combination of levels once (a Latin square, not just balanced margins).
     for a, b in itertools.combinations(range(3), 2):
         assert len({(k[a], k[b]) for k in keys}) == 9
-    assert [grid.point_name(p) for p in points if grid.is_default(p)] == ["margin2-krho10-kaic1"]
+    defaults = [p for p in points if grid.is_default(p)]
+    assert len(defaults) == 1 and all(
+        value == levels[1] for value, levels in zip(defaults[0].values(), factors.values())
+    )
+    assert len({grid.point_name(p) for p in points}) == 9
+
+
+def test_lambda_statistics_by_point_follow_q_and_ignore_a_saturated_geometry_gate(grid):
+    statistics = load_script("benchmarks/weince_grid_statistics.py", "weince_grid_statistics")
+    generator = torch.Generator().manual_seed(0)
+    # Well-separated positives and a long Weibull-like tail of negatives: dAIC far above every margin of the grid.
+    embeddings = torch.nn.functional.normalize(torch.randn(256, 16, generator=generator), dim=1)
+    scores = [
+        embeddings
+        @ torch.nn.functional.normalize(embeddings + 0.3 * torch.randn(256, 16, generator=generator), dim=1).T
+    ]
+    base = statistics.WeinceOptions()
+    released = {row["point"]: row for row in statistics.statistics_by_point(scores, "released", base)}
+    blend = statistics.statistics_by_point(scores, "blend", base)
+    assert released["margin2-krho10-kaic1"]["mean_abs_change_vs_default"] == 0.0
+    assert min(row["delta_aic_median"] for row in released.values()) > 6.0
+    # Points that differ only in the saturated AIC gate give the same lambda to 1e-3.
+    assert released["margin0-krho10-kaic0.5"]["lambda_mean"] == pytest.approx(
+        released["margin2-krho10-kaic1"]["lambda_mean"], abs=1e-3
+    )
+    # rho0 is the q-quantile of the shortfalls, so about a share q of the anchors has lambda > 1/2.
+    for row in blend:
+        assert row["lambda_gt_half"] == pytest.approx(row["options"]["q"], abs=2 / 256)
 
 
 def test_holdout_is_class_balanced_and_never_trained_on(grid, image_folder):  # noqa: F811
