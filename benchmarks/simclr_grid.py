@@ -221,6 +221,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--summarize", action="store_true")
     parser.add_argument(
+        "--docs", type=Path, default=None, help="with --summarize: also put summary.md between this file's markers"
+    )
+    parser.add_argument(
         "--rerun-best",
         action="store_true",
         help="run the chosen point with study 1's configuration on the test set (into <output-dir>/rerun-best/)",
@@ -233,7 +236,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--override has unknown keys {unknown}")
     torch.set_num_threads(args.threads)
     if args.summarize:
-        summarize(args.output_dir, args.seed, args.study_output, args.square)
+        summary = summarize(args.output_dir, args.seed, args.study_output, args.square)
+        if args.docs is not None:
+            study.update_docs(args.docs, markdown(summary), block="simclr_grid")
         return
     if args.rerun_best:
         best = summarize(args.output_dir, args.seed, args.study_output, args.square)["best"]

@@ -1,6 +1,6 @@
 """Issue 14 item 2: does WEINCE's effect grow with the number of negatives?
 
-WEINCE against InfoNCE at 128, 512 and 2,048 pairs per step (255 to 4,095 negatives per anchor in the NT-Xent
+WEINCE against InfoNCE at 128, 512 and 2,048 pairs per step (254 to 4,094 negatives per anchor in the NT-Xent
 layout) with the same number of images seen: one epoch of all 50,000 CIFAR-10 training images, so the larger
 batches take fewer steps (390, 97, 24). The study loop of benchmarks/simclr_study.py at a reduced setting:
 CIFAR-stem ResNet-18 of width 8, Adam lr 1e-3 for every batch size (no learning-rate scaling with the batch),
@@ -177,10 +177,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--summarize", action="store_true")
+    parser.add_argument(
+        "--docs", type=Path, default=None, help="with --summarize: also put summary.md between this file's markers"
+    )
     args = parser.parse_args(argv)
     batch_sizes, seeds = tuple(args.batch_sizes), tuple(args.seeds)
     if args.summarize:
-        summarize(args.output_dir, batch_sizes, seeds)
+        summary = summarize(args.output_dir, batch_sizes, seeds)
+        if args.docs is not None:
+            study.update_docs(args.docs, markdown(summary), block="simclr_negatives")
         return
     override = json.loads(args.override)
     unknown = sorted(set(override) - set(study.STUDY))

@@ -704,17 +704,16 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-DOCS_START, DOCS_END = "<!-- simclr_study summary: start -->", "<!-- simclr_study summary: end -->"
-
-
-def update_docs(path: Path, markdown: str) -> None:
-    """Replace the text between the two markers of ``path`` by ``markdown`` (generated, never edited by hand)."""
+def update_docs(path: Path, markdown: str, block: str = "simclr_study") -> None:
+    """Replace the text between the two markers of ``block`` in ``path`` by ``markdown`` (generated, never edited
+    by hand)."""
+    start, end = f"<!-- {block} summary: start -->", f"<!-- {block} summary: end -->"
     text = path.read_text()
-    if text.count(DOCS_START) != 1 or text.count(DOCS_END) != 1:
-        raise ValueError(f"{path} needs exactly one {DOCS_START!r} and one {DOCS_END!r} line")
-    head, rest = text.split(DOCS_START)
-    _, tail = rest.split(DOCS_END)
-    path.write_text(f"{head}{DOCS_START}\n{markdown}\n{DOCS_END}{tail}")
+    if text.count(start) != 1 or text.count(end) != 1:
+        raise ValueError(f"{path} needs exactly one {start!r} and one {end!r} line")
+    head, rest = text.split(start)
+    _, tail = rest.split(end)
+    path.write_text(f"{head}{start}\n{markdown}\n{end}{tail}")
 
 
 def plot_curves(runs: dict[str, dict[str, Any]], path: Path) -> None:

@@ -53,8 +53,14 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     clock = Clock("cpu")
     autocast = torch.autocast(device_type="cpu", enabled=False)
-    report: dict = {"encoder": args.encoder, "seq_len": 32, "repeats": args.repeats, "clock": "process CPU time",
-                    "rows": [], "provenance": provenance(argv)}
+    report: dict = {
+        "encoder": args.encoder,
+        "seq_len": 32,
+        "repeats": args.repeats,
+        "clock": "process CPU time",
+        "rows": [],
+        "provenance": provenance(argv),
+    }
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     plan = [("uncached", batch) for batch in args.batches]
@@ -70,16 +76,18 @@ def main(argv: list[str] | None = None) -> dict:
         features = token_features(batch, 2, 32, model[0].auto_model.config.vocab_size, "cpu", seed=1)
         medians = _time_optimizer_steps(model, named, features, autocast, clock, args.repeats)
         baseline = "mnrl" if label == "uncached" else "cmnrl"
-        report["rows"].append({
-            "kind": label,
-            "batch": batch,
-            "mini_batch": args.mini_batch if label == "cached" else None,
-            "seconds": medians,
-            "ratio": {name: medians[name] / medians[baseline] for name in medians if name != baseline},
-            "wall_seconds": time.monotonic() - started,
-            "load_average_before": load_before,
-            "load_average_after": os.getloadavg(),
-        })
+        report["rows"].append(
+            {
+                "kind": label,
+                "batch": batch,
+                "mini_batch": args.mini_batch if label == "cached" else None,
+                "seconds": medians,
+                "ratio": {name: medians[name] / medians[baseline] for name in medians if name != baseline},
+                "wall_seconds": time.monotonic() - started,
+                "load_average_before": load_before,
+                "load_average_after": os.getloadavg(),
+            }
+        )
         output.write_text(json.dumps(report, indent=2) + "\n")
         print(json.dumps(report["rows"][-1]["ratio"]), flush=True)
     return report

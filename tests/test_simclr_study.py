@@ -179,10 +179,16 @@ def test_resume_refuses_a_changed_configuration(study, image_folder, tmp_path, o
 
 
 def test_update_docs_replaces_only_the_marked_block(study, tmp_path):
+    start, end = "<!-- simclr_study summary: start -->", "<!-- simclr_study summary: end -->"
+    other = "<!-- simclr_grid summary: start -->\ngrid\n<!-- simclr_grid summary: end -->"
     doc = tmp_path / "evidence.md"
-    doc.write_text(f"intro\n{study.DOCS_START}\nold table\n{study.DOCS_END}\noutro\n")
+    doc.write_text(f"intro\n{start}\nold table\n{end}\n{other}\noutro\n")
     study.update_docs(doc, "| new | table |")
-    assert doc.read_text() == f"intro\n{study.DOCS_START}\n| new | table |\n{study.DOCS_END}\noutro\n"
+    assert doc.read_text() == f"intro\n{start}\n| new | table |\n{end}\n{other}\noutro\n"
+    study.update_docs(doc, "new grid", block="simclr_grid")
+    assert doc.read_text().endswith(
+        "<!-- simclr_grid summary: start -->\nnew grid\n<!-- simclr_grid summary: end -->\noutro\n"
+    )
     doc.write_text("no markers\n")
     with pytest.raises(ValueError, match="needs exactly one"):
         study.update_docs(doc, "x")
