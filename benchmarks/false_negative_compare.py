@@ -401,6 +401,7 @@ def summarize(loss_name: str, chosen: list, validation: dict, runs: dict[str, li
             for k in diagnostic_keys
             if all(isinstance(r["diagnostic"][k], int | float) for r in records)
         }
+        arm_summary["diagnostic"]["guard_after"] = records[0]["diagnostic"]["diagnostic_filter"]
         arm_summary["seconds_per_run"] = mean_std([r["seconds"]["total"] for r in records])
         summary["arms"][arm] = arm_summary
     off, on = runs["off"], runs["guard"]
@@ -413,9 +414,28 @@ def summarize(loss_name: str, chosen: list, validation: dict, runs: dict[str, li
     return summary
 
 
+def between_losses(runs: dict[str, dict[str, list[dict]]]) -> dict[str, Any]:
+    """WEINCE - MNRL and RB-Sigmoid - MNRL per arm, paired by seed (the same pairs and batches)."""
+    out: dict[str, Any] = {}
+    if "mnrl" not in runs:
+        return out
+    for loss_name in ("weince", "rb_sigmoid"):
+        if loss_name not in runs:
+            continue
+        for arm in ("off", "guard"):
+            base = {r["seed"]: r for r in runs["mnrl"][arm]}
+            mine = [r for r in runs[loss_name][arm] if r["seed"] in base]
+            present = [m for m in METRICS if mine and all(m in r and m in base[r["seed"]] for r in mine)]
+            out[f"{loss_name}_minus_mnrl_{arm}"] = {
+                m: mean_std([r[m] - base[r["seed"]][m] for r in mine]) for m in present
+            }
+    return out
+
+
 def markdown(summary: dict[str, Any]) -> str:
-    lines = ["| loss | guard | " + " | ".join(METRICS) + " | blended FN-hardest before | after | s/run |"]
-    lines.append("|" + "---|" * (len(METRICS) + 5))
+    # "after": the share with the run's own guard; a run without the guard is diagnosed with --diagnostic-filter.
+    lines = ["| loss | guard | " + " | ".join(METRICS) + " | blended FN-hardest before | after | after with | s/run |"]
+    lines.append("|" + "---|" * (len(METRICS) + 6))
 
     def cell(stat):
         if stat is None:
@@ -433,11 +453,22 @@ def markdown(summary: dict[str, Any]) -> str:
                 + " | ".join(cell(data.get(m)) for m in METRICS)
                 + f" | {cell(diagnostic.get('blended_fn_hardest_share_before'))}"
                 + f" | {cell(diagnostic.get('blended_fn_hardest_share_after'))}"
+                + " | {} {}".format(*diagnostic["guard_after"])
                 + f" | {data['seconds_per_run']['mean']:.0f} |"
             )
         lines.append(
-            f"| {loss_name} | paired diff | " + " | ".join(cell(result["paired"].get(m)) for m in METRICS) + " | | | |"
+            f"| {loss_name} | paired diff | "
+            + " | ".join(cell(result["paired"].get(m)) for m in METRICS)
+            + " | | | | |"
         )
+    if summary.get("between_losses"):
+        lines += [
+            "",
+            "| comparison (paired by seed) | " + " | ".join(METRICS) + " |",
+            "|" + "---|" * (len(METRICS) + 1),
+        ]
+        for name, stats in summary["between_losses"].items():
+            lines.append(f"| {name} | " + " | ".join(cell(stats.get(m)) for m in METRICS) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -559,6 +590,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     path = out / "runs.jsonl"
     finished = load_finished(path)
     summary: dict[str, Any] = {"losses": {}, "scale": {k: getattr(args, k) for k in SCALE}, "seeds": args.seeds}
+    all_runs: dict[str, dict[str, list[dict]]] = {}
     for loss_name in args.losses:
         chosen, val_scores = choose_threshold(loss_name, args, data, finished, path)
         runs: dict[str, list[dict]] = {"off": [], "guard": []}
@@ -567,6 +599,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 key = {"loss": loss_name, "filter": spec, "seed": seed}
                 runs[arm].append(run_or_reuse(key, args, data, finished, path))
         summary["losses"][loss_name] = summarize(loss_name, chosen, val_scores, runs)
+        all_runs[loss_name] = runs
+        summary["between_losses"] = between_losses(all_runs)
         summary["provenance"] = provenance(sys.argv if argv is None else [__file__, *argv])
         summary["data"] = {k: len(v) for k, v in data.items()}
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")

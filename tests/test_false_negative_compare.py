@@ -116,6 +116,15 @@ def test_tiny_comparison_writes_lines_and_resumes(compare, tiny_model_dir, tmp_p
         assert result["paired"]["test_knn"]["values"] == pytest.approx(expected)
         assert 0.0 <= result["arms"]["guard"]["test_linear_probe"]["mean"] <= 1.0
         assert "mteb_banking77" not in result["paired"]
+    # Between losses, paired by seed: RB-Sigmoid - MNRL without the guard, from the run lines.
+    runs = {line["name"]: line for line in lines}
+    between = summary["between_losses"]["rb_sigmoid_minus_mnrl_off"]["test_linear_probe"]["values"]
+    expected = [
+        runs[f"rb_sigmoid-off-seed{s}"]["test_linear_probe"] - runs[f"mnrl-off-seed{s}"]["test_linear_probe"]
+        for s in (0, 1)
+    ]
+    assert between == pytest.approx(expected)
+    assert "mteb_banking77" not in summary["between_losses"]["rb_sigmoid_minus_mnrl_guard"]
     assert all(line["logged"] for line in lines)
     guarded = [line for line in lines if line["filter"] is not None]
     key = "weince_fn_masked_share" if guarded[0]["loss"] == "mnrl" else "rb_sigmoid_fn_masked_share"
