@@ -795,7 +795,8 @@ def load_data(config: dict[str, Any], data_dir: Path) -> EvalData:
     if config["holdout"] is None:
         evaluation = load_dataset(config["dataset"], "test", data_dir, limit=config["limit_test"], download=False)
     else:
-        if not (isinstance(config["holdout"], int) and 0 < config["holdout"] < len(train)):
+        holdout = config["holdout"]
+        if isinstance(holdout, bool) or not (isinstance(holdout, int) and 0 < holdout < len(train)):
             raise ValueError(f"holdout must be a number of images in 1..{len(train) - 1}, got {config['holdout']!r}")
         held = torch.zeros(len(train), dtype=torch.bool)
         held[balanced_subset(train.labels, config["holdout"], config["subset_seed"])] = True

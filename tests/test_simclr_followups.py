@@ -77,7 +77,7 @@ def test_holdout_is_class_balanced_and_never_trained_on(grid, image_folder):  # 
     # The held-out images come from the training split, not from the test split.
     everything = study.load_data({**config, "holdout": None}, image_folder)
     assert {bytes(i.numpy()) for i in data.test.images} <= {bytes(i.numpy()) for i in everything.train.images}
-    for bad in (0, 24, 2.5):
+    for bad in (0, 24, 2.5, True):
         with pytest.raises(ValueError, match="holdout must be a number of images"):
             study.load_data({**config, "holdout": bad}, image_folder)
 
