@@ -81,24 +81,19 @@ def is_default(options: dict[str, float]) -> bool:
     return all(getattr(DEFAULTS, key) == value for key, value in options.items())
 
 
-def final_line(path: Path) -> dict[str, Any] | None:
-    return next((r for r in study.read_lines(path) if r.get("type") == "final"), None)
-
-
 def rerun_comparison(output_dir: Path, seed: int, study_output: Path) -> dict[str, Any] | None:
     """The chosen point at study 1's full length against study 1's InfoNCE and default WEINCE of the same seed."""
-    rerun = final_line(output_dir / "rerun-best" / f"{study.run_name('weince', seed)}.jsonl")
+    records = study.read_lines(output_dir / "rerun-best" / f"{study.run_name('weince', seed)}.jsonl")
+    rerun = study.final_record(records)
     if rerun is None:
         return None
     out: dict[str, Any] = {
-        "options": study.read_lines(output_dir / "rerun-best" / f"{study.run_name('weince', seed)}.jsonl")[0]["config"][
-            "weince_options"
-        ],
+        "options": records[0]["config"]["weince_options"],
         "linear_top1": rerun["linear_top1"],
         "knn_top1": rerun["knn_top1"],
     }
     for loss in ("infonce", "weince"):
-        base = final_line(study_output / f"{study.run_name(loss, seed)}.jsonl")
+        base = study.final_line(study_output / f"{study.run_name(loss, seed)}.jsonl")
         if base is not None:
             out[f"minus_study_{loss}"] = {m: rerun[m] - base[m] for m in ("linear_top1", "knn_top1")}
     return out
@@ -107,10 +102,10 @@ def rerun_comparison(output_dir: Path, seed: int, study_output: Path) -> dict[st
 def summarize(
     output_dir: Path, seed: int, study_output: Path = study.DEFAULT_OUTPUT, square: str = TRAINED_SQUARE
 ) -> dict[str, Any]:
-    reference = final_line(output_dir / "infonce" / f"{study.run_name('infonce', seed)}.jsonl")
+    reference = study.final_line(output_dir / "infonce" / f"{study.run_name('infonce', seed)}.jsonl")
     rows = []
     for options in latin_square(square):
-        record = final_line(output_dir / point_name(options) / f"{study.run_name('weince', seed)}.jsonl")
+        record = study.final_line(output_dir / point_name(options) / f"{study.run_name('weince', seed)}.jsonl")
         if record is None:
             continue
         row = {
@@ -230,10 +225,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     full_argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
-    override = json.loads(args.override)
-    unknown = sorted(set(override) - set(study.STUDY))
-    if unknown:
-        parser.error(f"--override has unknown keys {unknown}")
+    try:
+        override = study.parse_override(args.override)
+    except ValueError as error:
+        parser.error(str(error))
     torch.set_num_threads(args.threads)
     if args.summarize:
         summary = summarize(args.output_dir, args.seed, args.study_output, args.square)

@@ -48,17 +48,13 @@ REDUCED: dict[str, Any] = {
 METRICS = ("linear_top1", "knn_top1")
 
 
-def final_line(path: Path) -> dict[str, Any] | None:
-    return next((r for r in study.read_lines(path) if r.get("type") == "final"), None)
-
-
 def summarize(output_dir: Path, batch_sizes: tuple[int, ...], seeds: tuple[int, ...]) -> dict[str, Any]:
     rows = []
     for batch in batch_sizes:
         per_seed = {}
         for seed in seeds:
             finals = {
-                loss: final_line(output_dir / f"batch{batch}" / f"{study.run_name(loss, seed)}.jsonl")
+                loss: study.final_line(output_dir / f"batch{batch}" / f"{study.run_name(loss, seed)}.jsonl")
                 for loss in ("infonce", "weince")
             }
             if None in finals.values():
@@ -187,10 +183,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.docs is not None:
             study.update_docs(args.docs, markdown(summary), block="simclr_negatives")
         return
-    override = json.loads(args.override)
-    unknown = sorted(set(override) - set(study.STUDY))
-    if unknown:
-        parser.error(f"--override has unknown keys {unknown}")
+    try:
+        override = study.parse_override(args.override)
+    except ValueError as error:
+        parser.error(str(error))
     full_argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
     torch.set_num_threads(args.threads)
     config = {**study.STUDY, **REDUCED, **override}

@@ -151,6 +151,15 @@ def read_lines(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def final_record(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The ``"type": "final"`` line among a run file's records, None while the run is unfinished."""
+    return next((r for r in records if r.get("type") == "final"), None)
+
+
+def final_line(path: Path) -> dict[str, Any] | None:
+    return final_record(read_lines(path))
+
+
 def write_lines(path: Path, records: list[dict[str, Any]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -540,7 +549,7 @@ def summarize(output_dir: Path) -> dict[str, Any]:
             "config": header["config"],
             "header": {k: header.get(k) for k in ("date_utc", "git_commit", "machine", "versions", "command")},
             "checkpoints": [r for r in records if r.get("type") == "checkpoint"],
-            "final": next((r for r in records if r.get("type") == "final"), None),
+            "final": final_record(records),
             "full": [r for r in records if r.get("type") in ("full", "final")],
             "resumes": sum(r.get("type") == "resume" for r in records),
         }
@@ -751,6 +760,18 @@ def plot_curves(runs: dict[str, dict[str, Any]], path: Path) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def parse_override(text: str) -> dict[str, Any]:
+    """``--override``: JSON of STUDY keys (this script's and the studies built on it); ValueError naming the problem."""
+    try:
+        override = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--override must be JSON: {error}") from None
+    unknown = sorted(set(override) - set(STUDY))
+    if unknown:
+        raise ValueError(f"--override has unknown keys {unknown}; known: {sorted(STUDY)}")
+    return override
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA, help="CIFAR-10 ImageFolder directory or zip")
@@ -766,12 +787,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     try:
-        override = json.loads(args.override)
-    except json.JSONDecodeError as error:
-        parser.error(f"--override must be JSON: {error}")
-    unknown = sorted(set(override) - set(STUDY))
-    if unknown:
-        parser.error(f"--override has unknown keys {unknown}; known: {sorted(STUDY)}")
+        override = parse_override(args.override)
+    except ValueError as error:
+        parser.error(str(error))
     args.config = {**STUDY, **override}
     known = {run_name(loss, seed) for loss, seed in RUN_ORDER}
     if args.runs is not None:

@@ -145,3 +145,14 @@ def test_negatives_pairs_the_losses_per_batch_size_with_the_same_images_seen(
         assert row["linear_top1_difference"]["mean"] == pytest.approx(weince["linear_top1"] - infonce["linear_top1"])
     assert (out / "difference.png").stat().st_size > 0
     assert "| 4 | 6 | 1 |" in (out / "summary.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [('{"width": 8', "--override must be JSON"), ('{"no_such_key": 1}', "--override has unknown keys ['no_such_key']")],
+)
+def test_followup_scripts_refuse_a_bad_override_by_name(grid, negatives, override, expected, capsys):
+    for script in (grid, negatives):
+        with pytest.raises(SystemExit):
+            script.main(["--override", override])
+        assert expected in capsys.readouterr().err
