@@ -223,6 +223,13 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="run the chosen point with study 1's configuration on the test set (into <output-dir>/rerun-best/)",
     )
+    parser.add_argument(
+        "--rerun-seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="seeds of the rerun (default: --seed); the point is always the one chosen at --seed",
+    )
     args = parser.parse_args(argv)
     full_argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
     try:
@@ -242,7 +249,8 @@ def main(argv: list[str] | None = None) -> None:
         config = {**study.STUDY, **override, "weince_options": best["options"]}
         data = study.load_data(config, args.data_dir)
         out = args.output_dir / "rerun-best"
-        study.run_all([("weince", args.seed)], config, data, out, args.state_dir / "rerun-best", full_argv)
+        seeds = [args.seed] if args.rerun_seeds is None else args.rerun_seeds
+        study.run_all([("weince", s) for s in seeds], config, data, out, args.state_dir / "rerun-best", full_argv)
         return
     config = {**study.STUDY, **SHORT, **override}
     data = study.load_data(config, args.data_dir)
