@@ -13,8 +13,8 @@ Short configuration of the study loop (benchmarks/simclr_study.py): CIFAR-stem R
 1 epoch, temperature 0.5. The settings are chosen on a held-out part of the training images: ``holdout``
 class-balanced training images are never trained on and stand in for the test set; the probes train on the
 remaining 45,000. InfoNCE at the same seed (identical batches and augmentations) is the reference. The test set is
-not touched here; the best point is then rerun at the full length of study 1 with ``--rerun-best`` (test set, seed
-0, paired with study 1's InfoNCE and WEINCE seed 0).
+not touched here; the best point is then rerun at the full length of study 1 with ``--rerun-best`` (test set,
+``--rerun-seeds`` as many seeds as study 1, each paired with study 1's InfoNCE and default WEINCE of that seed).
 
 Output: ``<output-dir>/<point>/<loss>-seed<k>.jsonl`` (the study loop's run files, resumable), and
 ``<output-dir>/summary.json`` / ``summary.md``: per point the held-out linear and k-NN top-1, the difference to
@@ -23,6 +23,7 @@ InfoNCE, WEINCE's mean lambda in training and the POT shape xi; the chosen point
     OMP_NUM_THREADS=1 python benchmarks/simclr_grid.py               # the grid (about 4 minutes a point here)
     OMP_NUM_THREADS=1 python benchmarks/simclr_grid.py --summarize
     OMP_NUM_THREADS=1 python benchmarks/simclr_grid.py --rerun-best  # the chosen point at study 1's full length
+    OMP_NUM_THREADS=1 python benchmarks/simclr_grid.py --rerun-best --rerun-seeds 1 2  # (about 45 minutes a seed)
 """
 
 from __future__ import annotations
@@ -81,21 +82,33 @@ def is_default(options: dict[str, float]) -> bool:
     return all(getattr(DEFAULTS, key) == value for key, value in options.items())
 
 
-def rerun_comparison(output_dir: Path, seed: int, study_output: Path) -> dict[str, Any] | None:
-    """The chosen point at study 1's full length against study 1's InfoNCE and default WEINCE of the same seed."""
-    records = study.read_lines(output_dir / "rerun-best" / f"{study.run_name('weince', seed)}.jsonl")
-    rerun = study.final_record(records)
-    if rerun is None:
+def rerun_comparison(output_dir: Path, study_output: Path) -> dict[str, Any] | None:
+    """The chosen point at study 1's full length, every finished seed, paired by seed with study 1's InfoNCE and
+    default WEINCE (identical batches and augmentations): per seed and mean +- sample std of the differences."""
+    metrics = ("linear_top1", "knn_top1")
+    per_seed: dict[str, dict[str, Any]] = {}
+    options = None
+    for path in sorted((output_dir / "rerun-best").glob("weince-seed*.jsonl")):
+        records = study.read_lines(path)
+        rerun = study.final_record(records)
+        if rerun is None:
+            continue
+        seed = records[0]["seed"]
+        options = records[0]["config"]["weince_options"]
+        row: dict[str, Any] = {m: rerun[m] for m in metrics}
+        for loss in ("infonce", "weince"):
+            base = study.final_line(study_output / f"{study.run_name(loss, seed)}.jsonl")
+            if base is not None:
+                row[f"minus_study_{loss}"] = {m: rerun[m] - base[m] for m in metrics}
+        per_seed[str(seed)] = row
+    if not per_seed:
         return None
-    out: dict[str, Any] = {
-        "options": records[0]["config"]["weince_options"],
-        "linear_top1": rerun["linear_top1"],
-        "knn_top1": rerun["knn_top1"],
-    }
+    out: dict[str, Any] = {"options": options, "seeds": sorted(int(s) for s in per_seed), "per_seed": per_seed}
+    out.update({m: study.mean_std([row[m] for row in per_seed.values()]) for m in metrics})
     for loss in ("infonce", "weince"):
-        base = study.final_line(study_output / f"{study.run_name(loss, seed)}.jsonl")
-        if base is not None:
-            out[f"minus_study_{loss}"] = {m: rerun[m] - base[m] for m in ("linear_top1", "knn_top1")}
+        diffs = [row[f"minus_study_{loss}"] for row in per_seed.values() if f"minus_study_{loss}" in row]
+        if diffs:
+            out[f"minus_study_{loss}"] = {m: study.mean_std([d[m] for d in diffs]) for m in metrics}
     return out
 
 
@@ -146,7 +159,7 @@ def summarize(
         "best_minus_default": None
         if best is None or default is None
         else {m: best[m] - default[m] for m in ("linear_top1", "knn_top1")},
-        "rerun_best": rerun_comparison(output_dir, seed, study_output),
+        "rerun_best": rerun_comparison(output_dir, study_output),
         "provenance": provenance(),
     }
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -188,15 +201,27 @@ def markdown(summary: dict[str, Any]) -> str:
             lines[-1] += f" (best - default: linear {diff['linear_top1']:+.2f}, k-NN {diff['knn_top1']:+.2f})"
     rerun = summary["rerun_best"]
     if rerun is not None:
+        fmt = study.format_stat
         lines += [
             "",
-            f"Rerun of the best point at study 1's full length (test set, seed {summary['seed']}): "
-            f"linear {rerun['linear_top1']:.2f}, k-NN {rerun['knn_top1']:.2f}",
+            f"Rerun of the chosen point ({point_name(rerun['options'])}) at study 1's full length, test set, paired "
+            "by seed with study 1 (identical batches and augmentations):",
+            "",
+            "| seed | linear top-1 | k-NN top-1 | linear - InfoNCE | k-NN - InfoNCE | linear - default WEINCE "
+            "| k-NN - default WEINCE |",
+            "| --- " * 7 + "|",
         ]
+        for seed, row in sorted(rerun["per_seed"].items(), key=lambda item: int(item[0])):
+            cells = [number(row["linear_top1"]), number(row["knn_top1"])]
+            for loss in ("infonce", "weince"):
+                diff = row.get(f"minus_study_{loss}", {})
+                cells += [number(diff.get("linear_top1"), sign=True), number(diff.get("knn_top1"), sign=True)]
+            lines.append(f"| {seed} | {' | '.join(cells)} |")
+        cells = [fmt(rerun["linear_top1"]), fmt(rerun["knn_top1"])]
         for loss in ("infonce", "weince"):
             diff = rerun.get(f"minus_study_{loss}")
-            if diff is not None:
-                lines[-1] += f"; minus study 1 {loss}: {diff['linear_top1']:+.2f} / {diff['knn_top1']:+.2f}"
+            cells += ["-", "-"] if diff is None else [fmt(diff[m], sign=True) for m in ("linear_top1", "knn_top1")]
+        lines.append(f"| mean +- std ({len(rerun['seeds'])} seeds) | {' | '.join(cells)} |")
     if summary["points_missing"]:
         lines += ["", f"Not run yet: {', '.join(summary['points_missing'])}"]
     return "\n".join(lines)

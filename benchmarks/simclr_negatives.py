@@ -111,7 +111,7 @@ def summarize(output_dir: Path, batch_sizes: tuple[int, ...], seeds: tuple[int, 
 
 
 def markdown(summary: dict[str, Any]) -> str:
-    fmt = study._fmt
+    fmt = study.format_stat
     lines = [
         "| pairs per step | steps | seeds | InfoNCE linear | WEINCE linear | linear WEINCE - InfoNCE "
         "| k-NN WEINCE - InfoNCE | per seed (linear / k-NN) | WEINCE lambda in training |",

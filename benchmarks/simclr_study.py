@@ -497,7 +497,7 @@ def mean_std(values: list[float]) -> dict[str, float | int]:
     }
 
 
-def _fmt(stat: dict[str, float | int], digits: int = 2, sign: bool = False) -> str:
+def format_stat(stat: dict[str, float | int], digits: int = 2, sign: bool = False) -> str:
     if not stat["n"]:
         return "-"
     mean = f"{stat['mean']:+.{digits}f}" if sign else f"{stat['mean']:.{digits}f}"
@@ -660,9 +660,9 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         ]
         for loss, stats in block["per_loss"].items():
             lines.append(
-                f"| {loss} | {', '.join(map(str, stats['seeds']))} | {_fmt(stats['linear_top1'])} "
-                f"| {_fmt(stats['knn_top1'])} | {_fmt(stats['xi_projection'], 3)} "
-                f"| {_fmt(stats['encoder_lambda_mean'], 3)} |"
+                f"| {loss} | {', '.join(map(str, stats['seeds']))} | {format_stat(stats['linear_top1'])} "
+                f"| {format_stat(stats['knn_top1'])} | {format_stat(stats['xi_projection'], 3)} "
+                f"| {format_stat(stats['encoder_lambda_mean'], 3)} |"
             )
         lines += ["", f"Epoch {epoch}, paired by seed (same initialisation, batches and augmentations), points", ""]
         lines += ["| comparison | seeds | linear top-1 | k-NN top-1 | per seed (linear / k-NN) |"]
@@ -672,8 +672,8 @@ def summary_markdown(summary: dict[str, Any]) -> str:
                 f"seed {s}: {d['linear_top1']:+.2f} / {d['knn_top1']:+.2f}" for s, d in diff["per_seed"].items()
             )
             lines.append(
-                f"| {name} | {len(diff['seeds'])} | {_fmt(diff['linear_top1'], sign=True)} "
-                f"| {_fmt(diff['knn_top1'], sign=True)} | {per_seed} |"
+                f"| {name} | {len(diff['seeds'])} | {format_stat(diff['linear_top1'], sign=True)} "
+                f"| {format_stat(diff['knn_top1'], sign=True)} | {per_seed} |"
             )
         lines.append("")
     lines += ["WEINCE - InfoNCE along training, paired by seed (probes on the fixed subset), points", ""]
@@ -687,8 +687,8 @@ def summary_markdown(summary: dict[str, Any]) -> str:
             for seed, lin, knn in zip(row["seeds"], row["linear_top1_per_seed"], row["knn_top1_per_seed"])
         )
         lines.append(
-            f"| {row['epoch']} | {len(row['seeds'])} | {_fmt(row['linear_top1'], sign=True)} "
-            f"| {_fmt(row['knn_top1'], sign=True)} | {per_seed} |"
+            f"| {row['epoch']} | {len(row['seeds'])} | {format_stat(row['linear_top1'], sign=True)} "
+            f"| {format_stat(row['knn_top1'], sign=True)} | {per_seed} |"
         )
     lines += ["", "Along training, per run (probes on the fixed subset; lambda: WEINCE's statistics)", ""]
     lines += [

@@ -102,11 +102,37 @@ def test_grid_runs_every_point_with_its_options_and_reruns_the_best(grid, image_
     best = max(summary["points"], key=lambda r: (r["linear_top1"], r["knn_top1"]))
     assert summary["best"]["point"] == best["point"]
 
-    grid.main([*common, "--override", json.dumps(TINY), "--rerun-best"])
-    rerun = lines(tmp_path / "grid" / "rerun-best" / "weince-seed0.jsonl")
-    assert rerun[0]["config"]["weince_options"] == best["options"]
-    assert rerun[0]["config"]["holdout"] is None and rerun[-1]["probe_train_images"] == 24  # nothing held out
-    assert rerun[-1]["epoch"] == TINY["epochs"]
+    # study 1's reference finals (only InfoNCE seed 1 and default WEINCE seed 0 exist, as after an interrupted study)
+    reference_finals = {"infonce-seed1": (50.0, 40.0), "weince-seed0": (10.0, 20.0)}
+    (tmp_path / "study").mkdir()
+    for name, (linear, knn) in reference_finals.items():
+        final = {"type": "final", "linear_top1": linear, "knn_top1": knn}
+        (tmp_path / "study" / f"{name}.jsonl").write_text(json.dumps({"type": "header"}) + "\n" + json.dumps(final))
+
+    grid.main([*common, "--override", json.dumps(TINY), "--rerun-best", "--rerun-seeds", "0", "1"])
+    finals = {}
+    for seed in (0, 1):
+        rerun = lines(tmp_path / "grid" / "rerun-best" / f"weince-seed{seed}.jsonl")
+        assert rerun[0]["config"]["weince_options"] == best["options"]  # the point chosen at seed 0, at every seed
+        assert rerun[0]["seed"] == seed
+        assert rerun[0]["config"]["holdout"] is None and rerun[-1]["probe_train_images"] == 24  # nothing held out
+        assert rerun[-1]["epoch"] == TINY["epochs"]
+        finals[seed] = rerun[-1]
+    assert finals[0]["linear_top1"] != finals[1]["linear_top1"] or finals[0]["knn_top1"] != finals[1]["knn_top1"]
+
+    grid.main([*common, "--summarize"])
+    comparison = json.loads((tmp_path / "grid" / "summary.json").read_text())["rerun_best"]
+    assert comparison["seeds"] == [0, 1] and comparison["options"] == best["options"]
+    assert comparison["linear_top1"]["mean"] == pytest.approx((finals[0]["linear_top1"] + finals[1]["linear_top1"]) / 2)
+    per_seed = comparison["per_seed"]
+    assert per_seed["1"]["minus_study_infonce"]["linear_top1"] == pytest.approx(finals[1]["linear_top1"] - 50.0)
+    assert per_seed["0"]["minus_study_weince"]["knn_top1"] == pytest.approx(finals[0]["knn_top1"] - 20.0)
+    assert "minus_study_infonce" not in per_seed["0"] and "minus_study_weince" not in per_seed["1"]
+    # one paired seed each: its difference is the mean, and no spread is claimed
+    infonce = comparison["minus_study_infonce"]["knn_top1"]
+    assert infonce["n"] == 1 and infonce["mean"] == pytest.approx(finals[1]["knn_top1"] - 40.0)
+    table = (tmp_path / "grid" / "summary.md").read_text()
+    assert "| mean +- std (2 seeds) |" in table and f"{finals[1]['linear_top1'] - 50.0:+.2f}" in table
 
 
 def test_negatives_pairs_the_losses_per_batch_size_with_the_same_images_seen(
