@@ -18,7 +18,9 @@ not touched here; the best point is then rerun at the full length of study 1 wit
 
 Output: ``<output-dir>/<point>/<loss>-seed<k>.jsonl`` (the study loop's run files, resumable), and
 ``<output-dir>/summary.json`` / ``summary.md``: per point the held-out linear and k-NN top-1, the difference to
-InfoNCE, WEINCE's mean lambda in training and the POT shape xi; the chosen point (best held-out linear top-1).
+InfoNCE, WEINCE's mean lambda in training and the POT shape xi; the chosen point (best held-out linear top-1); the
+rerun's paired differences to study 1 (final, every full evaluation, the subset-probe curve), plotted in
+``<output-dir>/rerun-best/difference.png``.
 
     OMP_NUM_THREADS=1 python benchmarks/simclr_grid.py               # the grid (about 4 minutes a point here)
     OMP_NUM_THREADS=1 python benchmarks/simclr_grid.py --summarize
@@ -82,34 +84,131 @@ def is_default(options: dict[str, float]) -> bool:
     return all(getattr(DEFAULTS, key) == value for key, value in options.items())
 
 
-def rerun_comparison(output_dir: Path, study_output: Path) -> dict[str, Any] | None:
-    """The chosen point at study 1's full length, every finished seed, paired by seed with study 1's InfoNCE and
-    default WEINCE (identical batches and augmentations): per seed and mean +- sample std of the differences."""
-    metrics = ("linear_top1", "knn_top1")
-    per_seed: dict[str, dict[str, Any]] = {}
-    options = None
-    for path in sorted((output_dir / "rerun-best").glob("weince-seed*.jsonl")):
-        records = study.read_lines(path)
-        rerun = study.final_record(records)
-        if rerun is None:
-            continue
-        seed = records[0]["seed"]
-        options = records[0]["config"]["weince_options"]
-        row: dict[str, Any] = {m: rerun[m] for m in metrics}
-        for loss in ("infonce", "weince"):
-            base = study.final_line(study_output / f"{study.run_name(loss, seed)}.jsonl")
-            if base is not None:
-                row[f"minus_study_{loss}"] = {m: rerun[m] - base[m] for m in metrics}
-        per_seed[str(seed)] = row
-    if not per_seed:
-        return None
-    out: dict[str, Any] = {"options": options, "seeds": sorted(int(s) for s in per_seed), "per_seed": per_seed}
-    out.update({m: study.mean_std([row[m] for row in per_seed.values()]) for m in metrics})
-    for loss in ("infonce", "weince"):
+METRICS = ("linear_top1", "knn_top1")
+REFERENCES = ("infonce", "weince")  # study 1's runs the rerun is paired with: InfoNCE and WEINCE at its defaults
+
+
+def by_epoch(records: list[dict[str, Any]], types: tuple[str, ...]) -> dict[int, dict[str, Any]]:
+    return {r["epoch"]: r for r in records if r.get("type") in types}
+
+
+def paired_rows(
+    mine: dict[int, dict[str, Any]], references: dict[tuple[str, int], dict[int, dict[str, Any]]], seed: int, epoch: int
+) -> dict[str, Any]:
+    """One seed's accuracies at ``epoch`` and their differences to each study-1 reference that reached it."""
+    row: dict[str, Any] = {m: mine[epoch][m] for m in METRICS}
+    for loss in REFERENCES:
+        base = references[(loss, seed)].get(epoch)
+        if base is not None:
+            row[f"minus_study_{loss}"] = {m: mine[epoch][m] - base[m] for m in METRICS}
+    return row
+
+
+def aggregate(per_seed: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Mean +- sample std over seeds of the accuracies and of each paired difference."""
+    out: dict[str, Any] = {"seeds": sorted(int(s) for s in per_seed), "per_seed": per_seed}
+    out.update({m: study.mean_std([row[m] for row in per_seed.values()]) for m in METRICS})
+    for loss in REFERENCES:
         diffs = [row[f"minus_study_{loss}"] for row in per_seed.values() if f"minus_study_{loss}" in row]
         if diffs:
-            out[f"minus_study_{loss}"] = {m: study.mean_std([d[m] for d in diffs]) for m in metrics}
+            out[f"minus_study_{loss}"] = {m: study.mean_std([d[m] for d in diffs]) for m in METRICS}
     return out
+
+
+def rerun_comparison(output_dir: Path, study_output: Path) -> dict[str, Any] | None:
+    """The chosen point at study 1's full length, every seed run so far, paired by seed with study 1's InfoNCE and
+    default WEINCE (identical initialisation, batches and augmentations): the final evaluation per seed and mean +-
+    sample std (top level), every full evaluation (probes on all training images) and the subset-probe curve."""
+    runs: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted((output_dir / "rerun-best").glob("weince-seed*.jsonl")):
+        records = study.read_lines(path)
+        if records and records[0].get("type") == "header":
+            runs[records[0]["seed"]] = records
+    if not runs:
+        return None
+    study_records = {
+        (loss, seed): study.read_lines(study_output / f"{study.run_name(loss, seed)}.jsonl")
+        for loss in REFERENCES
+        for seed in runs
+    }
+    full = {key: by_epoch(records, ("full", "final")) for key, records in study_records.items()}
+    curve = {key: by_epoch(records, ("checkpoint",)) for key, records in study_records.items()}
+    mine_full = {seed: by_epoch(records, ("full", "final")) for seed, records in runs.items()}
+    mine_curve = {seed: by_epoch(records, ("checkpoint",)) for seed, records in runs.items()}
+
+    full_evaluations = {
+        str(epoch): aggregate(
+            {
+                str(seed): paired_rows(mine_full[seed], full, seed, epoch)
+                for seed in sorted(runs)
+                if epoch in mine_full[seed]
+            }
+        )
+        for epoch in sorted({e for evaluations in mine_full.values() for e in evaluations})
+    }
+    along_training = [
+        {
+            "epoch": epoch,
+            **aggregate(
+                {str(s): paired_rows(mine_curve[s], curve, s, epoch) for s in sorted(runs) if epoch in mine_curve[s]}
+            ),
+        }
+        for epoch in sorted({e for checkpoints in mine_curve.values() for e in checkpoints})
+    ]
+    finals = {seed: study.final_record(records) for seed, records in runs.items()}
+    final_epochs = {record["epoch"] for record in finals.values() if record is not None}
+    final = full_evaluations[str(max(final_epochs))] if final_epochs else {"seeds": [], "per_seed": {}}
+    return {
+        "options": next(iter(runs.values()))[0]["config"]["weince_options"],
+        "seeds_started": sorted(runs),
+        **final,
+        "full_evaluations": full_evaluations,
+        "along_training": along_training,
+    }
+
+
+def plot_rerun(rerun: dict[str, Any], path: Path) -> None:
+    """The paired differences along training (subset probes), per seed: the chosen point and study 1's default
+    WEINCE, each minus study 1's InfoNCE of the same seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharex=True)
+    styles = {
+        "chosen": ("tab:purple", f"WEINCE {point_name(rerun['options'])}"),
+        "weince": ("tab:red", "WEINCE defaults"),
+    }
+    for ax, metric in zip(axes, METRICS):
+        for index, seed in enumerate(rerun["seeds_started"]):
+            rows = [r for r in rerun["along_training"] if str(seed) in r["per_seed"]]
+            chosen = [(r["epoch"], r["per_seed"][str(seed)].get("minus_study_infonce")) for r in rows]
+            chosen = [(e, d[metric]) for e, d in chosen if d is not None]
+            # the default WEINCE's difference at the same epoch: (chosen - InfoNCE) - (chosen - default WEINCE)
+            default = [
+                (
+                    r["epoch"],
+                    r["per_seed"][str(seed)]["minus_study_infonce"][metric]
+                    - r["per_seed"][str(seed)]["minus_study_weince"][metric],
+                )
+                for r in rows
+                if {"minus_study_infonce", "minus_study_weince"} <= set(r["per_seed"][str(seed)])
+            ]
+            for key, points in (("chosen", chosen), ("weince", default)):
+                if points:
+                    color, label = styles[key]
+                    style = ("-", "--", ":", "-.")[index % 4]  # colour: the loss, line style: the seed
+                    ax.plot(*zip(*points), color=color, linestyle=style, marker=".", label=f"{label}, seed {seed}")
+        ax.axhline(0.0, color="black", linewidth=0.8)
+        name = {"linear_top1": "linear", "knn_top1": "k-NN"}[metric]
+        ax.set_title(f"{name} top-1 minus InfoNCE of the same seed (points, subset probe)", fontsize=9)
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def summarize(
@@ -165,6 +264,8 @@ def summarize(
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (output_dir / "summary.md").write_text(markdown(summary) + "\n")
+    if summary["rerun_best"] is not None:
+        plot_rerun(summary["rerun_best"], output_dir / "rerun-best" / "difference.png")
     print(markdown(summary), flush=True)
     return summary
 
@@ -205,7 +306,11 @@ def markdown(summary: dict[str, Any]) -> str:
         lines += [
             "",
             f"Rerun of the chosen point ({point_name(rerun['options'])}) at study 1's full length, test set, paired "
-            "by seed with study 1 (identical batches and augmentations):",
+            f"by seed with study 1 (identical batches and augmentations); seeds started: "
+            f"{', '.join(map(str, rerun['seeds_started']))}, finished: {', '.join(map(str, rerun['seeds'])) or 'none'}",
+        ]
+    if rerun is not None and rerun["seeds"]:
+        lines += [
             "",
             "| seed | linear top-1 | k-NN top-1 | linear - InfoNCE | k-NN - InfoNCE | linear - default WEINCE "
             "| k-NN - default WEINCE |",
@@ -222,6 +327,24 @@ def markdown(summary: dict[str, Any]) -> str:
             diff = rerun.get(f"minus_study_{loss}")
             cells += ["-", "-"] if diff is None else [fmt(diff[m], sign=True) for m in ("linear_top1", "knn_top1")]
         lines.append(f"| mean +- std ({len(rerun['seeds'])} seeds) | {' | '.join(cells)} |")
+    if rerun is not None:
+        lines += [
+            "",
+            "The chosen point minus study 1's runs of the same seed, mean +- std over the seeds (full: probes on all "
+            "training images; curve: probes on the fixed subset):",
+            "",
+            "| evaluation | epoch | seeds | linear - InfoNCE | k-NN - InfoNCE | linear - default WEINCE "
+            "| k-NN - default WEINCE |",
+            "| --- " * 7 + "|",
+        ]
+        rows = [("full", int(epoch), row) for epoch, row in rerun["full_evaluations"].items()]
+        rows += [("curve", row["epoch"], row) for row in rerun["along_training"]]
+        for kind, epoch, row in rows:
+            cells = []
+            for loss in ("infonce", "weince"):
+                diff = row.get(f"minus_study_{loss}")
+                cells += ["-", "-"] if diff is None else [fmt(diff[m], sign=True) for m in ("linear_top1", "knn_top1")]
+            lines.append(f"| {kind} | {epoch} | {', '.join(map(str, row['seeds']))} | {' | '.join(cells)} |")
     if summary["points_missing"]:
         lines += ["", f"Not run yet: {', '.join(summary['points_missing'])}"]
     return "\n".join(lines)

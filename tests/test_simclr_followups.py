@@ -106,8 +106,12 @@ def test_grid_runs_every_point_with_its_options_and_reruns_the_best(grid, image_
     reference_finals = {"infonce-seed1": (50.0, 40.0), "weince-seed0": (10.0, 20.0)}
     (tmp_path / "study").mkdir()
     for name, (linear, knn) in reference_finals.items():
-        final = {"type": "final", "linear_top1": linear, "knn_top1": knn}
-        (tmp_path / "study" / f"{name}.jsonl").write_text(json.dumps({"type": "header"}) + "\n" + json.dumps(final))
+        reference = [
+            {"type": "header"},
+            {"type": "checkpoint", "epoch": 1, "linear_top1": linear + 1, "knn_top1": knn + 1},
+            {"type": "final", "epoch": TINY["epochs"], "linear_top1": linear, "knn_top1": knn},
+        ]
+        (tmp_path / "study" / f"{name}.jsonl").write_text("\n".join(map(json.dumps, reference)))
 
     grid.main([*common, "--override", json.dumps(TINY), "--rerun-best", "--rerun-seeds", "0", "1"])
     finals = {}
@@ -131,6 +135,15 @@ def test_grid_runs_every_point_with_its_options_and_reruns_the_best(grid, image_
     # one paired seed each: its difference is the mean, and no spread is claimed
     infonce = comparison["minus_study_infonce"]["knn_top1"]
     assert infonce["n"] == 1 and infonce["mean"] == pytest.approx(finals[1]["knn_top1"] - 40.0)
+    # along training, paired on the checkpoint lines of the same epoch; a reference that lacks an epoch is left out
+    seed1_epoch1 = lines(tmp_path / "grid" / "rerun-best" / "weince-seed1.jsonl")[2]
+    assert seed1_epoch1["type"] == "checkpoint" and seed1_epoch1["epoch"] == 1
+    curve = next(row for row in comparison["along_training"] if row["epoch"] == 1)
+    assert curve["seeds"] == [0, 1]
+    assert curve["minus_study_infonce"]["linear_top1"]["mean"] == pytest.approx(seed1_epoch1["linear_top1"] - 51.0)
+    assert all(row["epoch"] == 1 or "minus_study_infonce" not in row for row in comparison["along_training"])
+    assert sorted(comparison["full_evaluations"]) == sorted(str(e) for e in {*TINY["full_eval_epochs"], TINY["epochs"]})
+    assert (tmp_path / "grid" / "rerun-best" / "difference.png").stat().st_size > 0
     table = (tmp_path / "grid" / "summary.md").read_text()
     assert "| mean +- std (2 seeds) |" in table and f"{finals[1]['linear_top1'] - 50.0:+.2f}" in table
 
