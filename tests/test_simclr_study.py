@@ -139,6 +139,8 @@ def test_losses_share_initialisation_and_summary_pairs_by_seed(study, image_fold
         [("infonce", 1), ("weince", 1)],
         [("infonce", 2), ("weince", 2)],
         [("rb-sigmoid", 0)],
+        [("rb-sigmoid", 1)],
+        [("rb-sigmoid", 2)],
     ]
 
     summary = study.summarize(tmp_path / "results")
