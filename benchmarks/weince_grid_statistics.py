@@ -120,17 +120,17 @@ def image_batches(state_dir: Path, batch_size: int, batches: int, seed: int) -> 
 def statistics_by_point(scores: list[torch.Tensor], square: str, base: WeinceOptions) -> list[dict[str, Any]]:
     index = torch.arange(scores[0].shape[0])
 
-    def statistic(options: WeinceOptions, name: str) -> torch.Tensor:
-        """One per-anchor statistic over all batches, from one pass of the statistics per batch."""
-        return torch.cat([getattr(weince_statistics(s, index, None, options), name) for s in scores])
+    def per_anchor(options: WeinceOptions, *names: str) -> tuple[torch.Tensor, ...]:
+        """Per-anchor statistics over all batches, from one pass of the statistics per batch."""
+        stats = [weince_statistics(s, index, None, options) for s in scores]
+        return tuple(torch.cat([getattr(batch, name) for batch in stats]) for name in names)
 
-    default_lam = statistic(base, "lam")
     # dAIC comes from the tail fit alone (aic_margin, kappa_aic, kappa_rho, q and beta act after it): one value for
     # every point of a square.
-    delta_aic = statistic(base, "delta_aic")
+    default_lam, delta_aic = per_anchor(base, "lam", "delta_aic")
     rows = []
     for point in latin_square(square):
-        lam = statistic(base.replace(**point), "lam")
+        (lam,) = per_anchor(base.replace(**point), "lam")
         rows.append(
             {
                 "point": point_name(point),
