@@ -51,8 +51,9 @@ def _uncached_step(loss: torch.nn.Module, columns: int) -> dict[str, list[float]
 
 def _cached_step(loss: torch.nn.Module, columns: int, mini_batch: int) -> dict[str, list[float]]:
     embeddings = _embeddings(columns)
-    reps = [[leaf.detach()[b : b + mini_batch].requires_grad_() for b in range(0, BATCH, mini_batch)]
-            for leaf in embeddings]
+    reps = [
+        [leaf.detach()[b : b + mini_batch].requires_grad_() for b in range(0, BATCH, mini_batch)] for leaf in embeddings
+    ]
     value = loss.calculate_loss(reps, None, with_backward=True)
     result = {"loss": [value.item()]}
     for i, column in enumerate(reps):
@@ -75,8 +76,10 @@ def steps() -> dict[str, dict[str, list[float]]]:
             WEINCELoss(None, directions=("query_to_doc", "doc_to_query"), false_negative_filter=guard), 3
         ),
         "weince_per_direction_fixed_beta": _uncached_step(
-            WEINCELoss(None, scale=12.0, beta=1.0, directions=("query_to_doc", "doc_to_query"),
-                       partition_mode="per_direction"), 2
+            WEINCELoss(
+                None, scale=12.0, beta=1.0, directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"
+            ),
+            2,
         ),
         "rb_sigmoid": _uncached_step(RBSigmoidLoss(None), 2),
         "rb_sigmoid_symmetric_guard": _uncached_step(
@@ -121,8 +124,10 @@ def main() -> None:
     parser.add_argument("--compare", help="a JSON file written by the other checkout, to compare against")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one reduction order, so repeated runs are bit-identical
-    values = {step: {key: [float(v).hex() for v in vector] for key, vector in result.items()}
-              for step, result in steps().items()}
+    values = {
+        step: {key: [float(v).hex() for v in vector] for key, vector in result.items()}
+        for step, result in steps().items()
+    }
     document = {
         "seed": SEED,
         "batch": BATCH,
