@@ -91,7 +91,7 @@ def run(candidate, args, output_dir: Path) -> dict:
         "loss_learning_rate": candidate,
         "train_seconds": round(seconds, 1),
         "t_start": records[0]["rb_sigmoid_t"],
-        "t_end": loss.inverse_temperature.item(),
+        "t_end": loss.scale.item(),
         "b_rel_start": records[0]["rb_sigmoid_b_rel"],
         "b_rel_end": loss.b_rel.item(),
         "late_mean_loss": sum(window) / len(window),

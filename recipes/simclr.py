@@ -46,18 +46,14 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from st_weince.training import average_loss_gradients
-from st_weince.utils.cli import (
-    DeprecatedAlias,
-    inverse_temperature,
-    json_object_to_key_values,
-    parse_key_values,
-    positive_float,
-)
+from st_weince.utils.cli import parse_key_values, positive_float
 from st_weince.utils.provenance import provenance
 from st_weince.vision import (
     KNN_KS,
     KNN_TEMPERATURE,
     LOSSES,
+    SIMCLR_BETA,
+    SIMCLR_SCALE,
     SimCLRAugment,
     SimCLRModel,
     SimCLRObjective,
@@ -94,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--projection-dim", type=int, default=64)
     loss = parser.add_argument_group("loss")
     loss.add_argument("--loss", default="weince", choices=LOSSES)
-    loss.add_argument("--scale", type=positive_float, default=2.0, help="infonce/weince: 1 / temperature")
+    loss.add_argument("--scale", type=positive_float, default=SIMCLR_SCALE, help="infonce/weince: 1 / temperature")
     loss.add_argument(
         "--loss-option", action="append", default=[], metavar="KEY=VALUE", help="loss keyword, e.g. beta=1; repeatable"
     )
@@ -106,14 +102,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--max-steps", type=int, default=-1, help="overrides --epochs when > 0")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    old = parser.add_argument_group("deprecated aliases, removed in the next release")
-    old.add_argument(
-        "--temperature", dest="scale", action=DeprecatedAlias, new_flag="--scale", convert=inverse_temperature
-    )
-    old.add_argument("--beta", dest="loss_option", action=DeprecatedAlias, new_flag="--loss-option beta=VALUE",
-                     convert=lambda value: f"beta={value}", append=True)  # fmt: skip
-    old.add_argument("--loss-kwargs", dest="loss_option", action=DeprecatedAlias, new_flag="--loss-option KEY=VALUE",
-                     convert=json_object_to_key_values, append=True)  # fmt: skip
     train.add_argument("--log-every", type=int, default=10)
     evaluation = parser.add_argument_group("evaluation")
     evaluation.add_argument("--probe-epochs", type=int, default=100)
@@ -165,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         projection_dim=args.projection_dim,
     )
     options = dict(args.loss_kwargs)
-    beta = options.pop("beta", 1.0)  # the vision reference setting (WEINCELoss's own default is "auto")
+    beta = options.pop("beta", SIMCLR_BETA)  # the vision reference setting (WEINCELoss's own default is "auto")
     objective = SimCLRObjective(args.loss, beta=beta, loss_kwargs=options, scale=args.scale).to(device)
     loss_parameters = [p for p in objective.parameters() if p.requires_grad]
     param_groups = [{"params": list(model.parameters())}]

@@ -117,7 +117,7 @@ def test_config_round_trip_rebuilds_the_same_loss(tiny_model, one_torch_thread, 
     rebuilt = cls(tiny_model, **config)
     assert rebuilt.get_config_dict() == config
     assert rebuilt.options == loss.options
-    if not loss.gather_across_devices:
+    if not loss.options.gather_across_devices:
         tiny_model.eval()
         features = triplet_features(tiny_model, batch_size=16, seed=3)
         with torch.no_grad():

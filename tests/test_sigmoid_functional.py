@@ -287,16 +287,6 @@ def test_clear_errors_for_bad_inputs():
         )
 
 
-def test_inverse_temperature_is_a_deprecated_alias_of_scale():
-    scores, targets = random_case(11)
-    expected = sigmoid_contrastive_loss(scores, targets, scale=3.0, relative_bias=0.1)
-    with pytest.warns(DeprecationWarning, match="use scale"):
-        value = sigmoid_contrastive_loss(scores, targets, inverse_temperature=3.0, relative_bias=0.1)
-    assert value.item() == expected.item()
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="not both"):
-        sigmoid_contrastive_loss(scores, targets, scale=3.0, inverse_temperature=3.0, relative_bias=0.1)
-
-
 def test_check_inputs_now_deferred_or_off():
     scores, targets = random_case(12)
     bad = scores.clone()

@@ -79,7 +79,7 @@ def test_one_source_of_defaults():
             assert signature["beta"].default == "auto" and defaults.beta == 1.0
         else:
             assert signature[field.name].default == getattr(defaults, field.name), field.name
-    assert WEINCELoss(None).options == dataclasses.replace(defaults, beta="auto")
+    assert WEINCELoss(None).options.math == dataclasses.replace(defaults, beta="auto")
     with pytest.raises(dataclasses.FrozenInstanceError):
         defaults.q = 0.5
 
@@ -133,5 +133,5 @@ def test_shape_and_dtype_mistakes_get_errors_in_the_projects_words():
     # a NumPy float temperature is a number like any other
     from st_weince.functional import weince_cross_entropy
 
-    value = weince_cross_entropy(scores, torch.arange(8), temperature=np.float32(0.05))
+    value = weince_cross_entropy(scores, torch.arange(8), scale=np.float32(20.0))
     assert torch.isfinite(value)

@@ -27,22 +27,6 @@ from st_weince.functional.layouts import nt_xent_layout
 LAYOUTS = ("pairs", "nt_xent")
 
 
-def __getattr__(name: str) -> object:
-    if name == "read_sentences":  # renamed; kept for one release
-        import warnings
-
-        from st_weince.data.sentences import sample_distinct_lines
-
-        warnings.warn(
-            "st_weince.diagnostics.collect.read_sentences is deprecated and will be removed in the next release; "
-            "use st_weince.data.sentences.sample_distinct_lines",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return sample_distinct_lines
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def read_pairs(
     path: str | Path, min_score: float | None = None, limit: int | None = None, seed: int = 0
 ) -> list[tuple[str, str]]:

@@ -140,8 +140,8 @@ def _prepare(
     zeros = torch.zeros(num_anchors, dtype=torch.float32)
     ones = torch.ones(num_anchors, dtype=torch.float32)
     # The two components of the blended logit, taken from WEINCE's own formula (no second implementation).
-    softmax_part = weince_logits(s, zeros, ones, temperature=1.0, eps=eps).double()
-    shortfall_part = weince_logits(s, ones, ones, temperature=1.0, eps=eps).double()
+    softmax_part = weince_logits(s, zeros, ones, scale=1.0, eps=eps).double()
+    shortfall_part = weince_logits(s, ones, ones, scale=1.0, eps=eps).double()
     problem = _Problem(softmax_part, shortfall_part, valid_mask, winner_index)
     masked = s.masked_fill(~valid_mask, float("-inf"))
     top1 = float((masked.argmax(1) == winner_index).double().mean())
@@ -371,7 +371,7 @@ def link_loglik(
         torch.full((num_anchors,), float(lam)),
         torch.full((num_anchors,), float(beta)),
         valid_mask,
-        temperature=float(tau),
+        scale=1.0 / float(tau),
         eps=eps,
     ).double()
     return float(torch.log_softmax(logits, dim=1).gather(1, winner_index.long()[:, None]).sum())

@@ -34,7 +34,6 @@ them for the caller, who reads everything with one sync (:meth:`DeferredChecks.r
 from __future__ import annotations
 
 import numbers
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -42,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from st_weince.functional.false_negatives import FalseNegativeFilter, false_negative_mask
+from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
 from st_weince.utils.hotpath import DeferredChecks
 from st_weince.utils.options import real_option
 
@@ -71,21 +70,6 @@ def _finish(check_inputs: CheckInputs, checks: DeferredChecks | None) -> None:
     """Raise now when this function owns the checks (``check_inputs=True``); a caller's collector is left to it."""
     if checks is not None and check_inputs is True:
         checks.raise_if_failed()
-
-
-def _scale_argument(scale: ScalarLike | None, inverse_temperature: ScalarLike | None) -> ScalarLike:
-    if inverse_temperature is not None:
-        warnings.warn(
-            "inverse_temperature is deprecated, use scale (the same t = 1 / temperature)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        if scale is not None:
-            raise ValueError("give scale or its deprecated alias inverse_temperature, not both")
-        scale = inverse_temperature
-    if scale is None:
-        raise ValueError("scale (t > 0, the inverse temperature) is required")
-    return scale
 
 
 def _scalar(
@@ -187,16 +171,14 @@ def _check_score_inputs(
 def sigmoid_logits(
     scores: Tensor,
     *,
-    scale: ScalarLike | None = None,
+    scale: ScalarLike,
     relative_bias: ScalarLike | None = None,
     bias: ScalarLike | None = None,
     check_inputs: CheckInputs = True,
-    inverse_temperature: ScalarLike | None = None,
 ) -> Tensor:
     """Logits ``z = t (s - b_rel)`` (relative) or ``z = t s - b`` (absolute) with ``t = scale``, in the computation
     dtype (see the module docstring). Exactly one of ``relative_bias`` and ``bias`` must be given; ``scale`` must be
-    finite and > 0. ``inverse_temperature`` is a deprecated alias of ``scale``."""
-    scale = _scale_argument(scale, inverse_temperature)
+    finite and > 0."""
     checks = _collector(check_inputs)
     dtype = compute_dtype(scores)
     t = _scalar(scale, "scale", dtype, checks, positive=True)
@@ -209,12 +191,11 @@ def sigmoid_contrastive_loss(
     scores: Tensor,
     targets: Tensor,
     *,
-    scale: ScalarLike | None = None,
+    scale: ScalarLike,
     relative_bias: ScalarLike | None = None,
     bias: ScalarLike | None = None,
     valid_mask: Tensor | None = None,
     check_inputs: CheckInputs = True,
-    inverse_temperature: ScalarLike | None = None,
 ) -> Tensor:
     """Sigmoid contrastive loss: mean over anchors (rows) of the sum over valid candidates of
     ``-[y log sigmoid(z) + (1 - y) log sigmoid(-z)]``, with ``z`` from :func:`sigmoid_logits`.
@@ -227,9 +208,7 @@ def sigmoid_contrastive_loss(
         bias: ``b`` of the absolute (SigLIP) parametrization ``z = t s - b``.
         valid_mask: [A, C] bool, False entries are left out of the sum.
         check_inputs: see the module docstring.
-        inverse_temperature: deprecated alias of ``scale``.
     """
-    scale = _scale_argument(scale, inverse_temperature)
     checks = _collector(check_inputs)
     _check_score_inputs(scores, targets, valid_mask, checks)
     dtype = compute_dtype(scores)
@@ -327,22 +306,22 @@ def _embedding_block(
     score_transform: Callable[[Tensor], Tensor] | None,
     false_negative_filter: FalseNegativeFilter | None = None,
     positive_scores: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """Loss sum of one candidate block (candidates ``start ...``) with its extremes and the number of candidates
-    per row the false-negative guard removed (None without it): the score block of
+) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+    """Loss sum of one candidate block (candidates ``start ...``) with its extremes and the false-negative guard's
+    per-row counts (masked, negatives; None without the guard): the score block of
     :func:`chunked_sigmoid_contrastive_loss`."""
     scores = anchors @ candidates.T
-    valid_mask, masked_per_row = None, None
-    if false_negative_filter is not None:
-        # On the cosine scores (before a score transform), against each row's matching-pair score.
-        masked = false_negative_mask(scores, positive_index - start, None, false_negative_filter, positive_scores)
-        valid_mask, masked_per_row = ~masked, masked.sum(1)
+    # On the cosine scores (before a score transform), against each row's matching-pair score.
+    valid_mask, guard_counts = apply_false_negative_filter(
+        scores, positive_index - start, None, false_negative_filter, positive_scores
+    )
     if score_transform is not None:
         scores = score_transform(scores)
     positive_mask = _positive_mask(positive_index, start, candidates.shape[0])
     loss_sum = _block_loss_sum(scores, positive_mask, valid_mask, scale, bias_value, relative)
     min_positive, max_negative = _block_extremes(scores, positive_mask, valid_mask)
-    return loss_sum, min_positive, max_negative, masked_per_row
+    guard = None if guard_counts is None else (guard_counts.masked, guard_counts.negatives)
+    return loss_sum, min_positive, max_negative, guard
 
 
 def chunked_sigmoid_contrastive_loss(
@@ -350,14 +329,13 @@ def chunked_sigmoid_contrastive_loss(
     candidates: Tensor,
     positive_index: Tensor,
     *,
-    scale: ScalarLike | None = None,
+    scale: ScalarLike,
     relative_bias: ScalarLike | None = None,
     bias: ScalarLike | None = None,
     score_transform: Callable[[Tensor], Tensor] | None = None,
     chunk_size: int | None = None,
     return_extremes: bool = False,
     check_inputs: CheckInputs = True,
-    inverse_temperature: ScalarLike | None = None,
     false_negative_filter: FalseNegativeFilter | tuple | list | None = None,
     return_guard_counts: bool = False,
 ) -> Tensor | tuple[Tensor, ...]:
@@ -378,15 +356,13 @@ def chunked_sigmoid_contrastive_loss(
             the margin, see :func:`constellation_margin_from_extremes`), from the same score blocks; ``+inf`` /
             ``-inf`` when there is none.
         check_inputs: see the module docstring.
-        inverse_temperature: deprecated alias of ``scale``.
         false_negative_filter: the in-batch false-negative guard (:mod:`st_weince.functional.false_negatives`):
             non-matching candidates whose cosine score is above the threshold set by the row's matching-pair score
             (``anchors[a] . candidates[positive_index[a]]``) are left out of the loss and of the extremes. Rows
             without a positive (-1) mask nothing. Applied to the cosine scores, before ``score_transform``.
-        return_guard_counts: also return (last) the number of candidates the guard removed per anchor, [A] long
-            (zeros without a guard).
+        return_guard_counts: also return (last) what the guard removed per anchor, a
+            :class:`~st_weince.functional.false_negatives.FilterCounts` (None without a guard).
     """
-    scale = _scale_argument(scale, inverse_temperature)
     false_negative_filter = FalseNegativeFilter.parse(false_negative_filter)
     if anchors.dim() != 2 or candidates.dim() != 2 or anchors.shape[1] != candidates.shape[1]:
         raise ValueError(
@@ -417,7 +393,7 @@ def chunked_sigmoid_contrastive_loss(
     step = num_candidates if chunk_size is None else min(chunk_size, num_candidates)
     recompute = step < num_candidates and torch.is_grad_enabled()
     positive_scores = None
-    masked_per_row = torch.zeros_like(positive_index, dtype=torch.long)
+    guard_counts: FilterCounts | None = None
     if false_negative_filter is not None:
         with torch.no_grad():
             pairs = candidates.detach()[positive_index.clamp_min(0)]
@@ -437,9 +413,10 @@ def chunked_sigmoid_contrastive_loss(
         total = total + loss_sum
         min_positive, max_negative = torch.minimum(min_positive, low), torch.maximum(max_negative, high)
         if masked is not None:
-            masked_per_row = masked_per_row + masked
+            block_counts = FilterCounts(*masked)
+            guard_counts = block_counts if guard_counts is None else guard_counts.plus(block_counts)
     loss = total / anchors.shape[0]
     outputs = (loss, min_positive, max_negative) if return_extremes else (loss,)
     if return_guard_counts:
-        outputs = (*outputs, masked_per_row)
+        outputs = (*outputs, guard_counts)
     return outputs if len(outputs) > 1 else loss

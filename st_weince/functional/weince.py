@@ -62,11 +62,6 @@ def check_scale(scale: Any, name: str = "scale") -> float:
     return value
 
 
-def check_temperature(temperature: Any) -> float:
-    """A softmax temperature: a finite number > 0."""
-    return check_scale(temperature, name="temperature")
-
-
 @dataclass(frozen=True)
 class WeinceOptions:
     """The nine WEINCE options: the one source of their defaults (the released implementation's) and validation.
@@ -539,15 +534,16 @@ def weince_logits(
     beta: Tensor,
     valid_mask: Tensor | None = None,
     *,
-    temperature: float,
+    scale: float,
     eps: float = DEFAULTS.eps,
 ) -> Tensor:
-    """Blended logits (1 - lam) s / tau + lam (-beta log(1 - min(s, 1 - eps))), -inf at invalid entries.
+    """Blended logits (1 - lam) s / tau + lam (-beta log(1 - min(s, 1 - eps))), -inf at invalid entries, with
+    ``scale = 1 / tau``.
 
     In the scores' dtype; float16/bfloat16 (autocast) scores are computed in float32, since the shortfall log
     needs it. Gradient flows through ``scores`` only; ``lam`` and ``beta`` are treated as constants.
     """
-    temperature = check_temperature(temperature)
+    temperature = 1.0 / check_scale(scale)
     dtype = compute_dtype(scores.dtype)
     s = scores.to(dtype)
     lam = lam.detach().to(dtype)[:, None]
@@ -596,12 +592,12 @@ def blended_cross_entropy(
     positive_index: Tensor,
     valid_mask: Tensor | None = None,
     *,
-    temperature: float,
+    scale: float,
     eps: float = DEFAULTS.eps,
 ) -> Tensor:
     """Per-row cross-entropy [A] of :func:`weince_logits` with ``positive_index`` as the target, fused (fewer passes
     over the matrix in backward). Same dtypes and gradient as the unfused logits + ``F.cross_entropy``."""
-    temperature = check_temperature(temperature)
+    temperature = 1.0 / check_scale(scale)
     dtype = compute_dtype(scores.dtype)
     return _BlendedCrossEntropy.apply(
         scores.to(dtype),
@@ -630,7 +626,7 @@ def weince_cross_entropy(
     valid_mask: Tensor | None = None,
     options: WeinceOptions | None = None,
     *,
-    temperature: float,
+    scale: float,
     reduction: str = "mean",
     rho0: Tensor | float | None = None,
     statistics: WeinceStatistics | None = None,
@@ -643,7 +639,7 @@ def weince_cross_entropy(
     computation checked the values of these inputs, so only shapes are checked again.
     """
     options = resolve_options(options, overrides)
-    temperature = check_temperature(temperature)
+    scale = check_scale(scale)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     deferred = _checks_for(checks)
@@ -663,6 +659,6 @@ def weince_cross_entropy(
             )
     _finish(deferred, checks)
     rows = blended_cross_entropy(
-        scores, statistics.lam, statistics.beta, positive_index, valid_mask, temperature=temperature, eps=options.eps
+        scores, statistics.lam, statistics.beta, positive_index, valid_mask, scale=scale, eps=options.eps
     )
     return _reduce(rows, reduction)

@@ -3,23 +3,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import combinations
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from sentence_transformers.base.losses.merged_forward import embed_columns
 from sentence_transformers.util import all_gather_with_grad, cos_sim, get_rank
 from torch import Tensor, nn
 
-from st_weince.functional.false_negatives import (
-    FalseNegativeFilter,
-    false_negative_mask,
-    filter_row_counts,
-    shares_from_row_counts,
-)
+from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
 from st_weince.functional.layouts import normalize_rows
 from st_weince.functional.sigmoid import (
     chunked_sigmoid_contrastive_loss,
@@ -31,24 +25,22 @@ from st_weince.functional.sigmoid import (
     targets_from_positive_index,
 )
 from st_weince.losses._columns import check_embedding_columns
-from st_weince.training.statistics import RunningMeans
 from st_weince.utils.hotpath import DeferredChecks
-from st_weince.utils.options import flag_option, positive_int_option, real_option
+from st_weince.utils.logged_statistics import RunningMeans
+from st_weince.utils.options import (
+    choice_option,
+    flag_option,
+    options_config,
+    options_from_arguments,
+    positive_int_option,
+    real_option,
+)
 
 Parametrization = Literal["relative", "absolute"]
 ColumnMode = Literal["negatives", "modalities"]
 
-# Defaults chosen by measurement (benchmarks/sigmoid_synthetic.py, parts "init" and "bias"): docs/rb-sigmoid.md.
-DEFAULT_SCALE = 10.0
-DEFAULT_RELATIVE_BIAS = 0.7
-DEFAULT_ADAPTER_LOGIT = 0.0
-
-# Old keyword -> new keyword; accepted with a DeprecationWarning for one release (the coordinator's naming decision:
-# the temperature family is called ``scale`` everywhere, as in MultipleNegativesRankingLoss).
-DEPRECATED_ALIASES = {"inverse_temperature": "scale", "trainable_temperature": "trainable_scale"}
-
-# Constructor arguments of MultipleNegativesRankingLoss that RB-Sigmoid has no use for: accepted at the value that
-# makes them a no-op, refused otherwise, with the reason. ``directions`` is accepted (it maps onto ``symmetric``).
+# MultipleNegativesRankingLoss's arguments that RB-Sigmoid has no use for: accepted at the value that makes them a
+# no-op, refused otherwise, with the reason. ``directions`` is accepted (it maps onto ``symmetric``).
 _MNRL_NO_OP_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "similarity_fct": (
         lambda value: value is cos_sim,
@@ -65,7 +57,7 @@ _MNRL_NO_OP_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "hardness weighting re-weights the softmax denominator of InfoNCE, and the sigmoid loss has none",
     ),
     "partition_mode": (
-        lambda value: False,
+        lambda value: value is None,
         "the sigmoid loss has no softmax partition function to share or split across directions; with "
         "symmetric=True the two directions are averaged",
     ),
@@ -89,20 +81,21 @@ RB_SIGMOID_CITATION = """
 """
 
 
-def _choice_option(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
-    return value
-
-
 @dataclass(frozen=True)
 class RBSigmoidOptions:
     """The options of :class:`RBSigmoidLoss` (and :class:`~st_weince.losses.CachedRBSigmoidLoss`): the one place of
-    their defaults and their validation. Construction validates and resolves them: in the relative parametrization
-    ``relative_bias`` is set (default 0.7) and ``bias`` is None; in the absolute one ``bias`` is set (default
-    ``scale * relative_bias``) and ``relative_bias`` is None."""
+    their defaults and their validation; the loss signatures read their defaults from here. Construction validates
+    and resolves them: in the relative parametrization ``relative_bias`` is set (default
+    ``RELATIVE_BIAS_START``) and ``bias`` is None; in the absolute one ``bias`` is set (default
+    ``scale * relative_bias``) and ``relative_bias`` is None.
 
-    scale: float = DEFAULT_SCALE
+    The start values were chosen by measurement (``benchmarks/sigmoid_synthetic.py``, parts "init" and "bias"; see
+    ``docs/rb-sigmoid.md``): ``t = 10`` is SigLIP's start, ``b_rel = 0.7`` reached the largest margins.
+    """
+
+    RELATIVE_BIAS_START: ClassVar[float] = 0.7
+
+    scale: float = 10.0
     parametrization: Parametrization = "relative"
     relative_bias: float | None = None
     bias: float | None = None
@@ -112,7 +105,7 @@ class RBSigmoidOptions:
     symmetric: bool = False
     columns: ColumnMode = "negatives"
     locked_adapter: bool = False
-    adapter_logit: float = DEFAULT_ADAPTER_LOGIT
+    adapter_logit: float = 0.0
     chunk_size: int | None = None
     check_inputs: bool = True
     false_negative_filter: FalseNegativeFilter | None = None
@@ -121,27 +114,26 @@ class RBSigmoidOptions:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
-        put("parametrization", _choice_option("parametrization", self.parametrization, ("relative", "absolute")))
-        put("columns", _choice_option("columns", self.columns, ("negatives", "modalities")))
+        put("parametrization", choice_option("parametrization", self.parametrization, ("relative", "absolute")))
+        put("columns", choice_option("columns", self.columns, ("negatives", "modalities")))
         put("scale", real_option("scale", self.scale, positive=True))
         relative_bias = real_option("relative_bias", self.relative_bias, optional=True)
         bias = real_option("bias", self.bias, optional=True)
+        start = self.RELATIVE_BIAS_START if relative_bias is None else relative_bias
         if self.parametrization == "relative":
             if bias is not None:
                 raise ValueError(
                     "bias is the start of the absolute parametrization (z = t s - b); with parametrization="
                     "'relative' give relative_bias (z = t (s - b_rel))"
                 )
-            put("relative_bias", DEFAULT_RELATIVE_BIAS if relative_bias is None else relative_bias)
+            put("relative_bias", start)
         else:
             if bias is not None and relative_bias is not None:
                 raise ValueError(
                     "give the absolute start either as bias or as relative_bias (then b = scale * relative_bias), "
                     "not both"
                 )
-            if bias is None:
-                bias = self.scale * (DEFAULT_RELATIVE_BIAS if relative_bias is None else relative_bias)
-            put("bias", bias)
+            put("bias", self.scale * start if bias is None else bias)
             put("relative_bias", None)
         for name in ("trainable_scale", "trainable_bias", "gather_across_devices", "symmetric", "locked_adapter"):
             put(name, flag_option(name, getattr(self, name)))
@@ -150,66 +142,58 @@ class RBSigmoidOptions:
         put("chunk_size", positive_int_option("chunk_size", self.chunk_size, optional=True))
         put("false_negative_filter", FalseNegativeFilter.parse(self.false_negative_filter))
 
-    @classmethod
-    def from_arguments(cls, arguments: dict[str, Any], extra: dict[str, Any], owner: str) -> RBSigmoidOptions:
-        """Options from a constructor's arguments: ``arguments`` the named ones (``directions`` included), ``extra``
-        the other keywords (deprecated aliases, MultipleNegativesRankingLoss's arguments), checked here."""
-        arguments = dict(arguments)
-        for old, new in DEPRECATED_ALIASES.items():
-            if old not in extra:
-                continue
-            value = extra.pop(old)
-            warnings.warn(f"{owner}: {old} is deprecated, use {new}", DeprecationWarning, stacklevel=3)
-            default = cls.__dataclass_fields__[new].default
-            if arguments[new] != default and arguments[new] != value:
-                raise ValueError(f"{owner}: give {new} or its deprecated alias {old}, not both")
-            arguments[new] = value
-        for name, value in extra.items():
-            if name not in _MNRL_NO_OP_VALUES:
-                raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {name!r}")
-            is_no_op, reason = _MNRL_NO_OP_VALUES[name]
-            if not is_no_op(value):
-                raise ValueError(f"{owner} does not support {name}={value!r}: {reason}")
-        directions = arguments.pop("directions")
-        if directions is not None:
-            if isinstance(directions, str) or not isinstance(directions, (tuple, list)):
-                raise TypeError(f"directions must be a tuple of direction names, got {directions!r}")
-            chosen = frozenset(directions)
-            if chosen not in (_ONE_DIRECTION, _BOTH_DIRECTIONS) or len(chosen) != len(directions):
-                raise ValueError(
-                    f"{owner} supports directions ('query_to_doc',) and ('query_to_doc', 'doc_to_query') "
-                    f"(= symmetric=True), got {tuple(directions)!r}: query_to_query and doc_to_doc would score "
-                    "anchors against anchors and documents against documents, which hold no positive pair here "
-                    "(for every column pair use columns='modalities')"
-                )
-            symmetric = chosen == _BOTH_DIRECTIONS
-            if arguments["symmetric"] and not symmetric:
-                raise ValueError(f"symmetric=True contradicts directions={tuple(directions)!r}")
-            arguments["symmetric"] = symmetric
-        return cls(**arguments)
+
+def symmetric_from_directions(directions: tuple[str, ...] | None, symmetric: bool, owner: str) -> bool:
+    """MultipleNegativesRankingLoss's ``directions`` in RB-Sigmoid's terms: ``("query_to_doc",)`` or
+    ``("query_to_doc", "doc_to_query")`` (= ``symmetric=True``); None keeps ``symmetric``."""
+    if directions is None:
+        return symmetric
+    if isinstance(directions, str) or not isinstance(directions, (tuple, list)):
+        raise TypeError(f"directions must be a tuple of direction names, got {directions!r}")
+    chosen = frozenset(directions)
+    if chosen not in (_ONE_DIRECTION, _BOTH_DIRECTIONS) or len(chosen) != len(directions):
+        raise ValueError(
+            f"{owner} supports directions ('query_to_doc',) and ('query_to_doc', 'doc_to_query') "
+            f"(= symmetric=True), got {tuple(directions)!r}: query_to_query and doc_to_doc would score "
+            "anchors against anchors and documents against documents, which hold no positive pair here "
+            "(for every column pair use columns='modalities')"
+        )
+    if symmetric is True and chosen != _BOTH_DIRECTIONS:
+        raise ValueError(f"symmetric=True contradicts directions={tuple(directions)!r}")
+    return chosen == _BOTH_DIRECTIONS
+
+
+def refuse_mnrl_arguments(owner: str, **arguments: Any) -> None:
+    for name, value in arguments.items():
+        is_no_op, reason = _MNRL_NO_OP_VALUES[name]
+        if not is_no_op(value):
+            raise ValueError(f"{owner} does not support {name}={value!r}: {reason}")
 
 
 class RBSigmoidLoss(nn.Module):
     def __init__(
         self,
         model: nn.Module | None,
-        scale: float = DEFAULT_SCALE,
+        scale: float = RBSigmoidOptions.scale,
         *,
-        parametrization: Parametrization = "relative",
-        relative_bias: float | None = None,
-        bias: float | None = None,
-        trainable_scale: bool = True,
-        trainable_bias: bool = True,
-        gather_across_devices: bool = False,
-        symmetric: bool = False,
-        columns: ColumnMode = "negatives",
-        locked_adapter: bool = False,
-        adapter_logit: float = DEFAULT_ADAPTER_LOGIT,
-        chunk_size: int | None = None,
-        check_inputs: bool = True,
+        parametrization: Parametrization = RBSigmoidOptions.parametrization,
+        relative_bias: float | None = RBSigmoidOptions.relative_bias,
+        bias: float | None = RBSigmoidOptions.bias,
+        trainable_scale: bool = RBSigmoidOptions.trainable_scale,
+        trainable_bias: bool = RBSigmoidOptions.trainable_bias,
+        gather_across_devices: bool = RBSigmoidOptions.gather_across_devices,
+        symmetric: bool = RBSigmoidOptions.symmetric,
+        columns: ColumnMode = RBSigmoidOptions.columns,
+        locked_adapter: bool = RBSigmoidOptions.locked_adapter,
+        adapter_logit: float = RBSigmoidOptions.adapter_logit,
+        chunk_size: int | None = RBSigmoidOptions.chunk_size,
+        check_inputs: bool = RBSigmoidOptions.check_inputs,
+        false_negative_filter: FalseNegativeFilter | tuple | list | None = RBSigmoidOptions.false_negative_filter,
         directions: tuple[str, ...] | None = None,
-        false_negative_filter: FalseNegativeFilter | tuple | list | None = None,
-        **deprecated_or_mnrl_options: Any,
+        similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
+        hardness_mode: str | None = None,
+        hardness_strength: float = 0.0,
+        partition_mode: str | None = None,
     ) -> None:
         """
         RB-Sigmoid: the sigmoid (SigLIP-style) contrastive loss with a trainable scale (inverse temperature) ``t``
@@ -226,12 +210,12 @@ class RBSigmoidLoss(nn.Module):
             model: SentenceTransformer model (None to use only ``compute_loss_from_embeddings`` /
                 ``loss_from_scores``).
             scale: initial ``t = 1 / temperature`` (trained as ``log_t``), as MNRL's ``scale``. Default 10
-                (SigLIP's start). ``inverse_temperature`` is a deprecated alias.
+                (SigLIP's start).
             parametrization: "relative" (``z = t (s - b_rel)``, default) or "absolute" (SigLIP's ``z = t s - b``).
             relative_bias: initial ``b_rel`` (default 0.7, measured: see ``docs/rb-sigmoid.md``). In the absolute
                 parametrization it gives the start ``b = scale * relative_bias`` instead of ``bias``.
             bias: initial absolute bias ``b`` (absolute parametrization only).
-            trainable_scale: train ``t``; if False it stays fixed. ``trainable_temperature`` is a deprecated alias.
+            trainable_scale: train ``t``; if False it stays fixed.
             trainable_bias: train the bias (``b_rel`` or ``b``); if False it is a fixed hyperparameter (a fixed
                 ``b_rel`` trades margin against bias).
             gather_across_devices: gather embeddings across processes: local anchors against global candidates. The
@@ -322,40 +306,19 @@ class RBSigmoidLoss(nn.Module):
                 trainer.train()
         """
         super().__init__()
-        options = RBSigmoidOptions.from_arguments(
-            {
-                "scale": scale,
-                "parametrization": parametrization,
-                "relative_bias": relative_bias,
-                "bias": bias,
-                "trainable_scale": trainable_scale,
-                "trainable_bias": trainable_bias,
-                "gather_across_devices": gather_across_devices,
-                "symmetric": symmetric,
-                "columns": columns,
-                "locked_adapter": locked_adapter,
-                "adapter_logit": adapter_logit,
-                "chunk_size": chunk_size,
-                "check_inputs": check_inputs,
-                "directions": directions,
-                "false_negative_filter": false_negative_filter,
-            },
-            deprecated_or_mnrl_options,
-            type(self).__name__,
+        owner = type(self).__name__
+        refuse_mnrl_arguments(
+            owner,
+            similarity_fct=similarity_fct,
+            hardness_mode=hardness_mode,
+            hardness_strength=hardness_strength,
+            partition_mode=partition_mode,
         )
+        symmetric = symmetric_from_directions(directions, symmetric, owner)
+        options = options_from_arguments(RBSigmoidOptions, locals())
         self.model = model
-        self.parametrization = options.parametrization
-        self.trainable_scale = options.trainable_scale
-        self.trainable_bias = options.trainable_bias
-        self.gather_across_devices = options.gather_across_devices
-        self.symmetric = options.symmetric
-        self.columns = options.columns
-        self.locked_adapter = options.locked_adapter
-        self.chunk_size = options.chunk_size
-        self.check_inputs = options.check_inputs
-        self.false_negative_filter = options.false_negative_filter
-        self.initial_options = options
-
+        # The options as constructed; the trained values of t and the bias live in the parameters below.
+        self.options = options
         self._register_scalar("log_t", math.log(options.scale), options.trainable_scale)
         if options.parametrization == "relative":
             self._register_scalar("b_rel", options.relative_bias, options.trainable_bias)
@@ -379,29 +342,23 @@ class RBSigmoidLoss(nn.Module):
         return self.log_t.exp()
 
     @property
-    def inverse_temperature(self) -> Tensor:
-        """Deprecated alias of :attr:`scale`."""
-        warnings.warn("inverse_temperature is deprecated, use scale", DeprecationWarning, stacklevel=2)
-        return self.scale
-
-    @property
     def relative_bias(self) -> Tensor:
         """``b_rel`` (relative) or ``b / t`` (absolute)."""
-        if self.parametrization == "relative":
+        if self.options.parametrization == "relative":
             return self.b_rel
         return self.bias / self.scale
 
     @property
     def absolute_bias(self) -> Tensor:
         """``b = t b_rel`` (relative) or ``b`` (absolute)."""
-        if self.parametrization == "absolute":
+        if self.options.parametrization == "absolute":
             return self.bias
         return self.scale * self.b_rel
 
     @property
     def delta(self) -> Tensor | None:
         """The locked-encoder adapter's ``delta = sigmoid(x)``, or None without the adapter."""
-        return torch.sigmoid(self.adapter_logit) if self.locked_adapter else None
+        return torch.sigmoid(self.adapter_logit) if self.options.locked_adapter else None
 
     def no_weight_decay_parameter_names(self) -> list[str]:
         """Names of this loss's own parameters (relative to the loss), none of which should get weight decay."""
@@ -411,8 +368,8 @@ class RBSigmoidLoss(nn.Module):
         """The loss's own scalars by name (parameters or, when fixed, buffers): ``log_t``, ``b_rel`` or ``bias``,
         and ``adapter_logit`` with the adapter. Every computation reads them from such a dict, so that the cached
         variant can substitute stand-ins."""
-        names = ["log_t", "b_rel" if self.parametrization == "relative" else "bias"]
-        if self.locked_adapter:
+        names = ["log_t", "b_rel" if self.options.parametrization == "relative" else "bias"]
+        if self.options.locked_adapter:
             names.append("adapter_logit")
         return {name: getattr(self, name) for name in names}
 
@@ -420,20 +377,20 @@ class RBSigmoidLoss(nn.Module):
         """Keyword arguments of the functional losses for these parameter values, in the computation dtype (the
         scale is exponentiated in that dtype, so float64 inputs get a float64 ``t``)."""
         arguments: dict[str, Any] = {"scale": params["log_t"].to(dtype).exp()}
-        if self.parametrization == "relative":
+        if self.options.parametrization == "relative":
             arguments["relative_bias"] = params["b_rel"]
         else:
             arguments["bias"] = params["bias"]
         return arguments
 
     def _score_transform(self, params: dict[str, Tensor], dtype: torch.dtype) -> Callable[[Tensor], Tensor] | None:
-        if not self.locked_adapter:
+        if not self.options.locked_adapter:
             return None
         delta = torch.sigmoid(params["adapter_logit"].to(dtype))
         return lambda scores: locked_adapter_scores(scores, delta)
 
     def _new_checks(self) -> DeferredChecks | None:
-        return DeferredChecks() if self.check_inputs else None
+        return DeferredChecks() if self.options.check_inputs else None
 
     @staticmethod
     def _require_finite_parameters(params: dict[str, Tensor], checks: DeferredChecks | None) -> None:
@@ -464,12 +421,10 @@ class RBSigmoidLoss(nn.Module):
         params = self.loss_parameters()
         self._require_finite_parameters(params, checks)
         transform = self._score_transform(params, dtype)
-        guard_counts = None
-        if self.false_negative_filter is not None:
-            # on the cosine scores, before the adapter's transform, as in compute_loss_from_embeddings
-            masked = false_negative_mask(scores, positive_index, valid_mask, self.false_negative_filter)
-            guard_counts = filter_row_counts(masked, positive_index, valid_mask)
-            valid_mask = ~masked if valid_mask is None else valid_mask & ~masked
+        # on the cosine scores, before the adapter's transform, as in compute_loss_from_embeddings
+        valid_mask, guard_counts = apply_false_negative_filter(
+            scores, positive_index, valid_mask, self.options.false_negative_filter
+        )
         scores = scores.to(dtype) if transform is None else transform(scores)
         loss = sigmoid_contrastive_loss(
             scores, targets, valid_mask=valid_mask, check_inputs=check_inputs, **self._logit_arguments(params, dtype)
@@ -489,10 +444,10 @@ class RBSigmoidLoss(nn.Module):
         loss = columns[0].new_zeros(())
         extremes = guard_counts = None
         for anchor_column, candidates, weight in self._directional_blocks(columns, gathered):
-            value, low, high, masked = self._block_loss(columns[anchor_column], candidates, positive_index, params)
+            value, low, high, counts = self._block_loss(columns[anchor_column], candidates, positive_index, params)
             loss = loss + weight * value
             if extremes is None:  # the first block's, logged
-                extremes, guard_counts = (low, high), self._guard_counts(masked, positive_index, candidates)
+                extremes, guard_counts = (low, high), counts
         if checks is not None:
             checks.raise_if_failed()
         self._record(params, *extremes, guard_counts)
@@ -516,7 +471,7 @@ class RBSigmoidLoss(nn.Module):
         batch_size = columns[0].shape[0]
         offset = 0
         gathered = columns
-        if self.gather_across_devices:
+        if self.options.gather_across_devices:
             gathered = [all_gather_with_grad(column) for column in columns]
             offset = get_rank() * batch_size
         return gathered, torch.arange(offset, offset + batch_size, device=columns[0].device)
@@ -534,48 +489,37 @@ class RBSigmoidLoss(nn.Module):
     def _directional_blocks(self, columns: list[Tensor], candidates: list[Tensor]) -> list[tuple[int, Tensor, float]]:
         """``(anchor column, candidate matrix, weight)`` of every anchors-against-candidates block whose weighted sum
         is the loss. The first block's margin is the one logged."""
-        if self.columns == "negatives":
+        if self.options.columns == "negatives":
             documents = candidates[1] if len(candidates) == 2 else torch.cat(candidates[1:], dim=0)
             pairs, reverse = [(0, documents)], [(1, candidates[0])]
         else:
             index_pairs = list(combinations(range(len(columns)), 2))
             pairs = [(i, candidates[j]) for i, j in index_pairs]
             reverse = [(j, candidates[i]) for i, j in index_pairs]
-        if not self.symmetric:
+        if not self.options.symmetric:
             return [(column, block, 1.0) for column, block in pairs]
         # Each direction of a pair gets half the weight: the symmetric loss is the mean of both directions.
         return [(column, block, 0.5) for column, block in pairs + reverse]
 
     def _block_loss(
         self, anchors: Tensor, candidates: Tensor, positive_index: Tensor, params: dict[str, Tensor]
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    ) -> tuple[Tensor, Tensor, Tensor, FilterCounts | None]:
         """Mean over ``anchors`` of their loss against ``candidates``, with the block's smallest matching and largest
-        non-matching score (no gradient), and the per-anchor count of candidates the false-negative guard removed
-        (None without the guard)."""
+        non-matching score (no gradient), and what the false-negative guard removed per anchor (None without it)."""
         dtype = anchors.dtype
         outputs = chunked_sigmoid_contrastive_loss(
             anchors,
             candidates,
             positive_index,
             score_transform=self._score_transform(params, dtype),
-            chunk_size=self.chunk_size,
+            chunk_size=self.options.chunk_size,
             return_extremes=True,
             check_inputs=False,  # the embeddings and parameters are checked by the caller, in the same sync
-            false_negative_filter=self.false_negative_filter,
-            return_guard_counts=self.false_negative_filter is not None,
+            false_negative_filter=self.options.false_negative_filter,
+            return_guard_counts=True,
             **self._logit_arguments(params, dtype),
         )
-        return outputs if self.false_negative_filter is not None else (*outputs, None)
-
-    @staticmethod
-    def _guard_counts(
-        masked_per_row: Tensor | None, positive_index: Tensor, candidates: Tensor
-    ) -> tuple[Tensor, Tensor] | None:
-        """Per-anchor (masked, non-matching candidates before the guard) of one block, or None without the guard."""
-        if masked_per_row is None:
-            return None
-        negatives = candidates.shape[0] - (positive_index >= 0).long()
-        return masked_per_row, negatives
+        return outputs
 
     # ----- statistics -----
     @torch.no_grad()
@@ -584,12 +528,12 @@ class RBSigmoidLoss(nn.Module):
         params: dict[str, Tensor],
         min_positive: Tensor,
         max_negative: Tensor,
-        guard_counts: tuple[Tensor, Tensor] | None = None,
+        guard_counts: FilterCounts | None = None,
     ) -> None:
         """Keep ``t``, ``b_rel``, ``b``, the margin (and ``delta``, and the false-negative guard's shares) as device
         tensors: no sync in the hot path."""
         t = params["log_t"].detach().exp()
-        if self.parametrization == "relative":
+        if self.options.parametrization == "relative":
             b_rel = params["b_rel"].detach()
             b = t * b_rel
         else:
@@ -598,12 +542,11 @@ class RBSigmoidLoss(nn.Module):
         values = {"rb_sigmoid_t": t, "rb_sigmoid_b_rel": b_rel, "rb_sigmoid_b": b}
         # A block without matching or without non-matching pairs has an infinite "margin": not counted.
         values["rb_sigmoid_margin"] = constellation_margin_from_extremes(min_positive, max_negative)[0]
-        if self.locked_adapter:
+        if self.options.locked_adapter:
             values["rb_sigmoid_delta"] = torch.sigmoid(params["adapter_logit"].detach())
         if guard_counts is not None:
-            masked_share, anchors_share = shares_from_row_counts(*guard_counts)
-            values["rb_sigmoid_fn_masked_share"] = masked_share
-            values["rb_sigmoid_fn_anchors_share"] = anchors_share
+            values["rb_sigmoid_fn_masked_share"] = guard_counts.masked_share
+            values["rb_sigmoid_fn_anchors_share"] = guard_counts.anchors_share
         self.logged_statistics.add(values)
 
     def pop_logged_statistics(self) -> dict[str, float]:
@@ -617,24 +560,16 @@ class RBSigmoidLoss(nn.Module):
         """The constructor's options with the loss parameters' current values, so that
         ``type(loss)(model, **loss.get_config_dict())`` rebuilds this loss (JSON-able)."""
         values = {name: float(value.detach()) for name, value in self.loss_parameters().items()}
-        options = dataclasses.replace(
-            self.initial_options,
-            # exp in float64 of the float32 log_t: its log rounds back to the same float32
-            scale=math.exp(values["log_t"]),
-            relative_bias=values.get("b_rel"),
-            bias=values.get("bias"),
-            adapter_logit=values.get("adapter_logit", self.initial_options.adapter_logit),
-            trainable_scale=self.trainable_scale,
-            trainable_bias=self.trainable_bias,
-            gather_across_devices=self.gather_across_devices,
-            symmetric=self.symmetric,
-            chunk_size=self.chunk_size,
-            check_inputs=self.check_inputs,
+        return options_config(
+            dataclasses.replace(
+                self.options,
+                # exp in float64 of the float32 log_t: its log rounds back to the same float32
+                scale=math.exp(values["log_t"]),
+                relative_bias=values.get("b_rel"),
+                bias=values.get("bias"),
+                adapter_logit=values.get("adapter_logit", self.options.adapter_logit),
+            )
         )
-        config = dataclasses.asdict(options)
-        # JSON form of the guard (asdict would make a dict of the dataclass, which the constructor does not take)
-        config["false_negative_filter"] = self.false_negative_filter.to_config() if self.false_negative_filter else None
-        return config
 
     @property
     def citation(self) -> str:

@@ -9,12 +9,14 @@ from st_weince.vision.augment import SimCLRAugment, SimCLRAugmentConfig, eval_tr
 from st_weince.vision.data import ImageTensorDataset, balanced_subset, load_dataset, load_image_folder
 from st_weince.vision.evaluation import KNN_KS, KNN_TEMPERATURE, extract_features, knn_evaluate, linear_probe
 from st_weince.vision.models import CifarResNet, ProjectionHead, SimCLRModel, load_encoder, save_encoder
-from st_weince.vision.objectives import LOSSES, SimCLRObjective
+from st_weince.vision.objectives import LOSSES, SIMCLR_BETA, SIMCLR_SCALE, SimCLRObjective
 
 __all__ = [
     "KNN_KS",
     "KNN_TEMPERATURE",
     "LOSSES",
+    "SIMCLR_BETA",
+    "SIMCLR_SCALE",
     "CifarResNet",
     "ImageTensorDataset",
     "ProjectionHead",
