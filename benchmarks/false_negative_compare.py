@@ -1,5 +1,5 @@
 """Supervised fine-tuning with in-batch false negatives: MNRL, WEINCE and RB-Sigmoid, each with and without the
-false-negative guard (issue 13 item 3).
+false-negative guard.
 
 Data: BANKING77 (``<data-dir>/banking77/{train,test}.csv``, columns text,category). From the training split a
 class-stratified validation split is carved off (``--val-fraction``); the rest gives same-class pairs (each class's

@@ -1,4 +1,4 @@
-"""issue 14 item 4: InfoNCE against WEINCE on CIFAR-10 with a full-width ResNet-18, on one GPU in about 8 minutes.
+"""InfoNCE against WEINCE on CIFAR-10 with a full-width ResNet-18, on one GPU in about 8 minutes.
 
 Both losses start from the same seed (same initial network, data order and augmentations). The first loss (InfoNCE)
 trains whole epochs while they fit its share of the time budget; the second (WEINCE) then trains the same number of

@@ -8,7 +8,7 @@ recipes/simcse.py); ``--scale`` is infonce/weince's factor on cosine scores (1 /
     --loss weince       st_weince.losses.WEINCELoss.loss_from_scores on the NT-Xent 2N layout (beta = 1)
     --loss rb-sigmoid   st_weince.losses.RBSigmoidLoss.loss_from_scores on the same layout (t, b_rel trained)
 
-Defaults follow the released SimCLR setup of the WEINCE paper (ALGORITHMS.md 1.5): CIFAR-stem ResNet-18, projection
+Defaults follow the released SimCLR setup of the WEINCE paper (docs/algorithms.md 1.5): CIFAR-stem ResNet-18, projection
 head to 64 dimensions, Adam (lr 1e-3, weight decay 1e-6), scale 2 (temperature 0.5), batch 256 pairs, 100 epochs;
 evaluation by a linear probe (100 epochs on frozen features) and weighted k-NN (temperature 0.1, k in
 {1, 2, 5, 10, 20, 50}).

@@ -101,7 +101,7 @@ def assert_same_run(got: dict, expected: dict) -> None:
     [
         ("model", 2),  # checkpoint-4 holds the model only: set aside, resume from checkpoint-2
         ("state", 2),  # model, optimizer, RNG, no trainer_state.json yet: set aside as well
-        ("on_save", 4),  # complete: the moment at which the loss state used to be missing (issue 11)
+        ("on_save", 4),  # complete: the moment at which a crash could leave the loss state missing
     ],
 )
 def test_killed_inside_a_save_resumes_like_an_uninterrupted_run(

@@ -18,7 +18,7 @@ from st_weince.losses.rb_sigmoid import RBSigmoidOptions
 
 
 def direct(u, v_all, positive_index, t, *, b_rel=None, b=None, mask=None) -> torch.Tensor:
-    """The formula of ALGORITHMS.md section 2 on cosine scores, float64, written independently of the package."""
+    """The formula of docs/algorithms.md section 2 on cosine scores, float64, written independently of the package."""
     u = F.normalize(u.double(), dim=-1)
     v_all = F.normalize(v_all.double(), dim=-1)
     s = u @ v_all.T

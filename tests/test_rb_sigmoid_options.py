@@ -159,7 +159,7 @@ def test_config_rebuilds_the_same_config_and_the_same_loss(cls, options, one_tor
 
 
 def test_default_and_adapter_configs_rebuild():
-    """The two failures reported in issue 11 item 2."""
+    """Two failures users met: a config that did not rebuild the loss, and a rebuilt scale off by a rounding."""
     for cls, options in itertools.product((RBSigmoidLoss, CachedRBSigmoidLoss), ({}, {"locked_adapter": True})):
         loss = cls(None, **options)
         assert cls(None, **loss.get_config_dict()).get_config_dict() == loss.get_config_dict()

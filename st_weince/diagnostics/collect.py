@@ -5,7 +5,7 @@
 - Choice data (for the link fit): two views of each input (for text: the same sentence encoded twice in train mode,
   i.e. with dropout, as unsupervised SimCSE trains; or the two sides of given sentence pairs; for images: two
   augmentations), cut into batches; row ``a`` of a batch scores view A of input ``a`` against the candidates of its
-  batch and the observed winner is its own other view. Two layouts (ALGORITHMS.md 1.3): ``"pairs"`` (candidates =
+  batch and the observed winner is its own other view. Two layouts (docs/algorithms.md 1.3): ``"pairs"`` (candidates =
   the B views B of the batch, as sentence-transformers' (anchor, positive) columns) and ``"nt_xent"`` (2B views,
   each an anchor, self excluded, as SimCLR).
 """

@@ -1,6 +1,6 @@
 """Likelihood link selection: how much endpoint (shortfall) logit do observed top-1 winners want?
 
-ALGORITHMS.md 1.4: each anchor row ``a`` has candidate scores ``s[a, :]`` and an observed winner ``c*(a)`` (the
+docs/algorithms.md 1.4: each anchor row ``a`` has candidate scores ``s[a, :]`` and an observed winner ``c*(a)`` (the
 positive). Under the blended link the winner is drawn with probability ``softmax_c(l[a, c])`` where
 
     ``l[a, c] = (1 - lambda) s[a, c] / tau + lambda (-beta log(1 - s[a, c]))``,
@@ -45,7 +45,7 @@ import torch
 from scipy import optimize, stats
 from torch import Tensor
 
-from st_weince.functional.weince import weince_logits
+from st_weince.functional.weince import DEFAULTS, weince_logits
 
 _LOG_BOUND = 12.0  # |log tau|, |log beta| <= 12
 
@@ -227,9 +227,9 @@ def fit_link(
     valid_mask: Tensor | None = None,
     *,
     free: Sequence[str] = ("lambda", "tau"),
-    beta: float = 1.0,
+    beta: float = DEFAULTS.beta,
     temperature: float = 0.05,
-    eps: float = 1e-6,
+    eps: float = DEFAULTS.eps,
     ci_level: float = 0.95,
     profile_points: int = 21,
 ) -> LinkFit:

@@ -1,6 +1,6 @@
 """The sigmoid contrastive loss (SigLIP; RB-Sigmoid's relative-bias parametrization) as pure functions.
 
-Every formula of ``shared/docs/ALGORITHMS.md`` section 2 lives here exactly once; the sentence-transformers adapters
+Every formula of ``docs/algorithms.md`` section 2 lives here exactly once; the sentence-transformers adapters
 (:class:`st_weince.losses.RBSigmoidLoss`, :class:`st_weince.losses.CachedRBSigmoidLoss`), the vision recipe, the
 diagnostics and the synthetic experiments call these.
 

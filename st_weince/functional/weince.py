@@ -2,7 +2,7 @@
 
 Data flows one way: scores -> per-anchor tail fits -> batch pivot -> blend weights -> logits -> cross-entropy.
 Every adapter (sentence-transformers losses, the vision recipe, the diagnostics) calls these functions, so each
-formula of ``shared/docs/ALGORITHMS.md`` section 1 lives here exactly once, and the nine options live in one place,
+formula of ``docs/algorithms.md`` section 1 lives here exactly once, and the nine options live in one place,
 :class:`WeinceOptions`.
 
 Conventions
@@ -43,7 +43,7 @@ _WRONG_SIGN_PENALTY = 1e6
 _MIN_SSE = 1e-12
 _MIN_FIT_POINTS = 3
 # A tail whose log-shortfalls spread less than this many units of rounding (RMS, relative to their size) has no
-# shape: its line fits are rounding noise (issue 10 item 5: 0.92 everywhere gave lambda 1.0).
+# shape: its line fits are rounding noise (equal scores of 0.92 everywhere would otherwise give lambda 1.0).
 _DEGENERATE_SPREAD_ULPS = 16.0
 
 Checks = DeferredChecks | bool
@@ -279,7 +279,7 @@ def _top_negative_scores(
 
 
 def tail_sizes(num_negatives: Tensor, *, tail_frac: float, min_tail_points: int) -> Tensor:
-    """Tail size k per anchor from its number of negatives K (ALGORITHMS.md 1.1 step 1)."""
+    """Tail size k per anchor from its number of negatives K (docs/algorithms.md 1.1 step 1)."""
     k = torch.clamp(torch.round(tail_frac * num_negatives.double()).long(), min=min_tail_points)
     k = torch.minimum(k, num_negatives)
     k = torch.clamp(k, min=10)
@@ -359,7 +359,7 @@ def weince_tail_fit(
     checks: Checks = True,
     **overrides: Any,
 ) -> TailFit:
-    """Per-anchor shortfall tail fits (ALGORITHMS.md 1.1 steps 1-4), vectorised over anchors, in the scores'
+    """Per-anchor shortfall tail fits (docs/algorithms.md 1.1 steps 1-4), vectorised over anchors, in the scores'
     dtype (float16/bfloat16: float32).
 
     ``checks``: True validates the inputs here (one host sync), a DeferredChecks collects the value checks for the
@@ -408,7 +408,7 @@ def weince_tail_fit(
 
 
 @torch.no_grad()
-def batch_pivot(rho: Tensor, has_negatives: Tensor, q: float = 0.2) -> Tensor:
+def batch_pivot(rho: Tensor, has_negatives: Tensor, q: float = DEFAULTS.q) -> Tensor:
     """``rho0``: the q-quantile of rho over the anchors that have negatives (sort ascending, index round(q (A-1))).
 
     Sort plus gather, no boolean-mask indexing: rows without negatives sort last (+inf) and the index counts only
@@ -441,7 +441,7 @@ def blend_weights(fit: TailFit, rho0: Tensor | float, options: WeinceOptions | N
     return torch.where(fit.fitted, lam, torch.zeros_like(lam))
 
 
-def tail_index(fit: TailFit, beta: float | str = 1.0) -> Tensor:
+def tail_index(fit: TailFit, beta: float | str = DEFAULTS.beta) -> Tensor:
     """beta(a) in the shortfall logit: a constant (reference implementation: 1.0) or "auto", the clamped estimate."""
     beta = WeinceOptions(beta=beta).beta
     if beta == "auto":
@@ -458,7 +458,7 @@ def statistics_from_fit(
     rho0: Tensor | float | None = None,
     gather: Callable[[Tensor], Tensor] | None = None,
 ) -> WeinceStatistics:
-    """Steps 5-7 of ALGORITHMS.md 1.1 on given tail fits: the pivot (over ``gather``'s global batch unless ``rho0``
+    """Steps 5-7 of docs/algorithms.md 1.1 on given tail fits: the pivot (over ``gather``'s global batch unless ``rho0``
     is given), the blend weights and the tail index."""
     options = resolve_options(options, {})
     if rho0 is None:

@@ -254,7 +254,7 @@ class RBSigmoidLoss(nn.Module):
         References:
             - Bangachev, Bresler, Noman, Polyanskiy: Global Minimizers of Sigmoid Contrastive Loss, NeurIPS 2025.
             - Zhai et al.: Sigmoid Loss for Language Image Pre-Training (SigLIP), ICCV 2023.
-            - ``shared/docs/ALGORITHMS.md`` section 2 of this project; ``docs/rb-sigmoid.md``.
+            - ``docs/algorithms.md`` section 2 of this project; ``docs/rb-sigmoid.md``.
 
         Requirements:
             1. (anchor, positive) pairs or (anchor, positive, negative_1, ..., negative_n) tuples; or, with

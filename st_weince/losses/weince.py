@@ -57,7 +57,7 @@ class WEINCELossOptions:
     defaults and their validation; the loss signatures read their defaults from here, ``get_config_dict`` writes
     them out. The nine options of the math default to the released implementation's
     (:class:`~st_weince.functional.WeinceOptions`), except ``beta``: "auto" here, because the released 1.0 was tuned
-    at temperature 0.5 and is 10-20x too soft at SimCSE's 0.05 (``docs/weince.md``). ``scale = 20`` is MNRL's
+    at temperature 0.5 and is 10-20x too soft at SimCSE's 0.05 (``docs/weince.md``). The scale is MNRL's
     (temperature 0.05)."""
 
     scale: float = 20.0
@@ -191,7 +191,7 @@ class WEINCELoss(nn.Module):
         References:
             - Erol et al., When Softmax Fails at the Top: Extreme-Value Corrections for InfoNCE, ICML 2026,
               arXiv 2606.00262.
-            - ``shared/docs/ALGORITHMS.md`` section 1 of this project for the exact statistics.
+            - ``docs/algorithms.md`` section 1 of this project for the exact statistics.
 
         Requirements:
             1. (anchor, positive) pairs or (anchor, positive, negative_1, ..., negative_n) tuples.

@@ -83,7 +83,7 @@ class CifarResNet(nn.Module):
 class ProjectionHead(nn.Module):
     """SimCLR projection head: Linear(feature_dim, hidden, no bias) - BatchNorm - ReLU - Linear(hidden, out_dim).
 
-    The released WEINCE SimCLR setup projects to 64 dimensions (ALGORITHMS.md 1.5); the loss sees the projections,
+    The released WEINCE SimCLR setup projects to 64 dimensions (docs/algorithms.md 1.5); the loss sees the projections,
     evaluation uses the backbone features before the head.
     """
 
