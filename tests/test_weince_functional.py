@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from st_weince.functional import (
+    check_scores,
     nt_xent_layout,
     tail_sizes,
     weince_cross_entropy,
@@ -17,6 +18,7 @@ from st_weince.functional import (
     weince_statistics,
     weince_tail_fit,
 )
+from st_weince.utils.hotpath import count_host_syncs
 from tests.weince_reference import reference_loss, reference_statistics
 
 
@@ -174,8 +176,12 @@ def test_bad_inputs_raise_clear_errors():
         weince_cross_entropy(scores, positive_index, scale=-1.0)
     bad = scores.clone()
     bad[2, 3] = float("nan")
+    # the math checks shapes only; the values are checked by check_scores (the losses do it on their inputs)
+    with count_host_syncs() as syncs:
+        unchecked = weince_cross_entropy(bad, positive_index, scale=20.0)
+    assert syncs.total == 0 and torch.isnan(unchecked)
     with pytest.raises(ValueError, match="NaN"):
-        weince_cross_entropy(bad, positive_index, scale=20.0)
+        check_scores(bad, positive_index)
     with pytest.raises(ValueError, match="one entry per anchor"):
         weince_cross_entropy(scores, torch.arange(7), scale=20.0)
     with pytest.raises(ValueError, match="2-D"):
@@ -187,7 +193,10 @@ def test_bad_inputs_raise_clear_errors():
     mask = torch.ones(8, 8, dtype=torch.bool)
     mask[0, 0] = False
     with pytest.raises(ValueError, match="masked out"):
-        weince_cross_entropy(scores, positive_index, mask, scale=20.0)
+        check_scores(scores, positive_index, mask, every_row_has_positive=True)
+    check_scores(scores, positive_index, mask)  # a row without a valid positive is fine outside a cross-entropy
+    with pytest.raises(ValueError, match="needs a positive"):
+        check_scores(scores, torch.full((8,), -1), every_row_has_positive=True)
 
 
 @settings(max_examples=40, deadline=None)

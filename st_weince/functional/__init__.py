@@ -1,5 +1,6 @@
 """Pure tensor functions on score matrices: the math every loss adapter (text and vision) calls."""
 
+from st_weince.functional.checks import check_scores, compute_dtype
 from st_weince.functional.false_negatives import (
     FalseNegativeFilter,
     FilterCounts,
@@ -43,6 +44,8 @@ from st_weince.functional.weince import (
 )
 
 __all__ = [
+    "check_scores",
+    "compute_dtype",
     "FalseNegativeFilter",
     "FilterCounts",
     "apply_false_negative_filter",

@@ -10,7 +10,6 @@ from st_weince.functional.false_negatives import FilterCounts
 from st_weince.losses._columns import check_embedding_columns
 from st_weince.losses._gradcache import GradCachedLoss, GradCacheOptions
 from st_weince.losses.rb_sigmoid import RBSigmoidLoss, RBSigmoidOptions
-from st_weince.utils.hotpath import DeferredChecks
 from st_weince.utils.options import options_from_arguments
 
 
@@ -142,21 +141,22 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
         check_embedding_columns(embeddings, type(self).__name__, checks=False)  # values: by normalize_rows' check
         params = self.loss_parameters()
         self._require_finite_parameters(params, checks)
+        normalized = self._normalized(embeddings, checks)
+        if checks is not None:
+            checks.raise_if_failed()  # the one host sync of the step, where the loss receives its inputs
         if not with_backward:
-            total, extremes, guard_counts = self._row_chunk_losses(embeddings, params, checks, backward=False)
+            total, extremes, guard_counts = self._row_chunk_losses(normalized, params, backward=False)
         else:
             stand_ins = {name: value.detach().requires_grad_(value.requires_grad) for name, value in params.items()}
-            total, extremes, guard_counts = self._row_chunk_losses(embeddings, stand_ins, checks, backward=True)
+            total, extremes, guard_counts = self._row_chunk_losses(normalized, stand_ins, backward=True)
             for name, value in params.items():
                 if value.requires_grad and stand_ins[name].grad is not None:
                     total = total + (value - value.detach()) * stand_ins[name].grad
-        if checks is not None:
-            checks.raise_if_failed()
         self._record(params, *extremes, guard_counts)
         return total
 
     def _row_chunk_losses(
-        self, embeddings: list[Tensor], params: dict[str, Tensor], checks: DeferredChecks | None, backward: bool
+        self, normalized: list[Tensor], params: dict[str, Tensor], backward: bool
     ) -> tuple[Tensor, tuple[Tensor, Tensor], FilterCounts | None]:
         """Sum of the chunk losses (detached when ``backward``), the first block's extremes and its false-negative
         guard counts per anchor (None without the guard).
@@ -164,7 +164,6 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
         With ``backward``, normalization and gathering run once on leaves: each chunk's backward stops at the
         normalized (and gathered) columns, and one backward per column then carries the accumulated gradients
         through the gather and the normalization to the embeddings."""
-        normalized = self._normalized(embeddings, checks)
         columns = [column.detach().requires_grad_() for column in normalized] if backward else normalized
         gathered, positive_index = self._candidates(columns)
         # Without gathering the candidates are the columns themselves; gathered ones become leaves of their own.

@@ -150,6 +150,8 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
         checks = DeferredChecks() if self.options.check_inputs else False
         embeddings = [torch.cat(column) for column in reps]
         queries, docs, offset = self._normalized_columns(embeddings, checks)
+        if checks:
+            checks.raise_if_failed()  # the one host sync of the step, where the loss receives its inputs
         if with_backward:
             # The chunks' backward passes stop at these leaves; the normalisation (and the gather across
             # processes) is back-propagated once at the end, not once per chunk.
@@ -182,8 +184,6 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
         guard_counts = FilterCounts.cat(chunk_counts) if self.options.false_negative_filter is not None else None
         fits = [TailFit.cat([fits[group] for fits in chunk_fits]) for group in range(len(chunk_fits[0]))]
         statistics = [statistics_from_fit(fit, self.options.math, gather=self._gather) for fit in fits]
-        if checks:
-            checks.raise_if_failed()  # the one host sync of the step, before any backward pass
 
         total = torch.zeros((), dtype=statistics[0].lam.dtype, device=queries.device)
         for begin, end in tqdm.tqdm(chunks, desc="Calculating loss", disable=not self.show_progress_bar):

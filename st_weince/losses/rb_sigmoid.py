@@ -13,11 +13,11 @@ from sentence_transformers.base.losses.merged_forward import embed_columns
 from sentence_transformers.util import all_gather_with_grad, cos_sim, get_rank
 from torch import Tensor, nn
 
+from st_weince.functional.checks import compute_dtype, require_valid_scores
 from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
 from st_weince.functional.layouts import normalize_rows
 from st_weince.functional.sigmoid import (
     chunked_sigmoid_contrastive_loss,
-    compute_dtype,
     constellation_margin_from_extremes,
     locked_adapter_scores,
     score_extremes,
@@ -414,25 +414,22 @@ class RBSigmoidLoss(nn.Module):
         Used by the vision adapter; with the locked adapter enabled it is applied to ``scores`` first."""
         if scores.dim() != 2:
             raise ValueError(f"scores must be a 2-D [anchors, candidates] matrix, got shape {tuple(scores.shape)}")
-        checks = self._new_checks()
-        check_inputs = checks if checks is not None else False
-        dtype = compute_dtype(scores)
-        targets = targets_from_positive_index(positive_index, scores.shape[1], check_inputs=check_inputs, dtype=dtype)
         params = self.loss_parameters()
-        self._require_finite_parameters(params, checks)
+        if self.options.check_inputs:  # the one host sync of the step
+            checks = DeferredChecks()
+            require_valid_scores(checks, scores, positive_index, valid_mask)
+            self._require_finite_parameters(params, checks)
+            checks.raise_if_failed()
+        dtype = compute_dtype(scores)
+        targets = targets_from_positive_index(positive_index, scores.shape[1], dtype=dtype)
         transform = self._score_transform(params, dtype)
         # on the cosine scores, before the adapter's transform, as in compute_loss_from_embeddings
         valid_mask, guard_counts = apply_false_negative_filter(
             scores, positive_index, valid_mask, self.options.false_negative_filter
         )
         scores = scores.to(dtype) if transform is None else transform(scores)
-        loss = sigmoid_contrastive_loss(
-            scores, targets, valid_mask=valid_mask, check_inputs=check_inputs, **self._logit_arguments(params, dtype)
-        )
-        extremes = score_extremes(scores, targets, valid_mask, check_inputs=False)
-        if checks is not None:
-            checks.raise_if_failed()
-        self._record(params, *extremes, guard_counts)
+        loss = sigmoid_contrastive_loss(scores, targets, valid_mask=valid_mask, **self._logit_arguments(params, dtype))
+        self._record(params, *score_extremes(scores, targets, valid_mask), guard_counts)
         return loss
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
@@ -441,6 +438,8 @@ class RBSigmoidLoss(nn.Module):
         columns, gathered, positive_index = self._prepare_columns(embeddings, checks)
         params = self.loss_parameters()
         self._require_finite_parameters(params, checks)
+        if checks is not None:
+            checks.raise_if_failed()  # the one host sync of the step, where the loss receives its inputs
         loss = columns[0].new_zeros(())
         extremes = guard_counts = None
         for anchor_column, candidates, weight in self._directional_blocks(columns, gathered):
@@ -448,8 +447,6 @@ class RBSigmoidLoss(nn.Module):
             loss = loss + weight * value
             if extremes is None:  # the first block's, logged
                 extremes, guard_counts = (low, high), counts
-        if checks is not None:
-            checks.raise_if_failed()
         self._record(params, *extremes, guard_counts)
         return loss
 
@@ -514,7 +511,6 @@ class RBSigmoidLoss(nn.Module):
             score_transform=self._score_transform(params, dtype),
             chunk_size=self.options.chunk_size,
             return_extremes=True,
-            check_inputs=False,  # the embeddings and parameters are checked by the caller, in the same sync
             false_negative_filter=self.options.false_negative_filter,
             return_guard_counts=True,
             **self._logit_arguments(params, dtype),

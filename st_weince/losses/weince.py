@@ -10,6 +10,7 @@ from sentence_transformers.base.losses.merged_forward import embed_columns
 from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim, get_rank
 from torch import Tensor, nn
 
+from st_weince.functional.checks import require_valid_scores
 from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
 from st_weince.functional.layouts import (
     Direction,
@@ -259,7 +260,7 @@ class WEINCELoss(nn.Module):
     ) -> WeinceStatistics:
         """Statistics of rows held by this process; the pivot rho0 is taken over all processes' rows."""
         return weince_statistics(
-            scores, positive_index, valid_mask, self.options.math, gather=self._gather, checks=self.options.check_inputs
+            scores, positive_index, valid_mask, self.options.math, gather=self._gather
         )
 
     def _guarded(self, layout: MNRLLayout) -> tuple[MNRLLayout, FilterCounts | None]:
@@ -285,9 +286,8 @@ class WEINCELoss(nn.Module):
         return MNRLLayout(groups=tuple(groups), partition_mode=layout.partition_mode, num_rows=layout.num_rows), counts
 
     def _group_fits(self, layout: MNRLLayout) -> list[TailFit]:
-        # The scores come from normalised finite embeddings (checked by the caller): no value checks here.
         return [
-            weince_tail_fit(group.scores, group.positive_index, group.valid_mask, self.options.math, checks=False)
+            weince_tail_fit(group.scores, group.positive_index, group.valid_mask, self.options.math)
             for group in layout.groups
         ]
 
@@ -346,30 +346,25 @@ class WEINCELoss(nn.Module):
     def loss_from_scores(self, scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None) -> Tensor:
         """Cross-entropy over one score matrix, e.g. the SimCLR 2N x 2N layout of
         :func:`st_weince.functional.nt_xent_layout`. Used by the vision adapter."""
-        checks = DeferredChecks() if self.options.check_inputs else False
+        if self.options.check_inputs:  # the one host sync of the step
+            checks = DeferredChecks()
+            require_valid_scores(checks, scores, positive_index, valid_mask, every_row_has_positive=True)
+            checks.raise_if_failed()
         valid_mask, counts = apply_false_negative_filter(
             scores, positive_index, valid_mask, self.options.false_negative_filter
         )
-        stats = weince_statistics(
-            scores, positive_index, valid_mask, self.options.math, gather=self._gather, checks=checks
-        )
+        stats = weince_statistics(scores, positive_index, valid_mask, self.options.math, gather=self._gather)
         loss = weince_cross_entropy(
-            scores,
-            positive_index,
-            valid_mask,
-            self.options.math,
-            scale=self.options.scale,
-            statistics=stats,
-            checks=checks,
+            scores, positive_index, valid_mask, self.options.math, scale=self.options.scale, statistics=stats
         )
-        if checks:
-            checks.raise_if_failed()
         self._record(stats, counts)
         return loss
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
         checks = DeferredChecks() if self.options.check_inputs else False
         queries, docs, offset = self._normalized_columns(embeddings, checks)
+        if checks:
+            checks.raise_if_failed()  # the one host sync of the step, where the loss receives its inputs
         batch_size = embeddings[0].shape[0]
         layout = mnrl_layout(
             queries,
@@ -384,8 +379,6 @@ class WEINCELoss(nn.Module):
             statistics_from_fit(fit, self.options.math, gather=self._gather) for fit in self._group_fits(layout)
         ]
         loss = self._rows_loss(layout, statistics).mean()
-        if checks:
-            checks.raise_if_failed()  # the one host sync of the step
         self._record(statistics[0], counts)
         return loss
 
