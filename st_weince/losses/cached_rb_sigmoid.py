@@ -138,7 +138,7 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
         the detached loss (see the class docstring)."""
         embeddings = [torch.cat(column) for column in reps]
         checks = self._new_checks()
-        check_embedding_columns(embeddings, type(self).__name__, checks=False)  # values: by normalize_rows' check
+        check_embedding_columns(embeddings, type(self).__name__)  # values: by normalize_rows' check
         params = self.loss_parameters()
         self._require_finite_parameters(params, checks)
         normalized = self._normalized(embeddings, checks)

@@ -457,7 +457,7 @@ class RBSigmoidLoss(nn.Module):
         """Normalized columns in the computation dtype, the candidate columns (gathered across processes with
         ``gather_across_devices``) and each local anchor's positive row among the candidates."""
         # Shapes here; the values (NaN, Inf, overflowing norms) by the norm check of normalize_rows.
-        check_embedding_columns(embeddings, type(self).__name__, checks=False)
+        check_embedding_columns(embeddings, type(self).__name__)
         columns = self._normalized(embeddings, checks)
         gathered, positive_index = self._candidates(columns)
         return columns, gathered, positive_index

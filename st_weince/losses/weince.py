@@ -326,7 +326,7 @@ class WEINCELoss(nn.Module):
     ) -> tuple[Tensor, list[Tensor], int]:
         """Checked, (gathered,) unit-normalised columns and the global row of this process's first anchor."""
         # Shapes here; the values (NaN, Inf, overflowing norms) by the norm check of normalize_rows.
-        check_embedding_columns(embeddings, type(self).__name__, checks=False)
+        check_embedding_columns(embeddings, type(self).__name__)
         queries, docs = embeddings[0], list(embeddings[1:])
         offset = 0
         if self.options.gather_across_devices:
