@@ -8,6 +8,8 @@ loss receives its inputs, with one sync per step; someone who calls the math dir
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -64,21 +66,15 @@ def require_valid_scores(
 
 
 def check_scores(
-    scores: Tensor,
-    positive_index: Tensor | None = None,
-    valid_mask: Tensor | None = None,
-    *,
-    targets: Tensor | None = None,
-    every_row_has_positive: bool = False,
+    scores: Tensor, positive_index: Tensor | None = None, valid_mask: Tensor | None = None, **requirements: Any
 ) -> None:
     """Raise a ValueError naming the problem if the inputs of a function of :mod:`st_weince.functional` hold invalid
-    values (see :func:`require_valid_scores`); one host-device sync. The loss classes make these checks themselves
+    values; ``requirements`` (``targets=``, ``every_row_has_positive=``) and the checks as in
+    :func:`require_valid_scores`; one host-device sync. The loss classes make these checks themselves
     (``check_inputs=True``); call this when you use the math directly on data you do not trust."""
     if not isinstance(scores, Tensor) or scores.dim() != 2:
         shape = tuple(scores.shape) if isinstance(scores, Tensor) else type(scores).__name__
         raise ValueError(f"scores must be a 2-D [anchors, candidates] matrix, got shape {shape}")
     checks = DeferredChecks()
-    require_valid_scores(
-        checks, scores, positive_index, valid_mask, targets=targets, every_row_has_positive=every_row_has_positive
-    )
+    require_valid_scores(checks, scores, positive_index, valid_mask, **requirements)
     checks.raise_if_failed()
