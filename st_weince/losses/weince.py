@@ -186,8 +186,9 @@ class WEINCELoss(nn.Module):
             hardness_mode: only None (MNRL's hardness weighting does not combine with WEINCE; refused otherwise).
             hardness_strength: only 0.0.
 
-        The nine WEINCE options are validated at construction (types, ranges, finiteness), by
-        :class:`st_weince.functional.WeinceOptions`, which holds their defaults.
+        Every option is validated at construction (types, ranges, finiteness) by
+        :class:`~st_weince.losses.weince.WEINCELossOptions`, which holds their defaults; the loss reads them as
+        ``loss.options.<name>``.
 
         References:
             - Erol et al., When Softmax Fails at the Top: Extreme-Value Corrections for InfoNCE, ICML 2026,
