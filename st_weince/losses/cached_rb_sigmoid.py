@@ -6,6 +6,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from st_weince.functional.checks import full_precision
 from st_weince.functional.false_negatives import FilterCounts
 from st_weince.losses._columns import check_embedding_columns
 from st_weince.losses._gradcache import GradCachedLoss, GradCacheOptions
@@ -136,7 +137,11 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
         ``mini_batch_size`` anchors. With ``with_backward`` each chunk is back-propagated to the embeddings at once;
         the loss parameters' gradients are returned as the zero-valued term ``sum_p (p - p.detach()) g_p`` added to
         the detached loss (see the class docstring)."""
-        embeddings = [torch.cat(column) for column in reps]
+        embeddings = self._concatenated_columns(reps)
+        with full_precision(*embeddings):
+            return self._cached_loss(embeddings, with_backward)
+
+    def _cached_loss(self, embeddings: list[Tensor], with_backward: bool) -> Tensor:
         checks = self._new_checks()
         check_embedding_columns(embeddings, type(self).__name__)  # values: by normalize_rows' check
         params = self.loss_parameters()

@@ -7,6 +7,7 @@ import torch
 import tqdm
 from torch import Tensor, nn
 
+from st_weince.functional.checks import full_precision
 from st_weince.functional.false_negatives import FilterCounts
 from st_weince.functional.layouts import mnrl_layout
 from st_weince.functional.weince import TailFit, WeinceStatistics, statistics_from_fit
@@ -147,8 +148,12 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
 
         With ``with_backward`` the loss is back-propagated to ``reps`` chunk by chunk and returned detached.
         """
+        embeddings = self._concatenated_columns(reps)
+        with full_precision(*embeddings):
+            return self._cached_loss(embeddings, with_backward)
+
+    def _cached_loss(self, embeddings: list[Tensor], with_backward: bool) -> Tensor:
         checks = DeferredChecks() if self.options.check_inputs else False
-        embeddings = [torch.cat(column) for column in reps]
         queries, docs, offset = self._normalized_columns(embeddings, checks)
         if checks:
             checks.raise_if_failed()  # the one host sync of the step, where the loss receives its inputs

@@ -10,7 +10,7 @@ from sentence_transformers.base.losses.merged_forward import embed_columns
 from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim, get_rank
 from torch import Tensor, nn
 
-from st_weince.functional.checks import require_valid_scores
+from st_weince.functional.checks import check_score_shapes, compute_dtype, full_precision, require_valid_scores
 from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
 from st_weince.functional.layouts import (
     Direction,
@@ -328,6 +328,7 @@ class WEINCELoss(nn.Module):
         """Checked, (gathered,) unit-normalised columns and the global row of this process's first anchor."""
         # Shapes here; the values (NaN, Inf, overflowing norms) by the norm check of normalize_rows.
         check_embedding_columns(embeddings, type(self).__name__)
+        dtype = compute_dtype(*embeddings)  # float32 for half precision (and a mix of dtypes), float64 stays
         queries, docs = embeddings[0], list(embeddings[1:])
         offset = 0
         if self.options.gather_across_devices:
@@ -337,8 +338,11 @@ class WEINCELoss(nn.Module):
         deferred = checks if isinstance(checks, DeferredChecks) else None
         name = type(self).__name__
         return (
-            normalize_rows(queries, deferred, f"{name}: column 0"),
-            [normalize_rows(doc, deferred, f"{name}: column {index}") for index, doc in enumerate(docs, start=1)],
+            normalize_rows(queries, deferred, f"{name}: column 0", dtype),
+            [
+                normalize_rows(doc, deferred, f"{name}: column {index}", dtype)
+                for index, doc in enumerate(docs, start=1)
+            ],
             offset,
         )
 
@@ -347,21 +351,36 @@ class WEINCELoss(nn.Module):
     def loss_from_scores(self, scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None) -> Tensor:
         """Cross-entropy over one score matrix, e.g. the SimCLR 2N x 2N layout of
         :func:`st_weince.functional.nt_xent_layout`. Used by the vision adapter."""
+        check_score_shapes(scores, positive_index, valid_mask)
         if self.options.check_inputs:  # the one host sync of the step
             checks = DeferredChecks()
             require_valid_scores(checks, scores, positive_index, valid_mask, every_row_has_positive=True)
             checks.raise_if_failed()
-        valid_mask, counts = apply_false_negative_filter(
-            scores, positive_index, valid_mask, self.options.false_negative_filter
-        )
-        stats = weince_statistics(scores, positive_index, valid_mask, self.options.math, gather=self._gather)
-        loss = weince_cross_entropy(
-            scores, positive_index, valid_mask, self.options.math, scale=self.options.scale, statistics=stats
-        )
+        positive_index = positive_index.long()
+        with full_precision(scores):
+            valid_mask, counts = apply_false_negative_filter(
+                scores, positive_index, valid_mask, self.options.false_negative_filter
+            )
+            stats = weince_statistics(scores, positive_index, valid_mask, self.options.math, gather=self._gather)
+            loss = weince_cross_entropy(
+                scores,
+                positive_index,
+                valid_mask,
+                self.options.math,
+                scale=self.options.scale,
+                statistics=stats,
+                check_inputs=False,  # checked above, with the loss's own switch
+            )
         self._record(stats, counts)
         return loss
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
+        """The loss on already computed column embeddings (``[anchor, positive, *negatives]``), in float32 for
+        half-precision embeddings (also under autocast) and in float64 for float64 ones."""
+        with full_precision(*embeddings):
+            return self._loss_from_embeddings(embeddings)
+
+    def _loss_from_embeddings(self, embeddings: list[Tensor]) -> Tensor:
         checks = DeferredChecks() if self.options.check_inputs else False
         queries, docs, offset = self._normalized_columns(embeddings, checks)
         if checks:
