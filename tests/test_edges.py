@@ -170,6 +170,18 @@ def test_cross_entropy_of_constant_scores_is_log_k_at_any_scale():
         assert float(value) == pytest.approx(math.log(66), rel=1e-6)
 
 
+@pytest.mark.parametrize("partition_mode", ["joint", "per_direction"])
+def test_loss_of_identical_embeddings_is_log_k_at_any_scale(partition_mode):
+    """Every score 1: each softmax is uniform over its candidates, at any scale (the joint one over the 8 documents of
+    the query and the 8 queries of its document, two groups of statistics in one softmax; per direction, 8 each)."""
+    directions = ("query_to_doc", "doc_to_query")
+    inputs = [torch.ones(8, 4), torch.ones(8, 4)]
+    expected = math.log(16) if partition_mode == "joint" else math.log(8)
+    for scale in (20.0, 1e8):
+        loss = WEINCELoss(None, scale=scale, directions=directions, partition_mode=partition_mode)
+        assert float(loss.compute_loss_from_embeddings(inputs, None)) == pytest.approx(expected, rel=1e-6)
+
+
 def test_indices_of_any_integer_dtype_and_errors_naming_the_argument():
     generator = torch.Generator().manual_seed(6)
     scores = torch.rand(6, 6, generator=generator) * 2 - 1

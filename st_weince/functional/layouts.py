@@ -211,14 +211,19 @@ def mnrl_cross_entropy(layout: MNRLLayout, group_logits: list[Tensor]) -> Tensor
     ``"per_direction"``, the mean over directions of each direction's own cross-entropy."""
     if len(group_logits) != len(layout.groups):
         raise ValueError(f"need one logits tensor per group ({len(layout.groups)}), got {len(group_logits)}")
+    # The logits are shifted by their row maximum (no gradient: the loss does not depend on the shift) before the
+    # log-sum-exp and the positive's logit are subtracted: at an extreme scale both are huge and their difference
+    # would lose the log K of a row of equal logits to rounding; shifted, equal logits are exactly 0.
     if layout.partition_mode == "joint":
         query_group = layout.groups[0]
-        positive = group_logits[0].gather(1, query_group.positive_index[:, None]).squeeze(1)
+        row_max = torch.stack([logits.detach().amax(dim=1) for logits in group_logits], dim=1).amax(dim=1)
+        shifted = [logits - row_max[:, None] for logits in group_logits]
+        positive = shifted[0].gather(1, query_group.positive_index[:, None]).squeeze(1)
         # log-sum-exp per group, then across groups: no concatenated copy of the rows
-        log_z = torch.stack([logits.logsumexp(dim=1) for logits in group_logits], dim=1).logsumexp(dim=1)
+        log_z = torch.stack([logits.logsumexp(dim=1) for logits in shifted], dim=1).logsumexp(dim=1)
         return log_z - positive
-    losses = [
-        logits.logsumexp(dim=1) - logits.gather(1, group.positive_index[:, None]).squeeze(1)
-        for group, logits in zip(layout.groups, group_logits)
-    ]
+    losses = []
+    for group, logits in zip(layout.groups, group_logits):
+        shifted = logits - logits.detach().amax(dim=1, keepdim=True)
+        losses.append(shifted.logsumexp(dim=1) - shifted.gather(1, group.positive_index[:, None]).squeeze(1))
     return torch.stack(losses, dim=1).mean(dim=1)
