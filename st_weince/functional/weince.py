@@ -503,9 +503,10 @@ class _BlendedCrossEntropy(torch.autograd.Function):
     fused, the gradient (softmax - one-hot) * dl/ds takes four: dl/ds = (1 - lam) / tau + lam beta / (1 - s) with the
     row's upstream gradient folded into the two per-row weights.
 
-    The loss is ``log sum exp(l - max l) + (max l - l_pos)`` on logits shifted by their row maximum, not
-    ``logsumexp(l) - l_pos``: at an extreme scale (logits of 1e8, whose float32 spacing is 8) the difference of two
-    large numbers would lose the ``log K`` of a row of equal logits entirely; shifted, equal logits are exactly 0.
+    The loss is ``-log_softmax(l)[pos]``, whose kernel subtracts the row maximum first, not ``logsumexp(l) - l_pos``:
+    at an extreme scale (logits of 1e8, whose float32 spacing is 8) the difference of two large numbers would lose
+    the ``log K`` of a row of equal logits entirely; shifted, equal logits are exactly 0. It is also one fused kernel,
+    and its output, saved for backward, gives the softmax with one ``exp``.
     """
 
     @staticmethod
@@ -517,17 +518,15 @@ class _BlendedCrossEntropy(torch.autograd.Function):
         torch.threshold_(shortfall, eps, float("inf"))  # entries at the clamp: no shortfall gradient
         if valid_mask is not None:
             logits.masked_fill_(~valid_mask, float("-inf"))
-        shifted = logits.sub_(logits.amax(dim=1, keepdim=True))  # in place: the row maxima become exactly 0
-        log_z = torch.logsumexp(shifted, dim=1)
-        positive = shifted.gather(1, positive_index[:, None]).squeeze(1)
-        ctx.save_for_backward(shifted, shortfall, linear_weight, shortfall_weight, positive_index, log_z)
-        return log_z - positive
+        log_probabilities = torch.log_softmax(logits, dim=1)
+        ctx.save_for_backward(log_probabilities, shortfall, linear_weight, shortfall_weight, positive_index)
+        return log_probabilities.gather(1, positive_index[:, None]).squeeze(1).neg_()
 
     @staticmethod
     def backward(ctx, grad_rows: Tensor):
-        shifted, shortfall, linear_weight, shortfall_weight, positive_index, log_z = ctx.saved_tensors
+        log_probabilities, shortfall, linear_weight, shortfall_weight, positive_index = ctx.saved_tensors
         grad_rows = grad_rows[:, None]
-        probabilities = torch.sub(shifted, log_z[:, None]).exp_()
+        probabilities = log_probabilities.exp()
         probabilities.scatter_add_(1, positive_index[:, None], -torch.ones_like(grad_rows))
         slope = torch.addcdiv(linear_weight * grad_rows, shortfall_weight * grad_rows, shortfall)
         return probabilities.mul_(slope), None, None, None, None, None, None
