@@ -8,6 +8,7 @@ from sentence_transformers.base.losses.gradcache import CachedLossMixin, has_sta
 from torch import Tensor, nn
 
 from st_weince.losses._columns import check_embedding_columns
+from st_weince.losses._labels import warn_unused_labels
 from st_weince.losses.rb_sigmoid import DEFAULT_SCALE, RBSigmoidLoss
 from st_weince.utils.hotpath import DeferredChecks
 from st_weince.utils.options import flag_option, positive_int_option
@@ -151,6 +152,7 @@ class CachedRBSigmoidLoss(CachedLossMixin, RBSigmoidLoss):
         ``mini_batch_size`` anchors. With ``with_backward`` each chunk is back-propagated to the embeddings at once;
         the loss parameters' gradients are returned as the zero-valued term ``sum_p (p - p.detach()) g_p`` added to
         the detached loss (see the class docstring)."""
+        warn_unused_labels(self, labels)  # no sync: a host-side check
         embeddings = [torch.cat(column) for column in reps]
         checks = self._new_checks()
         check_embedding_columns(embeddings, type(self).__name__, checks=False)  # values: by normalize_rows' check

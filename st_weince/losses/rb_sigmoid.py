@@ -31,6 +31,7 @@ from st_weince.functional.sigmoid import (
     targets_from_positive_index,
 )
 from st_weince.losses._columns import check_embedding_columns
+from st_weince.losses._labels import warn_unused_labels
 from st_weince.training.statistics import RunningMeans
 from st_weince.utils.hotpath import DeferredChecks
 from st_weince.utils.options import flag_option, positive_int_option, real_option
@@ -482,6 +483,7 @@ class RBSigmoidLoss(nn.Module):
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
         """The loss on already computed column embeddings (``[anchor, positive, *negatives]`` or modalities)."""
+        warn_unused_labels(self, labels)  # no sync: a host-side check
         checks = self._new_checks()
         columns, gathered, positive_index = self._prepare_columns(embeddings, checks)
         params = self.loss_parameters()

@@ -39,6 +39,7 @@ from st_weince.functional.weince import (
     weince_tail_fit,
 )
 from st_weince.losses._columns import check_embedding_columns
+from st_weince.losses._labels import warn_unused_labels
 from st_weince.utils.hotpath import DeferredChecks
 
 WEINCE_CITATION = """
@@ -382,6 +383,7 @@ class WEINCELoss(nn.Module):
         return loss
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
+        warn_unused_labels(self, labels)  # no sync: a host-side check
         checks = DeferredChecks() if self.check_inputs else False
         queries, docs, offset = self._normalized_columns(embeddings, checks)
         batch_size = embeddings[0].shape[0]
