@@ -2,7 +2,8 @@
 
 Only the loss changes between runs; it is the SAME class as on the text side (see st_weince/vision/objectives.py).
 Loss options go to the loss class, which validates them: ``--loss-option KEY=VALUE`` (repeatable, as in
-recipes/simcse.py); ``--scale`` is infonce/weince's factor on cosine scores (1 / temperature, docs/conventions.md):
+recipes/simcse.py); ``--scale`` is infonce/weince's factor on cosine scores (1 / temperature, docs/conventions.md;
+default 2) and RB-Sigmoid's starting scale ``t`` (default: the loss's own):
 
     --loss infonce      sentence-transformers' MultipleNegativesRankingLoss, both view orders (= NT-Xent)
     --loss weince       st_weince.losses.WEINCELoss.loss_from_scores on the NT-Xent 2N layout (beta = 1)
@@ -52,6 +53,8 @@ from st_weince.utils.cli import (
     json_object_to_key_values,
     parse_key_values,
     positive_float,
+    quiet_known_warnings,
+    user_errors_exit,
 )
 from st_weince.utils.provenance import provenance
 from st_weince.vision import (
@@ -71,6 +74,7 @@ from st_weince.vision import (
 from st_weince.vision.augment import SimCLRAugmentConfig
 from st_weince.vision.data import DEFAULT_SPLITS
 from st_weince.vision.models import BACKBONES
+from st_weince.vision.objectives import SIMCLR_SCALE
 
 KNN_HEADLINE_K = 20
 STL10_MEAN, STL10_STD = (0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)
@@ -94,7 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--projection-dim", type=int, default=64)
     loss = parser.add_argument_group("loss")
     loss.add_argument("--loss", default="weince", choices=LOSSES)
-    loss.add_argument("--scale", type=positive_float, default=2.0, help="infonce/weince: 1 / temperature")
+    loss.add_argument("--scale", type=positive_float, default=None,
+                      help="infonce/weince: 1 / temperature (default 2); rb-sigmoid: its starting t")
     loss.add_argument(
         "--loss-option", action="append", default=[], metavar="KEY=VALUE", help="loss keyword, e.g. beta=1; repeatable"
     )
@@ -132,11 +137,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
     if args.batch_size < 2:
         parser.error("--batch-size must be at least 2 (the NT-Xent layout needs 2 pairs)")
+    if args.scale is None and args.loss != "rb-sigmoid":
+        args.scale = SIMCLR_SCALE  # temperature 0.5; RB-Sigmoid starts from its own default t unless --scale
     return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    quiet_known_warnings()
     args = parse_args(argv)
+    with user_errors_exit("simclr.py"):  # a missing data folder, a bad value: one line, exit status 2
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     # Several processes without CUDA (torchrun on a CPU machine): accelerate sets up gloo only when told cpu=True.
@@ -166,7 +179,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     options = dict(args.loss_kwargs)
     beta = options.pop("beta", 1.0)  # the vision reference setting (WEINCELoss's own default is "auto")
-    objective = SimCLRObjective(args.loss, beta=beta, loss_kwargs=options, scale=args.scale).to(device)
+    scale = args.scale
+    if args.loss == "rb-sigmoid" and scale is not None:  # RB-Sigmoid's scale is its trained t: --scale is its start
+        if "scale" in options:
+            raise ValueError("--loss rb-sigmoid: give the starting scale with --scale, not --loss-option scale=...")
+        options["scale"], scale = scale, None
+    objective = SimCLRObjective(args.loss, beta=beta, loss_kwargs=options, scale=scale).to(device)
     loss_parameters = [p for p in objective.parameters() if p.requires_grad]
     param_groups = [{"params": list(model.parameters())}]
     if loss_parameters:
