@@ -12,7 +12,8 @@ slice of one global batch and records ``checks[name] = (distributed value, refer
   false-negative guard), uncached and cached, neighbour against all-gather and against one process: the model's
   gradients averaged over ranks (as DDP averages them) and the loss parameters' gradients;
 - the exchange itself: ``ring_blocks`` delivers every rank's block exactly once, and ``ring_shift``'s backward
-  returns each gradient to its sender.
+  returns each gradient to its sender;
+- the host-device syncs of a step, by exchange.
 
 Also a DDP trainer run (SGD, no dropout) with the neighbour exchange against one with all-gather: the same ``t`` and
 ``b_rel`` after a few steps. Written to OUTPUT_DIR/rank{r}.pt.
@@ -31,6 +32,7 @@ from torch import nn
 
 from st_weince.functional.exchange import ring_blocks, ring_shift
 from st_weince.losses import CachedRBSigmoidLoss, RBSigmoidLoss
+from st_weince.utils.hotpath import count_host_syncs
 
 # (loss options, number of columns): hard-negative columns, both parametrizations, symmetric, the locked adapter,
 # candidate chunks, modalities and the false-negative guard (both rules).
@@ -152,6 +154,34 @@ def exchange_checks(rank: int, world_size: int) -> Checks:
     return checks
 
 
+def host_syncs(rank: int, world_size: int) -> dict[str, int]:
+    """Host-device syncing ops in one forward and backward (guard and hard negatives on), by exchange, loss and
+    ``check_inputs``."""
+    local = GLOBAL_BATCH // world_size
+    counts = {}
+    for exchange in ("all_gather", "neighbour"):
+        for cls in (RBSigmoidLoss, CachedRBSigmoidLoss):
+            for check_inputs in (True, False):
+                options = {"mini_batch_size": CACHED_MINI_BATCH} if cls is CachedRBSigmoidLoss else {}
+                loss_fn = cls(
+                    None,
+                    gather_across_devices=True,
+                    exchange=exchange,
+                    check_inputs=check_inputs,
+                    false_negative_filter=("absolute", 0.3),
+                    **options,
+                )
+                columns = [c[rank * local : (rank + 1) * local].detach() for c in global_batch(GLOBAL_BATCH, 3)]
+                with count_host_syncs() as syncs:
+                    if cls is CachedRBSigmoidLoss:
+                        reps = [[piece.requires_grad_() for piece in c.split(CACHED_MINI_BATCH)] for c in columns]
+                        loss_fn.calculate_loss(reps, with_backward=True).backward()
+                    else:
+                        loss_fn.compute_loss_from_embeddings([c.requires_grad_() for c in columns]).backward()
+                counts[f"{exchange}-{cls.__name__}-check_inputs={check_inputs}"] = syncs.total
+    return counts
+
+
 def texts(batch: int, seed: int) -> list[list[str]]:
     from tests.conftest import TINY_SENTENCES
 
@@ -268,6 +298,7 @@ def main() -> None:
     world_size = dist.get_world_size()
     checks, extra = embedding_checks(rank, world_size)
     checks.update(exchange_checks(rank, world_size))
+    extra["host_syncs"] = host_syncs(rank, world_size)
     checks.update(model_checks(rank, world_size, model_dir))
     trainer = {exchange: trainer_run(output_dir, model_dir, exchange) for exchange in ("neighbour", "all_gather")}
     torch.save({"checks": checks, "extra": extra, "trainer": trainer}, output_dir / f"rank{rank}.pt")

@@ -85,6 +85,19 @@ def test_ring_delivers_every_block_and_returns_gradients(ranks):
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_no_host_syncs_added(ranks):
+    """The exchange adds no host-device sync: as many as all-gather (the input check's one), none without checks."""
+    for result in ranks:
+        counts = result["extra"]["host_syncs"]
+        for cls in ("RBSigmoidLoss", "CachedRBSigmoidLoss"):
+            for check_inputs in (True, False):
+                key = f"{cls}-check_inputs={check_inputs}"
+                assert counts[f"neighbour-{key}"] == counts[f"all_gather-{key}"], (key, counts)
+            assert counts[f"neighbour-{cls}-check_inputs=False"] == 0, counts
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_ddp_trainer_run_equals_all_gather(ranks):
     """DDP with gradient accumulation and prepare_trainer: the exchange's backward transfers run beside DDP's
     gradient all-reduce, and t and b_rel end where the all-gather run ends, on every rank."""
@@ -118,3 +131,43 @@ def test_single_process_neighbour_exchange_is_the_local_loss():
     got = exchanged.compute_loss_from_embeddings(columns)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=0)
     assert exchanged.pop_logged_statistics() == pytest.approx(plain.pop_logged_statistics(), rel=1e-12)
+
+
+def test_ring_block_losses_without_processes_match_the_dense_loss():
+    """One process: the ring holds the local block only; anchor chunks with their backward at once (the cached
+    loss's stage) give the dense loss and its gradients, guard counts included."""
+    from st_weince.functional import chunked_sigmoid_contrastive_loss
+    from st_weince.functional.exchange import ring_block_losses, ring_shift
+
+    generator = torch.Generator().manual_seed(1)
+    anchors = torch.randn(7, 5, generator=generator, dtype=torch.float64)
+    candidates = torch.randn(9, 5, generator=generator, dtype=torch.float64)
+    positive_index = torch.tensor([0, 1, 2, 3, 4, 5, -1])
+    options = {"scale": 4.0, "relative_bias": 0.1, "false_negative_filter": ("absolute", 1.0)}
+    dense_anchors, dense_candidates = anchors.clone().requires_grad_(), candidates.clone().requires_grad_()
+    expected = chunked_sigmoid_contrastive_loss(
+        dense_anchors, dense_candidates, positive_index, return_extremes=True, return_guard_counts=True, **options
+    )
+    expected[0].backward()
+
+    def block_loss(rows, block, index, positive_scores):
+        return chunked_sigmoid_contrastive_loss(
+            rows,
+            block,
+            index,
+            return_extremes=True,
+            return_guard_counts=True,
+            positive_scores=positive_scores,
+            **options,
+        )
+
+    ring_anchors, ring_candidates = anchors.clone().requires_grad_(), candidates.clone().requires_grad_()
+    got = ring_block_losses(ring_anchors, ring_candidates, positive_index, block_loss, anchor_chunk=3, backward=True)
+    assert not got[0].requires_grad  # back-propagated chunk by chunk
+    for value, reference in zip(got, expected):
+        torch.testing.assert_close(value, reference.detach(), rtol=1e-12, atol=0)
+    assert int(got[3].sum()) > 0, "the guard must act for the counts to mean something"
+    torch.testing.assert_close(ring_anchors.grad, dense_anchors.grad, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(ring_candidates.grad, dense_candidates.grad, rtol=1e-12, atol=1e-15)
+    with pytest.raises(ValueError, match="give one shift per tensor"):
+        ring_shift((anchors,), (1, -1))
