@@ -192,7 +192,7 @@ class CachedRBSigmoidLoss(CachedLossMixin, RBSigmoidLoss):
         extremes: tuple[Tensor, Tensor] | None = None
         guard_counts: list[tuple[Tensor, Tensor]] = []
         for block_index, (anchor_column, block, weight) in enumerate(self._directional_blocks(columns, candidates)):
-            if self.gather_across_devices and self.exchange == "neighbour":
+            if self._exchanges_with_neighbours:
                 # Each process block arrives once; the row chunks go through it before the next one is received.
                 value, low, high, masked = self._exchanged_block_loss(
                     columns[anchor_column],

@@ -531,8 +531,9 @@ class RBSigmoidLoss(nn.Module):
         return columns, gathered, positive_index
 
     def _candidates(self, columns: list[Tensor]) -> tuple[list[Tensor], Tensor]:
-        """The candidate columns (the local ones, or with ``gather_across_devices`` those of all processes, with
-        gradient) and the row of each local anchor's positive among them."""
+        """The candidate columns (the local ones, or with ``gather_across_devices`` and all-gather those of all
+        processes, with gradient) and the row of each local anchor's positive among them. With the neighbour exchange
+        they stay local: each block loss passes them around the ring."""
         batch_size = columns[0].shape[0]
         offset = 0
         gathered = columns
@@ -543,9 +544,13 @@ class RBSigmoidLoss(nn.Module):
 
     @property
     def _all_gathers(self) -> bool:
-        """Whether the candidates are all-gathered (with ``exchange="neighbour"`` they stay local and every block
-        loss passes them around the ring)."""
+        """Whether the candidates are all-gathered into one global matrix."""
         return self.gather_across_devices and self.exchange == "all_gather"
+
+    @property
+    def _exchanges_with_neighbours(self) -> bool:
+        """Whether the candidates stay local and every block loss passes them around the ring of processes."""
+        return self.gather_across_devices and self.exchange == "neighbour"
 
     def _normalized(self, embeddings: list[Tensor], checks: DeferredChecks | None) -> list[Tensor]:
         """Unit-length rows in the computation dtype (float64 stays float64, half precision becomes float32); with
@@ -579,7 +584,7 @@ class RBSigmoidLoss(nn.Module):
         non-matching score (no gradient), and the per-anchor count of candidates the false-negative guard removed
         (None without the guard). With ``exchange="neighbour"`` ``candidates`` are the local ones, and the loss is
         taken against every process's block of them."""
-        if self.gather_across_devices and self.exchange == "neighbour":
+        if self._exchanges_with_neighbours:
             return self._exchanged_block_loss(anchors, candidates, positive_index, params)
         return self._candidate_block_loss(anchors, candidates, positive_index, params)
 
@@ -639,7 +644,7 @@ class RBSigmoidLoss(nn.Module):
         if masked_per_row is None:
             return None
         num_candidates = candidates.shape[0]
-        if self.gather_across_devices and self.exchange == "neighbour":  # the local block of one per process
+        if self._exchanges_with_neighbours:  # the local block of one per process
             num_candidates = num_candidates * process_count()[1]
         negatives = num_candidates - (positive_index >= 0).long()
         return masked_per_row, negatives
