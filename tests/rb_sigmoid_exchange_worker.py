@@ -33,6 +33,7 @@ from torch import nn
 from st_weince.functional.exchange import ring_blocks, ring_shift
 from st_weince.losses import CachedRBSigmoidLoss, RBSigmoidLoss
 from st_weince.utils.hotpath import count_host_syncs
+from tests.rb_sigmoid_distributed_worker import ddp_training_arguments
 
 # (loss options, number of columns): hard-negative columns, both parametrizations, symmetric, the locked adapter,
 # candidate chunks, modalities and the false-negative guard (both rules).
@@ -253,7 +254,7 @@ def model_checks(rank: int, world_size: int, model_dir: Path) -> Checks:
 
 def trainer_run(output_dir: Path, model_dir: Path, exchange: str) -> list[float]:
     from datasets import Dataset
-    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers import SentenceTransformerTrainer
 
     from st_weince.training import prepare_trainer
     from tests.conftest import TINY_SENTENCES
@@ -262,21 +263,13 @@ def trainer_run(output_dir: Path, model_dir: Path, exchange: str) -> list[float]
     sentences = TINY_SENTENCES * 3
     dataset = Dataset.from_dict({"anchor": sentences, "positive": sentences[5:] + sentences[:5]})
     loss = RBSigmoidLoss(model, gather_across_devices=True, exchange=exchange)
-    args = SentenceTransformerTrainingArguments(
-        output_dir=str(output_dir / f"run-{exchange}"),
+    args = ddp_training_arguments(
+        output_dir / f"run-{exchange}",
         per_device_train_batch_size=3,
         gradient_accumulation_steps=2,
         max_steps=TRAIN_STEPS,
         optim="sgd",
         learning_rate=1e-3,
-        lr_scheduler_type="constant",
-        save_strategy="no",
-        report_to=[],
-        seed=0,
-        use_cpu=True,
-        disable_tqdm=True,
-        ddp_backend="gloo",
-        ddp_find_unused_parameters=True,
     )
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset, loss=loss)
     prepare_trainer(trainer)
