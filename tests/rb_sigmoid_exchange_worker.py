@@ -13,7 +13,7 @@ slice of one global batch and records ``checks[name] = (distributed value, refer
   gradients averaged over ranks (as DDP averages them) and the loss parameters' gradients;
 - the exchange itself: ``ring_blocks`` delivers every rank's block exactly once, and ``ring_shift``'s backward
   returns each gradient to its sender;
-- the host-device syncs of a step, by exchange.
+- the host-device syncs of a step, and the largest candidate matrix a process holds, by exchange.
 
 Also a DDP trainer run (SGD, no dropout) with the neighbour exchange against one with all-gather: the same ``t`` and
 ``b_rel`` after a few steps. Written to OUTPUT_DIR/rank{r}.pt.
@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from st_weince.functional.exchange import ring_blocks, ring_shift
 from st_weince.losses import CachedRBSigmoidLoss, RBSigmoidLoss
@@ -183,6 +184,41 @@ def host_syncs(rank: int, world_size: int) -> dict[str, int]:
     return counts
 
 
+class EmbeddingRows(TorchDispatchMode):
+    """The most rows of any [rows, dim] tensor an op produces (the all-gathered candidate matrix, if any)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim, self.rows = dim, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        output = func(*args, **(kwargs or {}))
+        for tensor in output if isinstance(output, (tuple, list)) else (output,):
+            if isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and tensor.shape[1] == self.dim:
+                self.rows = max(self.rows, tensor.shape[0])
+        return output
+
+
+def largest_candidate_matrices(rank: int, world_size: int) -> dict[str, int]:
+    """Rows of the largest [rows, dim] tensor in a forward and backward with a hard-negative column, by exchange and
+    loss: with the neighbour exchange one process's block of candidates (2 x local batch), never the global matrix."""
+    local = GLOBAL_BATCH // world_size
+    rows = {}
+    for exchange in ("all_gather", "neighbour"):
+        for cls in (RBSigmoidLoss, CachedRBSigmoidLoss):
+            options = {"mini_batch_size": CACHED_MINI_BATCH} if cls is CachedRBSigmoidLoss else {}
+            loss_fn = cls(None, gather_across_devices=True, exchange=exchange, symmetric=True, **options)
+            columns = [c[rank * local : (rank + 1) * local].detach() for c in global_batch(GLOBAL_BATCH, 3)]
+            with EmbeddingRows(columns[0].shape[1]) as recorder:
+                if cls is CachedRBSigmoidLoss:
+                    reps = [[piece.requires_grad_() for piece in c.split(CACHED_MINI_BATCH)] for c in columns]
+                    loss_fn.calculate_loss(reps, with_backward=True).backward()
+                else:
+                    loss_fn.compute_loss_from_embeddings([c.requires_grad_() for c in columns]).backward()
+            rows[f"{exchange}-{cls.__name__}"] = recorder.rows
+    return rows
+
+
 def texts(batch: int, seed: int) -> list[list[str]]:
     from tests.conftest import TINY_SENTENCES
 
@@ -292,6 +328,7 @@ def main() -> None:
     checks, extra = embedding_checks(rank, world_size)
     checks.update(exchange_checks(rank, world_size))
     extra["host_syncs"] = host_syncs(rank, world_size)
+    extra["candidate_rows"] = largest_candidate_matrices(rank, world_size)
     checks.update(model_checks(rank, world_size, model_dir))
     trainer = {exchange: trainer_run(output_dir, model_dir, exchange) for exchange in ("neighbour", "all_gather")}
     torch.save({"checks": checks, "extra": extra, "trainer": trainer}, output_dir / f"rank{rank}.pt")

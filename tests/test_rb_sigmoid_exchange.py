@@ -16,7 +16,7 @@ import torch
 
 from st_weince.losses import CachedRBSigmoidLoss, RBSigmoidLoss
 from tests.conftest import torchrun_command
-from tests.rb_sigmoid_exchange_worker import SETTINGS
+from tests.rb_sigmoid_exchange_worker import GLOBAL_BATCH, SETTINGS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-6  # float64 on both paths: only the order of the sums differs
@@ -94,6 +94,20 @@ def test_no_host_syncs_added(ranks):
                 key = f"{cls}-check_inputs={check_inputs}"
                 assert counts[f"neighbour-{key}"] == counts[f"all_gather-{key}"], (key, counts)
             assert counts[f"neighbour-{cls}-check_inputs=False"] == 0, counts
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_no_process_holds_the_global_candidate_matrix(ranks):
+    """With a hard-negative column (symmetric: the anchors are candidates too) the largest [rows, dim] tensor is one
+    process's block of positives and negatives under the neighbour exchange, the global matrix under all-gather."""
+    world_size = len(ranks)
+    local = GLOBAL_BATCH // world_size
+    for result in ranks:
+        rows = result["extra"]["candidate_rows"]
+        for cls in ("RBSigmoidLoss", "CachedRBSigmoidLoss"):
+            assert rows[f"neighbour-{cls}"] == 2 * local, rows
+            assert rows[f"all_gather-{cls}"] == 2 * local * world_size, rows
 
 
 @pytest.mark.distributed
