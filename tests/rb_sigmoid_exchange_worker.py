@@ -47,6 +47,7 @@ SETTINGS = [
     ({"false_negative_filter": ("relative", 0.6), "chunk_size": 3}, 3),
 ]
 GLOBAL_BATCH = 16
+EMBEDDING_DIM = 12
 CACHED_MINI_BATCH = 3  # does not divide the local batches of 8 and 4: the last chunk is short
 MODEL_BATCH = 12
 MODEL_OPTIONS = {"false_negative_filter": ("absolute", 0.2)}
@@ -56,7 +57,7 @@ TRAIN_STEPS = 3
 Checks = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def global_batch(batch_size: int, num_columns: int, dim: int = 12) -> list[torch.Tensor]:
+def global_batch(batch_size: int, num_columns: int, dim: int = EMBEDDING_DIM) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(4321)
     base = torch.randn(batch_size, dim, generator=generator, dtype=torch.float64)
     return [
@@ -156,10 +157,21 @@ def exchange_checks(rank: int, world_size: int) -> Checks:
     return checks
 
 
+def hard_negative_step(loss_fn: RBSigmoidLoss, rank: int, world_size: int) -> None:
+    """Forward and backward of this rank's slice of a global (anchor, positive, negative) batch; the cached loss's
+    stage in mini-batches."""
+    local = GLOBAL_BATCH // world_size
+    columns = [c[rank * local : (rank + 1) * local].detach() for c in global_batch(GLOBAL_BATCH, 3)]
+    if isinstance(loss_fn, CachedRBSigmoidLoss):
+        reps = [[piece.requires_grad_() for piece in c.split(CACHED_MINI_BATCH)] for c in columns]
+        loss_fn.calculate_loss(reps, with_backward=True).backward()
+    else:
+        loss_fn.compute_loss_from_embeddings([c.requires_grad_() for c in columns]).backward()
+
+
 def host_syncs(rank: int, world_size: int) -> dict[str, int]:
     """Host-device syncing ops in one forward and backward (guard and hard negatives on), by exchange, loss and
     ``check_inputs``."""
-    local = GLOBAL_BATCH // world_size
     counts = {}
     for exchange in ("all_gather", "neighbour"):
         for cls in (RBSigmoidLoss, CachedRBSigmoidLoss):
@@ -173,13 +185,8 @@ def host_syncs(rank: int, world_size: int) -> dict[str, int]:
                     false_negative_filter=("absolute", 0.3),
                     **options,
                 )
-                columns = [c[rank * local : (rank + 1) * local].detach() for c in global_batch(GLOBAL_BATCH, 3)]
                 with count_host_syncs() as syncs:
-                    if cls is CachedRBSigmoidLoss:
-                        reps = [[piece.requires_grad_() for piece in c.split(CACHED_MINI_BATCH)] for c in columns]
-                        loss_fn.calculate_loss(reps, with_backward=True).backward()
-                    else:
-                        loss_fn.compute_loss_from_embeddings([c.requires_grad_() for c in columns]).backward()
+                    hard_negative_step(loss_fn, rank, world_size)
                 counts[f"{exchange}-{cls.__name__}-check_inputs={check_inputs}"] = syncs.total
     return counts
 
@@ -202,19 +209,13 @@ class EmbeddingRows(TorchDispatchMode):
 def largest_candidate_matrices(rank: int, world_size: int) -> dict[str, int]:
     """Rows of the largest [rows, dim] tensor in a forward and backward with a hard-negative column, by exchange and
     loss: with the neighbour exchange one process's block of candidates (2 x local batch), never the global matrix."""
-    local = GLOBAL_BATCH // world_size
     rows = {}
     for exchange in ("all_gather", "neighbour"):
         for cls in (RBSigmoidLoss, CachedRBSigmoidLoss):
             options = {"mini_batch_size": CACHED_MINI_BATCH} if cls is CachedRBSigmoidLoss else {}
             loss_fn = cls(None, gather_across_devices=True, exchange=exchange, symmetric=True, **options)
-            columns = [c[rank * local : (rank + 1) * local].detach() for c in global_batch(GLOBAL_BATCH, 3)]
-            with EmbeddingRows(columns[0].shape[1]) as recorder:
-                if cls is CachedRBSigmoidLoss:
-                    reps = [[piece.requires_grad_() for piece in c.split(CACHED_MINI_BATCH)] for c in columns]
-                    loss_fn.calculate_loss(reps, with_backward=True).backward()
-                else:
-                    loss_fn.compute_loss_from_embeddings([c.requires_grad_() for c in columns]).backward()
+            with EmbeddingRows(EMBEDDING_DIM) as recorder:
+                hard_negative_step(loss_fn, rank, world_size)
             rows[f"{exchange}-{cls.__name__}"] = recorder.rows
     return rows
 
