@@ -157,11 +157,14 @@ def exchange_checks(rank: int, world_size: int) -> Checks:
     return checks
 
 
-def hard_negative_step(loss_fn: RBSigmoidLoss, rank: int, world_size: int) -> None:
-    """Forward and backward of this rank's slice of a global (anchor, positive, negative) batch; the cached loss's
-    stage in mini-batches."""
+def hard_negative_columns(rank: int, world_size: int) -> list[torch.Tensor]:
+    """This rank's slice of a global (anchor, positive, negative) batch."""
     local = GLOBAL_BATCH // world_size
-    columns = [c[rank * local : (rank + 1) * local].detach() for c in global_batch(GLOBAL_BATCH, 3)]
+    return [c[rank * local : (rank + 1) * local].detach() for c in global_batch(GLOBAL_BATCH, 3)]
+
+
+def hard_negative_step(loss_fn: RBSigmoidLoss, columns: list[torch.Tensor]) -> None:
+    """Forward and backward on ``columns``; the cached loss's stage in mini-batches."""
     if isinstance(loss_fn, CachedRBSigmoidLoss):
         reps = [[piece.requires_grad_() for piece in c.split(CACHED_MINI_BATCH)] for c in columns]
         loss_fn.calculate_loss(reps, with_backward=True).backward()
@@ -185,8 +188,9 @@ def host_syncs(rank: int, world_size: int) -> dict[str, int]:
                     false_negative_filter=("absolute", 0.3),
                     **options,
                 )
+                columns = hard_negative_columns(rank, world_size)
                 with count_host_syncs() as syncs:
-                    hard_negative_step(loss_fn, rank, world_size)
+                    hard_negative_step(loss_fn, columns)
                 counts[f"{exchange}-{cls.__name__}-check_inputs={check_inputs}"] = syncs.total
     return counts
 
@@ -214,8 +218,9 @@ def largest_candidate_matrices(rank: int, world_size: int) -> dict[str, int]:
         for cls in (RBSigmoidLoss, CachedRBSigmoidLoss):
             options = {"mini_batch_size": CACHED_MINI_BATCH} if cls is CachedRBSigmoidLoss else {}
             loss_fn = cls(None, gather_across_devices=True, exchange=exchange, symmetric=True, **options)
+            columns = hard_negative_columns(rank, world_size)
             with EmbeddingRows(EMBEDDING_DIM) as recorder:
-                hard_negative_step(loss_fn, rank, world_size)
+                hard_negative_step(loss_fn, columns)
             rows[f"{exchange}-{cls.__name__}"] = recorder.rows
     return rows
 
