@@ -60,9 +60,10 @@ class CachedRBSigmoidLoss(CachedLossMixin, RBSigmoidLoss):
                 non-padding tokens (as in ``CachedMultipleNegativesRankingLoss``).
             show_progress_bar: show a progress bar while embedding mini-batches.
             **options: every option of :class:`RBSigmoidLoss` (``parametrization``, ``relative_bias``, ``bias``,
-                ``trainable_scale``, ``trainable_bias``, ``gather_across_devices``, ``symmetric``, ``columns``,
-                ``locked_adapter``, ``adapter_logit``, ``chunk_size``, ``check_inputs``, ``directions``), validated
-                the same way.
+                ``trainable_scale``, ``trainable_bias``, ``gather_across_devices``, ``exchange``, ``symmetric``,
+                ``columns``, ``locked_adapter``, ``adapter_logit``, ``chunk_size``, ``check_inputs``,
+                ``directions``), validated the same way. With ``exchange="neighbour"`` each process's candidate
+                block arrives once, and all row chunks are scored against it before the next one is received.
 
         References:
             - Gao, Zhang, Han, Callan: Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup
@@ -185,7 +186,7 @@ class CachedRBSigmoidLoss(CachedLossMixin, RBSigmoidLoss):
         gathered, positive_index = self._candidates(columns)
         # Without gathering the candidates are the columns themselves; gathered ones become leaves of their own.
         candidates = gathered
-        if self.gather_across_devices and backward:
+        if self._all_gathers and backward:
             candidates = [column.detach().requires_grad_() for column in gathered]
         batch_size = columns[0].shape[0]
 
@@ -193,6 +194,23 @@ class CachedRBSigmoidLoss(CachedLossMixin, RBSigmoidLoss):
         extremes: tuple[Tensor, Tensor] | None = None
         guard_counts: list[tuple[Tensor, Tensor]] = []
         for block_index, (anchor_column, block, weight) in enumerate(self._directional_blocks(columns, candidates)):
+            if self._exchanges_with_neighbours:
+                # Each process block arrives once; the row chunks go through it before the next one is received.
+                value, low, high, masked = self._exchanged_block_loss(
+                    columns[anchor_column],
+                    block,
+                    positive_index,
+                    params,
+                    weight=weight,
+                    anchor_chunk=self.mini_batch_size,
+                    backward=backward,
+                )
+                total = total + value
+                if block_index == 0:
+                    extremes = (low, high)
+                    if masked is not None:
+                        guard_counts.append(self._guard_counts(masked, positive_index, block))
+                continue
             for begin in range(0, batch_size, self.mini_batch_size):
                 end = min(begin + self.mini_batch_size, batch_size)
                 value, low, high, masked = self._block_loss(
@@ -209,7 +227,7 @@ class CachedRBSigmoidLoss(CachedLossMixin, RBSigmoidLoss):
                     if masked is not None:
                         guard_counts.append(self._guard_counts(masked, positive_index[begin:end], block))
         if backward:
-            if self.gather_across_devices:
+            if self._all_gathers:
                 _backward_where_used(gathered, candidates)
             _backward_where_used(normalized, columns)
         guard = None

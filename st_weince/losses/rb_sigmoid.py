@@ -14,6 +14,7 @@ from sentence_transformers.base.losses.merged_forward import embed_columns
 from sentence_transformers.util import all_gather_with_grad, cos_sim, get_rank
 from torch import Tensor, nn
 
+from st_weince.functional.exchange import process_count, ring_block_losses
 from st_weince.functional.false_negatives import (
     FalseNegativeFilter,
     false_negative_mask,
@@ -38,6 +39,7 @@ from st_weince.utils.options import flag_option, positive_int_option, real_optio
 
 Parametrization = Literal["relative", "absolute"]
 ColumnMode = Literal["negatives", "modalities"]
+Exchange = Literal["all_gather", "neighbour"]
 
 # Defaults chosen by measurement (benchmarks/sigmoid_synthetic.py, parts "init" and "bias"): docs/rb-sigmoid.md.
 DEFAULT_SCALE = 10.0
@@ -110,6 +112,7 @@ class RBSigmoidOptions:
     trainable_scale: bool = True
     trainable_bias: bool = True
     gather_across_devices: bool = False
+    exchange: Exchange = "all_gather"
     symmetric: bool = False
     columns: ColumnMode = "negatives"
     locked_adapter: bool = False
@@ -124,6 +127,7 @@ class RBSigmoidOptions:
 
         put("parametrization", _choice_option("parametrization", self.parametrization, ("relative", "absolute")))
         put("columns", _choice_option("columns", self.columns, ("negatives", "modalities")))
+        put("exchange", _choice_option("exchange", self.exchange, ("all_gather", "neighbour")))
         put("scale", real_option("scale", self.scale, positive=True))
         relative_bias = real_option("relative_bias", self.relative_bias, optional=True)
         bias = real_option("bias", self.bias, optional=True)
@@ -147,6 +151,11 @@ class RBSigmoidOptions:
         for name in ("trainable_scale", "trainable_bias", "gather_across_devices", "symmetric", "locked_adapter"):
             put(name, flag_option(name, getattr(self, name)))
         put("check_inputs", flag_option("check_inputs", self.check_inputs))
+        if self.exchange == "neighbour" and not self.gather_across_devices:
+            raise ValueError(
+                "exchange='neighbour' passes candidate blocks between processes, so it needs "
+                "gather_across_devices=True (without it every process scores only its own candidates)"
+            )
         put("adapter_logit", real_option("adapter_logit", self.adapter_logit))
         put("chunk_size", positive_int_option("chunk_size", self.chunk_size, optional=True))
         put("false_negative_filter", FalseNegativeFilter.parse(self.false_negative_filter))
@@ -202,6 +211,7 @@ class RBSigmoidLoss(nn.Module):
         trainable_scale: bool = True,
         trainable_bias: bool = True,
         gather_across_devices: bool = False,
+        exchange: Exchange = "all_gather",
         symmetric: bool = False,
         columns: ColumnMode = "negatives",
         locked_adapter: bool = False,
@@ -238,6 +248,14 @@ class RBSigmoidLoss(nn.Module):
             gather_across_devices: gather embeddings across processes: local anchors against global candidates. The
                 loss parameters' gradients must then be averaged across processes:
                 :func:`st_weince.training.prepare_trainer` does that (and the rest of the trainer integration).
+            exchange: how the candidates of the other processes reach each process with ``gather_across_devices``:
+                "all_gather" (default) gathers every candidate embedding into one global candidate matrix and scores
+                the local anchors against it at once; "neighbour" passes the candidate blocks (with their
+                hard-negative rows) around the ring of processes in both directions and scores the local anchors
+                against one block at a time, with the gradients sent back the same way (SigLIP's scheme): the largest
+                score tensor is one process's block instead of all of them, and no process holds the global
+                candidate matrix. Same loss and gradients (see ``docs/rb-sigmoid.md``). Every process must have the
+                same local batch size.
             symmetric: also score the positives (column 2) as anchors against all anchors and average both
                 directions. For the sigmoid loss the reverse block holds the same pairs as the anchor-positive
                 block, so without hard-negative columns this changes nothing; with them it doubles the weight of
@@ -332,6 +350,7 @@ class RBSigmoidLoss(nn.Module):
                 "trainable_scale": trainable_scale,
                 "trainable_bias": trainable_bias,
                 "gather_across_devices": gather_across_devices,
+                "exchange": exchange,
                 "symmetric": symmetric,
                 "columns": columns,
                 "locked_adapter": locked_adapter,
@@ -349,6 +368,7 @@ class RBSigmoidLoss(nn.Module):
         self.trainable_scale = options.trainable_scale
         self.trainable_bias = options.trainable_bias
         self.gather_across_devices = options.gather_across_devices
+        self.exchange = options.exchange
         self.symmetric = options.symmetric
         self.columns = options.columns
         self.locked_adapter = options.locked_adapter
@@ -513,15 +533,26 @@ class RBSigmoidLoss(nn.Module):
         return columns, gathered, positive_index
 
     def _candidates(self, columns: list[Tensor]) -> tuple[list[Tensor], Tensor]:
-        """The candidate columns (the local ones, or with ``gather_across_devices`` those of all processes, with
-        gradient) and the row of each local anchor's positive among them."""
+        """The candidate columns (the local ones, or with ``gather_across_devices`` and all-gather those of all
+        processes, with gradient) and the row of each local anchor's positive among them. With the neighbour exchange
+        they stay local: each block loss passes them around the ring."""
         batch_size = columns[0].shape[0]
         offset = 0
         gathered = columns
-        if self.gather_across_devices:
+        if self._all_gathers:
             gathered = [all_gather_with_grad(column) for column in columns]
             offset = get_rank() * batch_size
         return gathered, torch.arange(offset, offset + batch_size, device=columns[0].device)
+
+    @property
+    def _all_gathers(self) -> bool:
+        """Whether the candidates are all-gathered into one global matrix."""
+        return self.gather_across_devices and self.exchange == "all_gather"
+
+    @property
+    def _exchanges_with_neighbours(self) -> bool:
+        """Whether the candidates stay local and every block loss passes them around the ring of processes."""
+        return self.gather_across_devices and self.exchange == "neighbour"
 
     def _normalized(self, embeddings: list[Tensor], checks: DeferredChecks | None) -> list[Tensor]:
         """Unit-length rows in the computation dtype (float64 stays float64, half precision becomes float32); with
@@ -553,7 +584,45 @@ class RBSigmoidLoss(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """Mean over ``anchors`` of their loss against ``candidates``, with the block's smallest matching and largest
         non-matching score (no gradient), and the per-anchor count of candidates the false-negative guard removed
-        (None without the guard)."""
+        (None without the guard). With ``exchange="neighbour"`` ``candidates`` are the local ones, and the loss is
+        taken against every process's block of them."""
+        if self._exchanges_with_neighbours:
+            return self._exchanged_block_loss(anchors, candidates, positive_index, params)
+        return self._candidate_block_loss(anchors, candidates, positive_index, params)
+
+    def _exchanged_block_loss(
+        self,
+        anchors: Tensor,
+        candidates: Tensor,
+        positive_index: Tensor,
+        params: dict[str, Tensor],
+        *,
+        weight: float = 1.0,
+        anchor_chunk: int | None = None,
+        backward: bool = False,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """:meth:`_block_loss` against the local ``candidates`` and those of every other process, passed around the
+        ring (:func:`st_weince.functional.exchange.ring_block_losses`; ``weight``, ``anchor_chunk`` and ``backward``
+        as there)."""
+
+        def block_loss(rows: Tensor, block: Tensor, index: Tensor, positive_scores: Tensor):
+            return self._candidate_block_loss(rows, block, index, params, positive_scores)
+
+        loss, low, high, masked = ring_block_losses(
+            anchors, candidates, positive_index, block_loss, weight=weight, anchor_chunk=anchor_chunk, backward=backward
+        )
+        return loss, low, high, masked if self.false_negative_filter is not None else None
+
+    def _candidate_block_loss(
+        self,
+        anchors: Tensor,
+        candidates: Tensor,
+        positive_index: Tensor,
+        params: dict[str, Tensor],
+        positive_scores: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """:meth:`_block_loss` against exactly ``candidates`` (``positive_scores``: the guard's threshold scores
+        when the block may not hold the rows' positives)."""
         dtype = anchors.dtype
         outputs = chunked_sigmoid_contrastive_loss(
             anchors,
@@ -565,18 +634,21 @@ class RBSigmoidLoss(nn.Module):
             check_inputs=False,  # the embeddings and parameters are checked by the caller, in the same sync
             false_negative_filter=self.false_negative_filter,
             return_guard_counts=self.false_negative_filter is not None,
+            positive_scores=positive_scores,
             **self._logit_arguments(params, dtype),
         )
         return outputs if self.false_negative_filter is not None else (*outputs, None)
 
-    @staticmethod
     def _guard_counts(
-        masked_per_row: Tensor | None, positive_index: Tensor, candidates: Tensor
+        self, masked_per_row: Tensor | None, positive_index: Tensor, candidates: Tensor
     ) -> tuple[Tensor, Tensor] | None:
         """Per-anchor (masked, non-matching candidates before the guard) of one block, or None without the guard."""
         if masked_per_row is None:
             return None
-        negatives = candidates.shape[0] - (positive_index >= 0).long()
+        num_candidates = candidates.shape[0]
+        if self._exchanges_with_neighbours:  # the local block of one per process
+            num_candidates = num_candidates * process_count()[1]
+        negatives = num_candidates - (positive_index >= 0).long()
         return masked_per_row, negatives
 
     # ----- statistics -----
@@ -629,6 +701,7 @@ class RBSigmoidLoss(nn.Module):
             trainable_scale=self.trainable_scale,
             trainable_bias=self.trainable_bias,
             gather_across_devices=self.gather_across_devices,
+            exchange=self.exchange,
             symmetric=self.symmetric,
             chunk_size=self.chunk_size,
             check_inputs=self.check_inputs,
