@@ -1,5 +1,25 @@
 """Pure tensor functions on score matrices: the math every loss adapter (text and vision) calls."""
 
+from st_weince.functional.composite import (
+    TOP_M_DEFAULTS,
+    BatchTail,
+    BatchTailFit,
+    CompositeLoss,
+    CompositeStep,
+    TopMOptions,
+    batch_negative_tail,
+    batch_tail_fit,
+    batch_tail_size,
+    composite_cross_entropy,
+    composite_loss,
+    initial_beta_ema,
+    shortfall_logits,
+    top_m_cross_entropies,
+    top_m_infonce_cross_entropy,
+    top_m_negatives,
+    top_m_shortfall_cross_entropy,
+    update_beta_ema,
+)
 from st_weince.functional.false_negatives import (
     FalseNegativeFilter,
     FilterCounts,
@@ -44,6 +64,24 @@ from st_weince.functional.weince import (
 )
 
 __all__ = [
+    "TOP_M_DEFAULTS",
+    "BatchTail",
+    "BatchTailFit",
+    "CompositeLoss",
+    "CompositeStep",
+    "TopMOptions",
+    "batch_negative_tail",
+    "batch_tail_fit",
+    "batch_tail_size",
+    "composite_cross_entropy",
+    "composite_loss",
+    "initial_beta_ema",
+    "shortfall_logits",
+    "top_m_cross_entropies",
+    "top_m_infonce_cross_entropy",
+    "top_m_negatives",
+    "top_m_shortfall_cross_entropy",
+    "update_beta_ema",
     "FalseNegativeFilter",
     "FilterCounts",
     "apply_false_negative_filter",
