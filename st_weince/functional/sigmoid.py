@@ -267,6 +267,7 @@ def chunked_sigmoid_contrastive_loss(
     return_extremes: bool = False,
     false_negative_filter: FalseNegativeFilter | tuple | list | None = None,
     return_guard_counts: bool = False,
+    positive_scores: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, ...]:
     """:func:`sigmoid_contrastive_loss` of ``anchors @ candidates.T`` computed block by block over candidates.
 
@@ -290,6 +291,9 @@ def chunked_sigmoid_contrastive_loss(
             without a positive (-1) mask nothing. Applied to the cosine scores, before ``score_transform``.
         return_guard_counts: also return (last) what the guard removed per anchor, a
             :class:`~st_weince.functional.false_negatives.FilterCounts` (None without a guard).
+        positive_scores: [A] the rows' matching-pair scores for the guard's threshold, when ``candidates`` is one
+            block of a larger candidate set that may not hold the positive (``+inf``: the row masks nothing); None
+            takes them from ``candidates[positive_index]``.
     """
     false_negative_filter = FalseNegativeFilter.parse(false_negative_filter)
     if anchors.dim() != 2 or candidates.dim() != 2 or anchors.shape[1] != candidates.shape[1]:
@@ -312,9 +316,16 @@ def chunked_sigmoid_contrastive_loss(
     anchors, candidates = anchors.to(dtype), candidates.to(dtype)
     step = num_candidates if chunk_size is None else min(chunk_size, num_candidates)
     recompute = step < num_candidates and torch.is_grad_enabled()
-    positive_scores = None
     guard_counts: FilterCounts | None = None
-    if false_negative_filter is not None:
+    if false_negative_filter is None:
+        positive_scores = None
+    elif positive_scores is not None:
+        if positive_scores.shape != positive_index.shape:
+            raise ValueError(
+                f"positive_scores must be [A] = {tuple(positive_index.shape)}, got {tuple(positive_scores.shape)}"
+            )
+        positive_scores = positive_scores.detach().to(dtype)
+    else:
         with torch.no_grad():
             pairs = candidates.detach()[positive_index.clamp_min(0)]
             pair_scores = (anchors.detach() * pairs).sum(-1)

@@ -36,6 +36,7 @@ from st_weince.functional.weince import (
     weince_tail_fit,
 )
 from st_weince.losses._columns import check_embedding_columns
+from st_weince.losses._labels import warn_unused_labels
 from st_weince.utils.hotpath import DeferredChecks
 from st_weince.utils.logged_statistics import RunningMeans
 from st_weince.utils.options import flag_option, options_config, options_from_arguments
@@ -377,6 +378,7 @@ class WEINCELoss(nn.Module):
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
         """The loss on already computed column embeddings (``[anchor, positive, *negatives]``), in float32 for
         half-precision embeddings (also under autocast) and in float64 for float64 ones."""
+        warn_unused_labels(self, labels)  # no sync: a host-side check
         with full_precision(*embeddings):
             return self._loss_from_embeddings(embeddings)
 

@@ -44,6 +44,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from st_weince.training.setup_checks import check_trainer_setup
 from st_weince.training.statistics import LossStatisticsCallback, log_loss_statistics
 from st_weince.utils.options import options_config
 
@@ -599,6 +600,9 @@ def prepare_trainer(
     - their gradients are averaged across processes;
     - their statistics (``rb_sigmoid_t``, ``rb_sigmoid_b_rel`` ...) are added to the training logs.
 
+    For every loss: a warning (once) when WEINCE's configured batch is too small for any tail fit (it would be
+    InfoNCE) or the dataset has a label column that the loss ignores (:mod:`st_weince.training.setup_checks`).
+
     For every loss, also one without parameters (WEINCELoss): each checkpoint records the loss class and configuration,
     and ``train(resume_from_checkpoint=...)`` refuses, before it loads anything, a checkpoint written under another
     loss, or one set aside as incomplete (:func:`check_resumable`). Call it before the optimizer is
@@ -613,6 +617,7 @@ def prepare_trainer(
         raise ValueError(f"loss_learning_rate must be a finite number > 0 or None, got {loss_learning_rate!r}")
     if not any(isinstance(cb, LossStatisticsCallback) for cb in trainer.callback_handler.callbacks):
         log_loss_statistics(trainer)
+    check_trainer_setup(trainer)  # WEINCE at a batch too small to fit; ignored label columns
 
     if trainer.is_world_process_zero():
         set_aside_incomplete_checkpoints(trainer.args.output_dir)
