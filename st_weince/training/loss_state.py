@@ -22,7 +22,9 @@ file into ``trainer.state`` before ``on_train_begin``, where :class:`LossStateCa
 (nothing patches ``trainer.train``; the resume path need not be known). A checkpoint whose ``trainer_state.json``
 is missing, empty or unreadable (a run killed while saving) can never be resumed from; ``prepare_trainer`` renames
 such folders in ``output_dir`` to ``incomplete-checkpoint-N`` so that ``resume_from_checkpoint=True`` picks the
-last complete one.
+last complete one. The record also names the loss class and configuration; the trainer's ``_load_from_checkpoint``,
+which ``train()`` calls before it loads the optimizer, first runs :func:`check_resumable`, which refuses a checkpoint
+of another loss (or a set-aside one) with that reason.
 """
 
 from __future__ import annotations
