@@ -22,6 +22,7 @@ from st_weince.functional.sigmoid import (
     locked_adapter_scores,
     score_extremes,
     sigmoid_contrastive_loss,
+    match_probabilities,
     sigmoid_logits,
     targets_from_positive_index,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "locked_adapter_scores",
     "score_extremes",
     "sigmoid_contrastive_loss",
+    "match_probabilities",
     "sigmoid_logits",
     "targets_from_positive_index",
     "DEFAULTS",

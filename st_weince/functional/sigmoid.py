@@ -340,3 +340,19 @@ def chunked_sigmoid_contrastive_loss(
     if return_guard_counts:
         outputs = (*outputs, guard_counts)
     return outputs if len(outputs) > 1 else loss
+
+
+def match_probabilities(
+    scores: Tensor,
+    *,
+    scale: ScalarLike,
+    relative_bias: ScalarLike,
+    delta: ScalarLike | None = None,
+) -> Tensor:
+    """RB-Sigmoid's match probability of each pair, ``sigmoid(t (s - b_rel))`` on cosine ``scores`` (after the locked
+    adapter's ``delta^2 s - (1 - delta^2)`` when ``delta`` is given): the probability the loss was trained to
+    predict for "this pair matches", with the decision threshold ``s = b_rel`` (probability 1/2). Same shape as
+    ``scores``, in its computation dtype."""
+    if delta is not None:
+        scores = locked_adapter_scores(scores, delta)
+    return torch.sigmoid(sigmoid_logits(scores, scale=scale, relative_bias=relative_bias))

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 from collections.abc import Callable, Iterable
@@ -90,12 +89,14 @@ class RBSigmoidOptions:
     ``scale * relative_bias``) and ``relative_bias`` is None.
 
     The start values were chosen by measurement (``benchmarks/sigmoid_synthetic.py``, parts "init" and "bias"; see
-    ``docs/rb-sigmoid.md``): ``t = 10`` is SigLIP's start, ``b_rel = 0.7`` reached the largest margins.
+    ``docs/rb-sigmoid.md``): ``t = 10`` is SigLIP's start, ``b_rel = 0.7`` reached the largest margins. The cap
+    ``max_scale = 100`` is CLIP's and open_clip's cap on their logit scale (10x the start; see ``docs/rb-sigmoid.md``).
     """
 
     RELATIVE_BIAS_START: ClassVar[float] = 0.7
 
     scale: float = 10.0
+    max_scale: float = 100.0
     parametrization: Parametrization = "relative"
     relative_bias: float | None = None
     bias: float | None = None
@@ -117,6 +118,14 @@ class RBSigmoidOptions:
         put("parametrization", choice_option("parametrization", self.parametrization, ("relative", "absolute")))
         put("columns", choice_option("columns", self.columns, ("negatives", "modalities")))
         put("scale", real_option("scale", self.scale, positive=True))
+        put("max_scale", real_option("max_scale", self.max_scale, positive=True))
+        if not self.max_scale < _FLOAT32_MAX:
+            raise ValueError(f"max_scale must be finite in float32 (below {_FLOAT32_MAX:.4g}), got {self.max_scale!r}")
+        if self.max_scale < self.scale:
+            raise ValueError(
+                f"max_scale must be >= scale (t starts at scale and never exceeds max_scale), got max_scale="
+                f"{self.max_scale!r} < scale={self.scale!r}"
+            )
         relative_bias = real_option("relative_bias", self.relative_bias, optional=True)
         bias = real_option("bias", self.bias, optional=True)
         start = self.RELATIVE_BIAS_START if relative_bias is None else relative_bias
@@ -141,6 +150,20 @@ class RBSigmoidOptions:
         put("adapter_logit", real_option("adapter_logit", self.adapter_logit))
         put("chunk_size", positive_int_option("chunk_size", self.chunk_size, optional=True))
         put("false_negative_filter", FalseNegativeFilter.parse(self.false_negative_filter))
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def log_scale_cap(max_scale: float) -> float:
+    """The largest float32 ``c`` whose ``exp`` stays within ``max_scale`` on any CPU or GPU: ``log_t`` is clamped to
+    ``c`` so that ``t = exp(log_t) <= max_scale``. ``exp`` in float32 is faithfully rounded (within one ulp), so ``c``
+    is taken 2 ulp of ``max_scale`` below it in float64 and rounded down to float32."""
+    target = math.log(max_scale * (1.0 - 2.0**-22))
+    cap = torch.tensor(target, dtype=torch.float32)
+    if float(cap) > target:
+        cap = torch.nextafter(cap, torch.tensor(-math.inf))
+    return float(cap)
 
 
 def symmetric_from_directions(directions: tuple[str, ...] | None, symmetric: bool, owner: str) -> bool:
@@ -176,6 +199,7 @@ class RBSigmoidLoss(nn.Module):
         model: nn.Module | None,
         scale: float = RBSigmoidOptions.scale,
         *,
+        max_scale: float = RBSigmoidOptions.max_scale,
         parametrization: Parametrization = RBSigmoidOptions.parametrization,
         relative_bias: float | None = RBSigmoidOptions.relative_bias,
         bias: float | None = RBSigmoidOptions.bias,
@@ -211,6 +235,11 @@ class RBSigmoidLoss(nn.Module):
                 ``loss_from_scores``).
             scale: initial ``t = 1 / temperature`` (trained as ``log_t``), as MNRL's ``scale``. Default 10
                 (SigLIP's start).
+            max_scale: cap on ``t`` (default 100, CLIP's and open_clip's cap; >= ``scale``, finite in float32). The
+                forward uses ``t = exp(min(log_t, log max_scale))``, so ``t`` never exceeds it, and
+                :meth:`clamp_parameters_` (called after every optimizer step by
+                :func:`st_weince.training.prepare_trainer`) keeps ``log_t`` itself at or below the cap, where its
+                gradient stays live. Logged as ``rb_sigmoid_t_capped`` (share of steps at the cap).
             parametrization: "relative" (``z = t (s - b_rel)``, default) or "absolute" (SigLIP's ``z = t s - b``).
             relative_bias: initial ``b_rel`` (default 0.7, measured: see ``docs/rb-sigmoid.md``). In the absolute
                 parametrization it gives the start ``b = scale * relative_bias`` instead of ``bias``.
@@ -319,6 +348,7 @@ class RBSigmoidLoss(nn.Module):
         self.model = model
         # The options as constructed; the trained values of t and the bias live in the parameters below.
         self.options = options
+        self.log_scale_cap = log_scale_cap(options.max_scale)
         self._register_scalar("log_t", math.log(options.scale), options.trainable_scale)
         if options.parametrization == "relative":
             self._register_scalar("b_rel", options.relative_bias, options.trainable_bias)
@@ -338,8 +368,21 @@ class RBSigmoidLoss(nn.Module):
     # ----- the loss parameters -----
     @property
     def scale(self) -> Tensor:
-        """The current ``t = exp(log_t)`` (a tensor in the autograd graph)."""
-        return self.log_t.exp()
+        """The current ``t = exp(min(log_t, log max_scale))`` (a tensor in the autograd graph)."""
+        return self._capped_log_t(self.log_t).exp()
+
+    def _capped_log_t(self, log_t: Tensor) -> Tensor:
+        """``log_t`` clamped at the cap. ``clamp``'s gradient passes at the bound itself, so a ``log_t`` held at the
+        cap by :meth:`clamp_parameters_` still moves down when its gradient turns."""
+        return log_t.clamp(max=self.log_scale_cap)
+
+    @torch.no_grad()
+    def clamp_parameters_(self) -> None:
+        """Clamp ``log_t`` in place to the cap of ``max_scale`` (as open_clip clamps its logit scale after each
+        optimizer step). Call it after every optimizer step in custom training loops; ``prepare_trainer`` does it
+        for the trainer. The same clamp on every process (after the averaged gradients' step) and on resume (the
+        checkpoint holds the clamped value), so 2 processes and a resumed run stay equal to one process."""
+        self.log_t.clamp_(max=self.log_scale_cap)
 
     @property
     def relative_bias(self) -> Tensor:
@@ -376,7 +419,7 @@ class RBSigmoidLoss(nn.Module):
     def _logit_arguments(self, params: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Any]:
         """Keyword arguments of the functional losses for these parameter values, in the computation dtype (the
         scale is exponentiated in that dtype, so float64 inputs get a float64 ``t``)."""
-        arguments: dict[str, Any] = {"scale": params["log_t"].to(dtype).exp()}
+        arguments: dict[str, Any] = {"scale": self._capped_log_t(params["log_t"]).to(dtype).exp()}
         if self.options.parametrization == "relative":
             arguments["relative_bias"] = params["b_rel"]
         else:
@@ -528,7 +571,8 @@ class RBSigmoidLoss(nn.Module):
     ) -> None:
         """Keep ``t``, ``b_rel``, ``b``, the margin (and ``delta``, and the false-negative guard's shares) as device
         tensors: no sync in the hot path."""
-        t = params["log_t"].detach().exp()
+        log_t = params["log_t"].detach()
+        t = self._capped_log_t(log_t).exp()
         if self.options.parametrization == "relative":
             b_rel = params["b_rel"].detach()
             b = t * b_rel
@@ -536,6 +580,8 @@ class RBSigmoidLoss(nn.Module):
             b = params["bias"].detach()
             b_rel = b / t
         values = {"rb_sigmoid_t": t, "rb_sigmoid_b_rel": b_rel, "rb_sigmoid_b": b}
+        # 1 when t is at its cap max_scale (the mean over the logging interval: the share of steps at the cap)
+        values["rb_sigmoid_t_capped"] = (log_t >= self.log_scale_cap).to(t.dtype)
         # A block without matching or without non-matching pairs has an infinite "margin": not counted.
         values["rb_sigmoid_margin"] = constellation_margin_from_extremes(min_positive, max_negative)[0]
         if self.options.locked_adapter:
@@ -553,19 +599,29 @@ class RBSigmoidLoss(nn.Module):
         return self.logged_statistics.pop()
 
     def get_config_dict(self) -> dict[str, Any]:
-        """The constructor's options with the loss parameters' current values, so that
-        ``type(loss)(model, **loss.get_config_dict())`` rebuilds this loss (JSON-able)."""
-        values = {name: float(value.detach()) for name, value in self.loss_parameters().items()}
-        return options_config(
-            dataclasses.replace(
-                self.options,
-                # exp in float64 of the float32 log_t: its log rounds back to the same float32
-                scale=math.exp(values["log_t"]),
-                relative_bias=values.get("b_rel"),
-                bias=values.get("bias"),
-                adapter_logit=values.get("adapter_logit", self.options.adapter_logit),
-            )
-        )
+        """The options as configured (JSON-able): ``type(loss)(model, **loss.get_config_dict())`` rebuilds this loss
+        as it was built, with ``t`` and the bias at their configured starts. The trained values are
+        :meth:`trained_values`; the model carries them after training (:class:`st_weince.MatchProbability`) and its
+        model card shows them next to this configuration (``docs/rb-sigmoid.md``)."""
+        return options_config(self.options)
+
+    @torch.no_grad()
+    def trained_values(self) -> dict[str, float]:
+        """The current values of the loss's own scalars, as Python floats (one host read): ``t`` (capped at
+        ``max_scale``), ``b_rel`` (``b / t`` in the absolute parametrization), ``b = t b_rel``, and ``delta`` with the
+        locked adapter. Not for the hot path."""
+        params = self.loss_parameters()
+        t = self._capped_log_t(params["log_t"].detach()).double().exp()
+        if self.options.parametrization == "relative":
+            b_rel = params["b_rel"].detach().double()
+            b = t * b_rel
+        else:
+            b = params["bias"].detach().double()
+            b_rel = b / t
+        values = {"t": float(t), "b_rel": float(b_rel), "b": float(b)}
+        if self.options.locked_adapter:
+            values["delta"] = float(torch.sigmoid(params["adapter_logit"].detach().double()))
+        return values
 
     @property
     def citation(self) -> str:

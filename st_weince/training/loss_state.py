@@ -44,6 +44,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from st_weince.training.statistics import LossStatisticsCallback, log_loss_statistics
+from st_weince.training.trained_values import TrainedValuesCallback, attach_match_probability, rb_sigmoid_losses
 
 logger = logging.getLogger(__name__)
 
@@ -460,7 +461,11 @@ def prepare_trainer(
     - they get no weight decay, and their own learning rate ``loss_learning_rate`` through the trainer's
       ``learning_rate_mapping`` (an entry the caller gave for the same parameters wins; None: the trainer's rate);
     - their gradients are averaged across processes;
-    - their statistics (``rb_sigmoid_t``, ``rb_sigmoid_b_rel`` ...) are added to the training logs.
+    - their statistics (``rb_sigmoid_t``, ``rb_sigmoid_b_rel``, ``rb_sigmoid_t_capped`` ...) are added to the
+      training logs;
+    - RB-Sigmoid's ``log_t`` is clamped at its ``max_scale`` cap after every optimizer step, and a SentenceTransformer
+      gets a :class:`st_weince.MatchProbability` module holding the trained ``t`` and ``b_rel`` (written before every
+      checkpoint and at the end of training, with the model card), so the saved model carries them.
 
     Harmless for losses without parameters (WEINCELoss): only the logging is added. Call it before the optimizer is
     built (an existing optimizer's groups are fixed in place; an existing learning-rate scheduler is an error).
@@ -484,6 +489,11 @@ def prepare_trainer(
         record.loss = trainer.loss
         trainer.add_callback(record)
         trainer.add_callback(LossStateCallback(trainer, allow_missing_loss_state=allow_missing_loss_state))
+    if rb_sigmoid_losses(trainer.loss):
+        # after LossStateCallback: the cap applies to the step's averaged gradients, the carried values are those
+        # of the best checkpoint when it is loaded at the end
+        attach_match_probability(trainer.model, trainer.loss)
+        trainer.add_callback(TrainedValuesCallback(trainer))
 
     excluded = {id(p) for p in no_weight_decay_parameters(trainer.loss)}
     original_decay_names = trainer.get_decay_parameter_names

@@ -1,0 +1,92 @@
+"""RB-Sigmoid's cap on the inverse temperature: ``max_scale`` validated in the options, ``t`` never above it over
+1,000 steps of a persistent gradient sign at the default loss learning rate (with the loss's own optimizer setup),
+its gradient live at the cap, and the cap's state in the logs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from st_weince.losses import CachedRBSigmoidLoss, RBSigmoidLoss, RBSigmoidOptions
+from st_weince.losses.rb_sigmoid import log_scale_cap
+from st_weince.training import DEFAULT_LOSS_LEARNING_RATE
+
+
+@pytest.mark.parametrize(
+    "options,error,message",
+    [
+        ({"max_scale": 5.0}, ValueError, "max_scale must be >= scale"),
+        ({"max_scale": 0.0}, ValueError, "max_scale must be > 0"),
+        ({"max_scale": float("inf")}, ValueError, "max_scale must be finite"),
+        ({"max_scale": 1e39}, ValueError, "max_scale must be finite in float32"),
+        ({"max_scale": "100"}, TypeError, "max_scale must be a real number"),
+    ],
+)
+def test_bad_max_scale_is_refused_naming_it(options, error, message):
+    with pytest.raises(error, match=message):
+        RBSigmoidOptions(**options)
+    with pytest.raises(error, match=message):
+        CachedRBSigmoidLoss(None, **options)
+
+
+@pytest.mark.parametrize("max_scale", [10.0, 100.0, 1e4, 3e38])
+def test_the_cap_keeps_t_within_max_scale_in_float32_and_float64(max_scale):
+    cap = torch.tensor(log_scale_cap(max_scale), dtype=torch.float32)
+    assert cap.exp().item() <= max_scale and cap.double().exp().item() <= max_scale
+    # and no further below than the float32 rounding of log_t: a few ulp of log(max_scale), relative in exp
+    ulps = 4 * 2.0**-23 * max(1.0, math.log(max_scale))
+    assert cap.double().exp().item() == pytest.approx(max_scale, rel=ulps)
+
+
+def persistent_sign_run(loss: RBSigmoidLoss, steps: int, sign: float = 1.0) -> list[float]:
+    """``steps`` AdamW steps (the trainer's optimizer, no weight decay on the loss's parameters as prepare_trainer
+    sets it, its default loss learning rate) on a loss whose gradient pushes ``t`` up (``sign`` 1) at every step:
+    separable embeddings, so a larger ``t`` always lowers the loss. The clamp after each step as prepare_trainer's
+    callback does it. Returns ``t`` as the loss used it at each step."""
+    optimizer = torch.optim.AdamW(loss.parameters(), lr=DEFAULT_LOSS_LEARNING_RATE, weight_decay=0.0)
+    anchors = torch.eye(4, 8, dtype=torch.float64)
+    embeddings = [anchors, anchors.clone()] if sign > 0 else [anchors, torch.roll(anchors, 1, dims=0)]
+    used = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss.compute_loss_from_embeddings(embeddings).backward()
+        used.append(loss.scale.item())
+        optimizer.step()
+        loss.clamp_parameters_()
+    return used
+
+
+@pytest.mark.parametrize("cls", [RBSigmoidLoss, CachedRBSigmoidLoss])
+def test_t_never_exceeds_the_cap_over_1000_steps_of_persistent_gradient_sign(cls):
+    loss = cls(None)
+    assert loss.options.max_scale == 100.0
+    used = persistent_sign_run(loss, 1000)
+    assert max(used) <= 100.0
+    assert used[-1] == pytest.approx(100.0, rel=1e-6)  # reached the cap (without it log_t drifts far beyond)
+    assert loss.log_t.item() <= log_scale_cap(100.0)  # the parameter itself never sits above the cap
+    stats = loss.pop_logged_statistics()
+    assert stats["rb_sigmoid_t"] <= 100.0 and 0.5 < stats["rb_sigmoid_t_capped"] <= 1.0
+    assert "rb_sigmoid_b_rel" in stats
+    # At the cap the gradient is live: when its sign turns, t moves down at once.
+    used = persistent_sign_run(loss, 5, sign=-1.0)
+    assert used[-1] < used[0] <= 100.0
+    loss.pop_logged_statistics()
+    persistent_sign_run(loss, 1, sign=-1.0)
+    assert loss.pop_logged_statistics()["rb_sigmoid_t_capped"] == 0.0
+
+
+def test_without_the_parameter_clamp_the_forward_cap_still_holds():
+    """A custom loop that forgets clamp_parameters_: t as used never exceeds the cap (the gradient is then zero above
+    it, which is why prepare_trainer clamps the parameter too)."""
+    loss = RBSigmoidLoss(None, max_scale=20.0)
+    optimizer = torch.optim.AdamW(loss.parameters(), lr=DEFAULT_LOSS_LEARNING_RATE, weight_decay=0.0)
+    anchors = torch.eye(4, 8)
+    for _ in range(200):
+        optimizer.zero_grad()
+        loss.compute_loss_from_embeddings([anchors, anchors.clone()]).backward()
+        optimizer.step()
+    assert loss.log_t.item() > math.log(20.0)  # the parameter drifted past the cap
+    assert loss.scale.item() <= 20.0
+    assert loss.trained_values()["t"] <= 20.0
