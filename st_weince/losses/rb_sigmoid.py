@@ -372,9 +372,10 @@ class RBSigmoidLoss(nn.Module):
         return self._capped_log_t(self.log_t).exp()
 
     def _capped_log_t(self, log_t: Tensor) -> Tensor:
-        """``log_t`` clamped at the cap. ``clamp``'s gradient passes at the bound itself, so a ``log_t`` held at the
-        cap by :meth:`clamp_parameters_` still moves down when its gradient turns."""
-        return log_t.clamp(max=self.log_scale_cap)
+        """``log_t`` clamped at the cap, with its gradient passing at the cap itself (``torch.clamp``'s is zero
+        there), so that a ``log_t`` held at the cap by :meth:`clamp_parameters_` moves down when its gradient turns;
+        above the cap the gradient is zero."""
+        return torch.where(log_t > self.log_scale_cap, self.log_scale_cap, log_t)
 
     @torch.no_grad()
     def clamp_parameters_(self) -> None:
