@@ -6,6 +6,7 @@ from st_weince.functional.false_negatives import (
     FilterCounts,
     apply_false_negative_filter,
     false_negative_mask,
+    input_keys,
 )
 from st_weince.functional.layouts import (
     CandidateGroup,
@@ -20,9 +21,9 @@ from st_weince.functional.sigmoid import (
     constellation_margin,
     constellation_margin_from_extremes,
     locked_adapter_scores,
+    match_probabilities,
     score_extremes,
     sigmoid_contrastive_loss,
-    match_probabilities,
     sigmoid_logits,
     targets_from_positive_index,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "FilterCounts",
     "apply_false_negative_filter",
     "false_negative_mask",
+    "input_keys",
     "chunked_sigmoid_contrastive_loss",
     "constellation_margin",
     "constellation_margin_from_extremes",

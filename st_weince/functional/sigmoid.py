@@ -236,6 +236,8 @@ def _embedding_block(
     score_transform: Callable[[Tensor], Tensor] | None,
     false_negative_filter: FalseNegativeFilter | None = None,
     positive_scores: Tensor | None = None,
+    candidate_keys: Tensor | None = None,
+    reference_keys: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
     """Loss sum of one candidate block (candidates ``start ...``) with its extremes and the false-negative guard's
     per-row counts (masked, negatives; None without the guard): the score block of
@@ -243,7 +245,13 @@ def _embedding_block(
     scores = anchors @ candidates.T
     # On the cosine scores (before a score transform), against each row's matching-pair score.
     valid_mask, guard_counts = apply_false_negative_filter(
-        scores, positive_index - start, None, false_negative_filter, positive_scores
+        scores,
+        positive_index - start,
+        None,
+        false_negative_filter,
+        positive_scores,
+        candidate_keys=candidate_keys,
+        reference_keys=reference_keys,
     )
     if score_transform is not None:
         scores = score_transform(scores)
@@ -265,8 +273,9 @@ def chunked_sigmoid_contrastive_loss(
     score_transform: Callable[[Tensor], Tensor] | None = None,
     chunk_size: int | None = None,
     return_extremes: bool = False,
-    false_negative_filter: FalseNegativeFilter | tuple | list | None = None,
+    false_negative_filter: FalseNegativeFilter | tuple | list | str | None = None,
     return_guard_counts: bool = False,
+    candidate_keys: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, ...]:
     """:func:`sigmoid_contrastive_loss` of ``anchors @ candidates.T`` computed block by block over candidates.
 
@@ -284,10 +293,13 @@ def chunked_sigmoid_contrastive_loss(
         return_extremes: also return the smallest matching and the largest non-matching score (no gradient; for
             the margin, see :func:`constellation_margin_from_extremes`), from the same score blocks; ``+inf`` /
             ``-inf`` when there is none.
+        candidate_keys: [C, K] :func:`~st_weince.functional.input_keys` of the candidates' inputs, for the guard's
+            ``"identical"`` rule (required by it, unused otherwise).
         false_negative_filter: the in-batch false-negative guard (:mod:`st_weince.functional.false_negatives`):
             non-matching candidates whose cosine score is above the threshold set by the row's matching-pair score
             (``anchors[a] . candidates[positive_index[a]]``) are left out of the loss and of the extremes. Rows
-            without a positive (-1) mask nothing. Applied to the cosine scores, before ``score_transform``.
+            without a positive (-1) mask nothing. Applied to the cosine scores, before ``score_transform``. The rule
+            ``"identical"`` masks the candidates whose ``candidate_keys`` equal those of the row's positive.
         return_guard_counts: also return (last) what the guard removed per anchor, a
             :class:`~st_weince.functional.false_negatives.FilterCounts` (None without a guard).
     """
@@ -312,9 +324,17 @@ def chunked_sigmoid_contrastive_loss(
     anchors, candidates = anchors.to(dtype), candidates.to(dtype)
     step = num_candidates if chunk_size is None else min(chunk_size, num_candidates)
     recompute = step < num_candidates and torch.is_grad_enabled()
-    positive_scores = None
+    positive_scores = reference_keys = None
     guard_counts: FilterCounts | None = None
-    if false_negative_filter is not None:
+    if false_negative_filter is not None and false_negative_filter.needs_keys:
+        if candidate_keys is None or candidate_keys.shape[0] != num_candidates:
+            raise ValueError(
+                "false_negative_filter='identical' needs candidate_keys, the input keys of the candidates (one row "
+                f"per candidate, {num_candidates}), got {None if candidate_keys is None else tuple(candidate_keys.shape)}"
+            )
+        # each row's positive's keys; -1 (matching no key) for rows without a positive
+        reference_keys = candidate_keys[positive_index.clamp_min(0)].masked_fill((positive_index < 0)[:, None], -1)
+    elif false_negative_filter is not None:
         with torch.no_grad():
             pairs = candidates.detach()[positive_index.clamp_min(0)]
             pair_scores = (anchors.detach() * pairs).sum(-1)
@@ -325,7 +345,8 @@ def chunked_sigmoid_contrastive_loss(
     max_negative = anchors.new_tensor(float("-inf"))
     for start in range(0, num_candidates, step):
         arguments = (anchors, candidates[start : start + step], positive_index, start, t, bias_value, relative)
-        guard = (score_transform, false_negative_filter, positive_scores)
+        block_keys = None if reference_keys is None else candidate_keys[start : start + step]
+        guard = (score_transform, false_negative_filter, positive_scores, block_keys, reference_keys)
         if recompute:
             loss_sum, low, high, masked = checkpoint(_embedding_block, *arguments, *guard, use_reentrant=False)
         else:

@@ -138,7 +138,12 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
                 f"CachedWEINCELoss needs at least 2 input columns (anchor, positive[, negative_1, ...]), "
                 f"got {len(sentence_features)}"
             )
-        return self.forward_cached(sentence_features, labels)
+        # the inputs' keys for the guard's "identical" rule, from the whole batch before it is split into mini-batches
+        self._pending_row_keys = self._row_keys(sentence_features)
+        try:
+            return self.forward_cached(sentence_features, labels)
+        finally:
+            self._pending_row_keys = None
 
     def calculate_loss(
         self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
@@ -149,6 +154,7 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
         """
         checks = DeferredChecks() if self.options.check_inputs else False
         embeddings = [torch.cat(column) for column in reps]
+        keys = self._gathered_keys(getattr(self, "_pending_row_keys", None), len(embeddings))
         queries, docs, offset = self._normalized_columns(embeddings, checks)
         if checks:
             checks.raise_if_failed()  # the one host sync of the step, where the loss receives its inputs
@@ -171,7 +177,9 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
                     self.options.partition_mode,
                     row_start=offset + begin,
                     row_end=offset + end,
-                )
+                ),
+                keys,
+                offset + begin,
             )
 
         # Statistics over the whole score matrix, a row chunk at a time, without gradient.

@@ -9,11 +9,16 @@ from typing import Any, ClassVar, Literal
 
 import torch
 from sentence_transformers.base.losses.merged_forward import embed_columns
-from sentence_transformers.util import all_gather_with_grad, cos_sim, get_rank
+from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim, get_rank
 from torch import Tensor, nn
 
 from st_weince.functional.checks import compute_dtype, require_valid_scores
-from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
+from st_weince.functional.false_negatives import (
+    FalseNegativeFilter,
+    FilterCounts,
+    apply_false_negative_filter,
+    feature_keys,
+)
 from st_weince.functional.layouts import normalize_rows
 from st_weince.functional.sigmoid import (
     chunked_sigmoid_contrastive_loss,
@@ -271,7 +276,9 @@ class RBSigmoidLoss(nn.Module):
                 ``("query_to_doc", "doc_to_query")`` (= ``symmetric=True``); the other directions are refused.
             false_negative_filter: the in-batch false-negative guard (off by default): ``("absolute", m)`` leaves
                 out the non-matching candidates with cosine score > s_pos - m, ``("relative", r)`` those with score
-                > r * s_pos, where s_pos is the score of the row's matching pair; they contribute nothing to the loss
+                > s_pos - (1 - r) |s_pos|, where s_pos is the score of the row's matching pair, ``"identical"``
+                those whose input (token ids) is identical to the row's matching candidate's, also across processes
+                and mini-batches; they contribute nothing to the loss
                 (neither fitted nor pushed away) and nothing to the logged margin. Logged as
                 ``rb_sigmoid_fn_masked_share`` and ``rb_sigmoid_fn_anchors_share`` (of the first block, like the
                 margin). See ``docs/false-negatives.md``.
@@ -448,14 +455,35 @@ class RBSigmoidLoss(nn.Module):
 
     # ----- entry points -----
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
+        sentence_features = list(sentence_features)
+        row_keys = self._row_keys(sentence_features)
         embeddings = embed_columns(self.model, sentence_features)
-        return self.compute_loss_from_embeddings(embeddings, labels)
+        return self.compute_loss_from_embeddings(embeddings, labels, row_keys=row_keys)
+
+    def _row_keys(self, sentence_features: list[dict[str, Tensor]]) -> list[Tensor] | None:
+        """The input keys of every column's rows when the guard compares inputs (``"identical"``), else None."""
+        spec = self.options.false_negative_filter
+        if spec is None or not spec.needs_keys:
+            return None
+        return [feature_keys(features, type(self).__name__) for features in sentence_features]
+
+    def _require_row_keys(self, row_keys: list[Tensor] | None, num_columns: int) -> None:
+        spec = self.options.false_negative_filter
+        if spec is None or not spec.needs_keys:
+            return
+        if row_keys is None or len(row_keys) != num_columns:
+            raise ValueError(
+                f"{type(self).__name__}: false_negative_filter='identical' compares the inputs' token ids: call the "
+                "loss on tokenized features (forward), or pass row_keys=[st_weince.functional.input_keys(input_ids, "
+                f"attention_mask) of each of the {num_columns} columns] to compute_loss_from_embeddings"
+            )
 
     def loss_from_scores(self, scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None) -> Tensor:
         """Sigmoid loss of one score matrix: ``scores`` [A, C] cosine, ``positive_index`` [A] the positive column of
         each row (-1: none), ``valid_mask`` [A, C] bool (False = excluded, e.g. the self-pairs of the SimCLR layout
         of :func:`st_weince.functional.nt_xent_layout`). Targets are 1 at the positive, 0 at the other valid entries.
         Used by the vision adapter; with the locked adapter enabled it is applied to ``scores`` first."""
+        self._require_row_keys(None, 0)  # a score matrix carries no inputs to compare
         if scores.dim() != 2:
             raise ValueError(f"scores must be a 2-D [anchors, candidates] matrix, got shape {tuple(scores.shape)}")
         params = self.loss_parameters()
@@ -476,18 +504,27 @@ class RBSigmoidLoss(nn.Module):
         self._record(params, *score_extremes(scores, targets, valid_mask), guard_counts)
         return loss
 
-    def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
-        """The loss on already computed column embeddings (``[anchor, positive, *negatives]`` or modalities)."""
+    def compute_loss_from_embeddings(
+        self, embeddings: list[Tensor], labels: Tensor | None = None, *, row_keys: list[Tensor] | None = None
+    ) -> Tensor:
+        """The loss on already computed column embeddings (``[anchor, positive, *negatives]`` or modalities).
+        ``row_keys``: each column's :func:`~st_weince.functional.input_keys`, needed by the guard's ``"identical"``
+        rule only (``forward`` computes them from the token ids)."""
+        self._require_row_keys(row_keys, len(embeddings))
         checks = self._new_checks()
         columns, gathered, positive_index = self._prepare_columns(embeddings, checks)
+        key_blocks = self._key_blocks(columns, row_keys)
         params = self.loss_parameters()
         self._require_finite_parameters(params, checks)
         if checks is not None:
             checks.raise_if_failed()  # the one host sync of the step, where the loss receives its inputs
         loss = columns[0].new_zeros(())
         extremes = guard_counts = None
-        for anchor_column, candidates, weight in self._directional_blocks(columns, gathered):
-            value, low, high, counts = self._block_loss(columns[anchor_column], candidates, positive_index, params)
+        blocks = self._directional_blocks(columns, gathered)
+        for (anchor_column, candidates, weight), keys in zip(blocks, key_blocks):
+            value, low, high, counts = self._block_loss(
+                columns[anchor_column], candidates, positive_index, params, keys
+            )
             loss = loss + weight * value
             if extremes is None:  # the first block's, logged
                 extremes, guard_counts = (low, high), counts
@@ -517,6 +554,15 @@ class RBSigmoidLoss(nn.Module):
             offset = get_rank() * batch_size
         return gathered, torch.arange(offset, offset + batch_size, device=columns[0].device)
 
+    def _key_blocks(self, columns: list[Tensor], row_keys: list[Tensor] | None) -> list[Tensor | None]:
+        """The candidates' input keys of every directional block (gathered like the candidates), or Nones."""
+        spec = self.options.false_negative_filter
+        if row_keys is None or spec is None or not spec.needs_keys:
+            return [None] * len(self._directional_blocks(columns, columns))
+        if self.options.gather_across_devices:
+            row_keys = [all_gather(keys) for keys in row_keys]  # integers: no gradient
+        return [keys for _, keys, _ in self._directional_blocks(columns, row_keys)]
+
     def _normalized(self, embeddings: list[Tensor], checks: DeferredChecks | None) -> list[Tensor]:
         """Unit-length rows in the computation dtype (float64 stays float64, half precision becomes float32); with
         ``checks``, rows with NaN/Inf or an overflowing norm are refused (they would normalise to zero vectors)."""
@@ -543,7 +589,12 @@ class RBSigmoidLoss(nn.Module):
         return [(column, block, 0.5) for column, block in pairs + reverse]
 
     def _block_loss(
-        self, anchors: Tensor, candidates: Tensor, positive_index: Tensor, params: dict[str, Tensor]
+        self,
+        anchors: Tensor,
+        candidates: Tensor,
+        positive_index: Tensor,
+        params: dict[str, Tensor],
+        candidate_keys: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, FilterCounts | None]:
         """Mean over ``anchors`` of their loss against ``candidates``, with the block's smallest matching and largest
         non-matching score (no gradient), and what the false-negative guard removed per anchor (None without it)."""
@@ -557,6 +608,7 @@ class RBSigmoidLoss(nn.Module):
             return_extremes=True,
             false_negative_filter=self.options.false_negative_filter,
             return_guard_counts=True,
+            candidate_keys=candidate_keys,
             **self._logit_arguments(params, dtype),
         )
         return outputs
