@@ -41,12 +41,12 @@ def test_the_cap_keeps_t_within_max_scale_in_float32_and_float64(max_scale):
 
 
 def persistent_sign_run(loss: RBSigmoidLoss, steps: int, sign: float = 1.0) -> list[float]:
-    """``steps`` steps of the optimizer prepare_trainer sets up for the loss's parameters (the trainer's AdamW, no weight
-    decay, the default loss learning rate) under a gradient that pushes ``t`` up (``sign`` 1) or down at every step,
-    on the parameter alone: the objective ``-sign * t`` with ``t`` as the loss computes it (through the cap). The
-    loss's own gradient on ``t`` fades once the pairs separate (the sigmoid saturates), a persistent sign is the worst
-    case of a long run. After each step the clamp of prepare_trainer's callback. Returns ``t`` at each step and logs
-    one loss computation per step (the statistics the trainer would log)."""
+    """``steps`` steps of the optimizer prepare_trainer sets up for the loss's parameters (the trainer's AdamW, no
+    weight decay, the default loss learning rate) under a gradient that pushes ``t`` up (``sign`` 1) or down at every
+    step, on the parameter alone: the objective ``-sign * t`` with ``t`` as the loss computes it (through the cap).
+    The loss's own gradient on ``t`` fades once the pairs separate (the sigmoid saturates); a persistent sign is the
+    worst case of a long run. After each step the clamp of prepare_trainer's callback. Returns ``t`` at each step and
+    logs one loss computation per step (the statistics the trainer would log)."""
     optimizer = torch.optim.AdamW(loss.parameters(), lr=DEFAULT_LOSS_LEARNING_RATE, weight_decay=0.0)
     embeddings = [torch.eye(4, 8), torch.eye(4, 8)]
     used = []

@@ -330,7 +330,8 @@ def chunked_sigmoid_contrastive_loss(
         if candidate_keys is None or candidate_keys.shape[0] != num_candidates:
             raise ValueError(
                 "false_negative_filter='identical' needs candidate_keys, the input keys of the candidates (one row "
-                f"per candidate, {num_candidates}), got {None if candidate_keys is None else tuple(candidate_keys.shape)}"
+                f"per candidate, {num_candidates}), got "
+                f"{None if candidate_keys is None else tuple(candidate_keys.shape)}"
             )
         # each row's positive's keys; -1 (matching no key) for rows without a positive
         reference_keys = candidate_keys[positive_index.clamp_min(0)].masked_fill((positive_index < 0)[:, None], -1)

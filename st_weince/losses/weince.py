@@ -178,13 +178,12 @@ class WEINCELoss(nn.Module):
             min_tail_points: minimum tail size.
             eps: floor of the shortfall ``1 - s``.
             false_negative_filter: the in-batch false-negative guard (off by default): ``("absolute", m)`` removes
-                the candidates with score > s_pos - m, ``("relative", r)`` those with score
-                > s_pos - (1 - r) |s_pos|, from the
-                candidate set of the row, before the tail statistics and the softmax (neither fitted nor pushed
-                away); ``"identical"`` removes the candidates whose input (token ids) is identical to the row's
+                the candidates with score > s_pos - m, ``("relative", r)`` those with score > s_pos - (1 - r) |s_pos|,
+                from the candidate set of the row, before the tail statistics and the softmax (neither fitted nor
+                pushed away); ``"identical"`` removes the candidates whose input (token ids) is identical to the row's
                 positive's (for rows anchored at documents: to the row's query), also across processes and
-                mini-batches; the positive is never removed. Rows without a positive of their own (``doc_to_doc`` without
-                ``doc_to_query``) use the score of their query_to_doc pair. Logged as ``weince_fn_masked_share``
+                mini-batches; the positive is never removed. Rows without a positive of their own (``doc_to_doc``
+                without ``doc_to_query``) use the score of their query_to_doc pair. Logged as ``weince_fn_masked_share``
                 and ``weince_fn_anchors_share``. See ``docs/false-negatives.md``.
             check_inputs: check the embeddings for NaN/Inf in every forward pass, with one host-device sync
                 (all checks read at once). False makes the hot path free of host syncs, so
