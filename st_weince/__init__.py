@@ -12,7 +12,7 @@ __all__ = ["MatchProbability", "match_probability"]
 def __getattr__(name: str) -> Any:
     # lazily, so that ``import st_weince`` stays light (no sentence-transformers import)
     if name in __all__:
-        from st_weince import match_probability as module
+        import importlib
 
-        return getattr(module, name)
+        return getattr(importlib.import_module("st_weince.calibration"), name)
     raise AttributeError(f"module 'st_weince' has no attribute {name!r}")

@@ -44,7 +44,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from st_weince.training.statistics import LossStatisticsCallback, log_loss_statistics
-from st_weince.training.trained_values import TrainedValuesCallback, attach_match_probability, rb_sigmoid_losses
+from st_weince.training.trained_values import TrainedValuesCallback, carry_trained_values, rb_sigmoid_losses
 
 logger = logging.getLogger(__name__)
 
@@ -463,9 +463,9 @@ def prepare_trainer(
     - their gradients are averaged across processes;
     - their statistics (``rb_sigmoid_t``, ``rb_sigmoid_b_rel``, ``rb_sigmoid_t_capped`` ...) are added to the
       training logs;
-    - RB-Sigmoid's ``log_t`` is clamped at its ``max_scale`` cap after every optimizer step, and a SentenceTransformer
-      gets a :class:`st_weince.MatchProbability` module holding the trained ``t`` and ``b_rel`` (written before every
-      checkpoint and at the end of training, with the model card), so the saved model carries them.
+    - RB-Sigmoid's ``log_t`` is clamped at its ``max_scale`` cap after every optimizer step, and the trained ``t`` and
+      ``b_rel`` are written into the model's configuration and its model card before every checkpoint and at the end
+      of training, so the saved model carries them (:func:`st_weince.match_probability`).
 
     Harmless for losses without parameters (WEINCELoss): only the logging is added. Call it before the optimizer is
     built (an existing optimizer's groups are fixed in place; an existing learning-rate scheduler is an error).
@@ -492,7 +492,7 @@ def prepare_trainer(
     if rb_sigmoid_losses(trainer.loss):
         # after LossStateCallback: the cap applies to the step's averaged gradients, the carried values are those
         # of the best checkpoint when it is loaded at the end
-        attach_match_probability(trainer.model, trainer.loss)
+        carry_trained_values(trainer.model, trainer.loss, 0)  # the configured starts until the first save
         trainer.add_callback(TrainedValuesCallback(trainer))
 
     excluded = {id(p) for p in no_weight_decay_parameters(trainer.loss)}

@@ -1,5 +1,5 @@
 """RB-Sigmoid's trained values in the trainer: the cap on ``t`` after every optimizer step, and ``t``, ``b_rel`` carried
-by the model (:class:`st_weince.MatchProbability`) and shown in its model card.
+by the model (in its configuration, :mod:`st_weince.calibration`) and shown in its model card.
 
 The model card sentence-transformers writes shows the loss configuration it read when the trainer was built:
 ``get_config_dict()``, the loss as configured (``cls(model, **config)`` rebuilds it so). The trained values are added
@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 from transformers import TrainerCallback
 
-from st_weince.match_probability import MatchProbability, carried_match_probability
+from st_weince.calibration import CONFIG_KEY, MatchProbability, carry_match_probability
 from st_weince.training.statistics import statistics_sources
 
 logger = logging.getLogger(__name__)
@@ -32,30 +32,28 @@ def rb_sigmoid_losses(loss: nn.Module | dict[str, nn.Module]) -> list[nn.Module]
     return [module for module in statistics_sources(loss) if isinstance(module, RBSigmoidLoss)]
 
 
-def carried_values(loss: nn.Module, global_step: int) -> dict[str, Any]:
-    return {**loss.trained_values(), "loss": type(loss).__name__, "global_step": int(global_step)}
+def carried_values(loss: nn.Module, global_step: int) -> MatchProbability:
+    return MatchProbability(**loss.trained_values(), loss=type(loss).__name__, global_step=int(global_step))
 
 
-def attach_match_probability(model: nn.Module, loss: nn.Module | dict[str, nn.Module]) -> MatchProbability | None:
-    """Give a SentenceTransformer trained with one RB-Sigmoid loss a :class:`MatchProbability` module (or reuse the one
-    it carries), holding the loss's current values; None when there is nothing to carry (another loss, another
-    model type, or several RB-Sigmoid losses, whose values would disagree: then a warning)."""
+def carry_trained_values(model: nn.Module, loss: nn.Module | dict[str, nn.Module], global_step: int) -> bool:
+    """Store the current values of the model's one RB-Sigmoid loss in the model's configuration; False (with a
+    warning) when there is nothing to carry them in or several RB-Sigmoid losses whose values would disagree."""
     losses = rb_sigmoid_losses(loss)
-    if not losses or not hasattr(model, "append") or not hasattr(model, "encode"):
-        return None
-    if len(losses) > 1:
+    if len(losses) != 1:
+        if losses:
+            logger.warning(
+                "%d RB-Sigmoid losses train separate t and b_rel; the model carries none of them", len(losses)
+            )
+        return False
+    if not carry_match_probability(model, carried_values(losses[0], global_step)):
         logger.warning(
-            "%d RB-Sigmoid losses train separate t and b_rel; the model carries none of them (no match probability)",
-            len(losses),
+            "%s has no Hugging Face configuration to carry the trained t and b_rel in; they stay in the checkpoints' "
+            "loss state only",
+            type(model).__name__,
         )
-        return None
-    carried = carried_match_probability(model)
-    if carried is None:
-        carried = MatchProbability(**carried_values(losses[0], 0))
-        model.append(carried)
-    else:
-        carried.set_values(**carried_values(losses[0], 0))
-    return carried
+        return False
+    return True
 
 
 def _dataset_losses(loss: nn.Module | dict[str, nn.Module], count: int) -> list[nn.Module]:
@@ -80,15 +78,15 @@ def annotate_model_card(model: nn.Module, loss: nn.Module | dict[str, nn.Module]
             values = {key: value for key, value in losses[0].trained_values().items()}
             trained = json.dumps({**values, "global_step": int(global_step)}, indent=4)
             block["config_code"] = (
-                f"{configured}\n  Trained values (the model carries them in its MatchProbability module; "
-                f"st_weince.match_probability gives sigmoid(t * (cos - b_rel))):\n"
+                f"{configured}\n  Trained values (the model carries them in its config.json, "
+                f"{CONFIG_KEY!r}; st_weince.match_probability gives sigmoid(t * (cos - b_rel))):\n"
                 + indent(f"```json\n{trained}\n```", "  ")
             )
 
 
 class TrainedValuesCallback(TrainerCallback):
     """Clamps RB-Sigmoid's ``log_t`` at its ``max_scale`` cap after every optimizer step, and writes the trained
-    ``t`` and ``b_rel`` into the model's :class:`~st_weince.MatchProbability` module and its model card before every
+    ``t`` and ``b_rel`` into the model's configuration (:mod:`st_weince.calibration`) and its model card before every
     checkpoint and at the end of training. Added by :func:`st_weince.training.prepare_trainer`."""
 
     def __init__(self, trainer: Any) -> None:
@@ -100,12 +98,8 @@ class TrainedValuesCallback(TrainerCallback):
             loss.clamp_parameters_()
 
     def write(self, global_step: int) -> None:
-        model = self.trainer.model
-        losses = rb_sigmoid_losses(self.trainer.loss)
-        carried = carried_match_probability(model)
-        if carried is not None and len(losses) == 1:
-            carried.set_values(**carried_values(losses[0], global_step))
-        annotate_model_card(model, self.trainer.loss, global_step)
+        carry_trained_values(self.trainer.model, self.trainer.loss, global_step)
+        annotate_model_card(self.trainer.model, self.trainer.loss, global_step)
 
     def on_step_end(self, args, state, control, **kwargs):
         if control.should_save:  # the trainer saves the model next
