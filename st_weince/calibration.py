@@ -25,7 +25,13 @@ from torch import Tensor, nn
 from st_weince.functional.layouts import normalize_rows
 from st_weince.functional.sigmoid import match_probabilities
 
-__all__ = ["CONFIG_KEY", "MatchProbability", "carried_match_probability", "match_probability", "carry_match_probability"]
+__all__ = [
+    "CONFIG_KEY",
+    "MatchProbability",
+    "carried_match_probability",
+    "carry_match_probability",
+    "match_probability",
+]
 
 #: The key of the values in the transformer's ``config.json``.
 CONFIG_KEY = "st_weince_match_probability"

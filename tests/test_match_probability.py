@@ -1,7 +1,7 @@
 """The trained t and b_rel travel with the model: after trainer.train() with prepare_trainer, the model carries them
-in its configuration, a save -> load round trip keeps them (no trust_remote_code, no custom module), st_weince.match_probability computes
-sigmoid(t (s - b_rel)) from them, the model card shows them next to the configured loss, and the cap of max_scale
-holds in a trainer run (and its state is logged)."""
+in its configuration, a save -> load round trip keeps them (no trust_remote_code, no custom module),
+st_weince.match_probability computes sigmoid(t (s - b_rel)) from them, the model card shows them next to the
+configured loss, and the cap of max_scale holds in a trainer run (and its state is logged)."""
 
 from __future__ import annotations
 
