@@ -71,8 +71,11 @@ def calibration_metrics(probabilities: np.ndarray, labels: np.ndarray) -> dict:
 def fine_tune(model_path: str, anchors: list[str], positives: list[str], args, output_dir: str):
     """RBSigmoidLoss fine-tune through the trainer with prepare_trainer; the saved model's folder."""
     from datasets import Dataset
-    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
-    from sentence_transformers import SentenceTransformerTrainingArguments
+    from sentence_transformers import (
+        SentenceTransformer,
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
     from sentence_transformers.sentence_transformer.training_args import BatchSamplers
 
     from st_weince.losses import RBSigmoidLoss
@@ -175,7 +178,11 @@ def markdown(results: dict) -> str:
             f"| {ours['bin']} | {ours['count']} | {cell(ours['mean_predicted'])} | {cell(ours['observed_rate'])} | "
             f"{reference['count']} | {cell(reference['mean_predicted'])} | {cell(reference['observed_rate'])} |"
         )
-    lines += ["", "| | ECE | Brier | log loss | mean p (matches) | mean p (non-matches) |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [
+        "",
+        "| | ECE | Brier | log loss | mean p (matches) | mean p (non-matches) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for name, label in (("rb_sigmoid", "RB-Sigmoid"), ("logistic_regression", "logistic regression")):
         m = results[name]
         lines.append(

@@ -58,7 +58,8 @@ def run_command(loss: str, seed: int, output_dir: Path, data_dir: Path, scale: d
     command += ["--data-dir", str(data_dir), "--output-dir", str(output_dir), "--threads", "1", "--log-every", "20"]
     for key, value in scale.items():
         if key == "temperature":  # the recipe's flag is the scale, 1 / temperature
-            command += ["--scale", str(1.0 / value)]
+            if loss != "rb-sigmoid":  # for RB-Sigmoid --scale is its starting t; the committed runs used its default
+                command += ["--scale", str(1.0 / value)]
         elif key == "beta":  # a WEINCE option
             command += ["--loss-option", f"beta={value}"]
         else:

@@ -261,7 +261,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
+    from st_weince.utils.cli import user_errors_exit
+
     args = parse_args(argv)
+    with user_errors_exit("compare.py"):  # a missing or unreadable file: one line, exit status 2
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> dict:
     try:
         re.compile(args.seed_pattern)
     except re.error as error:

@@ -183,7 +183,10 @@ def evaluate_model(
     import mteb
     from sentence_transformers import SentenceTransformer
 
+    from st_weince.utils.pretrained import check_model_path
+
     if isinstance(model, str | Path):
+        check_model_path(model)  # a missing path, or a run folder, named as such
         model = SentenceTransformer(str(model), device="cpu" if not _cuda() else None)
     model.model_card_data.model_name = name  # a name of its own; the cache is off anyway
     tasks = build_tasks(task_names, data_dir)
@@ -276,9 +279,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    from st_weince.utils.cli import quiet_known_warnings, user_errors_exit
+
+    quiet_known_warnings()
+    args = parse_args(argv)
+    with user_errors_exit("mteb_eval.py"):  # a missing file, model or task: one line, exit status 2
+        return run(args, argv)
+
+
+def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> dict[str, Any]:
     from st_weince.utils.provenance import provenance
 
-    args = parse_args(argv)
     names = unique_model_names(args.models, args.names)
     task_names = resolve_tasks(args.tasks, args.task_sets)
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()

@@ -26,7 +26,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from st_weince.data.sts import SPLITS, TASKS, default_data_dir, download_sts_data, resolve_task_names, task_files
+from st_weince.data.sts import (
+    SPLITS,
+    TASKS,
+    default_data_dir,
+    download_sts_data,
+    load_sts_task,
+    resolve_task_names,
+    task_files,
+)
 from st_weince.evaluation.sts import AGGREGATIONS, format_table, load_model, scores_from_details, sts_details
 
 
@@ -47,13 +55,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    from st_weince.utils.cli import quiet_known_warnings, user_errors_exit
+
+    quiet_known_warnings()
+    args = parse_args(argv)
+    with user_errors_exit("sts.py"):  # a missing file or model: one line, exit status 2
+        return run(args, argv)
+
+
+def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> dict[str, Any]:
     from st_weince.utils.provenance import provenance
 
-    args = parse_args(argv)
     tasks = resolve_task_names(args.tasks)
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     if args.download and any(not f.is_file() for t in tasks for f in task_files(t, data_dir, args.split)):
         download_sts_data(data_dir)
+    for task in tasks:  # missing data fails before the model is loaded
+        load_sts_task(task, data_dir, args.split)
     start = time.perf_counter()
     model = load_model(args.model, device=args.device, max_seq_length=args.max_seq_length)
     details = sts_details(model, tasks, data_dir, split=args.split, batch_size=args.batch_size, show_progress_bar=True)

@@ -9,7 +9,8 @@ dropout masks make the positive pair, the other sentences of the batch are the n
 
 ``--loss-option KEY=VALUE`` (repeatable; VALUE parsed as JSON when it is JSON) goes to the loss class as a keyword
 argument, which validates it. ``--scale`` is infonce/weince's factor on cosine scores (1 / temperature, see
-docs/conventions.md); RB-Sigmoid's start scale is its own option (``--loss-option scale=10``).
+docs/conventions.md) and RB-Sigmoid's starting scale ``t`` (which it then trains; without ``--scale`` RB-Sigmoid
+starts from its own default, 10, not from the preset's 20).
 
 Presets (every value can be overridden by its flag):
 
@@ -61,7 +62,7 @@ from st_weince.evaluation.curves import plot_training_curves
 from st_weince.evaluation.sts import STSEvaluator
 from st_weince.losses import RBSigmoidLoss, WEINCELoss
 from st_weince.training import prepare_trainer
-from st_weince.utils.cli import parse_key_values, positive_float
+from st_weince.utils.cli import parse_key_values, positive_float, quiet_known_warnings, user_errors_exit
 from st_weince.utils.pretrained import build_tiny_encoder, load_sentence_encoder, minilm_path
 from st_weince.utils.provenance import provenance
 
@@ -94,7 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu-demo")
     p.add_argument("--loss", choices=sorted(LOSS_CLASSES), default="weince")
     p.add_argument("--loss-option", action="append", default=[], metavar="KEY=VALUE", help="loss keyword; repeatable")
-    p.add_argument("--scale", type=positive_float, help="infonce/weince: factor on cosine scores (1 / temperature)")
+    p.add_argument("--scale", type=positive_float,
+                   help="infonce/weince: factor on cosine scores (1 / temperature); rb-sigmoid: its starting t")
     p.add_argument("--model", help="local model directory, a hub name, or 'tiny' (random 4-layer BERT)")
     p.add_argument("--train-file", help="text file with one training sentence per line")
     p.add_argument("--max-train-samples", type=int, help="use only the first N sentences of the training file")
@@ -122,6 +124,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch CPU threads per process (default: torch's choice)")
     args = p.parse_args(argv)
     for key, value in PRESETS[args.preset].items():
+        if key == "scale" and args.loss == "rb-sigmoid":
+            continue  # the presets' scale is InfoNCE's 1 / temperature; RB-Sigmoid starts from its own default
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     if args.output_dir is None:
@@ -175,7 +179,7 @@ def load_model(args: argparse.Namespace):
 def build_loss(args: argparse.Namespace, model):
     """The loss, with ``--loss-option`` as keyword arguments: the loss class validates them."""
     options = parse_key_values(args.loss_option)
-    if args.loss != "rb-sigmoid":
+    if args.scale is not None:  # None only for rb-sigmoid without --scale: the loss's own default
         if "scale" in options:
             raise ValueError(f"--loss {args.loss}: give the scale with --scale, not --loss-option scale=...")
         options["scale"] = args.scale
@@ -198,6 +202,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         resume = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
         if resume is None:
             raise ValueError(f"--resume-from-checkpoint latest: no checkpoint-* folder in {str(output_dir)!r}")
+    if resume is not None and not Path(resume).exists():
+        raise ValueError(f"--resume-from-checkpoint {resume!r} does not exist")
     if resume is not None and not (Path(resume) / "optimizer.pt").is_file():
         raise ValueError(
             f"--resume-from-checkpoint {resume!r} is not a checkpoint with optimizer state (a checkpoint-* folder of "
@@ -212,8 +218,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dev_evaluator = STSEvaluator(stsb["dev"], name=DEV_NAME, num_modules=num_encoder_modules)
     test_evaluator = STSEvaluator(stsb["test"], name="stsb-test", num_modules=num_encoder_modules)
     loss = build_loss(args, model)
+    loss_config_at_start = loss.get_config_dict()  # RB-Sigmoid's t and b_rel as they start; loss_config: as they end
     if is_main:
-        print(f"SimCSE: training {args.loss} ({LOSS_CLASSES[args.loss]}), {loss.get_config_dict()}", flush=True)
+        print(f"SimCSE: training {args.loss} ({LOSS_CLASSES[args.loss]}), {loss_config_at_start}", flush=True)
     before: dict[str, float] = {}
     if args.eval_before and resume is None:
         before = {"stsb_dev": 100 * dev_evaluator.spearman(model), "stsb_test": 100 * test_evaluator.spearman(model)}
@@ -233,6 +240,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         load_best_model_at_end=True, metric_for_best_model=DEV_METRIC, greater_is_better=True,
         logging_steps=args.logging_steps, seed=args.seed, data_seed=args.seed, bf16=precision == "bf16",
         fp16=precision == "fp16", use_cpu=not cuda, dataloader_drop_last=True, report_to="none",
+        dataloader_pin_memory=cuda,  # pinned memory only helps a GPU (torch warns on a CPU)
     )  # fmt: skip
     # Truncation is a training setting: the collator truncates, the model keeps its max_seq_length for evaluation.
     collator = SentenceTransformerDataCollator(preprocess_fn=model.preprocess, max_length=args.max_seq_length)
@@ -268,6 +276,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "before": before,
         "train_seconds": round(train_seconds, 1),
         "train_sentences": len(sentences),
+        "loss_config_at_start": loss_config_at_start,
         "loss_config": loss.get_config_dict(),
         "config": dict(vars(args)),
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
@@ -285,16 +294,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             line += f"   [before: dev {before['stsb_dev']:.2f}  test {before['stsb_test']:.2f}]"
         print(line, flush=True)
         print(f"results: {output_dir / 'results.json'}; model: {output_dir / 'final'}", flush=True)
+        train_losses = [e["loss"] for e in state.log_history if "loss" in e and "train_loss" not in e]
+        if train_losses and train_losses[-1] < NEAR_ZERO_LOSS:
+            print(near_zero_loss_note(train_losses[-1]), flush=True)
     return results
+
+
+NEAR_ZERO_LOSS = 1e-2
+
+
+def near_zero_loss_note(loss: float) -> str:
+    """What a training loss near 0 means in unsupervised SimCSE (printed last, so that it is not taken for a bug)."""
+    return (
+        f"note: the final training loss {loss:.1e} is near 0, as expected here: the two dropout views of a sentence "
+        "are near-identical for an already sentence-tuned encoder, so each positive outscores every in-batch negative "
+        "from the start; the STS-B scores above, not the loss, say whether training helped (docs/simcse.md)."
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    quiet_known_warnings()
     args = parse_args(argv)
-    try:
+    with user_errors_exit("simcse.py"):  # a missing file, model or checkpoint, a bad value: one line, exit status 2
         run(args)
-    except ValueError as error:
-        sys.exit(f"simcse.py: error: {error}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -91,13 +92,27 @@ def build_models(output_dir: Path, rank: int) -> dict[str, Path]:
     return paths
 
 
+def ddp_training_arguments(output_dir: Path, **options: Any):
+    """Training arguments of a short DDP run on CPU (gloo), constant rate, nothing saved or reported; ``options``
+    add to or override them."""
+    from sentence_transformers import SentenceTransformerTrainingArguments
+
+    defaults = {
+        "lr_scheduler_type": "constant",
+        "save_strategy": "no",
+        "report_to": [],
+        "seed": 0,
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "ddp_backend": "gloo",
+        "ddp_find_unused_parameters": True,
+    }
+    return SentenceTransformerTrainingArguments(output_dir=str(output_dir), **{**defaults, **options})
+
+
 def trainer_part(output_dir: Path, rank: int, model_dirs: dict[str, Path]) -> dict[str, list[float]]:
     from datasets import Dataset
-    from sentence_transformers import (
-        SentenceTransformer,
-        SentenceTransformerTrainer,
-        SentenceTransformerTrainingArguments,
-    )
+    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
 
     from tests.conftest import TINY_SENTENCES
 
@@ -118,19 +133,11 @@ def trainer_part(output_dir: Path, rank: int, model_dirs: dict[str, Path]) -> di
         # Plain SGD for the cached comparison: Adam would hide a wrong gradient scale.
         compared = run in ("cached", "uncached")
         optimizer = {"optim": "sgd", "learning_rate": 1e-3} if compared else {"learning_rate": 5e-2}
-        args = SentenceTransformerTrainingArguments(
-            output_dir=str(output_dir / f"run-{run}"),
+        args = ddp_training_arguments(
+            output_dir / f"run-{run}",
             per_device_train_batch_size=4,
             max_steps=TRAIN_STEPS,
-            lr_scheduler_type="constant",
-            save_strategy="no",
             logging_steps=1,
-            report_to=[],
-            seed=0,
-            use_cpu=True,
-            disable_tqdm=True,
-            ddp_backend="gloo",
-            ddp_find_unused_parameters=True,
             **optimizer,
         )
         trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset, loss=loss)

@@ -19,8 +19,11 @@ PAIRS = 24  # held-out pairs of each kind
 
 def test_reloaded_minilm_gives_probabilities_from_its_own_trained_values(shared_data, tmp_path, one_torch_thread):
     from datasets import Dataset
-    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
-    from sentence_transformers import SentenceTransformerTrainingArguments
+    from sentence_transformers import (
+        SentenceTransformer,
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
 
     from st_weince.data.sts import read_stsb_csv
     from st_weince.losses import RBSigmoidLoss

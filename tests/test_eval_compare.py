@@ -117,7 +117,7 @@ def test_errors(tmp_path: Path):
     with pytest.raises(ValueError, match="no metric matches"):
         compare.aggregate(compare.expand_arguments([str(tmp_path / "ok.json")]), ["SICK*"])
     with pytest.raises(ValueError, match="not a regular expression"):
-        compare.main([str(tmp_path / "ok.json"), "--seed-pattern", "("])
+        compare.run(compare.parse_args([str(tmp_path / "ok.json"), "--seed-pattern", "("]))
 
 
 def test_committed_references_compare(capsys):

@@ -168,10 +168,13 @@ def test_error_paths(recipe, tiny_model_dir, small_stsb, train_file, tmp_path, c
     os.environ["HF_HUB_OFFLINE"] = "1"
     with pytest.raises(ValueError, match=r"(?s)could not load model 'no-org/no-such-model'.*--model DIR"):
         recipe.load_model(args_with("--pooling", "cls", model="no-org/no-such-model"))
-    # The command line turns these into one readable line and exit status 1, not a traceback.
+    # The command line turns these into one readable line and exit status 2 (as argparse), not a traceback.
+    capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         recipe.main(base_args(tiny_model_dir, small_stsb, tmp_path / "missing.txt", tmp_path / "out"))
-    assert "simcse.py: error: training file" in str(exit_info.value.code)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("simcse.py: error: training file") and len(err.strip().splitlines()) == 1
 
 
 def test_printed_scores_are_what_eval_sts_gives_on_the_saved_model(weince_run, small_stsb, tiny_model_dir):
@@ -241,6 +244,39 @@ def test_demo_defaults_and_loss_options(recipe, tiny_model_dir):
         recipe.build_loss(recipe.parse_args(["--loss", "infonce", "--loss-option", "scale=5"]), model)
     with pytest.raises(ValueError, match="--loss-option beta is given twice"):
         recipe.build_loss(recipe.parse_args(["--loss-option", "beta=1", "--loss-option", "beta=2"]), model)
+
+
+@pytest.mark.parametrize("loss_name", ["weince", "infonce", "rb-sigmoid"])
+def test_results_record_the_loss_that_ran(
+    recipe, loss_name, tiny_model_dir, small_stsb, train_file, tmp_path, monkeypatch, capsys
+):
+    """--scale reaches every loss (RB-Sigmoid: its starting t); results.json's loss configuration is the loss's own
+    get_config_dict() (RB-Sigmoid: t and b_rel as trained, and as they started); the last printed line explains a
+    near-zero loss."""
+    built = []
+    build_loss = recipe.build_loss
+    monkeypatch.setattr(recipe, "build_loss", lambda args, model: built.append(build_loss(args, model)) or built[-1])
+    monkeypatch.setattr(recipe, "NEAR_ZERO_LOSS", float("inf"))  # the note whatever this tiny run's loss
+    out = tmp_path / loss_name
+    flags = ["--loss", loss_name, "--scale", "5", "--max-steps", "2", "--eval-steps", "2"]
+    recipe.run(recipe.parse_args(base_args(tiny_model_dir, small_stsb, train_file, out, *flags)))
+    saved = json.loads((out / "results.json").read_text())
+    (loss,) = built
+    assert saved["loss_config"] == json.loads(json.dumps(loss.get_config_dict(), default=str))
+    assert saved["loss_config_at_start"]["scale"] == pytest.approx(5.0) and saved["config"]["scale"] == 5.0
+    if loss_name == "rb-sigmoid":
+        assert saved["loss_config"]["scale"] != saved["loss_config_at_start"]["scale"]  # t is trained from 5
+    else:
+        assert saved["loss_config"]["scale"] == 5.0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("note: the final training loss")
+    # Without --scale RB-Sigmoid starts from its own default, not from the presets' InfoNCE scale 20.
+    default = recipe.parse_args(["--loss", "rb-sigmoid"])
+    assert default.scale is None
+    from st_weince.losses import RBSigmoidOptions
+
+    assert recipe.build_loss(default, None).get_config_dict()["scale"] == pytest.approx(RBSigmoidOptions.scale)
+    with pytest.raises(ValueError, match="--scale, not --loss-option scale"):
+        recipe.build_loss(recipe.parse_args(["--loss", "rb-sigmoid", "--scale", "5", "--loss-option", "scale=3"]), None)
 
 
 @pytest.mark.slow

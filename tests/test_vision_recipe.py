@@ -101,9 +101,21 @@ def test_recipe_rejects_bad_flags(recipe, tiny_zip, tmp_path):
     with pytest.raises(SystemExit):
         recipe.parse_args(["--loss", "triplet"])
     with pytest.raises(ValueError, match="batch-size 64 needs at least"):
-        recipe.main(["--dataset", "imagefolder", "--data-dir", str(tiny_zip), "--batch-size", "64", "--width", "2"])
+        recipe.run(recipe.parse_args(["--dataset", "imagefolder", "--data-dir", str(tiny_zip), "--batch-size", "64"]))
     with pytest.raises(ValueError, match="needs --data-dir"):
+        recipe.run(recipe.parse_args(["--dataset", "imagefolder", "--data-dir", str(tmp_path / "missing")]))
+    with pytest.raises(SystemExit) as exit_info:  # the command line: one line and exit status 2 (test_cli_errors.py)
         recipe.main(["--dataset", "imagefolder", "--data-dir", str(tmp_path / "missing")])
+    assert exit_info.value.code == 2
+
+
+def test_scale_is_rb_sigmoids_starting_t(recipe, tiny_zip, tmp_path):
+    assert recipe.parse_args(["--loss", "rb-sigmoid"]).scale is None  # its own default, not InfoNCE's 2
+    argv = ["--dataset", "imagefolder", "--data-dir", str(tiny_zip), "--loss", "rb-sigmoid", "--scale", "3"]
+    argv += ["--width", "2", "--hidden-dim", "8", "--projection-dim", "8", "--batch-size", "6", "--max-steps", "1"]
+    argv += ["--limit-train", "6", "--skip-eval", "--no-save-model", "--lr", "0", "--output-dir", str(tmp_path)]
+    results = recipe.main(argv)
+    assert results["objective"]["scale"] == pytest.approx(3.0)  # lr 0: t is where --scale started it
 
 
 def test_loss_flags_are_spelled_as_in_the_simcse_recipe(recipe):

@@ -12,6 +12,7 @@ import torch
 
 from st_weince.losses import WEINCELoss
 from tests.conftest import torchrun_command
+from tests.float32_tolerance import block_scores, query_group, row_chunks, tail_fit_tolerances, ulps_apart
 from tests.weince_distributed_worker import GUARD, SETTINGS, global_batch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -28,20 +29,32 @@ def distributed_results(tmp_path_factory) -> list[list[dict]]:
 
 
 @pytest.mark.distributed
+@pytest.mark.numerics
 @pytest.mark.parametrize("setting", range(len(SETTINGS)))
 def test_two_processes_equal_one(distributed_results, setting):
+    """Each rank scores its own 32 rows (the cached stage: 5 at a time), one process all 64 at once: float32 matmuls
+    of other shapes, which a CPU kernel may round differently. lam and rho0 are held to what that rounding can move
+    them (tests/float32_tolerance.py: 4 x the measured ulps apart x the measured one-ulp sensitivity)."""
     directions, partition_mode, num_columns = SETTINGS[setting]
     ranks = [distributed_results[r][setting] for r in range(2)]
     columns = [c.clone().requires_grad_(True) for c in global_batch(64, num_columns)]
     loss_fn = WEINCELoss(None, directions=directions, partition_mode=partition_mode)
     loss = loss_fn.compute_loss_from_embeddings(columns, None)
     loss.backward()
+    with torch.no_grad():
+        plain = [c.detach() for c in columns]
+        group = query_group(loss_fn, plain)
+        blocks = [[(0, 32), (32, 64)], row_chunks(32, 5) + row_chunks(32, 5, start=32)]
+        ulps = max(ulps_apart(block_scores(loss_fn, plain, bounds), group.scores) for bounds in blocks)
+    assert ulps <= 64, f"the processes' scores are {ulps} ulps from one process's"
+    tolerance = tail_fit_tolerances(group.scores, group.positive_index, group.valid_mask, loss_fn.options.math, ulps)
 
     # Each rank averages over its own anchors; the global mean is the mean of the two.
     distributed_loss = (ranks[0]["loss"] + ranks[1]["loss"]) / 2
     assert abs(float(distributed_loss - loss.detach())) < 1e-5
-    assert float(ranks[0]["rho0"]) == pytest.approx(float(loss_fn.last_statistics.rho0), abs=0)
-    torch.testing.assert_close(torch.cat([r["lam"] for r in ranks]), loss_fn.last_statistics.lam, atol=1e-6, rtol=0)
+    assert float(ranks[0]["rho0"]) == pytest.approx(float(loss_fn.last_statistics.rho0), abs=tolerance["rho0"])
+    lam = loss_fn.last_statistics.lam
+    torch.testing.assert_close(torch.cat([r["lam"] for r in ranks]), lam, atol=tolerance["lam"], rtol=0)
     assert float(loss_fn.last_statistics.lam.max()) > 0.05, "the check needs a non-trivial blend"
     # Gradients: each rank's rows receive d(sum of rank losses)/d(rows) = 2 x d(global mean)/d(rows).
     for column_index, column in enumerate(columns):
@@ -49,10 +62,8 @@ def test_two_processes_equal_one(distributed_results, setting):
         torch.testing.assert_close(distributed_grad, column.grad, atol=1e-5, rtol=1e-4)
     # The cached loss stage (mini-batches of 5 rows on each rank) gives the same.
     assert abs(float((ranks[0]["cached_loss"] + ranks[1]["cached_loss"]) / 2 - loss.detach())) < 1e-5
-    assert float(ranks[1]["cached_rho0"]) == pytest.approx(float(loss_fn.last_statistics.rho0), abs=0)
-    torch.testing.assert_close(
-        torch.cat([r["cached_lam"] for r in ranks]), loss_fn.last_statistics.lam, atol=1e-6, rtol=0
-    )
+    assert float(ranks[1]["cached_rho0"]) == pytest.approx(float(loss_fn.last_statistics.rho0), abs=tolerance["rho0"])
+    torch.testing.assert_close(torch.cat([r["cached_lam"] for r in ranks]), lam, atol=tolerance["lam"], rtol=0)
     for column_index, column in enumerate(columns):
         distributed_grad = torch.cat([r["cached_grads"][column_index] for r in ranks]) / 2
         torch.testing.assert_close(distributed_grad, column.grad, atol=1e-5, rtol=1e-4)

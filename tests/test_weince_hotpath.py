@@ -10,6 +10,7 @@ from sentence_transformers.sentence_transformer.losses import MultipleNegativesR
 from st_weince.functional import nt_xent_layout
 from st_weince.losses import WEINCELoss
 from st_weince.utils.hotpath import count_host_syncs
+from tests.float32_tolerance import query_group, tail_fit_tolerances
 
 SETTINGS = [
     (("query_to_doc",), "joint", 3),
@@ -89,4 +90,9 @@ def test_compiled_equals_eager():
     for grad, expected in zip(compiled_grads, eager_grads):
         torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6)
     # both calls were recorded for the logs, on the device
-    assert loss_fn.pop_logged_statistics()["weince_lambda_mean"] == pytest.approx(float(eager_lam.mean()), rel=1e-5)
+    # The logged mean is (eager + compiled) / 2; the compiled kernels may round the scores differently, by about an
+    # ulp, and lam moves by what tests/float32_tolerance.py derives for that.
+    group = query_group(loss_fn, [e.detach() for e in embeddings])
+    tolerance = tail_fit_tolerances(group.scores, group.positive_index, group.valid_mask, loss_fn.options.math)["lam"]
+    logged = loss_fn.pop_logged_statistics()["weince_lambda_mean"]
+    assert logged == pytest.approx(float(eager_lam.mean()), rel=1e-6, abs=tolerance)

@@ -11,6 +11,7 @@ from sentence_transformers.sentence_transformer.losses import MultipleNegativesR
 
 from st_weince.functional import nt_xent_layout, weince_cross_entropy
 from st_weince.losses import WEINCELoss
+from tests.float32_tolerance import query_group, tail_fit_tolerances, ulps_apart
 
 DIRECTION_SETTINGS = [
     (("query_to_doc",), "joint"),
@@ -60,6 +61,7 @@ def test_default_blend_differs_from_mnrl_and_matches_functional():
     assert abs(float(loss - mnrl)) > 1e-3
 
 
+@pytest.mark.numerics
 def test_query_anchored_rows_share_statistics_over_the_joint_row():
     """With (query_to_doc, query_to_query) each anchor's statistics cover docs and other queries together,
     which on two views of the same items is the SimCLR NT-Xent row of the first view."""
@@ -71,7 +73,10 @@ def test_query_anchored_rows_share_statistics_over_the_joint_row():
     reordered = torch.cat([scores[:32, 32:], scores[:32, :32]], dim=1)
     mask = torch.cat([valid_mask[:32, 32:], valid_mask[:32, :32]], dim=1)
     stats = loss_fn.statistics(reordered, torch.arange(32), mask)
-    torch.testing.assert_close(loss_fn.last_statistics.lam, stats.lam)
+    # The loss scores docs and queries with two matmuls, nt_xent_layout with one: float32 may round them differently.
+    ulps = ulps_apart(query_group(loss_fn, [view_a, view_b]).scores, reordered)
+    tolerance = tail_fit_tolerances(reordered, torch.arange(32), mask, loss_fn.options.math, ulps)
+    torch.testing.assert_close(loss_fn.last_statistics.lam, stats.lam, atol=tolerance["lam"], rtol=0)
     assert float(stats.lam.max()) > 0.0
 
 

@@ -57,6 +57,8 @@ from st_weince.diagnostics.plots import (
     plot_row_shapes,
     plot_shape_stability,
 )
+from st_weince.utils.cli import quiet_known_warnings, user_errors_exit
+from st_weince.utils.pretrained import check_model_path
 from st_weince.utils.provenance import provenance
 
 DEFAULT_STABILITY = (0.99, 0.995, 0.998, 0.999, 0.9995, 0.9998, 0.9999)
@@ -114,6 +116,7 @@ def _text_views(args: argparse.Namespace) -> tuple[torch.Tensor, Views, dict]:
         raise ValueError("--skip-dropout needs --pairs (the link fit needs one source of positives)")
     if not Path(args.model).is_dir():
         raise ValueError(f"--model {args.model!r} is not a local directory (the Hugging Face hub is not used)")
+    check_model_path(args.model)  # a recipe's run folder: its model is in final/
     model = SentenceTransformer(args.model, device="cpu")
     model.max_seq_length = args.max_seq_length
     sentences = sample_distinct_lines(args.sentences, args.num_inputs, args.seed)  # a duplicate is no negative
@@ -290,10 +293,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.command = None if argv is None else " ".join(["st-weince-diagnostics", *argv])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
+    quiet_known_warnings()
+    with user_errors_exit(parser.prog):  # a missing file or model, a bad value: one line, exit status 2
         run(args)
-    except ValueError as error:
-        parser.error(str(error))
     return 0
 
 

@@ -169,6 +169,9 @@ def load_model(model: Any, device: str | None = None, max_seq_length: int | None
     if isinstance(model, str | Path):
         from sentence_transformers import SentenceTransformer
 
+        from st_weince.utils.pretrained import check_model_path
+
+        check_model_path(model)  # a missing path, or a run folder, named as such
         model = SentenceTransformer(str(model), device=device)
     if not hasattr(model, "encode"):
         raise ValueError(f"model must be a path, a name or an object with .encode(), got {type(model).__name__}")

@@ -275,7 +275,9 @@ def chunked_sigmoid_contrastive_loss(
     return_extremes: bool = False,
     false_negative_filter: FalseNegativeFilter | tuple | list | str | None = None,
     return_guard_counts: bool = False,
+    positive_scores: Tensor | None = None,
     candidate_keys: Tensor | None = None,
+    reference_keys: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, ...]:
     """:func:`sigmoid_contrastive_loss` of ``anchors @ candidates.T`` computed block by block over candidates.
 
@@ -293,8 +295,6 @@ def chunked_sigmoid_contrastive_loss(
         return_extremes: also return the smallest matching and the largest non-matching score (no gradient; for
             the margin, see :func:`constellation_margin_from_extremes`), from the same score blocks; ``+inf`` /
             ``-inf`` when there is none.
-        candidate_keys: [C, K] :func:`~st_weince.functional.input_keys` of the candidates' inputs, for the guard's
-            ``"identical"`` rule (required by it, unused otherwise).
         false_negative_filter: the in-batch false-negative guard (:mod:`st_weince.functional.false_negatives`):
             non-matching candidates whose cosine score is above the threshold set by the row's matching-pair score
             (``anchors[a] . candidates[positive_index[a]]``) are left out of the loss and of the extremes. Rows
@@ -302,6 +302,13 @@ def chunked_sigmoid_contrastive_loss(
             ``"identical"`` masks the candidates whose ``candidate_keys`` equal those of the row's positive.
         return_guard_counts: also return (last) what the guard removed per anchor, a
             :class:`~st_weince.functional.false_negatives.FilterCounts` (None without a guard).
+        positive_scores: [A] the rows' matching-pair scores for the guard's threshold, when ``candidates`` is one
+            block of a larger candidate set that may not hold the positive (``+inf``: the row masks nothing); None
+            takes them from ``candidates[positive_index]``.
+        candidate_keys: [C, K] :func:`~st_weince.functional.input_keys` of the candidates' inputs, for the guard's
+            ``"identical"`` rule (required by it, unused otherwise).
+        reference_keys: [A, K] the keys of the rows' positives for the ``"identical"`` rule, when ``candidates`` may
+            not hold them (a row of -1 matches nothing); None takes them from ``candidate_keys[positive_index]``.
     """
     false_negative_filter = FalseNegativeFilter.parse(false_negative_filter)
     if anchors.dim() != 2 or candidates.dim() != 2 or anchors.shape[1] != candidates.shape[1]:
@@ -324,18 +331,28 @@ def chunked_sigmoid_contrastive_loss(
     anchors, candidates = anchors.to(dtype), candidates.to(dtype)
     step = num_candidates if chunk_size is None else min(chunk_size, num_candidates)
     recompute = step < num_candidates and torch.is_grad_enabled()
-    positive_scores = reference_keys = None
     guard_counts: FilterCounts | None = None
-    if false_negative_filter is not None and false_negative_filter.needs_keys:
+    if false_negative_filter is None:
+        positive_scores = None
+    elif false_negative_filter.needs_keys:
+        positive_scores = None
         if candidate_keys is None or candidate_keys.shape[0] != num_candidates:
             raise ValueError(
                 "false_negative_filter='identical' needs candidate_keys, the input keys of the candidates (one row "
                 f"per candidate, {num_candidates}), got "
                 f"{None if candidate_keys is None else tuple(candidate_keys.shape)}"
             )
-        # each row's positive's keys; -1 (matching no key) for rows without a positive
-        reference_keys = candidate_keys[positive_index.clamp_min(0)].masked_fill((positive_index < 0)[:, None], -1)
-    elif false_negative_filter is not None:
+        if reference_keys is None:
+            # each row's positive's keys; -1 (matching no key) for rows without a positive
+            reference_keys = candidate_keys[positive_index.clamp_min(0)]
+            reference_keys = reference_keys.masked_fill((positive_index < 0)[:, None], -1)
+    elif positive_scores is not None:
+        if positive_scores.shape != positive_index.shape:
+            raise ValueError(
+                f"positive_scores must be [A] = {tuple(positive_index.shape)}, got {tuple(positive_scores.shape)}"
+            )
+        positive_scores = positive_scores.detach().to(dtype)
+    else:
         with torch.no_grad():
             pairs = candidates.detach()[positive_index.clamp_min(0)]
             pair_scores = (anchors.detach() * pairs).sum(-1)
@@ -346,7 +363,9 @@ def chunked_sigmoid_contrastive_loss(
     max_negative = anchors.new_tensor(float("-inf"))
     for start in range(0, num_candidates, step):
         arguments = (anchors, candidates[start : start + step], positive_index, start, t, bias_value, relative)
-        block_keys = None if reference_keys is None else candidate_keys[start : start + step]
+        keyed = false_negative_filter is not None and false_negative_filter.needs_keys
+        block_keys = candidate_keys[start : start + step] if keyed else None
+        reference_keys = reference_keys if keyed else None
         guard = (score_transform, false_negative_filter, positive_scores, block_keys, reference_keys)
         if recompute:
             loss_sum, low, high, masked = checkpoint(_embedding_block, *arguments, *guard, use_reentrant=False)

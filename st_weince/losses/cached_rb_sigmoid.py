@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from st_weince.functional.false_negatives import FilterCounts
 from st_weince.losses._columns import check_embedding_columns
 from st_weince.losses._gradcache import GradCachedLoss, GradCacheOptions
+from st_weince.losses._labels import warn_unused_labels
 from st_weince.losses.rb_sigmoid import RBSigmoidLoss, RBSigmoidOptions
 from st_weince.utils.options import options_from_arguments
 
@@ -59,9 +60,10 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
                 non-padding tokens (as in ``CachedMultipleNegativesRankingLoss``).
             show_progress_bar: show a progress bar while embedding mini-batches.
             **options: every option of :class:`RBSigmoidLoss` (``parametrization``, ``relative_bias``, ``bias``,
-                ``trainable_scale``, ``trainable_bias``, ``gather_across_devices``, ``symmetric``, ``columns``,
-                ``locked_adapter``, ``adapter_logit``, ``chunk_size``, ``check_inputs``, ``directions``), validated
-                the same way.
+                ``trainable_scale``, ``trainable_bias``, ``gather_across_devices``, ``exchange``, ``symmetric``,
+                ``columns``, ``locked_adapter``, ``adapter_logit``, ``chunk_size``, ``check_inputs``,
+                ``directions``), validated the same way. With ``exchange="neighbour"`` each process's candidate
+                block arrives once, and all row chunks are scored against it before the next one is received.
 
         References:
             - Gao, Zhang, Han, Callan: Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup
@@ -144,6 +146,7 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
         ``mini_batch_size`` anchors. With ``with_backward`` each chunk is back-propagated to the embeddings at once;
         the loss parameters' gradients are returned as the zero-valued term ``sum_p (p - p.detach()) g_p`` added to
         the detached loss (see the class docstring)."""
+        warn_unused_labels(self, labels)  # no sync: a host-side check
         embeddings = [torch.cat(column) for column in reps]
         row_keys = getattr(self, "_pending_row_keys", None)
         self._require_row_keys(row_keys, len(embeddings))
@@ -178,7 +181,7 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
         gathered, positive_index = self._candidates(columns)
         # Without gathering the candidates are the columns themselves; gathered ones become leaves of their own.
         candidates = gathered
-        if self.options.gather_across_devices and backward:
+        if self._all_gathers and backward:
             candidates = [column.detach().requires_grad_() for column in gathered]
         batch_size = columns[0].shape[0]
         key_blocks = self._key_blocks(columns, row_keys)
@@ -188,6 +191,24 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
         guard_counts: list[FilterCounts] = []
         blocks = self._directional_blocks(columns, candidates)
         for block_index, ((anchor_column, block, weight), keys) in enumerate(zip(blocks, key_blocks)):
+            if self._exchanges_with_neighbours:
+                # Each process block arrives once; the row chunks go through it before the next one is received.
+                value, low, high, counts = self._exchanged_block_loss(
+                    columns[anchor_column],
+                    block,
+                    positive_index,
+                    params,
+                    weight=weight,
+                    anchor_chunk=self.mini_batch_size,
+                    backward=backward,
+                    candidate_keys=keys,
+                )
+                total = total + value
+                if block_index == 0:
+                    extremes = (low, high)
+                    if counts is not None:
+                        guard_counts.append(counts)
+                continue
             for begin in range(0, batch_size, self.mini_batch_size):
                 end = min(begin + self.mini_batch_size, batch_size)
                 value, low, high, counts = self._block_loss(
@@ -204,7 +225,7 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
                     if counts is not None:
                         guard_counts.append(counts)
         if backward:
-            if self.options.gather_across_devices:
+            if self._all_gathers:
                 _backward_where_used(gathered, candidates)
             _backward_where_used(normalized, columns)
         # per-anchor counts of the row chunks, in row order

@@ -11,6 +11,7 @@ from st_weince.functional.false_negatives import FilterCounts
 from st_weince.functional.layouts import mnrl_layout
 from st_weince.functional.weince import TailFit, WeinceStatistics, statistics_from_fit
 from st_weince.losses._gradcache import GradCachedLoss, GradCacheOptions
+from st_weince.losses._labels import warn_unused_labels
 from st_weince.losses.weince import WEINCE_CITATION, WEINCELoss, WEINCELossOptions
 from st_weince.utils.hotpath import DeferredChecks
 from st_weince.utils.options import options_from_arguments
@@ -65,9 +66,10 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
         2. compute the loss on the cached embeddings: first the statistics, without gradient, over the *whole*
            score matrix taken in row chunks of ``mini_batch_size`` (each anchor's tail fit needs only its own row;
            the pivot ``rho0`` is taken over all rows, gathered across processes), so ``lambda``, ``beta`` and
-           ``rho0`` are exactly those of :class:`WEINCELoss`; then the loss and its backward to the embeddings,
-           chunk by chunk. Memory is linear in the batch: the full B x C matrix is never held, with or without
-           gradient;
+           ``rho0`` are those of :class:`WEINCELoss` on the same embeddings (to float32 rounding where a kernel
+           rounds a mini-batch's embeddings or a row chunk's scores differently); then the loss and its backward
+           to the embeddings, chunk by chunk. Memory is linear in the batch: the full B x C matrix is never held,
+           with or without gradient;
         3. re-embed every mini-batch with gradient and back-propagate the cached embedding gradients.
 
         Args:
@@ -107,7 +109,7 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
             +-------------------------------------------------+--------+
 
         Relations:
-            - Equal to :class:`WEINCELoss` (loss, statistics, gradients) at every ``mini_batch_size``.
+            - Equal to :class:`WEINCELoss` (loss, statistics, gradients) at every ``mini_batch_size``, to rounding.
             - Works inside ``MatryoshkaLoss`` (which recognises cached losses by the mixin).
 
         Example:
@@ -152,6 +154,7 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
 
         With ``with_backward`` the loss is back-propagated to ``reps`` chunk by chunk and returned detached.
         """
+        warn_unused_labels(self, labels)  # no sync: a host-side check
         checks = DeferredChecks() if self.options.check_inputs else False
         embeddings = [torch.cat(column) for column in reps]
         keys = self._gathered_keys(getattr(self, "_pending_row_keys", None), len(embeddings))

@@ -13,6 +13,7 @@ from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim
 from torch import Tensor, nn
 
 from st_weince.functional.checks import compute_dtype, require_valid_scores
+from st_weince.functional.exchange import ring_block_losses
 from st_weince.functional.false_negatives import (
     FalseNegativeFilter,
     FilterCounts,
@@ -29,6 +30,7 @@ from st_weince.functional.sigmoid import (
     targets_from_positive_index,
 )
 from st_weince.losses._columns import check_embedding_columns
+from st_weince.losses._labels import warn_unused_labels
 from st_weince.utils.hotpath import DeferredChecks
 from st_weince.utils.logged_statistics import RunningMeans
 from st_weince.utils.options import (
@@ -42,6 +44,7 @@ from st_weince.utils.options import (
 
 Parametrization = Literal["relative", "absolute"]
 ColumnMode = Literal["negatives", "modalities"]
+Exchange = Literal["all_gather", "neighbour"]
 
 # MultipleNegativesRankingLoss's arguments that RB-Sigmoid has no use for: accepted at the value that makes them a
 # no-op, refused otherwise, with the reason. ``directions`` is accepted (it maps onto ``symmetric``).
@@ -108,6 +111,7 @@ class RBSigmoidOptions:
     trainable_scale: bool = True
     trainable_bias: bool = True
     gather_across_devices: bool = False
+    exchange: Exchange = "all_gather"
     symmetric: bool = False
     columns: ColumnMode = "negatives"
     locked_adapter: bool = False
@@ -122,6 +126,7 @@ class RBSigmoidOptions:
 
         put("parametrization", choice_option("parametrization", self.parametrization, ("relative", "absolute")))
         put("columns", choice_option("columns", self.columns, ("negatives", "modalities")))
+        put("exchange", choice_option("exchange", self.exchange, ("all_gather", "neighbour")))
         put("scale", real_option("scale", self.scale, positive=True))
         put("max_scale", real_option("max_scale", self.max_scale, positive=True))
         if not self.max_scale < _FLOAT32_MAX:
@@ -152,6 +157,11 @@ class RBSigmoidOptions:
         for name in ("trainable_scale", "trainable_bias", "gather_across_devices", "symmetric", "locked_adapter"):
             put(name, flag_option(name, getattr(self, name)))
         put("check_inputs", flag_option("check_inputs", self.check_inputs))
+        if self.exchange == "neighbour" and not self.gather_across_devices:
+            raise ValueError(
+                "exchange='neighbour' passes candidate blocks between processes, so it needs "
+                "gather_across_devices=True (without it every process scores only its own candidates)"
+            )
         put("adapter_logit", real_option("adapter_logit", self.adapter_logit))
         put("chunk_size", positive_int_option("chunk_size", self.chunk_size, optional=True))
         put("false_negative_filter", FalseNegativeFilter.parse(self.false_negative_filter))
@@ -211,6 +221,7 @@ class RBSigmoidLoss(nn.Module):
         trainable_scale: bool = RBSigmoidOptions.trainable_scale,
         trainable_bias: bool = RBSigmoidOptions.trainable_bias,
         gather_across_devices: bool = RBSigmoidOptions.gather_across_devices,
+        exchange: Exchange = RBSigmoidOptions.exchange,
         symmetric: bool = RBSigmoidOptions.symmetric,
         columns: ColumnMode = RBSigmoidOptions.columns,
         locked_adapter: bool = RBSigmoidOptions.locked_adapter,
@@ -255,6 +266,14 @@ class RBSigmoidLoss(nn.Module):
             gather_across_devices: gather embeddings across processes: local anchors against global candidates. The
                 loss parameters' gradients must then be averaged across processes:
                 :func:`st_weince.training.prepare_trainer` does that (and the rest of the trainer integration).
+            exchange: how the candidates of the other processes reach each process with ``gather_across_devices``:
+                "all_gather" (default) gathers every candidate embedding into one global candidate matrix and scores
+                the local anchors against it at once; "neighbour" passes the candidate blocks (with their
+                hard-negative rows) around the ring of processes in both directions and scores the local anchors
+                against one block at a time, with the gradients sent back the same way (SigLIP's scheme): the largest
+                score tensor is one process's block instead of all of them, and no process holds the global
+                candidate matrix. Same loss and gradients (see ``docs/rb-sigmoid.md``). Every process must have the
+                same local batch size.
             symmetric: also score the positives (column 2) as anchors against all anchors and average both
                 directions. For the sigmoid loss the reverse block holds the same pairs as the anchor-positive
                 block, so without hard-negative columns this changes nothing; with them it doubles the weight of
@@ -511,6 +530,7 @@ class RBSigmoidLoss(nn.Module):
         ``row_keys``: each column's :func:`~st_weince.functional.input_keys`, needed by the guard's ``"identical"``
         rule only (``forward`` computes them from the token ids)."""
         self._require_row_keys(row_keys, len(embeddings))
+        warn_unused_labels(self, labels)  # no sync: a host-side check
         checks = self._new_checks()
         columns, gathered, positive_index = self._prepare_columns(embeddings, checks)
         key_blocks = self._key_blocks(columns, row_keys)
@@ -544,12 +564,13 @@ class RBSigmoidLoss(nn.Module):
         return columns, gathered, positive_index
 
     def _candidates(self, columns: list[Tensor]) -> tuple[list[Tensor], Tensor]:
-        """The candidate columns (the local ones, or with ``gather_across_devices`` those of all processes, with
-        gradient) and the row of each local anchor's positive among them."""
+        """The candidate columns (the local ones, or with ``gather_across_devices`` and all-gather those of all
+        processes, with gradient) and the row of each local anchor's positive among them. With the neighbour exchange
+        they stay local: each block loss passes them around the ring."""
         batch_size = columns[0].shape[0]
         offset = 0
         gathered = columns
-        if self.options.gather_across_devices:
+        if self._all_gathers:
             gathered = [all_gather_with_grad(column) for column in columns]
             offset = get_rank() * batch_size
         return gathered, torch.arange(offset, offset + batch_size, device=columns[0].device)
@@ -559,9 +580,19 @@ class RBSigmoidLoss(nn.Module):
         spec = self.options.false_negative_filter
         if row_keys is None or spec is None or not spec.needs_keys:
             return [None] * len(self._directional_blocks(columns, columns))
-        if self.options.gather_across_devices:
+        if self._all_gathers:  # with the neighbour exchange they travel with their candidate blocks instead
             row_keys = [all_gather(keys) for keys in row_keys]  # integers: no gradient
         return [keys for _, keys, _ in self._directional_blocks(columns, row_keys)]
+
+    @property
+    def _all_gathers(self) -> bool:
+        """Whether the candidates are all-gathered into one global matrix."""
+        return self.options.gather_across_devices and self.options.exchange == "all_gather"
+
+    @property
+    def _exchanges_with_neighbours(self) -> bool:
+        """Whether the candidates stay local and every block loss passes them around the ring of processes."""
+        return self.options.gather_across_devices and self.options.exchange == "neighbour"
 
     def _normalized(self, embeddings: list[Tensor], checks: DeferredChecks | None) -> list[Tensor]:
         """Unit-length rows in the computation dtype (float64 stays float64, half precision becomes float32); with
@@ -597,7 +628,69 @@ class RBSigmoidLoss(nn.Module):
         candidate_keys: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, FilterCounts | None]:
         """Mean over ``anchors`` of their loss against ``candidates``, with the block's smallest matching and largest
-        non-matching score (no gradient), and what the false-negative guard removed per anchor (None without it)."""
+        non-matching score (no gradient), and what the false-negative guard removed per anchor (None without it).
+        With ``exchange="neighbour"`` ``candidates`` are the local ones, and the loss is taken against every
+        process's block of them."""
+        if self._exchanges_with_neighbours:
+            return self._exchanged_block_loss(
+                anchors, candidates, positive_index, params, candidate_keys=candidate_keys
+            )
+        return self._candidate_block_loss(
+            anchors, candidates, positive_index, params, candidate_keys=candidate_keys
+        )
+
+    def _exchanged_block_loss(
+        self,
+        anchors: Tensor,
+        candidates: Tensor,
+        positive_index: Tensor,
+        params: dict[str, Tensor],
+        *,
+        weight: float = 1.0,
+        anchor_chunk: int | None = None,
+        backward: bool = False,
+        candidate_keys: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor, FilterCounts | None]:
+        """:meth:`_block_loss` against the local ``candidates`` and those of every other process, passed around the
+        ring (:func:`st_weince.functional.exchange.ring_block_losses`; ``weight``, ``anchor_chunk`` and ``backward``
+        as there; ``candidate_keys``, the local candidates' input keys, travel with their block)."""
+
+        def block_loss(
+            rows: Tensor,
+            block: Tensor,
+            index: Tensor,
+            positive_scores: Tensor,
+            block_keys: Tensor | None = None,
+            reference_keys: Tensor | None = None,
+        ):
+            return self._candidate_block_loss(
+                rows, block, index, params, positive_scores, candidate_keys=block_keys, reference_keys=reference_keys
+            )
+
+        return ring_block_losses(
+            anchors,
+            candidates,
+            positive_index,
+            block_loss,
+            weight=weight,
+            anchor_chunk=anchor_chunk,
+            backward=backward,
+            candidate_keys=candidate_keys,
+        )
+
+    def _candidate_block_loss(
+        self,
+        anchors: Tensor,
+        candidates: Tensor,
+        positive_index: Tensor,
+        params: dict[str, Tensor],
+        positive_scores: Tensor | None = None,
+        *,
+        candidate_keys: Tensor | None = None,
+        reference_keys: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor, FilterCounts | None]:
+        """:meth:`_block_loss` against exactly ``candidates`` (``positive_scores``, ``reference_keys``: the guard's
+        threshold scores and the positives' input keys when the block may not hold the rows' positives)."""
         dtype = anchors.dtype
         outputs = chunked_sigmoid_contrastive_loss(
             anchors,
@@ -608,7 +701,9 @@ class RBSigmoidLoss(nn.Module):
             return_extremes=True,
             false_negative_filter=self.options.false_negative_filter,
             return_guard_counts=True,
+            positive_scores=positive_scores,
             candidate_keys=candidate_keys,
+            reference_keys=reference_keys,
             **self._logit_arguments(params, dtype),
         )
         return outputs

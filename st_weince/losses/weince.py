@@ -41,6 +41,7 @@ from st_weince.functional.weince import (
     weince_tail_fit,
 )
 from st_weince.losses._columns import check_embedding_columns
+from st_weince.losses._labels import warn_unused_labels
 from st_weince.utils.hotpath import DeferredChecks
 from st_weince.utils.logged_statistics import RunningMeans
 from st_weince.utils.options import flag_option, options_config, options_from_arguments
@@ -411,6 +412,7 @@ class WEINCELoss(nn.Module):
         :func:`~st_weince.functional.input_keys`, needed by the guard's ``"identical"`` rule only (``forward``
         computes them from the token ids)."""
         keys = self._gathered_keys(row_keys, len(embeddings))
+        warn_unused_labels(self, labels)  # no sync: a host-side check
         checks = DeferredChecks() if self.options.check_inputs else False
         queries, docs, offset = self._normalized_columns(embeddings, checks)
         if checks:

@@ -43,6 +43,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from st_weince.training.setup_checks import check_trainer_setup
 from st_weince.training.statistics import LossStatisticsCallback, log_loss_statistics
 from st_weince.training.trained_values import TrainedValuesCallback, carry_trained_values, rb_sigmoid_losses
 
@@ -467,6 +468,9 @@ def prepare_trainer(
       ``b_rel`` are written into the model's configuration and its model card before every checkpoint and at the end
       of training, so the saved model carries them (:func:`st_weince.match_probability`).
 
+    For every loss: a warning (once) when WEINCE's configured batch is too small for any tail fit (it would be
+    InfoNCE) or the dataset has a label column that the loss ignores (:mod:`st_weince.training.setup_checks`).
+
     Harmless for losses without parameters (WEINCELoss): only the logging is added. Call it before the optimizer is
     built (an existing optimizer's groups are fixed in place; an existing learning-rate scheduler is an error).
     Idempotent; returns the trainer.
@@ -479,6 +483,7 @@ def prepare_trainer(
         raise ValueError(f"loss_learning_rate must be a finite number > 0 or None, got {loss_learning_rate!r}")
     if not any(isinstance(cb, LossStatisticsCallback) for cb in trainer.callback_handler.callbacks):
         log_loss_statistics(trainer)
+    check_trainer_setup(trainer)  # WEINCE at a batch too small to fit; ignored label columns
 
     if own_tensors(trainer.loss):
         if trainer.is_world_process_zero():

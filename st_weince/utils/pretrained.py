@@ -7,6 +7,28 @@ from pathlib import Path
 from sentence_transformers import SentenceTransformer
 
 POOLINGS = ("model", "cls", "mean")
+_MODEL_FILES = ("modules.json", "config.json")  # a saved SentenceTransformer / a Hugging Face model folder
+
+
+def check_model_path(name: str | Path) -> None:
+    """A clear ValueError for a ``--model`` that names a local path but cannot be a model: a path that does not exist,
+    or a recipe's run folder (its model is in ``final/``). Hub names pass (``org/name``)."""
+    name = str(name)
+    local = Path(name).expanduser()
+    looks_like_path = name.startswith((".", "/", "~")) or local.exists() or name.count("/") > 1
+    if looks_like_path and not local.exists():
+        raise ValueError(
+            f"model path {name!r} does not exist. Pass --model with a local model directory (a saved "
+            "SentenceTransformer or a Hugging Face model folder), a hub name when the hub is reachable, or "
+            "'tiny' for a random 4-layer BERT."
+        )
+    final = local / "final"
+    if (
+        local.is_dir()
+        and not any((local / file).is_file() for file in _MODEL_FILES)
+        and any((final / file).is_file() for file in _MODEL_FILES)
+    ):
+        raise ValueError(f"{name} is a run folder; the model is in {final}")
 
 
 def minilm_path() -> str | None:
@@ -49,14 +71,8 @@ def load_sentence_encoder(name: str, pooling: str = "model", device: str | None 
 
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    check_model_path(name)
     local = Path(name).expanduser()
-    looks_like_path = name.startswith((".", "/", "~")) or local.exists() or name.count("/") > 1
-    if looks_like_path and not local.exists():
-        raise ValueError(
-            f"model path {name!r} does not exist. Pass --model with a local model directory (a saved "
-            "SentenceTransformer or a Hugging Face model folder), a hub name when the hub is reachable, or "
-            "'tiny' for a random 4-layer BERT."
-        )
     source = str(local) if local.exists() else name
     try:
         if pooling == "model":

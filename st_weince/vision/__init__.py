@@ -5,9 +5,22 @@ Data (:mod:`.data`), batched tensor augmentations (:mod:`.augment`), CIFAR-stem 
 evaluation (:mod:`.evaluation`). The recipe is ``recipes/simclr.py``; see docs/vision.md.
 """
 
-from st_weince.vision.augment import SimCLRAugment, SimCLRAugmentConfig, eval_transform
+from st_weince.vision.augment import RELEASED_AUGMENT, SimCLRAugment, SimCLRAugmentConfig, eval_transform
 from st_weince.vision.data import ImageTensorDataset, balanced_subset, load_dataset, load_image_folder
-from st_weince.vision.evaluation import KNN_KS, KNN_TEMPERATURE, extract_features, knn_evaluate, linear_probe
+from st_weince.vision.evaluation import (
+    KNN_KS,
+    KNN_TEMPERATURE,
+    PREVIOUS_PROTOCOL,
+    PROBE_PROTOCOLS,
+    RELEASED_PROTOCOL,
+    ProbeProtocol,
+    evaluate_frozen_features,
+    extract_features,
+    knn_evaluate,
+    knn_evaluate_splits,
+    linear_probe,
+    stratified_split,
+)
 from st_weince.vision.models import CifarResNet, ProjectionHead, SimCLRModel, load_encoder, save_encoder
 from st_weince.vision.objectives import LOSSES, SIMCLR_BETA, SIMCLR_SCALE, SimCLRObjective
 
@@ -15,6 +28,14 @@ __all__ = [
     "KNN_KS",
     "KNN_TEMPERATURE",
     "LOSSES",
+    "PREVIOUS_PROTOCOL",
+    "PROBE_PROTOCOLS",
+    "RELEASED_AUGMENT",
+    "RELEASED_PROTOCOL",
+    "ProbeProtocol",
+    "evaluate_frozen_features",
+    "knn_evaluate_splits",
+    "stratified_split",
     "SIMCLR_BETA",
     "SIMCLR_SCALE",
     "CifarResNet",

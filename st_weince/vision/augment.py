@@ -2,9 +2,10 @@
 
 The pipeline of SimCLR's CIFAR experiments: random resized crop (scale 0.08-1, aspect ratio 3/4-4/3) with horizontal
 flip, colour jitter (brightness, contrast, saturation 0.4, hue 0.1) with probability 0.8, grayscale with
-probability 0.2, then per-channel normalisation. Crop and flip are one affine resampling (``grid_sample``) for the
-whole batch. One difference to torchvision's per-image ``ColorJitter``: the order of the four jitter operations is
-drawn once per batch, not once per image.
+probability 0.2, then per-channel normalisation (this project's previous setup; the released WEINCE setup is
+:data:`RELEASED_AUGMENT`: stronger jitter 0.8/0.8/0.8/0.2 and no normalisation). Crop and flip are one affine
+resampling (``grid_sample``) for the whole batch. One difference to torchvision's per-image ``ColorJitter``: the
+order of the four jitter operations is drawn once per batch, not once per image.
 """
 
 from __future__ import annotations
@@ -48,6 +49,14 @@ class SimCLRAugmentConfig:
                 raise ValueError(f"{name} must be a probability in [0, 1], got {getattr(self, name)}")
         if not 0 <= self.hue <= 0.5:
             raise ValueError(f"hue must lie in [0, 0.5], got {self.hue}")
+
+
+# The released WEINCE setup's augmentation (docs/algorithms.md 1.2b): torchvision's RandomResizedCrop defaults,
+# horizontal flip, colour jitter (0.8, 0.8, 0.8, 0.2) with p = 0.8, grayscale p = 0.2, then ToTensor only: mean 0 and
+# std 1 make the normalisation the identity (exactly: x - 0 and x / 1 are exact in floating point).
+RELEASED_AUGMENT = SimCLRAugmentConfig(
+    brightness=0.8, contrast=0.8, saturation=0.8, hue=0.2, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0)
+)
 
 
 def to_float(images: Tensor) -> Tensor:

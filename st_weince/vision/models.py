@@ -81,45 +81,75 @@ class CifarResNet(nn.Module):
 
 
 class ProjectionHead(nn.Module):
-    """SimCLR projection head: Linear(feature_dim, hidden, no bias) - BatchNorm - ReLU - Linear(hidden, out_dim).
+    """SimCLR projection head: Linear(feature_dim, hidden, no bias) - [BatchNorm] - ReLU - Linear(hidden, out_dim).
 
-    The released WEINCE SimCLR setup projects to 64 dimensions (docs/algorithms.md 1.5); the loss sees the projections,
-    evaluation uses the backbone features before the head.
+    Args:
+        feature_dim: width of the backbone features.
+        hidden_dim: width of the hidden layer.
+        out_dim: width of the projections the loss sees (64 in the released WEINCE setup).
+        batch_norm: BatchNorm after the first layer (this project's previous setup); the released setup has none.
+        output_bias: a bias in the last layer (previous setup); the released setup has none.
+
+    The released WEINCE setup (docs/algorithms.md 1.2b) is ``ProjectionHead(f, f, 64, batch_norm=False,
+    output_bias=False)``: Linear(f, f, no bias) - ReLU - Linear(f, 64, no bias). Evaluation uses the backbone
+    features before the head.
     """
 
-    def __init__(self, feature_dim: int, hidden_dim: int = 512, out_dim: int = 64) -> None:
+    def __init__(
+        self,
+        feature_dim: int,
+        hidden_dim: int = 512,
+        out_dim: int = 64,
+        *,
+        batch_norm: bool = True,
+        output_bias: bool = True,
+    ) -> None:
         super().__init__()
         if min(feature_dim, hidden_dim, out_dim) < 1:
             raise ValueError(f"dimensions must be positive, got {feature_dim}, {hidden_dim}, {out_dim}")
-        self.net = nn.Sequential(
-            nn.Linear(feature_dim, hidden_dim, bias=False),
-            nn.BatchNorm1d(hidden_dim),
-            nn.ReLU(inplace=True),
-            nn.Linear(hidden_dim, out_dim, bias=True),
-        )
+        layers: list[nn.Module] = [nn.Linear(feature_dim, hidden_dim, bias=False)]
+        if batch_norm:
+            layers.append(nn.BatchNorm1d(hidden_dim))
+        layers += [nn.ReLU(inplace=True), nn.Linear(hidden_dim, out_dim, bias=output_bias)]
+        self.net = nn.Sequential(*layers)
 
     def forward(self, features: Tensor) -> Tensor:
         return self.net(features)
 
 
 class SimCLRModel(nn.Module):
-    """Backbone plus projection head; ``forward`` returns projections, ``encode`` the backbone features."""
+    """Backbone plus projection head; ``forward`` returns projections, ``encode`` the backbone features.
+
+    ``hidden_dim=None`` makes the head's hidden layer as wide as the backbone features (the released setup);
+    ``head_batch_norm`` and ``head_output_bias`` as in :class:`ProjectionHead`.
+    """
 
     def __init__(
         self,
         backbone: str = "resnet18",
         width: int = 64,
         cifar_stem: bool = True,
-        hidden_dim: int = 512,
+        hidden_dim: int | None = 512,
         projection_dim: int = 64,
+        head_batch_norm: bool = True,
+        head_output_bias: bool = True,
     ) -> None:
         super().__init__()
         self.encoder = CifarResNet(backbone, width=width, cifar_stem=cifar_stem)
-        self.head = ProjectionHead(self.encoder.feature_dim, hidden_dim, projection_dim)
+        hidden_dim = self.encoder.feature_dim if hidden_dim is None else hidden_dim
+        self.head = ProjectionHead(
+            self.encoder.feature_dim,
+            hidden_dim,
+            projection_dim,
+            batch_norm=head_batch_norm,
+            output_bias=head_output_bias,
+        )
         self.config: dict[str, Any] = {
             **self.encoder.config,
             "hidden_dim": hidden_dim,
             "projection_dim": projection_dim,
+            "head_batch_norm": head_batch_norm,
+            "head_output_bias": head_output_bias,
         }
 
     def forward(self, images: Tensor) -> Tensor:
@@ -146,6 +176,11 @@ def load_encoder(directory: str | Path, map_location: str | torch.device = "cpu"
         raise ValueError(f"{config_path} not found: not a directory written by save_encoder")
     config = json.loads(config_path.read_text())
     keys = ("backbone", "width", "cifar_stem", "hidden_dim", "projection_dim")
-    model = SimCLRModel(**{key: config[key] for key in keys})
+    # models saved before the head options existed have the BatchNorm head with an output bias
+    head = {
+        "head_batch_norm": config.get("head_batch_norm", True),
+        "head_output_bias": config.get("head_output_bias", True),
+    }
+    model = SimCLRModel(**{key: config[key] for key in keys}, **head)
     model.load_state_dict(torch.load(directory / "model.pt", map_location=map_location, weights_only=True))
     return model.eval()

@@ -1,0 +1,107 @@
+"""Setups that run but do not do what the user expects get one warning, at no cost to the training step: WEINCE at
+a batch too small for any tail fit (it is InfoNCE there), and label columns that the losses ignore."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from datasets import Dataset
+from sentence_transformers import SentenceTransformerTrainer
+from sentence_transformers.sentence_transformer.training_args import SentenceTransformerTrainingArguments
+
+from st_weince.functional import WeinceOptions
+from st_weince.losses import CachedRBSigmoidLoss, CachedWEINCELoss, RBSigmoidLoss, WEINCELoss
+from st_weince.training import prepare_trainer
+from st_weince.training.setup_checks import negatives_needed, small_batch_message
+from st_weince.utils.hotpath import count_host_syncs
+from tests.conftest import TINY_SENTENCES
+
+
+def pairs(batch_size: int, columns: int = 2, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    base = torch.randn(batch_size, 16, generator=generator)
+    return [base + 0.8 * torch.randn(batch_size, 16, generator=generator) for _ in range(columns)]
+
+
+def test_the_needed_number_of_negatives_is_where_the_loss_starts_fitting():
+    assert negatives_needed(WeinceOptions()) == 4
+    loss = WEINCELoss(None)
+    loss.compute_loss_from_embeddings(pairs(4), None)  # 3 negatives per anchor
+    assert not loss.last_statistics.fitted.any() and float(loss.last_statistics.lam.abs().max()) == 0.0
+    loss.compute_loss_from_embeddings(pairs(5), None)  # 4
+    assert loss.last_statistics.fitted.all() and float(loss.last_statistics.lam.min()) > 0.0
+
+
+@pytest.mark.parametrize(
+    ("options", "columns", "batch", "needed"),
+    [
+        ({}, 2, 2, 5),
+        ({}, 2, 4, 5),
+        ({}, 3, 2, 3),  # a hard-negative column: 2 x batch - 1 negatives
+        ({"directions": ("query_to_doc", "query_to_query")}, 2, 2, 3),
+    ],
+)
+def test_small_batch_message_names_the_batch_that_fits(options, columns, batch, needed):
+    loss = WEINCELoss(None, **options)
+    message = small_batch_message(loss, batch, columns)
+    assert message is not None and f"at least {needed} " in message and "needs at least 4 negatives" in message
+    assert small_batch_message(loss, needed, columns) is None
+    loss.compute_loss_from_embeddings(pairs(needed, columns), None)
+    assert loss.last_statistics.fitted.any()
+    loss.compute_loss_from_embeddings(pairs(needed - 1, columns), None)
+    assert not loss.last_statistics.fitted.any()
+    assert small_batch_message(WEINCELoss(None, mode="none", **options), batch, columns) is None
+
+
+def make_trainer(model, tmp_path, rows: int, loss, extra_columns: dict | None = None, batch_size: int = 8):
+    sentences = (TINY_SENTENCES * 2)[:rows]
+    data = {"anchor": sentences, "positive": sentences[::-1], **(extra_columns or {})}
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=batch_size,
+        max_steps=1,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+    )
+    return SentenceTransformerTrainer(model=model, args=args, train_dataset=Dataset.from_dict(data), loss=loss)
+
+
+def test_prepare_trainer_warns_once_about_a_batch_that_fits_no_tail(tiny_model, tmp_path):
+    with pytest.warns(UserWarning, match=r"WEINCELoss at a batch of 2 .* Use a batch of at least 5"):
+        prepare_trainer(make_trainer(tiny_model, tmp_path, rows=2, loss=WEINCELoss(tiny_model)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prepare_trainer(make_trainer(tiny_model, tmp_path, rows=8, loss=WEINCELoss(tiny_model)))
+        prepare_trainer(make_trainer(tiny_model, tmp_path, rows=8, loss=RBSigmoidLoss(tiny_model)))
+    with pytest.warns(UserWarning, match=r"CachedWEINCELoss at a batch of 4"):
+        loss = CachedWEINCELoss(tiny_model, mini_batch_size=2)
+        prepare_trainer(make_trainer(tiny_model, tmp_path, rows=24, loss=loss, batch_size=4))
+
+
+@pytest.mark.parametrize("cls", [WEINCELoss, CachedWEINCELoss, RBSigmoidLoss, CachedRBSigmoidLoss])
+def test_labels_are_refused_with_one_warning_naming_the_column(cls, tiny_model, tmp_path):
+    # at prepare_trainer, from the dataset's column
+    trainer = make_trainer(tiny_model, tmp_path, rows=8, loss=cls(tiny_model), extra_columns={"score": [0.5] * 8})
+    with pytest.warns(UserWarning, match=rf"{cls.__name__} does not use labels and ignores the 'score' column.*CoSENT"):
+        prepare_trainer(trainer)
+    # in the loss itself, once, naming the collator's label columns; the check reads nothing from the device
+    columns = pairs(8)
+
+    def compute(loss, labels):
+        if isinstance(loss, (CachedWEINCELoss, CachedRBSigmoidLoss)):
+            return loss.calculate_loss([list(column.split(4)) for column in columns], labels)
+        return loss.compute_loss_from_embeddings(columns, labels)
+
+    with count_host_syncs() as without_labels:
+        compute(cls(None, check_inputs=False), None)
+    loss = cls(None, check_inputs=False)
+    with pytest.warns(UserWarning, match=r"ignores the 'label' or 'score' column.*AnglELoss") as record:
+        with count_host_syncs() as with_labels:
+            compute(loss, torch.zeros(8))
+        compute(loss, torch.zeros(8))
+    assert len([w for w in record if "does not use labels" in str(w.message)]) == 1
+    assert with_labels.total == without_labels.total

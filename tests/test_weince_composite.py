@@ -1,0 +1,418 @@
+"""The released WEINCE composite (docs/algorithms.md 1.2b) on score matrices: the two top-M terms, the batch tail index
+and its moving average, against an independent plain implementation (tests/weince_release_reference.py)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from st_weince.functional import (
+    BatchTail,
+    TopMOptions,
+    batch_negative_tail,
+    batch_tail_fit,
+    check_scores,
+    composite_cross_entropy,
+    composite_loss,
+    initial_beta_ema,
+    mnrl_layout,
+    nt_xent_layout,
+    top_m_cross_entropies,
+    top_m_infonce_cross_entropy,
+    top_m_negatives,
+    top_m_shortfall_cross_entropy,
+    update_beta_ema,
+    weince_cross_entropy,
+)
+from st_weince.utils.hotpath import count_host_syncs
+from tests.weince_release_reference import ReleasedCompositeReference
+
+RELEASED = TopMOptions(top_m_shortfall_weight=0.5, top_m_infonce_weight=0.5)
+TOLERANCE = 1e-6
+
+
+def close(value: torch.Tensor | float, expected: float) -> bool:
+    return abs(float(value) - expected) <= TOLERANCE * max(1.0, abs(expected))
+
+
+# --------------------------------------------------------------------------------------------- batches
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    return F.normalize(x, dim=1)
+
+
+def _views(num_pairs: int, dim: int, kind: str, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    base = torch.randn(num_pairs, dim, generator=generator, dtype=torch.float64)
+    if kind == "near_one":  # every score within ~1e-5 of the cap, some clamped at 1 - eps, some views equal (score 1)
+        base = base[:1] + 3e-3 * base
+        other = base + 1e-3 * torch.randn(num_pairs, dim, generator=generator, dtype=torch.float64)
+        other[: max(1, num_pairs // 3)] = base[: max(1, num_pairs // 3)]
+        return base, other
+    if kind == "duplicates":  # repeated images: several pairs identical
+        base[1::2] = base[0]
+    return base, base + 0.5 * torch.randn(num_pairs, dim, generator=generator, dtype=torch.float64)
+
+
+def _shortfall_scores(shape: tuple[int, int], kind: str, generator: torch.Generator) -> torch.Tensor:
+    """Scores 1 - d with d drawn so that the batch fit is trusted ("power": a Weibull-type tail F(d) ~ d^b) or not
+    ("bimodal": two clusters, a poor line)."""
+    u = torch.rand(shape, generator=generator, dtype=torch.float64)
+    if kind == "power":
+        exponent = 1.0 + 5.0 * float(torch.rand((), generator=generator, dtype=torch.float64))
+        d = 0.5 * u.pow(1.0 / exponent)
+    else:
+        cluster = torch.rand(shape, generator=generator, dtype=torch.float64) < 0.5
+        d = torch.where(cluster, 1e-3 * (1.0 + 0.01 * u), 0.5 + 0.01 * u)
+    return 1.0 - d
+
+
+def make_batch(layout: str, size: int, kind: str, generator: torch.Generator):
+    """(scores, positive_index, valid_mask) in float64 for one of the layouts."""
+    if layout == "nt_xent":
+        return nt_xent_layout(*_views(size, 6, kind, generator))
+    if layout == "mnrl":  # queries against positives and one hard-negative column, plus query_to_query (masked self)
+        queries, positives = _views(size, 6, kind, generator)
+        negatives = torch.randn(size, 6, generator=generator, dtype=torch.float64)
+        group = mnrl_layout(
+            _unit(queries), [_unit(positives), _unit(negatives)], ("query_to_doc", "query_to_query")
+        ).groups[0]
+        return group.scores, group.positive_index, group.valid_mask
+    # a plain matrix with random masks: rows with 0, 1 or few negatives included
+    rows, columns = size, size + 3
+    scores = _shortfall_scores((rows, columns), kind, generator)
+    positive_index = torch.randperm(columns, generator=generator)[:rows]
+    valid_mask = torch.rand(rows, columns, generator=generator) < 0.75
+    valid_mask[0] = False
+    if rows > 1:
+        valid_mask[1] = False
+        valid_mask[1, (int(positive_index[1]) + 1) % columns] = True
+    valid_mask[torch.arange(rows), positive_index] = True
+    return scores, positive_index, valid_mask
+
+
+def _cases() -> list[tuple]:
+    cases = []
+    rng = np.random.default_rng(2026)
+    layouts = ("nt_xent", "mnrl", "matrix")
+    for index in range(54):
+        layout = layouts[index % 3]
+        size = int(rng.choice([2, 3, 4, 6, 10, 17, 33]))
+        top_m = int(rng.choice([50, 1, 3, 8]))
+        tail_min_points = int(rng.choice([1024, 40, 12]))
+        tail_frac = float(rng.choice([0.05, 0.4]))
+        steps = 6 if index % 2 == 0 else int(rng.integers(1, 4))
+        cases.append((index, layout, size, top_m, tail_min_points, tail_frac, steps))
+    return cases
+
+
+KINDS = {
+    "nt_xent": ("gaussian", "duplicates", "near_one"),
+    "mnrl": ("gaussian", "duplicates", "near_one"),
+    "matrix": ("power", "bimodal", "power"),
+}
+
+
+def run_sequence(case):
+    index, layout, size, top_m, tail_min_points, tail_frac, steps = case
+    generator = torch.Generator().manual_seed(index)
+    options = RELEASED.replace(top_m=top_m, beta_tail_min_points=tail_min_points, beta_tail_frac=tail_frac)
+    reference = ReleasedCompositeReference(top_m=top_m, tail_min_points=tail_min_points, tail_frac=tail_frac)
+    temperature = float(np.random.default_rng(index).choice([0.5, 0.05, 1.0]))
+    beta_ema = initial_beta_ema(options, dtype=torch.float64)
+    records = []
+    for step in range(steps):
+        kind = KINDS[layout][(index + step) % 3]
+        scores, positive_index, valid_mask = make_batch(layout, size, kind, generator)
+        result = composite_cross_entropy(
+            scores, positive_index, valid_mask, beta_ema, scale=1.0 / temperature, top_m_options=options
+        )
+        beta_ema = result.beta_ema
+        expected = reference.step(
+            scores.numpy(), positive_index.numpy(), None if valid_mask is None else valid_mask.numpy(),
+            temperature=temperature,
+        )  # fmt: skip
+        records.append((result, expected))
+    return records
+
+
+@pytest.mark.parametrize("case", _cases(), ids=lambda case: f"{case[1]}-n{case[2]}-m{case[3]}-#{case[0]}")
+def test_released_composite_matches_reference(case):
+    for step, (result, expected) in enumerate(run_sequence(case)):
+        where = f"step {step}"
+        assert bool(result.fit.trusted) == expected["trusted"], where
+        assert close(result.beta_ema, expected["beta_t"]), (where, float(result.beta_ema), expected["beta_t"])
+        if expected["slope"] is None:
+            assert not bool(result.fit.fitted), where
+        else:
+            assert close(result.fit.slope, expected["slope"]), where
+            assert close(result.fit.r_squared, expected["r_squared"]), where
+        assert close(result.loss.blend, expected["blend"]), where
+        assert close(result.loss.top_m_shortfall, expected["top_m_shortfall"]), where
+        assert close(result.loss.top_m_infonce, expected["top_m_infonce"]), where
+        assert close(result.loss.total, expected["total"]), where
+
+
+def test_parity_cases_exercise_the_moving_average():
+    """The sequences above contain trusted and untrusted fits and batches too small to fit, and the moving average
+    moves away from its start value in some of them."""
+    trusted = untrusted = unfitted = moved = 0
+    for case in _cases():
+        if case[-1] < 5:
+            continue
+        for _result, expected in run_sequence(case):
+            trusted += expected["trusted"]
+            untrusted += expected["slope"] is not None and not expected["trusted"]
+            unfitted += expected["slope"] is None
+            moved += abs(expected["beta_t"] - 4.0) > 1e-3
+    assert trusted >= 10 and untrusted >= 10 and unfitted >= 3 and moved >= 10, (trusted, untrusted, unfitted, moved)
+
+
+# --------------------------------------------------------------------------------------------- pieces
+
+
+def test_zero_weights_give_exactly_the_blended_loss():
+    generator = torch.Generator().manual_seed(0)
+    for layout in ("nt_xent", "mnrl", "matrix"):
+        scores, positive_index, valid_mask = make_batch(layout, 9, "power" if layout == "matrix" else "gaussian",
+                                                        generator)  # fmt: skip
+        scores = scores.float().requires_grad_()
+        blend = weince_cross_entropy(scores, positive_index, valid_mask, scale=2.0)
+        ema = initial_beta_ema()
+        result = composite_cross_entropy(scores, positive_index, valid_mask, ema, scale=2.0)
+        assert torch.equal(result.loss.total, blend)
+        assert result.loss.top_m_shortfall is None and result.loss.top_m_infonce is None
+        assert torch.equal(result.beta_ema, ema)
+        (grad,) = torch.autograd.grad(result.loss.total, scores)
+        (expected,) = torch.autograd.grad(blend, scores)
+        assert torch.equal(grad, expected)
+
+
+def test_composite_loss_weights_and_shares():
+    blend, shortfall, infonce = torch.tensor(2.0), torch.tensor(3.0), torch.tensor(5.0)
+    result = composite_loss(blend, shortfall, infonce, RELEASED)
+    assert float(result.total) == 2.0 + 1.5 + 2.5
+    shares = result.shares()
+    assert math.isclose(sum(float(v) for v in shares.values()), 1.0)
+    assert math.isclose(float(shares["top_m_infonce"]), 2.5 / 6.0, rel_tol=1e-6)
+    only_infonce = composite_loss(blend, None, infonce, top_m_infonce_weight=1.0)
+    assert float(only_infonce.total) == 7.0 and only_infonce.top_m_shortfall is None
+    with pytest.raises(ValueError, match="top_m_shortfall_weight is 0.5, but no top_m_shortfall term"):
+        composite_loss(blend, None, infonce, RELEASED)
+
+
+def test_top_m_selection_counts_per_row():
+    scores = torch.tensor([[0.9, 0.1, 0.5, 0.3, 0.7], [0.2, 0.8, 0.6, 0.4, 0.0], [0.5, 0.4, 0.3, 0.2, 0.1]])
+    positive_index = torch.tensor([0, 1, 2])
+    valid_mask = torch.ones(3, 5, dtype=torch.bool)
+    valid_mask[1, 2:] = False  # row 1: one negative -> K - 1 = 0 hard negatives
+    positive, negatives, used = top_m_negatives(scores, positive_index, valid_mask, top_m=2)
+    assert positive.tolist() == pytest.approx([0.9, 0.8, 0.3])
+    assert negatives[0].tolist() == pytest.approx([0.7, 0.5]) and used[0].tolist() == [True, True]
+    assert used[1].tolist() == [False, False]
+    assert negatives[2].tolist() == pytest.approx([0.5, 0.4])
+    shortfall, infonce = top_m_cross_entropies(scores, positive_index, valid_mask, beta=2.0, scale=3.0, top_m=2)
+    assert float(shortfall[1]) == 0.0 and float(infonce[1]) == 0.0  # only the positive: log 1
+    expected = math.log(math.exp(0.9 * 3) + math.exp(0.7 * 3) + math.exp(0.5 * 3)) - 0.9 * 3
+    assert math.isclose(float(infonce[0]), expected, rel_tol=1e-6)
+    # M = min(M, K - 1): with K = 4 negatives and top_m = 50, the 3 hardest are used
+    _, _, used = top_m_negatives(scores, positive_index, None, top_m=50)
+    assert used.sum(1).tolist() == [3, 3, 3]
+
+
+def test_separate_terms_equal_the_joint_computation():
+    generator = torch.Generator().manual_seed(3)
+    scores, positive_index, valid_mask = make_batch("nt_xent", 12, "gaussian", generator)
+    shortfall, infonce = top_m_cross_entropies(scores, positive_index, valid_mask, beta=torch.tensor(3.0), scale=2.0)
+    assert torch.equal(shortfall, top_m_shortfall_cross_entropy(scores, positive_index, valid_mask, beta=3.0))
+    assert torch.equal(infonce, top_m_infonce_cross_entropy(scores, positive_index, valid_mask, scale=2.0))
+
+
+def test_top_m_gradients():
+    generator = torch.Generator().manual_seed(4)
+    scores = (0.9 * torch.rand(6, 9, generator=generator, dtype=torch.float64) - 0.2).requires_grad_()
+    positive_index = torch.tensor([0, 2, 4, 6, 8, 1])
+    valid_mask = torch.rand(6, 9, generator=generator) < 0.8
+    valid_mask[torch.arange(6), positive_index] = True
+
+    def both(s):
+        shortfall, infonce = top_m_cross_entropies(s, positive_index, valid_mask, beta=2.5, scale=2.0, top_m=3)
+        return shortfall.sum() + 0.3 * infonce.sum()
+
+    assert torch.autograd.gradcheck(both, (scores,))
+    # a clamped score (at the cap) gets the InfoNCE gradient only, never NaN
+    capped = scores.detach().clone()
+    capped[0, 3] = 1.0
+    capped.requires_grad_()
+    (grad,) = torch.autograd.grad(both(capped), capped)
+    assert torch.isfinite(grad).all()
+
+
+def test_batch_tail_over_parts_equals_whole():
+    """Rows split over two 'processes' (or candidate groups), tails concatenated: the same fit as one matrix."""
+    generator = torch.Generator().manual_seed(5)
+    scores, positive_index, valid_mask = make_batch("matrix", 40, "power", generator)
+    options = TopMOptions(beta_tail_min_points=100)
+    whole = batch_tail_fit(batch_negative_tail(scores, positive_index, valid_mask, options), options)
+    parts = [
+        batch_negative_tail(
+            scores[rows], positive_index[rows], valid_mask[rows], options, global_entries=scores.numel()
+        )
+        for rows in (slice(0, 25), slice(25, 40))
+    ]
+    split = batch_tail_fit(BatchTail.cat(parts), options)
+    assert bool(whole.trusted)
+    for name in ("slope", "r_squared", "tail_size", "trusted"):
+        assert torch.equal(getattr(whole, name), getattr(split, name)), name
+
+
+def test_moving_average_rules():
+    options = TopMOptions()
+    ema = torch.tensor(4.0, dtype=torch.float64)
+    # fewer than 10 negatives in the batch: keep
+    scores, positive_index, valid_mask = nt_xent_layout(torch.randn(2, 4), torch.randn(2, 4))
+    fit = batch_tail_fit(batch_negative_tail(scores, positive_index, valid_mask))
+    assert not bool(fit.fitted) and torch.equal(update_beta_ema(ema, fit), ema)
+    # every negative at the cap: no tail shape, keep
+    flat = torch.ones(8, 8, dtype=torch.float64)
+    fit = batch_tail_fit(batch_negative_tail(flat, torch.arange(8)))
+    assert bool(fit.fitted) and float(fit.slope) == 0.0 and not bool(fit.trusted)
+    # a trusted fit with a slope above the clamp range enters as beta_max
+    generator = torch.Generator().manual_seed(6)
+    d = 0.5 * torch.rand(30, 30, generator=generator, dtype=torch.float64).pow(1.0 / 40.0)
+    fit = batch_tail_fit(batch_negative_tail(1.0 - d, torch.arange(30)))
+    assert bool(fit.trusted) and float(fit.slope) > 16.0
+    assert math.isclose(float(update_beta_ema(ema, fit, options)), 0.9 * 4.0 + 0.1 * 16.0)
+    assert update_beta_ema(ema, fit).dtype == torch.float64
+    # untrusted below the R^2 threshold, trusted when the threshold is lowered
+    fit = batch_tail_fit(batch_negative_tail(_shortfall_scores((30, 30), "bimodal", generator), torch.arange(30)))
+    assert 0.0 < float(fit.r_squared) < 0.85 and not bool(fit.trusted)
+    assert bool(batch_tail_fit(batch_negative_tail(_shortfall_scores((30, 30), "bimodal", generator),
+                                                   torch.arange(30)), beta_min_r_squared=0.3).trusted)  # fmt: skip
+
+
+def test_tail_size_rule():
+    from st_weince.functional import batch_tail_size
+
+    for total, expected in ((5, 5), (1000, 1000), (1024, 1024), (20480, 1024), (30000, 1500), (261120, 13056)):
+        assert batch_tail_size(total) == expected
+        assert int(batch_tail_size(torch.tensor(total))) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_dtypes(dtype):
+    generator = torch.Generator().manual_seed(7)
+    scores, positive_index, valid_mask = make_batch("nt_xent", 16, "gaussian", generator)
+    low = scores.to(dtype)
+    ema = initial_beta_ema()
+    result = composite_cross_entropy(low, positive_index, valid_mask, ema, scale=2.0, top_m_options=RELEASED)
+    expected_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    assert result.loss.total.dtype == expected_dtype and result.loss.top_m_shortfall.dtype == expected_dtype
+    assert result.beta_ema.dtype == torch.float32  # the state keeps its own dtype
+    reference = composite_cross_entropy(low.double(), positive_index, valid_mask, ema.double(), scale=2.0,
+                                        top_m_options=RELEASED)  # fmt: skip
+    # the same rounded scores in float64: float32 arithmetic on ~100 terms of size ~10 differs by far less than 1e-4
+    assert abs(float(result.loss.total) - float(reference.loss.total)) < 1e-4
+
+
+def test_scores_at_the_cap_stay_finite():
+    scores = torch.ones(6, 6, dtype=torch.float64, requires_grad=True)
+    positive_index = torch.tensor([1, 0, 3, 2, 5, 4])
+    valid_mask = ~torch.eye(6, dtype=torch.bool)
+    result = composite_cross_entropy(scores, positive_index, valid_mask, initial_beta_ema(), scale=2.0,
+                                     top_m_options=RELEASED)  # fmt: skip
+    assert math.isclose(float(result.loss.top_m_shortfall.detach()), math.log(4.0), rel_tol=1e-12)  # 1 + (K - 1) equal
+    (grad,) = torch.autograd.grad(result.loss.total, scores)
+    assert torch.isfinite(grad).all()
+
+
+def test_hot_path_has_no_host_syncs():
+    generator = torch.Generator().manual_seed(8)
+    scores, positive_index, valid_mask = make_batch("nt_xent", 32, "gaussian", generator)
+    scores = scores.float().requires_grad_()
+    with count_host_syncs() as syncs:
+        result = composite_cross_entropy(scores, positive_index, valid_mask, initial_beta_ema(), scale=2.0,
+                                         top_m_options=RELEASED)  # fmt: skip
+        result.loss.total.backward()
+    assert syncs.total == 0, syncs
+    with count_host_syncs() as syncs:  # a direct caller's value checks: one read for all of them
+        check_scores(scores, positive_index, valid_mask, every_row_has_positive=True)
+        composite_cross_entropy(scores, positive_index, valid_mask, initial_beta_ema(), scale=2.0,
+                                top_m_options=RELEASED)  # fmt: skip
+    assert syncs.total == 1, syncs
+
+
+def test_compiles_with_fullgraph_and_equals_eager():
+    """The top-M terms, the batch tail fit and the moving average in one graph (the blend's own compile test is in
+    test_weince_hotpath.py)."""
+    generator = torch.Generator().manual_seed(9)
+    scores, positive_index, valid_mask = make_batch("nt_xent", 24, "gaussian", generator)
+    scores = scores.float()
+
+    def step(s, ema):
+        fit = batch_tail_fit(batch_negative_tail(s, positive_index, valid_mask, RELEASED), RELEASED)
+        ema = update_beta_ema(ema, fit, RELEASED)
+        shortfall, infonce = top_m_cross_entropies(s, positive_index, valid_mask, RELEASED, beta=ema, scale=2.0)
+        return composite_loss(s.sum() * 0.0, shortfall.mean(), infonce.mean(), RELEASED).total, ema
+
+    eager_scores = scores.clone().requires_grad_()
+    eager, eager_ema = step(eager_scores, initial_beta_ema())
+    (eager_grad,) = torch.autograd.grad(eager, eager_scores)
+    compiled_scores = scores.clone().requires_grad_()
+    compiled, compiled_ema = torch.compile(step, fullgraph=True)(compiled_scores, initial_beta_ema())
+    (compiled_grad,) = torch.autograd.grad(compiled, compiled_scores)
+    assert float(eager_ema) != 4.0  # the fit was trusted: the update is part of the graph
+    torch.testing.assert_close(compiled.detach(), eager.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(compiled_ema, eager_ema, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("top_m", 0, "top_m must be at least 1"),
+        ("top_m", 2.5, "top_m must be an integer"),
+        ("top_m_shortfall_weight", -0.1, "top_m_shortfall_weight must be >= 0"),
+        ("top_m_infonce_weight", float("nan"), "top_m_infonce_weight must be finite"),
+        ("top_m_infonce_weight", True, "top_m_infonce_weight must be a real number"),
+        ("beta_ema_start", 0.0, "beta_ema_start must be > 0"),
+        ("beta_ema_momentum", 1.0, r"beta_ema_momentum must lie in \[0, 1\)"),
+        ("beta_min_r_squared", 1.5, r"beta_min_r_squared must lie in \[0, 1\]"),
+        ("beta_min", 20.0, r"beta_min \(20.0\) must not exceed beta_max"),
+        ("beta_tail_min_points", 0, "beta_tail_min_points must be at least 1"),
+        ("beta_tail_frac", 0.0, r"beta_tail_frac must lie in \(0, 1\]"),
+        ("eps", 0.7, r"eps must lie in \(0, 0.5\)"),
+    ],
+)
+def test_options_are_validated_by_name(option, value, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        TopMOptions(**{option: value})
+
+
+def test_options_defaults_and_errors():
+    assert TopMOptions().as_dict() == {
+        "top_m": 50,
+        "top_m_shortfall_weight": 0.0,
+        "top_m_infonce_weight": 0.0,
+        "beta_ema_start": 4.0,
+        "beta_ema_momentum": 0.9,
+        "beta_min_r_squared": 0.85,
+        "beta_min": 0.5,
+        "beta_max": 16.0,
+        "beta_tail_min_points": 1024,
+        "beta_tail_frac": 0.05,
+        "eps": 1e-6,
+    }
+    with pytest.raises(TypeError, match=r"unknown top-M option\(s\) \['m'\]"):
+        TopMOptions().replace(m=3)
+    with pytest.raises(TypeError, match="beta_ema must be a tensor"):
+        update_beta_ema(4.0, batch_tail_fit(batch_negative_tail(torch.rand(4, 4), torch.arange(4))))
+    scores = torch.rand(3, 4)
+    with pytest.raises(ValueError, match="every row needs a positive"):
+        check_scores(scores, torch.tensor([0, -1, 2]), every_row_has_positive=True)
+    with pytest.raises(ValueError, match="scale must be > 0"):
+        top_m_infonce_cross_entropy(scores, torch.tensor([0, 1, 2]), scale=0.0)
