@@ -1,7 +1,8 @@
 """Run by tests/test_false_negative_identical.py under ``torchrun --nproc_per_node 2`` (gloo, CPU): each rank takes its
 half of one global batch with duplicated inputs across the halves and computes all four losses with
 ``false_negative_filter="identical"`` and ``gather_across_devices=True`` (the cached ones through their loss stage,
-in mini-batches); records each loss and its masked share in OUTPUT_DIR/rank{r}.pt."""
+in mini-batches; RB-Sigmoid also with ``exchange="neighbour"``, where the keys travel with the candidate blocks);
+records each loss and its masked share in OUTPUT_DIR/rank{r}.pt."""
 
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ import torch.distributed as dist
 from st_weince.losses import CachedRBSigmoidLoss, CachedWEINCELoss, RBSigmoidLoss, WEINCELoss
 
 GLOBAL_BATCH = 12
+# name: (class, its logged masked share, options of the distributed run)
 LOSSES = {
-    "RBSigmoidLoss": (RBSigmoidLoss, "rb_sigmoid_fn_masked_share"),
-    "CachedRBSigmoidLoss": (CachedRBSigmoidLoss, "rb_sigmoid_fn_masked_share"),
-    "WEINCELoss": (WEINCELoss, "weince_fn_masked_share"),
-    "CachedWEINCELoss": (CachedWEINCELoss, "weince_fn_masked_share"),
+    "RBSigmoidLoss": (RBSigmoidLoss, "rb_sigmoid_fn_masked_share", {}),
+    "CachedRBSigmoidLoss": (CachedRBSigmoidLoss, "rb_sigmoid_fn_masked_share", {}),
+    "RBSigmoidLoss/neighbour": (RBSigmoidLoss, "rb_sigmoid_fn_masked_share", {"exchange": "neighbour"}),
+    "CachedRBSigmoidLoss/neighbour": (CachedRBSigmoidLoss, "rb_sigmoid_fn_masked_share", {"exchange": "neighbour"}),
+    "WEINCELoss": (WEINCELoss, "weince_fn_masked_share", {}),
+    "CachedWEINCELoss": (CachedWEINCELoss, "weince_fn_masked_share", {}),
 }
 
 
@@ -52,8 +56,8 @@ def main(output_dir: Path) -> None:
     keys = [input_keys(column[local]) for column in ids]
     results = {}
     with torch.no_grad():
-        for name, (cls, statistic) in LOSSES.items():
-            options = {"mini_batch_size": 4} if name.startswith("Cached") else {}
+        for name, (cls, statistic, distributed) in LOSSES.items():
+            options = {"mini_batch_size": 4, **distributed} if name.startswith("Cached") else distributed
             loss_fn = cls(None, gather_across_devices=True, false_negative_filter="identical", **options)
             value = run(loss_fn, columns, keys)
             results[name] = {"loss": value, "masked_share": loss_fn.pop_logged_statistics()[statistic]}

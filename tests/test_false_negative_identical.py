@@ -205,7 +205,7 @@ def test_two_processes_gathering_equal_one_process(tmp_path, one_torch_thread):
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     embeddings, ids = global_batch()
     keys = [input_keys(column) for column in ids]
-    for name, (cls, statistic) in LOSSES.items():
+    for name, (cls, statistic, _) in LOSSES.items():
         options = {"mini_batch_size": 4} if name.startswith("Cached") else {}
         single = cls(None, false_negative_filter="identical", **options)
         with torch.no_grad():

@@ -93,3 +93,27 @@ def test_without_the_parameter_clamp_the_forward_cap_still_holds():
     assert loss.log_t.item() > math.log(20.0)  # the parameter drifted past the cap
     assert loss.scale.item() <= 20.0
     assert loss.trained_values()["t"] <= 20.0
+
+
+@pytest.mark.parametrize("cls", [RBSigmoidLoss, CachedRBSigmoidLoss])
+@pytest.mark.parametrize("exchange", ["all_gather", "neighbour"])
+def test_the_cap_holds_on_every_path(cls, exchange):
+    """A log_t far above the cap computes the loss of t = max_scale, on the all-gather and the neighbour-exchange
+    path, uncached and cached (one process), and its gradient is zero there."""
+    options = {"max_scale": 20.0, "gather_across_devices": True, "exchange": exchange}
+    if cls is CachedRBSigmoidLoss:
+        options["mini_batch_size"] = 3
+    drifted, at_cap = cls(None, **options), cls(None, 20.0, **options)
+    with torch.no_grad():
+        drifted.log_t.fill_(math.log(50.0))
+    g = torch.Generator().manual_seed(1)
+    columns = [torch.randn(5, 6, generator=g) for _ in range(3)]
+    if cls is CachedRBSigmoidLoss:
+        reps = [[part.clone().requires_grad_() for part in column.split(3)] for column in columns]
+        values = [loss.calculate_loss(reps, None, with_backward=True) for loss in (drifted, at_cap)]
+    else:
+        values = [loss.compute_loss_from_embeddings(columns) for loss in (drifted, at_cap)]
+    for value in values:
+        value.backward()  # the cached loss returns its parameters' gradients as a zero-valued term
+    assert torch.equal(values[0], values[1])
+    assert drifted.scale.item() <= 20.0 and drifted.log_t.grad.item() == 0.0
