@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from st_weince.functional.false_negatives import FilterCounts
+from st_weince.functional.false_negatives import FilterCounts, positive_keys
 
 ProcessGroup = dist.ProcessGroup | None
 BlockLoss = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor, FilterCounts | None]]
@@ -148,7 +148,7 @@ def ring_block_losses(
         positive_scores = torch.where(positive_index >= 0, pair_scores, float("inf"))
     key_blocks = reference_keys = None
     if candidate_keys is not None:
-        reference_keys = candidate_keys[positive_index.clamp_min(0)].masked_fill((positive_index < 0)[:, None], -1)
+        reference_keys = positive_keys(candidate_keys, positive_index, candidates.shape[0])
         # integers, without gradient: shifted beside the candidate blocks, in the same order on every process
         key_blocks = ring_blocks(candidate_keys, group)
     elsewhere = torch.full_like(positive_index, -1)

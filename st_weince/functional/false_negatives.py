@@ -63,6 +63,20 @@ def input_keys(input_ids: Tensor, attention_mask: Tensor | None = None) -> Tenso
     return torch.stack(keys, dim=1)
 
 
+def positive_keys(candidate_keys: Tensor | None, positive_index: Tensor, num_candidates: int) -> Tensor:
+    """[A, K] the keys of each row's positive among ``candidate_keys`` [C, K] (one row per candidate, checked), -1
+    (matching no key) for rows without a positive (``positive_index`` outside ``[0, C)``)."""
+    if candidate_keys is None or candidate_keys.shape[0] != num_candidates:
+        raise ValueError(
+            "false_negative_filter='identical' needs the candidates' input keys (st_weince.functional.input_keys of "
+            f"their token ids), one row per candidate ({num_candidates}), got "
+            f"{None if candidate_keys is None else tuple(candidate_keys.shape)}"
+        )
+    inside = (positive_index >= 0) & (positive_index < num_candidates)
+    keys = candidate_keys[positive_index.clamp(0, max(num_candidates - 1, 0))]
+    return keys.masked_fill(~inside[:, None], -1)
+
+
 def feature_keys(features: dict[str, Tensor], owner: str) -> Tensor:
     """:func:`input_keys` of one column's tokenized features (sentence-transformers' ``sentence_features`` entry)."""
     if "input_ids" not in features:
@@ -166,15 +180,10 @@ def false_negative_mask(
     num_anchors, num_candidates = scores.shape
     has_positive = positive_index >= 0
     if spec.needs_keys:
-        if candidate_keys is None or candidate_keys.shape[0] != num_candidates:
-            raise ValueError(
-                "false_negative_filter='identical' needs the candidates' input keys (st_weince.functional."
-                f"input_keys of their token ids), one row per candidate ({num_candidates}), got "
-                f"{None if candidate_keys is None else tuple(candidate_keys.shape)}"
-            )
         if reference_keys is None:
-            reference_keys = candidate_keys[positive_index.clamp(0, num_candidates - 1)]
-            reference_keys = reference_keys.masked_fill(~has_positive[:, None], -1)
+            reference_keys = positive_keys(candidate_keys, positive_index, num_candidates)
+        elif candidate_keys is None or candidate_keys.shape[0] != num_candidates:
+            positive_keys(candidate_keys, positive_index, num_candidates)  # its error
         masked = (candidate_keys[None, :, :] == reference_keys[:, None, :]).all(-1)
     else:
         scores = scores.detach()

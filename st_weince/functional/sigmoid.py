@@ -41,7 +41,12 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from st_weince.functional.checks import compute_dtype
-from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
+from st_weince.functional.false_negatives import (
+    FalseNegativeFilter,
+    FilterCounts,
+    apply_false_negative_filter,
+    positive_keys,
+)
 from st_weince.utils.options import real_option
 
 ScalarLike = Tensor | float
@@ -336,16 +341,8 @@ def chunked_sigmoid_contrastive_loss(
         positive_scores = None
     elif false_negative_filter.needs_keys:
         positive_scores = None
-        if candidate_keys is None or candidate_keys.shape[0] != num_candidates:
-            raise ValueError(
-                "false_negative_filter='identical' needs candidate_keys, the input keys of the candidates (one row "
-                f"per candidate, {num_candidates}), got "
-                f"{None if candidate_keys is None else tuple(candidate_keys.shape)}"
-            )
-        if reference_keys is None:
-            # each row's positive's keys; -1 (matching no key) for rows without a positive
-            reference_keys = candidate_keys[positive_index.clamp_min(0)]
-            reference_keys = reference_keys.masked_fill((positive_index < 0)[:, None], -1)
+        if reference_keys is None or candidate_keys is None or candidate_keys.shape[0] != num_candidates:
+            reference_keys = positive_keys(candidate_keys, positive_index, num_candidates)
     elif positive_scores is not None:
         if positive_scores.shape != positive_index.shape:
             raise ValueError(
