@@ -59,10 +59,10 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
             mini_batch_num_tokens: instead of ``mini_batch_size`` rows, pack embedding mini-batches by this many
                 non-padding tokens (as in ``CachedMultipleNegativesRankingLoss``).
             show_progress_bar: show a progress bar while embedding mini-batches.
-            **options: every option of :class:`RBSigmoidLoss` (``parametrization``, ``relative_bias``, ``bias``,
-                ``trainable_scale``, ``trainable_bias``, ``gather_across_devices``, ``exchange``, ``symmetric``,
-                ``columns``, ``locked_adapter``, ``adapter_logit``, ``chunk_size``, ``check_inputs``,
-                ``directions``), validated the same way. With ``exchange="neighbour"`` each process's candidate
+            **options: every option of :class:`RBSigmoidLoss` (``max_scale``, ``parametrization``, ``relative_bias``,
+                ``bias``, ``trainable_scale``, ``trainable_bias``, ``gather_across_devices``, ``exchange``,
+                ``symmetric``, ``columns``, ``locked_adapter``, ``adapter_logit``, ``chunk_size``, ``check_inputs``,
+                ``false_negative_filter``, ``directions``), validated the same way. With ``exchange="neighbour"`` each process's candidate
                 block arrives once, and all row chunks are scored against it before the next one is received.
 
         References:
