@@ -62,8 +62,9 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
             **options: every option of :class:`RBSigmoidLoss` (``max_scale``, ``parametrization``, ``relative_bias``,
                 ``bias``, ``trainable_scale``, ``trainable_bias``, ``gather_across_devices``, ``exchange``,
                 ``symmetric``, ``columns``, ``locked_adapter``, ``adapter_logit``, ``chunk_size``, ``check_inputs``,
-                ``false_negative_filter``, ``directions``), validated the same way. With ``exchange="neighbour"`` each process's candidate
-                block arrives once, and all row chunks are scored against it before the next one is received.
+                ``false_negative_filter``, ``directions``), validated the same way. With ``exchange="neighbour"`` each
+                process's candidate block arrives once, and all row chunks are scored against it before the next one
+                is received.
 
         References:
             - Gao, Zhang, Han, Callan: Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup
