@@ -32,7 +32,16 @@ class PushScaleUp(TrainerCallback):
             loss.log_t.grad = torch.full_like(loss.log_t, -1.0)
 
 
-def train(model_dir, output_dir, loss_cls=RBSigmoidLoss, callbacks=(), **loss_options):
+class StopAt(TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+
+def train(model_dir, output_dir, loss_cls=RBSigmoidLoss, callbacks=(), resume=None, **loss_options):
     model = SentenceTransformer(str(model_dir), device="cpu")
     loss = loss_cls(model, **loss_options)
     args = SentenceTransformerTrainingArguments(
@@ -47,7 +56,7 @@ def train(model_dir, output_dir, loss_cls=RBSigmoidLoss, callbacks=(), **loss_op
     for callback in callbacks:
         callback.loss = loss
     prepare_trainer(trainer)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     return trainer
 
 
@@ -98,6 +107,18 @@ def test_trained_values_travel_with_the_saved_model(tiny_model_dir, tmp_path, lo
     # a checkpoint carries the values of its own step
     at_step_4 = carried_match_probability(SentenceTransformer(str(tmp_path / "run" / "checkpoint-4"), device="cpu"))
     assert at_step_4.global_step == 4 and at_step_4.t <= 10.2
+
+
+def test_a_resumed_run_at_the_cap_ends_like_an_uninterrupted_one(tiny_model_dir, tmp_path, one_torch_thread):
+    """The checkpoint holds the clamped log_t and its optimizer state: resuming at step 2 under the cap gives the
+    uninterrupted run's t and b_rel (and the carried values)."""
+    full = train(tiny_model_dir, tmp_path / "full", RBSigmoidLoss, [PushScaleUp()], max_scale=10.2)
+    train(tiny_model_dir, tmp_path / "cut", RBSigmoidLoss, [PushScaleUp(), StopAt(2)], max_scale=10.2)
+    resumed = train(tiny_model_dir, tmp_path / "cut", RBSigmoidLoss, [PushScaleUp()], resume=True, max_scale=10.2)
+    assert resumed.state.global_step == 5
+    assert resumed.loss.trained_values() == pytest.approx(full.loss.trained_values(), rel=1e-6, abs=1e-7)
+    assert resumed.loss.trained_values()["t"] <= 10.2
+    assert carried_match_probability(resumed.model) == carried_match_probability(full.model)
 
 
 def test_a_model_without_trained_values_says_so(tiny_model_dir, tmp_path, one_torch_thread):
