@@ -13,7 +13,7 @@ sentences, while a non-matching STS-B pair (score < 4) is usually a related one.
 the held-out pairs' kind, so it is the calibration attainable from the cosine score; the gap is what the in-batch
 training distribution costs.
 
-    python benchmarks/calibration.py    # one CPU thread; 27 min on a shared 2-core machine, about 5 min unloaded
+    python benchmarks/calibration.py    # one CPU thread; 1,595 s measured on a shared, loaded 2-core machine
 Output: benchmarks/results/calibration/{results.json, README.md, reliability.png}.
 """
 
