@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dev_evaluator = STSEvaluator(stsb["dev"], name=DEV_NAME, num_modules=num_encoder_modules)
     test_evaluator = STSEvaluator(stsb["test"], name="stsb-test", num_modules=num_encoder_modules)
     loss = build_loss(args, model)
-    loss_config_at_start = loss.get_config_dict()  # RB-Sigmoid's t and b_rel as they start; loss_config: as they end
+    loss_config_at_start = loss.get_config_dict()  # the loss as configured (RB-Sigmoid: t and b_rel as they start)
     if is_main:
         print(f"SimCSE: training {args.loss} ({LOSS_CLASSES[args.loss]}), {loss_config_at_start}", flush=True)
     before: dict[str, float] = {}
@@ -278,6 +278,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "train_sentences": len(sentences),
         "loss_config_at_start": loss_config_at_start,
         "loss_config": loss.get_config_dict(),
+        # RB-Sigmoid's t and b_rel as trained (get_config_dict is the configuration); None for WEINCE
+        "loss_trained_values": loss.trained_values() if hasattr(loss, "trained_values") else None,
         "config": dict(vars(args)),
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "environment": provenance(),

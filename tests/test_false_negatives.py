@@ -75,10 +75,24 @@ def test_positive_never_masked_and_invalid_entries_stay_invalid():
     assert float(counts.anchors_share) == 1.0
 
 
-def test_relative_rule_ignores_rows_with_non_positive_positive_score():
-    scores = torch.tensor([[-0.2, 0.5, 0.1], [0.3, 0.8, 0.79]])
-    masked = false_negative_mask(scores, torch.tensor([0, 1]), None, FalseNegativeFilter.parse(("relative", 0.9)))
-    assert masked.tolist() == [[False, False, False], [False, False, True]]
+def test_relative_rule_does_not_depend_on_the_sign_of_the_positive_score():
+    """``s > s_pos - (1 - r) |s_pos|``: for a positive s_pos it is ``r * s_pos``; for a negative or zero s_pos the
+    threshold stays at or below s_pos (the old ``r * s_pos`` lay above a negative s_pos and masked nothing)."""
+    scores = torch.tensor([[-0.2, 0.5, -0.21], [0.3, 0.8, 0.79], [0.0, 1e-3, -1e-3]])
+    spec = FalseNegativeFilter.parse(("relative", 0.9))
+    masked = false_negative_mask(scores, torch.tensor([0, 1, 0]), None, spec)
+    # row 0: threshold -0.2 - 0.1 * 0.2 = -0.22 masks 0.5 and -0.21; row 1: 0.72 masks 0.79; row 2: 0 masks 1e-3
+    assert masked.tolist() == [[False, True, True], [False, False, True], [False, True, False]]
+    # the same as the absolute rule with the margin (1 - r) |s_pos| of each row
+    g = torch.Generator().manual_seed(3)
+    scores = torch.rand(64, 9, generator=g) * 2 - 1
+    positive_index = torch.randint(0, 9, (64,), generator=g)
+    relative = false_negative_mask(scores, positive_index, None, spec)
+    for row in range(64):
+        s_pos = scores[row, positive_index[row]]
+        margin = FalseNegativeFilter.parse(("absolute", float((1 - 0.9) * s_pos.abs())))
+        expected = false_negative_mask(scores[row : row + 1], positive_index[row : row + 1], None, margin)
+        assert torch.equal(relative[row : row + 1], expected)
 
 
 def test_rows_without_positive_use_the_given_positive_scores():

@@ -98,7 +98,7 @@ def test_finite_loss_at_t_1e4_with_scores_of_exactly_plus_minus_one():
     eye = torch.eye(4)
     anchors = torch.cat([eye, -eye[:1]])  # scores exactly +1, 0 and -1
     positives = torch.cat([eye, eye[:1]])
-    loss = RBSigmoidLoss(None, scale=1e4, relative_bias=0.0)
+    loss = RBSigmoidLoss(None, scale=1e4, max_scale=1e4, relative_bias=0.0)
     value = loss.compute_loss_from_embeddings([anchors, positives])
     value.backward()
     assert torch.isfinite(value)

@@ -138,23 +138,27 @@ def test_config_rebuilds_the_same_config_and_the_same_loss(cls, options, one_tor
     if cls is CachedRBSigmoidLoss:
         options = {**options, "mini_batch_size": 3, "show_progress_bar": options.get("symmetric", False)}
     loss = cls(None, **options)
+    fresh = cls(None, **options)
     # As after training: the loss parameters are no longer at their starts.
     with torch.no_grad():
         for value in loss.loss_parameters().values():
             value.add_(0.123456789)
     config = loss.get_config_dict()
     json.dumps(config)
+    # The configuration is the configured one (the starts), not the trained values: see docs/rb-sigmoid.md.
+    assert config == fresh.get_config_dict()
     rebuilt = cls(None, **config)
     assert rebuilt.get_config_dict() == config
-    own = {name: value for name, value in loss.state_dict().items()}
+    own = {name: value for name, value in fresh.state_dict().items()}
     assert rebuilt.state_dict().keys() == own.keys()
     for name, value in rebuilt.state_dict().items():
-        assert torch.equal(value, own[name]), name  # bit for bit: log(exp(x)) rounds back to the float32 x
+        assert torch.equal(value, own[name]), name  # bit for bit the configured starts
     assert {n for n, _ in rebuilt.named_parameters()} == {n for n, _ in loss.named_parameters()}
+    assert rebuilt.trained_values() == fresh.trained_values() != loss.trained_values()
     g = torch.Generator().manual_seed(0)
     columns = [torch.randn(5, 6, generator=g) for _ in range(3)]
     torch.testing.assert_close(
-        rebuilt.compute_loss_from_embeddings(columns), loss.compute_loss_from_embeddings(columns), rtol=0, atol=0
+        rebuilt.compute_loss_from_embeddings(columns), fresh.compute_loss_from_embeddings(columns), rtol=0, atol=0
     )
 
 

@@ -251,8 +251,8 @@ def test_results_record_the_loss_that_ran(
     recipe, loss_name, tiny_model_dir, small_stsb, train_file, tmp_path, monkeypatch, capsys
 ):
     """--scale reaches every loss (RB-Sigmoid: its starting t); results.json's loss configuration is the loss's own
-    get_config_dict() (RB-Sigmoid: t and b_rel as trained, and as they started); the last printed line explains a
-    near-zero loss."""
+    get_config_dict(), the configured loss (RB-Sigmoid: t and b_rel as trained beside it); the last printed line
+    explains a near-zero loss."""
     built = []
     build_loss = recipe.build_loss
     monkeypatch.setattr(recipe, "build_loss", lambda args, model: built.append(build_loss(args, model)) or built[-1])
@@ -264,10 +264,12 @@ def test_results_record_the_loss_that_ran(
     (loss,) = built
     assert saved["loss_config"] == json.loads(json.dumps(loss.get_config_dict(), default=str))
     assert saved["loss_config_at_start"]["scale"] == pytest.approx(5.0) and saved["config"]["scale"] == 5.0
+    assert saved["loss_config"]["scale"] == 5.0  # configured
     if loss_name == "rb-sigmoid":
-        assert saved["loss_config"]["scale"] != saved["loss_config_at_start"]["scale"]  # t is trained from 5
+        assert saved["loss_trained_values"] == loss.trained_values()
+        assert saved["loss_trained_values"]["t"] != pytest.approx(5.0, rel=1e-6)  # t is trained from 5
     else:
-        assert saved["loss_config"]["scale"] == 5.0
+        assert saved["loss_trained_values"] is None
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("note: the final training loss")
     # Without --scale RB-Sigmoid starts from its own default, not from the presets' InfoNCE scale 20.
     default = recipe.parse_args(["--loss", "rb-sigmoid"])

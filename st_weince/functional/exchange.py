@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from st_weince.functional.false_negatives import FilterCounts
+from st_weince.functional.false_negatives import FilterCounts, positive_keys
 
 ProcessGroup = dist.ProcessGroup | None
 BlockLoss = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor, FilterCounts | None]]
@@ -112,6 +112,7 @@ def ring_block_losses(
     anchor_chunk: int | None = None,
     backward: bool = False,
     group: ProcessGroup = None,
+    candidate_keys: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, FilterCounts | None]:
     """A loss that is a sum over candidate blocks, with the candidates of every process, by neighbour exchange.
 
@@ -130,6 +131,9 @@ def ring_block_losses(
         backward: back-propagate each chunk's loss at once (the cached loss's stage 2) and return the loss detached;
             each received block's accumulated gradient is then sent back to its owner through the exchange, so
             ``anchors`` and ``candidates`` (leaves, or any tensors requiring grad) receive their full gradients.
+        candidate_keys: [C, K] the local candidates' input keys (the false-negative guard's ``"identical"`` rule):
+            they travel around the ring with their block, and ``block_loss`` is then called with two more
+            arguments, the block's keys and the rows' positives' keys (-1 rows: no positive).
 
     Returns:
         ``weight`` times the mean over the anchors of their loss against every process's candidates, the extremes
@@ -142,6 +146,11 @@ def ring_block_losses(
         pairs = candidates.detach()[positive_index.clamp_min(0)]
         pair_scores = (anchors.detach() * pairs).sum(-1)
         positive_scores = torch.where(positive_index >= 0, pair_scores, float("inf"))
+    key_blocks = reference_keys = None
+    if candidate_keys is not None:
+        reference_keys = positive_keys(candidate_keys, positive_index, candidates.shape[0])
+        # integers, without gradient: shifted beside the candidate blocks, in the same order on every process
+        key_blocks = ring_blocks(candidate_keys, group)
     elsewhere = torch.full_like(positive_index, -1)
     total = anchors.new_zeros(())
     min_positive = anchors.new_tensor(float("inf"))
@@ -150,6 +159,7 @@ def ring_block_losses(
     received, leaves = [], []
     rank, _ = process_count(group)
     for source, block in ring_blocks(candidates, group):
+        keys = () if key_blocks is None else (next(key_blocks)[1],)
         index = positive_index if source == rank else elsewhere
         if backward and block is not candidates and block.requires_grad:
             # The chunks' backward stops at this leaf; its gradient goes back through the exchange at the end.
@@ -159,7 +169,10 @@ def ring_block_losses(
         counts = []
         for begin in range(0, num_anchors, step):
             rows = slice(begin, min(begin + step, num_anchors))
-            value, low, high, masked = block_loss(anchors[rows], block, index[rows], positive_scores[rows])
+            key_arguments = () if not keys else (keys[0], reference_keys[rows])
+            value, low, high, masked = block_loss(
+                anchors[rows], block, index[rows], positive_scores[rows], *key_arguments
+            )
             value = value * (weight * (rows.stop - rows.start) / num_anchors)
             if backward:
                 value.backward()

@@ -9,9 +9,14 @@ pushed away. A row's positive is never masked.
 Rules, on the cosine score ``s`` of a candidate and ``s_pos`` of the row's positive:
 
 - ``("absolute", m)``: mask when ``s > s_pos - m`` (``m >= 0``; ``m = 0`` masks candidates above the positive);
-- ``("relative", r)``: mask when ``s > r * s_pos`` (``0 < r <= 1``), the "percentage of the positive" rule of
-  retrieval fine-tuning (e.g. 0.95). Rows whose positive scores <= 0 mask nothing under this rule, since a share of a
-  non-positive score is no meaningful threshold.
+- ``("relative", r)``: mask when ``s > s_pos - (1 - r) |s_pos|`` (``0 < r <= 1``), the "percentage of the positive"
+  rule of retrieval fine-tuning (e.g. 0.95): ``r * s_pos`` for a positive ``s_pos``, and for a negative one the same
+  distance ``(1 - r) |s_pos|`` below it (``r * s_pos`` would lie *above* a negative positive and mask nothing). The
+  threshold is never above ``s_pos``, whatever its sign (as sentence-transformers' own guard was mended);
+- ``"identical"``: mask the candidates whose *input* is identical to the row's positive (the same token ids): exact
+  duplicates of the positive, found without a threshold. The inputs travel as :func:`input_keys`, a hash per row of
+  its token ids, so that candidates of other processes (gathered) and of other mini-batches (cached losses) are
+  compared by a few integers instead of their token ids.
 
 Everything here is branch-free tensor code (no host-device sync).
 """
@@ -26,7 +31,60 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-FilterRule = Literal["absolute", "relative"]
+FilterRule = Literal["absolute", "relative", "identical"]
+
+#: A prime modulus and the number of independent hashes of :func:`input_keys` (4 x 31 bits; a fifth column holds the
+#: number of tokens).
+_KEY_PRIME = 2**31 - 1
+_KEY_MULTIPLIERS = ((1_103_515_245, 12_345), (69_069, 1_013_904_223), (1_664_525, 7_777_777), (22_695_477, 999_331))
+
+
+def input_keys(input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    """[B, 5] int64 keys of a batch of token-id rows: two rows have equal keys iff they hold the same tokens (up to
+    hash collisions of probability about 2^-124 per pair), whatever their padding (right or left) or padded length.
+
+    Four polynomial hashes modulo the prime 2^31 - 1 of the tokens ``(id + 1)`` at their positions among the
+    row's real tokens (the ``attention_mask``), with position weights that are fixed pseudo-random functions of the
+    position (the same in every process and on every device), and the number of tokens. Integer tensor code on the
+    ids' device: no host-device sync, no data-dependent shapes."""
+    if input_ids.dim() != 2 or input_ids.is_floating_point():
+        raise ValueError(f"input_ids must be a 2-D integer [batch, tokens] tensor, got {input_ids.dtype} "
+                         f"{tuple(input_ids.shape)}")
+    ids = input_ids.long()
+    mask = torch.ones_like(ids) if attention_mask is None else (attention_mask != 0).long()
+    positions = (mask.cumsum(1) - 1).clamp_min(0)  # index among the row's real tokens: padding-side independent
+    tokens = ((ids + 1) % _KEY_PRIME) * mask
+    keys = []
+    for multiplier, increment in _KEY_MULTIPLIERS:
+        root = ((positions + 1) * multiplier + increment) % _KEY_PRIME
+        weight = (root * root) % _KEY_PRIME
+        keys.append(((tokens * weight) % _KEY_PRIME).sum(1) % _KEY_PRIME)
+    keys.append(mask.sum(1))
+    return torch.stack(keys, dim=1)
+
+
+def positive_keys(candidate_keys: Tensor | None, positive_index: Tensor, num_candidates: int) -> Tensor:
+    """[A, K] the keys of each row's positive among ``candidate_keys`` [C, K] (one row per candidate, checked), -1
+    (matching no key) for rows without a positive (``positive_index`` outside ``[0, C)``)."""
+    if candidate_keys is None or candidate_keys.shape[0] != num_candidates:
+        raise ValueError(
+            "false_negative_filter='identical' needs the candidates' input keys (st_weince.functional.input_keys of "
+            f"their token ids), one row per candidate ({num_candidates}), got "
+            f"{None if candidate_keys is None else tuple(candidate_keys.shape)}"
+        )
+    inside = (positive_index >= 0) & (positive_index < num_candidates)
+    keys = candidate_keys[positive_index.clamp(0, max(num_candidates - 1, 0))]
+    return keys.masked_fill(~inside[:, None], -1)
+
+
+def feature_keys(features: dict[str, Tensor], owner: str) -> Tensor:
+    """:func:`input_keys` of one column's tokenized features (sentence-transformers' ``sentence_features`` entry)."""
+    if "input_ids" not in features:
+        raise ValueError(
+            f"{owner}: false_negative_filter='identical' compares the inputs' token ids, and this column has none "
+            f"(its features are {sorted(features)}); use a score rule ('absolute', m) or ('relative', r) instead"
+        )
+    return input_keys(features["input_ids"], features.get("attention_mask"))
 
 
 @dataclass(frozen=True)
@@ -37,13 +95,16 @@ class FalseNegativeFilter:
     value: float
 
     @classmethod
-    def parse(cls, spec: FalseNegativeFilter | tuple | list | None) -> FalseNegativeFilter | None:
-        """``None`` (off), a ``FalseNegativeFilter``, or ``("absolute", m)`` / ``("relative", r)``."""
+    def parse(cls, spec: FalseNegativeFilter | tuple | list | str | None) -> FalseNegativeFilter | None:
+        """``None`` (off), a ``FalseNegativeFilter``, ``("absolute", m)`` / ``("relative", r)``, or ``"identical"``."""
         if spec is None or isinstance(spec, FalseNegativeFilter):
             return spec
+        if spec == "identical":
+            return cls("identical", 0.0)
         if not isinstance(spec, (tuple, list)) or len(spec) != 2:
             raise ValueError(
-                f"false_negative_filter must be None, ('absolute', margin) or ('relative', ratio), got {spec!r}"
+                "false_negative_filter must be None, ('absolute', margin), ('relative', ratio) or 'identical', "
+                f"got {spec!r}"
             )
         rule, value = spec
         if rule not in ("absolute", "relative"):
@@ -57,9 +118,14 @@ class FalseNegativeFilter:
             raise ValueError(f"false_negative_filter ('relative', r) needs 0 < r <= 1, got {value}")
         return cls(rule, value)
 
-    def to_config(self) -> list:
-        """JSON form for ``get_config_dict`` (a list, which ``parse`` accepts back)."""
-        return [self.rule, self.value]
+    @property
+    def needs_keys(self) -> bool:
+        """Whether the rule compares inputs (:func:`input_keys`) instead of scores."""
+        return self.rule == "identical"
+
+    def to_config(self) -> list | str:
+        """JSON form for ``get_config_dict`` (a list, or ``"identical"``, which ``parse`` accepts back)."""
+        return self.rule if self.rule == "identical" else [self.rule, self.value]
 
 
 @dataclass(frozen=True)
@@ -96,6 +162,9 @@ def false_negative_mask(
     valid_mask: Tensor | None,
     spec: FalseNegativeFilter,
     positive_scores: Tensor | None = None,
+    *,
+    candidate_keys: Tensor | None = None,
+    reference_keys: Tensor | None = None,
 ) -> Tensor:
     """[A, C] bool, True at the candidates the guard removes (never a row's positive, never an invalid entry).
 
@@ -103,22 +172,31 @@ def false_negative_mask(
     block, e.g. MNRL's ``doc_to_doc`` direction without ``doc_to_query``, or a block of candidate columns that may
     not hold the positive); an override of ``+inf`` masks nothing in that row. Rows without a positive
     (``positive_index == -1`` and no override) mask nothing.
+
+    The ``"identical"`` rule needs ``candidate_keys`` [C, K] (:func:`input_keys` of the candidates) and compares them
+    with ``reference_keys`` [A, K], the keys of each row's positive, by default ``candidate_keys[positive_index]``
+    (rows without a positive mask nothing; a reference row of -1 matches nothing).
     """
     num_anchors, num_candidates = scores.shape
-    scores = scores.detach()
     has_positive = positive_index >= 0
-    if positive_scores is None:
-        positive_scores = scores.gather(1, positive_index.clamp_min(0)[:, None]).squeeze(1)
+    if spec.needs_keys:
+        if reference_keys is None:
+            reference_keys = positive_keys(candidate_keys, positive_index, num_candidates)
+        elif candidate_keys is None or candidate_keys.shape[0] != num_candidates:
+            positive_keys(candidate_keys, positive_index, num_candidates)  # its error
+        masked = (candidate_keys[None, :, :] == reference_keys[:, None, :]).all(-1)
     else:
-        has_positive = torch.ones_like(has_positive)
-    positive_scores = positive_scores.detach().to(scores.dtype)
-    if spec.rule == "absolute":
-        threshold = positive_scores - spec.value
-        applies = has_positive
-    else:
-        threshold = positive_scores * spec.value
-        applies = has_positive & (positive_scores > 0)
-    masked = (scores > threshold[:, None]) & applies[:, None]
+        scores = scores.detach()
+        if positive_scores is None:
+            positive_scores = scores.gather(1, positive_index.clamp_min(0)[:, None]).squeeze(1)
+        else:
+            has_positive = torch.ones_like(has_positive)
+        positive_scores = positive_scores.detach().to(scores.dtype)
+        if spec.rule == "absolute":
+            threshold = positive_scores - spec.value
+        else:  # sign-safe: never above s_pos, (1 - r) |s_pos| below it
+            threshold = positive_scores - (1.0 - spec.value) * positive_scores.abs()
+        masked = (scores > threshold[:, None]) & has_positive[:, None]
     columns = torch.arange(num_candidates, device=scores.device)
     masked = masked & (columns[None, :] != positive_index[:, None])
     if valid_mask is not None:
@@ -142,14 +220,21 @@ def apply_false_negative_filter(
     valid_mask: Tensor | None,
     spec: FalseNegativeFilter | None,
     positive_scores: Tensor | None = None,
+    *,
+    candidate_keys: Tensor | None = None,
+    reference_keys: Tensor | None = None,
 ) -> tuple[Tensor | None, FilterCounts | None]:
     """The guard, applied: ``valid_mask`` with the guard's candidates removed, and what was removed per row.
 
     Every loss applies the guard through this function. With ``spec=None`` the mask comes back unchanged (and no
-    counts): the filter is off. ``positive_scores`` as in :func:`false_negative_mask`.
+    counts): the filter is off. ``positive_scores``, ``candidate_keys``, ``reference_keys`` as in
+    :func:`false_negative_mask`.
     """
     if spec is None:
         return valid_mask, None
-    masked = false_negative_mask(scores, positive_index, valid_mask, spec, positive_scores)
+    masked = false_negative_mask(
+        scores, positive_index, valid_mask, spec, positive_scores,
+        candidate_keys=candidate_keys, reference_keys=reference_keys,
+    )
     counts = filter_counts(masked, positive_index, valid_mask)
     return (~masked if valid_mask is None else valid_mask & ~masked), counts

@@ -41,7 +41,12 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from st_weince.functional.checks import compute_dtype
-from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
+from st_weince.functional.false_negatives import (
+    FalseNegativeFilter,
+    FilterCounts,
+    apply_false_negative_filter,
+    positive_keys,
+)
 from st_weince.utils.options import real_option
 
 ScalarLike = Tensor | float
@@ -236,6 +241,8 @@ def _embedding_block(
     score_transform: Callable[[Tensor], Tensor] | None,
     false_negative_filter: FalseNegativeFilter | None = None,
     positive_scores: Tensor | None = None,
+    candidate_keys: Tensor | None = None,
+    reference_keys: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
     """Loss sum of one candidate block (candidates ``start ...``) with its extremes and the false-negative guard's
     per-row counts (masked, negatives; None without the guard): the score block of
@@ -243,7 +250,13 @@ def _embedding_block(
     scores = anchors @ candidates.T
     # On the cosine scores (before a score transform), against each row's matching-pair score.
     valid_mask, guard_counts = apply_false_negative_filter(
-        scores, positive_index - start, None, false_negative_filter, positive_scores
+        scores,
+        positive_index - start,
+        None,
+        false_negative_filter,
+        positive_scores,
+        candidate_keys=candidate_keys,
+        reference_keys=reference_keys,
     )
     if score_transform is not None:
         scores = score_transform(scores)
@@ -265,9 +278,11 @@ def chunked_sigmoid_contrastive_loss(
     score_transform: Callable[[Tensor], Tensor] | None = None,
     chunk_size: int | None = None,
     return_extremes: bool = False,
-    false_negative_filter: FalseNegativeFilter | tuple | list | None = None,
+    false_negative_filter: FalseNegativeFilter | tuple | list | str | None = None,
     return_guard_counts: bool = False,
     positive_scores: Tensor | None = None,
+    candidate_keys: Tensor | None = None,
+    reference_keys: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, ...]:
     """:func:`sigmoid_contrastive_loss` of ``anchors @ candidates.T`` computed block by block over candidates.
 
@@ -288,12 +303,17 @@ def chunked_sigmoid_contrastive_loss(
         false_negative_filter: the in-batch false-negative guard (:mod:`st_weince.functional.false_negatives`):
             non-matching candidates whose cosine score is above the threshold set by the row's matching-pair score
             (``anchors[a] . candidates[positive_index[a]]``) are left out of the loss and of the extremes. Rows
-            without a positive (-1) mask nothing. Applied to the cosine scores, before ``score_transform``.
+            without a positive (-1) mask nothing. Applied to the cosine scores, before ``score_transform``. The rule
+            ``"identical"`` masks the candidates whose ``candidate_keys`` equal those of the row's positive.
         return_guard_counts: also return (last) what the guard removed per anchor, a
             :class:`~st_weince.functional.false_negatives.FilterCounts` (None without a guard).
         positive_scores: [A] the rows' matching-pair scores for the guard's threshold, when ``candidates`` is one
             block of a larger candidate set that may not hold the positive (``+inf``: the row masks nothing); None
             takes them from ``candidates[positive_index]``.
+        candidate_keys: [C, K] :func:`~st_weince.functional.input_keys` of the candidates' inputs, for the guard's
+            ``"identical"`` rule (required by it, unused otherwise).
+        reference_keys: [A, K] the keys of the rows' positives for the ``"identical"`` rule, when ``candidates`` may
+            not hold them (a row of -1 matches nothing); None takes them from ``candidate_keys[positive_index]``.
     """
     false_negative_filter = FalseNegativeFilter.parse(false_negative_filter)
     if anchors.dim() != 2 or candidates.dim() != 2 or anchors.shape[1] != candidates.shape[1]:
@@ -319,6 +339,10 @@ def chunked_sigmoid_contrastive_loss(
     guard_counts: FilterCounts | None = None
     if false_negative_filter is None:
         positive_scores = None
+    elif false_negative_filter.needs_keys:
+        positive_scores = None
+        if reference_keys is None or candidate_keys is None or candidate_keys.shape[0] != num_candidates:
+            reference_keys = positive_keys(candidate_keys, positive_index, num_candidates)
     elif positive_scores is not None:
         if positive_scores.shape != positive_index.shape:
             raise ValueError(
@@ -336,7 +360,10 @@ def chunked_sigmoid_contrastive_loss(
     max_negative = anchors.new_tensor(float("-inf"))
     for start in range(0, num_candidates, step):
         arguments = (anchors, candidates[start : start + step], positive_index, start, t, bias_value, relative)
-        guard = (score_transform, false_negative_filter, positive_scores)
+        keyed = false_negative_filter is not None and false_negative_filter.needs_keys
+        block_keys = candidate_keys[start : start + step] if keyed else None
+        reference_keys = reference_keys if keyed else None
+        guard = (score_transform, false_negative_filter, positive_scores, block_keys, reference_keys)
         if recompute:
             loss_sum, low, high, masked = checkpoint(_embedding_block, *arguments, *guard, use_reentrant=False)
         else:
@@ -351,3 +378,19 @@ def chunked_sigmoid_contrastive_loss(
     if return_guard_counts:
         outputs = (*outputs, guard_counts)
     return outputs if len(outputs) > 1 else loss
+
+
+def match_probabilities(
+    scores: Tensor,
+    *,
+    scale: ScalarLike,
+    relative_bias: ScalarLike,
+    delta: ScalarLike | None = None,
+) -> Tensor:
+    """RB-Sigmoid's match probability of each pair, ``sigmoid(t (s - b_rel))`` on cosine ``scores`` (after the locked
+    adapter's ``delta^2 s - (1 - delta^2)`` when ``delta`` is given): the probability the loss was trained to
+    predict for "this pair matches", with the decision threshold ``s = b_rel`` (probability 1/2). Same shape as
+    ``scores``, in its computation dtype."""
+    if delta is not None:
+        scores = locked_adapter_scores(scores, delta)
+    return torch.sigmoid(sigmoid_logits(scores, scale=scale, relative_bias=relative_bias))

@@ -60,11 +60,12 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
             mini_batch_num_tokens: instead of ``mini_batch_size`` rows, pack embedding mini-batches by this many
                 non-padding tokens (as in ``CachedMultipleNegativesRankingLoss``).
             show_progress_bar: show a progress bar while embedding mini-batches.
-            **options: every option of :class:`RBSigmoidLoss` (``parametrization``, ``relative_bias``, ``bias``,
-                ``trainable_scale``, ``trainable_bias``, ``gather_across_devices``, ``exchange``, ``symmetric``,
-                ``columns``, ``locked_adapter``, ``adapter_logit``, ``chunk_size``, ``check_inputs``,
-                ``directions``), validated the same way. With ``exchange="neighbour"`` each process's candidate
-                block arrives once, and all row chunks are scored against it before the next one is received.
+            **options: every option of :class:`RBSigmoidLoss` (``max_scale``, ``parametrization``, ``relative_bias``,
+                ``bias``, ``trainable_scale``, ``trainable_bias``, ``gather_across_devices``, ``exchange``,
+                ``symmetric``, ``columns``, ``locked_adapter``, ``adapter_logit``, ``chunk_size``, ``check_inputs``,
+                ``false_negative_filter``, ``directions``), validated the same way. With ``exchange="neighbour"`` each
+                process's candidate block arrives once, and all row chunks are scored against it before the next one
+                is received.
 
         References:
             - Gao, Zhang, Han, Callan: Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup
@@ -107,6 +108,14 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)
+        # the inputs' keys for the guard's "identical" rule, from the whole batch before it is split into mini-batches
+        self._pending_row_keys = self._row_keys(sentence_features)
+        try:
+            return self._forward(sentence_features, labels)
+        finally:
+            self._pending_row_keys = None
+
+    def _forward(self, sentence_features: list[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
         if not torch.is_grad_enabled():
             return self.forward_cached(sentence_features, labels)
         # The loss computation returns a term carrying the loss parameters' gradients (see the class docstring).
@@ -141,10 +150,12 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
         the detached loss (see the class docstring)."""
         warn_unused_labels(self, labels)  # no sync: a host-side check
         embeddings = self._concatenated_columns(reps)
+        row_keys = getattr(self, "_pending_row_keys", None)
+        self._require_row_keys(row_keys, len(embeddings))
         with full_precision(*embeddings):
-            return self._cached_loss(embeddings, with_backward)
+            return self._cached_loss(embeddings, with_backward, row_keys)
 
-    def _cached_loss(self, embeddings: list[Tensor], with_backward: bool) -> Tensor:
+    def _cached_loss(self, embeddings: list[Tensor], with_backward: bool, row_keys: list[Tensor] | None) -> Tensor:
         checks = self._new_checks()
         check_embedding_columns(embeddings, type(self).__name__)  # values: by normalize_rows' check
         params = self.loss_parameters()
@@ -153,10 +164,10 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
         if checks is not None:
             checks.raise_if_failed()  # the one host sync of the step, where the loss receives its inputs
         if not with_backward:
-            total, extremes, guard_counts = self._row_chunk_losses(normalized, params, backward=False)
+            total, extremes, guard_counts = self._row_chunk_losses(normalized, params, row_keys, backward=False)
         else:
             stand_ins = {name: value.detach().requires_grad_(value.requires_grad) for name, value in params.items()}
-            total, extremes, guard_counts = self._row_chunk_losses(normalized, stand_ins, backward=True)
+            total, extremes, guard_counts = self._row_chunk_losses(normalized, stand_ins, row_keys, backward=True)
             for name, value in params.items():
                 if value.requires_grad and stand_ins[name].grad is not None:
                     total = total + (value - value.detach()) * stand_ins[name].grad
@@ -164,7 +175,7 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
         return total
 
     def _row_chunk_losses(
-        self, normalized: list[Tensor], params: dict[str, Tensor], backward: bool
+        self, normalized: list[Tensor], params: dict[str, Tensor], row_keys: list[Tensor] | None, backward: bool
     ) -> tuple[Tensor, tuple[Tensor, Tensor], FilterCounts | None]:
         """Sum of the chunk losses (detached when ``backward``), the first block's extremes and its false-negative
         guard counts per anchor (None without the guard).
@@ -179,11 +190,13 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
         if self._all_gathers and backward:
             candidates = [column.detach().requires_grad_() for column in gathered]
         batch_size = columns[0].shape[0]
+        key_blocks = self._key_blocks(columns, row_keys)
 
         total = columns[0].new_zeros(())
         extremes: tuple[Tensor, Tensor] | None = None
         guard_counts: list[FilterCounts] = []
-        for block_index, (anchor_column, block, weight) in enumerate(self._directional_blocks(columns, candidates)):
+        blocks = self._directional_blocks(columns, candidates)
+        for block_index, ((anchor_column, block, weight), keys) in enumerate(zip(blocks, key_blocks)):
             if self._exchanges_with_neighbours:
                 # Each process block arrives once; the row chunks go through it before the next one is received.
                 value, low, high, counts = self._exchanged_block_loss(
@@ -194,6 +207,7 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
                     weight=weight,
                     anchor_chunk=self.mini_batch_size,
                     backward=backward,
+                    candidate_keys=keys,
                 )
                 total = total + value
                 if block_index == 0:
@@ -204,7 +218,7 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
             for begin in range(0, batch_size, self.mini_batch_size):
                 end = min(begin + self.mini_batch_size, batch_size)
                 value, low, high, counts = self._block_loss(
-                    columns[anchor_column][begin:end], block, positive_index[begin:end], params
+                    columns[anchor_column][begin:end], block, positive_index[begin:end], params, keys
                 )
                 # The block loss is the mean over the chunk's anchors; the loss is the mean over all anchors.
                 value = value * (weight * (end - begin) / batch_size)

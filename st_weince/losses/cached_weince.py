@@ -141,7 +141,12 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
                 f"CachedWEINCELoss needs at least 2 input columns (anchor, positive[, negative_1, ...]), "
                 f"got {len(sentence_features)}"
             )
-        return self.forward_cached(sentence_features, labels)
+        # the inputs' keys for the guard's "identical" rule, from the whole batch before it is split into mini-batches
+        self._pending_row_keys = self._row_keys(sentence_features)
+        try:
+            return self.forward_cached(sentence_features, labels)
+        finally:
+            self._pending_row_keys = None
 
     def calculate_loss(
         self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
@@ -157,6 +162,7 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
 
     def _cached_loss(self, embeddings: list[Tensor], with_backward: bool) -> Tensor:
         checks = DeferredChecks() if self.options.check_inputs else False
+        keys = self._gathered_keys(getattr(self, "_pending_row_keys", None), len(embeddings))
         queries, docs, offset = self._normalized_columns(embeddings, checks)
         if checks:
             checks.raise_if_failed()  # the one host sync of the step, where the loss receives its inputs
@@ -179,7 +185,9 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
                     self.options.partition_mode,
                     row_start=offset + begin,
                     row_end=offset + end,
-                )
+                ),
+                keys,
+                offset + begin,
             )
 
         # Statistics over the whole score matrix, a row chunk at a time, without gradient.

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 from collections.abc import Callable, Iterable
@@ -10,12 +9,17 @@ from typing import Any, ClassVar, Literal
 
 import torch
 from sentence_transformers.base.losses.merged_forward import embed_columns
-from sentence_transformers.util import all_gather_with_grad, cos_sim, get_rank
+from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim, get_rank
 from torch import Tensor, nn
 
 from st_weince.functional.checks import check_score_shapes, compute_dtype, full_precision, require_valid_scores
 from st_weince.functional.exchange import ring_block_losses
-from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
+from st_weince.functional.false_negatives import (
+    FalseNegativeFilter,
+    FilterCounts,
+    apply_false_negative_filter,
+    feature_keys,
+)
 from st_weince.functional.layouts import normalize_rows
 from st_weince.functional.sigmoid import (
     chunked_sigmoid_contrastive_loss,
@@ -94,12 +98,14 @@ class RBSigmoidOptions:
     ``scale * relative_bias``) and ``relative_bias`` is None.
 
     The start values were chosen by measurement (``benchmarks/sigmoid_synthetic.py``, parts "init" and "bias"; see
-    ``docs/rb-sigmoid.md``): ``t = 10`` is SigLIP's start, ``b_rel = 0.7`` reached the largest margins.
+    ``docs/rb-sigmoid.md``): ``t = 10`` is SigLIP's start, ``b_rel = 0.7`` reached the largest margins. The cap
+    ``max_scale = 100`` is CLIP's and open_clip's cap on their logit scale (10x the start; see ``docs/rb-sigmoid.md``).
     """
 
     RELATIVE_BIAS_START: ClassVar[float] = 0.7
 
     scale: float = 10.0
+    max_scale: float = 100.0
     parametrization: Parametrization = "relative"
     relative_bias: float | None = None
     bias: float | None = None
@@ -123,6 +129,14 @@ class RBSigmoidOptions:
         put("columns", choice_option("columns", self.columns, ("negatives", "modalities")))
         put("exchange", choice_option("exchange", self.exchange, ("all_gather", "neighbour")))
         put("scale", stored_scale_option("scale", self.scale))
+        put("max_scale", real_option("max_scale", self.max_scale, positive=True))
+        if not self.max_scale < _FLOAT32_MAX:
+            raise ValueError(f"max_scale must be finite in float32 (below {_FLOAT32_MAX:.4g}), got {self.max_scale!r}")
+        if self.max_scale < self.scale:
+            raise ValueError(
+                f"max_scale must be >= scale (t starts at scale and never exceeds max_scale), got max_scale="
+                f"{self.max_scale!r} < scale={self.scale!r}"
+            )
         relative_bias = real_option("relative_bias", self.relative_bias, optional=True, dtype=torch.float32)
         bias = real_option("bias", self.bias, optional=True, dtype=torch.float32)
         start = self.RELATIVE_BIAS_START if relative_bias is None else relative_bias
@@ -173,6 +187,18 @@ def stored_scale_option(name: str, value: Any) -> float:
             f"below the smallest normal value {info.tiny:.4g})"
         )
     return number
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def log_scale_cap(max_scale: float) -> float:
+    """The largest float32 ``c`` whose ``exp`` stays within ``max_scale`` on any CPU or GPU: ``log_t`` is clamped to
+    ``c`` so that ``t = exp(log_t) <= max_scale``. ``exp`` in float32 is faithfully rounded (within one ulp), so ``c``
+    is taken 2 ulp of ``max_scale`` below it in float64 and rounded down to float32."""
+    target = math.log(max_scale * (1.0 - 2.0**-22))
+    cap = torch.tensor(target, dtype=torch.float32)
+    if float(cap) > target:
+        cap = torch.nextafter(cap, torch.tensor(-math.inf))
+    return float(cap)
 
 
 def symmetric_from_directions(directions: tuple[str, ...] | None, symmetric: bool, owner: str) -> bool:
@@ -208,6 +234,7 @@ class RBSigmoidLoss(nn.Module):
         model: nn.Module | None,
         scale: float = RBSigmoidOptions.scale,
         *,
+        max_scale: float = RBSigmoidOptions.max_scale,
         parametrization: Parametrization = RBSigmoidOptions.parametrization,
         relative_bias: float | None = RBSigmoidOptions.relative_bias,
         bias: float | None = RBSigmoidOptions.bias,
@@ -244,6 +271,11 @@ class RBSigmoidLoss(nn.Module):
                 ``loss_from_scores``).
             scale: initial ``t = 1 / temperature`` (trained as ``log_t``), as MNRL's ``scale``. Default 10
                 (SigLIP's start).
+            max_scale: cap on ``t`` (default 100, CLIP's and open_clip's cap; >= ``scale``, finite in float32). The
+                forward uses ``t = exp(min(log_t, log max_scale))``, so ``t`` never exceeds it, and
+                :meth:`clamp_parameters_` (called after every optimizer step by
+                :func:`st_weince.training.prepare_trainer`) keeps ``log_t`` itself at or below the cap, where its
+                gradient stays live. Logged as ``rb_sigmoid_t_capped`` (share of steps at the cap).
             parametrization: "relative" (``z = t (s - b_rel)``, default) or "absolute" (SigLIP's ``z = t s - b``).
             relative_bias: initial ``b_rel`` (default 0.7, measured: see ``docs/rb-sigmoid.md``). In the absolute
                 parametrization it gives the start ``b = scale * relative_bias`` instead of ``bias``.
@@ -283,7 +315,9 @@ class RBSigmoidLoss(nn.Module):
                 ``("query_to_doc", "doc_to_query")`` (= ``symmetric=True``); the other directions are refused.
             false_negative_filter: the in-batch false-negative guard (off by default): ``("absolute", m)`` leaves
                 out the non-matching candidates with cosine score > s_pos - m, ``("relative", r)`` those with score
-                > r * s_pos, where s_pos is the score of the row's matching pair; they contribute nothing to the loss
+                > s_pos - (1 - r) |s_pos|, where s_pos is the score of the row's matching pair, ``"identical"``
+                those whose input (token ids) is identical to the row's matching candidate's, also across processes
+                and mini-batches; they contribute nothing to the loss
                 (neither fitted nor pushed away) and nothing to the logged margin. Logged as
                 ``rb_sigmoid_fn_masked_share`` and ``rb_sigmoid_fn_anchors_share`` (of the first block, like the
                 margin). See ``docs/false-negatives.md``.
@@ -360,6 +394,7 @@ class RBSigmoidLoss(nn.Module):
         self.model = model
         # The options as constructed; the trained values of t and the bias live in the parameters below.
         self.options = options
+        self.log_scale_cap = log_scale_cap(options.max_scale)
         self._register_scalar("log_t", math.log(options.scale), options.trainable_scale)
         if options.parametrization == "relative":
             self._register_scalar("b_rel", options.relative_bias, options.trainable_bias)
@@ -379,8 +414,22 @@ class RBSigmoidLoss(nn.Module):
     # ----- the loss parameters -----
     @property
     def scale(self) -> Tensor:
-        """The current ``t = exp(log_t)`` (a tensor in the autograd graph)."""
-        return self.log_t.exp()
+        """The current ``t = exp(min(log_t, log max_scale))`` (a tensor in the autograd graph)."""
+        return self._capped_log_t(self.log_t).exp()
+
+    def _capped_log_t(self, log_t: Tensor) -> Tensor:
+        """``log_t`` clamped at the cap, with its gradient passing at the cap itself (``torch.clamp``'s is zero
+        there), so that a ``log_t`` held at the cap by :meth:`clamp_parameters_` moves down when its gradient turns;
+        above the cap the gradient is zero."""
+        return torch.where(log_t > self.log_scale_cap, self.log_scale_cap, log_t)
+
+    @torch.no_grad()
+    def clamp_parameters_(self) -> None:
+        """Clamp ``log_t`` in place to the cap of ``max_scale`` (as open_clip clamps its logit scale after each
+        optimizer step). Call it after every optimizer step in custom training loops; ``prepare_trainer`` does it
+        for the trainer. The same clamp on every process (after the averaged gradients' step) and on resume (the
+        checkpoint holds the clamped value), so 2 processes and a resumed run stay equal to one process."""
+        self.log_t.clamp_(max=self.log_scale_cap)
 
     @property
     def relative_bias(self) -> Tensor:
@@ -417,7 +466,7 @@ class RBSigmoidLoss(nn.Module):
     def _logit_arguments(self, params: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Any]:
         """Keyword arguments of the functional losses for these parameter values, in the computation dtype (the
         scale is exponentiated in that dtype, so float64 inputs get a float64 ``t``)."""
-        arguments: dict[str, Any] = {"scale": params["log_t"].to(dtype).exp()}
+        arguments: dict[str, Any] = {"scale": self._capped_log_t(params["log_t"]).to(dtype).exp()}
         if self.options.parametrization == "relative":
             arguments["relative_bias"] = params["b_rel"]
         else:
@@ -445,14 +494,35 @@ class RBSigmoidLoss(nn.Module):
 
     # ----- entry points -----
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
+        sentence_features = list(sentence_features)
+        row_keys = self._row_keys(sentence_features)
         embeddings = embed_columns(self.model, sentence_features)
-        return self.compute_loss_from_embeddings(embeddings, labels)
+        return self.compute_loss_from_embeddings(embeddings, labels, row_keys=row_keys)
+
+    def _row_keys(self, sentence_features: list[dict[str, Tensor]]) -> list[Tensor] | None:
+        """The input keys of every column's rows when the guard compares inputs (``"identical"``), else None."""
+        spec = self.options.false_negative_filter
+        if spec is None or not spec.needs_keys:
+            return None
+        return [feature_keys(features, type(self).__name__) for features in sentence_features]
+
+    def _require_row_keys(self, row_keys: list[Tensor] | None, num_columns: int) -> None:
+        spec = self.options.false_negative_filter
+        if spec is None or not spec.needs_keys:
+            return
+        if row_keys is None or len(row_keys) != num_columns:
+            raise ValueError(
+                f"{type(self).__name__}: false_negative_filter='identical' compares the inputs' token ids: call the "
+                "loss on tokenized features (forward), or pass row_keys=[st_weince.functional.input_keys(input_ids, "
+                f"attention_mask) of each of the {num_columns} columns] to compute_loss_from_embeddings"
+            )
 
     def loss_from_scores(self, scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None) -> Tensor:
         """Sigmoid loss of one score matrix: ``scores`` [A, C] cosine, ``positive_index`` [A] the positive column of
         each row (-1: none), ``valid_mask`` [A, C] bool (False = excluded, e.g. the self-pairs of the SimCLR layout
         of :func:`st_weince.functional.nt_xent_layout`). Targets are 1 at the positive, 0 at the other valid entries.
         Used by the vision adapter; with the locked adapter enabled it is applied to ``scores`` first."""
+        self._require_row_keys(None, 0)  # a score matrix carries no inputs to compare
         check_score_shapes(scores, positive_index, valid_mask)
         params = self.loss_parameters()
         if self.options.check_inputs:  # the one host sync of the step
@@ -478,24 +548,33 @@ class RBSigmoidLoss(nn.Module):
         self._record(params, *score_extremes(scores, targets, valid_mask), guard_counts)
         return loss
 
-    def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
+    def compute_loss_from_embeddings(
+        self, embeddings: list[Tensor], labels: Tensor | None = None, *, row_keys: list[Tensor] | None = None
+    ) -> Tensor:
         """The loss on already computed column embeddings (``[anchor, positive, *negatives]`` or modalities), in
-        float32 for half-precision embeddings (also under autocast) and in float64 for float64 ones."""
+        float32 for half-precision embeddings (also under autocast) and in float64 for float64 ones.
+        ``row_keys``: each column's :func:`~st_weince.functional.input_keys`, needed by the guard's ``"identical"``
+        rule only (``forward`` computes them from the token ids)."""
+        self._require_row_keys(row_keys, len(embeddings))
         warn_unused_labels(self, labels)  # no sync: a host-side check
         with full_precision(*embeddings):
-            return self._loss_from_embeddings(embeddings)
+            return self._loss_from_embeddings(embeddings, row_keys)
 
-    def _loss_from_embeddings(self, embeddings: list[Tensor]) -> Tensor:
+    def _loss_from_embeddings(self, embeddings: list[Tensor], row_keys: list[Tensor] | None) -> Tensor:
         checks = self._new_checks()
         columns, gathered, positive_index = self._prepare_columns(embeddings, checks)
+        key_blocks = self._key_blocks(columns, row_keys)
         params = self.loss_parameters()
         self._require_finite_parameters(params, checks)
         if checks is not None:
             checks.raise_if_failed()  # the one host sync of the step, where the loss receives its inputs
         loss = columns[0].new_zeros(())
         extremes = guard_counts = None
-        for anchor_column, candidates, weight in self._directional_blocks(columns, gathered):
-            value, low, high, counts = self._block_loss(columns[anchor_column], candidates, positive_index, params)
+        blocks = self._directional_blocks(columns, gathered)
+        for (anchor_column, candidates, weight), keys in zip(blocks, key_blocks):
+            value, low, high, counts = self._block_loss(
+                columns[anchor_column], candidates, positive_index, params, keys
+            )
             loss = loss + weight * value
             if extremes is None:  # the first block's, logged
                 extremes, guard_counts = (low, high), counts
@@ -525,6 +604,15 @@ class RBSigmoidLoss(nn.Module):
             gathered = [all_gather_with_grad(column) for column in columns]
             offset = get_rank() * batch_size
         return gathered, torch.arange(offset, offset + batch_size, device=columns[0].device)
+
+    def _key_blocks(self, columns: list[Tensor], row_keys: list[Tensor] | None) -> list[Tensor | None]:
+        """The candidates' input keys of every directional block (gathered like the candidates), or Nones."""
+        spec = self.options.false_negative_filter
+        if row_keys is None or spec is None or not spec.needs_keys:
+            return [None] * len(self._directional_blocks(columns, columns))
+        if self._all_gathers:  # with the neighbour exchange they travel with their candidate blocks instead
+            row_keys = [all_gather(keys) for keys in row_keys]  # integers: no gradient
+        return [keys for _, keys, _ in self._directional_blocks(columns, row_keys)]
 
     @property
     def _all_gathers(self) -> bool:
@@ -562,15 +650,24 @@ class RBSigmoidLoss(nn.Module):
         return [(column, block, 0.5) for column, block in pairs + reverse]
 
     def _block_loss(
-        self, anchors: Tensor, candidates: Tensor, positive_index: Tensor, params: dict[str, Tensor]
+        self,
+        anchors: Tensor,
+        candidates: Tensor,
+        positive_index: Tensor,
+        params: dict[str, Tensor],
+        candidate_keys: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, FilterCounts | None]:
         """Mean over ``anchors`` of their loss against ``candidates``, with the block's smallest matching and largest
         non-matching score (no gradient), and what the false-negative guard removed per anchor (None without it).
         With ``exchange="neighbour"`` ``candidates`` are the local ones, and the loss is taken against every
         process's block of them."""
         if self._exchanges_with_neighbours:
-            return self._exchanged_block_loss(anchors, candidates, positive_index, params)
-        return self._candidate_block_loss(anchors, candidates, positive_index, params)
+            return self._exchanged_block_loss(
+                anchors, candidates, positive_index, params, candidate_keys=candidate_keys
+            )
+        return self._candidate_block_loss(
+            anchors, candidates, positive_index, params, candidate_keys=candidate_keys
+        )
 
     def _exchanged_block_loss(
         self,
@@ -582,16 +679,33 @@ class RBSigmoidLoss(nn.Module):
         weight: float = 1.0,
         anchor_chunk: int | None = None,
         backward: bool = False,
+        candidate_keys: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, FilterCounts | None]:
         """:meth:`_block_loss` against the local ``candidates`` and those of every other process, passed around the
         ring (:func:`st_weince.functional.exchange.ring_block_losses`; ``weight``, ``anchor_chunk`` and ``backward``
-        as there)."""
+        as there; ``candidate_keys``, the local candidates' input keys, travel with their block)."""
 
-        def block_loss(rows: Tensor, block: Tensor, index: Tensor, positive_scores: Tensor):
-            return self._candidate_block_loss(rows, block, index, params, positive_scores)
+        def block_loss(
+            rows: Tensor,
+            block: Tensor,
+            index: Tensor,
+            positive_scores: Tensor,
+            block_keys: Tensor | None = None,
+            reference_keys: Tensor | None = None,
+        ):
+            return self._candidate_block_loss(
+                rows, block, index, params, positive_scores, candidate_keys=block_keys, reference_keys=reference_keys
+            )
 
         return ring_block_losses(
-            anchors, candidates, positive_index, block_loss, weight=weight, anchor_chunk=anchor_chunk, backward=backward
+            anchors,
+            candidates,
+            positive_index,
+            block_loss,
+            weight=weight,
+            anchor_chunk=anchor_chunk,
+            backward=backward,
+            candidate_keys=candidate_keys,
         )
 
     def _candidate_block_loss(
@@ -601,9 +715,12 @@ class RBSigmoidLoss(nn.Module):
         positive_index: Tensor,
         params: dict[str, Tensor],
         positive_scores: Tensor | None = None,
+        *,
+        candidate_keys: Tensor | None = None,
+        reference_keys: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, FilterCounts | None]:
-        """:meth:`_block_loss` against exactly ``candidates`` (``positive_scores``: the guard's threshold scores
-        when the block may not hold the rows' positives)."""
+        """:meth:`_block_loss` against exactly ``candidates`` (``positive_scores``, ``reference_keys``: the guard's
+        threshold scores and the positives' input keys when the block may not hold the rows' positives)."""
         dtype = anchors.dtype
         outputs = chunked_sigmoid_contrastive_loss(
             anchors,
@@ -615,6 +732,8 @@ class RBSigmoidLoss(nn.Module):
             false_negative_filter=self.options.false_negative_filter,
             return_guard_counts=True,
             positive_scores=positive_scores,
+            candidate_keys=candidate_keys,
+            reference_keys=reference_keys,
             **self._logit_arguments(params, dtype),
         )
         return outputs
@@ -630,7 +749,8 @@ class RBSigmoidLoss(nn.Module):
     ) -> None:
         """Keep ``t``, ``b_rel``, ``b``, the margin (and ``delta``, and the false-negative guard's shares) as device
         tensors: no sync in the hot path."""
-        t = params["log_t"].detach().exp()
+        log_t = params["log_t"].detach()
+        t = self._capped_log_t(log_t).exp()
         if self.options.parametrization == "relative":
             b_rel = params["b_rel"].detach()
             b = t * b_rel
@@ -638,6 +758,8 @@ class RBSigmoidLoss(nn.Module):
             b = params["bias"].detach()
             b_rel = b / t
         values = {"rb_sigmoid_t": t, "rb_sigmoid_b_rel": b_rel, "rb_sigmoid_b": b}
+        # 1 when t is at its cap max_scale (the mean over the logging interval: the share of steps at the cap)
+        values["rb_sigmoid_t_capped"] = (log_t >= self.log_scale_cap).to(t.dtype)
         # A block without matching or without non-matching pairs has an infinite "margin": not counted.
         values["rb_sigmoid_margin"] = constellation_margin_from_extremes(min_positive, max_negative)[0]
         if self.options.locked_adapter:
@@ -655,19 +777,29 @@ class RBSigmoidLoss(nn.Module):
         return self.logged_statistics.pop()
 
     def get_config_dict(self) -> dict[str, Any]:
-        """The constructor's options with the loss parameters' current values, so that
-        ``type(loss)(model, **loss.get_config_dict())`` rebuilds this loss (JSON-able)."""
-        values = {name: float(value.detach()) for name, value in self.loss_parameters().items()}
-        return options_config(
-            dataclasses.replace(
-                self.options,
-                # exp in float64 of the float32 log_t: its log rounds back to the same float32
-                scale=math.exp(values["log_t"]),
-                relative_bias=values.get("b_rel"),
-                bias=values.get("bias"),
-                adapter_logit=values.get("adapter_logit", self.options.adapter_logit),
-            )
-        )
+        """The options as configured (JSON-able): ``type(loss)(model, **loss.get_config_dict())`` rebuilds this loss
+        as it was built, with ``t`` and the bias at their configured starts. The trained values are
+        :meth:`trained_values`; the model carries them after training (:class:`st_weince.MatchProbability`) and its
+        model card shows them next to this configuration (``docs/rb-sigmoid.md``)."""
+        return options_config(self.options)
+
+    @torch.no_grad()
+    def trained_values(self) -> dict[str, float]:
+        """The current values of the loss's own scalars, as Python floats (one host read): ``t`` (capped at
+        ``max_scale``), ``b_rel`` (``b / t`` in the absolute parametrization), ``b = t b_rel``, and ``delta`` with the
+        locked adapter. Not for the hot path."""
+        params = self.loss_parameters()
+        t = self._capped_log_t(params["log_t"].detach()).double().exp()
+        if self.options.parametrization == "relative":
+            b_rel = params["b_rel"].detach().double()
+            b = t * b_rel
+        else:
+            b = params["bias"].detach().double()
+            b_rel = b / t
+        values = {"t": float(t), "b_rel": float(b_rel), "b": float(b)}
+        if self.options.locked_adapter:
+            values["delta"] = float(torch.sigmoid(params["adapter_logit"].detach().double()))
+        return values
 
     @property
     def citation(self) -> str:

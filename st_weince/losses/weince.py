@@ -11,7 +11,12 @@ from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim
 from torch import Tensor, nn
 
 from st_weince.functional.checks import check_score_shapes, compute_dtype, full_precision, require_valid_scores
-from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
+from st_weince.functional.false_negatives import (
+    FalseNegativeFilter,
+    FilterCounts,
+    apply_false_negative_filter,
+    feature_keys,
+)
 from st_weince.functional.layouts import (
     Direction,
     MNRLLayout,
@@ -174,10 +179,12 @@ class WEINCELoss(nn.Module):
             min_tail_points: minimum tail size.
             eps: floor of the shortfall ``1 - s``.
             false_negative_filter: the in-batch false-negative guard (off by default): ``("absolute", m)`` removes
-                the candidates with score > s_pos - m, ``("relative", r)`` those with score > r * s_pos, from the
-                candidate set of the row, before the tail statistics and the softmax (neither fitted nor pushed
-                away); the positive is never removed. Rows without a positive of their own (``doc_to_doc`` without
-                ``doc_to_query``) use the score of their query_to_doc pair. Logged as ``weince_fn_masked_share``
+                the candidates with score > s_pos - m, ``("relative", r)`` those with score > s_pos - (1 - r) |s_pos|,
+                from the candidate set of the row, before the tail statistics and the softmax (neither fitted nor
+                pushed away); ``"identical"`` removes the candidates whose input (token ids) is identical to the row's
+                positive's (for rows anchored at documents: to the row's query), also across processes and
+                mini-batches; the positive is never removed. Rows without a positive of their own (``doc_to_doc``
+                without ``doc_to_query``) use the score of their query_to_doc pair. Logged as ``weince_fn_masked_share``
                 and ``weince_fn_anchors_share``. See ``docs/false-negatives.md``.
             check_inputs: check the embeddings for NaN/Inf in every forward pass, with one host-device sync
                 (all checks read at once). False makes the hot path free of host syncs, so
@@ -248,8 +255,35 @@ class WEINCELoss(nn.Module):
         return self.options.scale
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
+        sentence_features = list(sentence_features)
+        row_keys = self._row_keys(sentence_features)
         embeddings = embed_columns(self.model, sentence_features)
-        return self.compute_loss_from_embeddings(embeddings, labels)
+        return self.compute_loss_from_embeddings(embeddings, labels, row_keys=row_keys)
+
+    # -- the false-negative guard's input keys ------------------------------------------------------------------
+
+    def _compares_inputs(self) -> bool:
+        spec = self.options.false_negative_filter
+        return spec is not None and spec.needs_keys
+
+    def _row_keys(self, sentence_features: list[dict[str, Tensor]]) -> list[Tensor] | None:
+        """The input keys of every column's rows when the guard compares inputs (``"identical"``), else None."""
+        if not self._compares_inputs():
+            return None
+        return [feature_keys(features, type(self).__name__) for features in sentence_features]
+
+    def _gathered_keys(self, row_keys: list[Tensor] | None, num_columns: int) -> list[Tensor] | None:
+        """The columns' input keys of the global batch (gathered like the embeddings), checked; None when the guard
+        does not compare inputs."""
+        if not self._compares_inputs():
+            return None
+        if row_keys is None or len(row_keys) != num_columns:
+            raise ValueError(
+                f"{type(self).__name__}: false_negative_filter='identical' compares the inputs' token ids: call the "
+                "loss on tokenized features (forward), or pass row_keys=[st_weince.functional.input_keys(input_ids, "
+                f"attention_mask) of each of the {num_columns} columns] to compute_loss_from_embeddings"
+            )
+        return [self._gather(keys) for keys in row_keys]
 
     # -- statistics --------------------------------------------------------------------------------------------
 
@@ -265,9 +299,13 @@ class WEINCELoss(nn.Module):
             scores, positive_index, valid_mask, self.options.math, gather=self._gather
         )
 
-    def _guarded(self, layout: MNRLLayout) -> tuple[MNRLLayout, FilterCounts | None]:
+    def _guarded(
+        self, layout: MNRLLayout, keys: list[Tensor] | None = None, row_start: int = 0
+    ) -> tuple[MNRLLayout, FilterCounts | None]:
         """The layout with the false-negative guard's candidates removed from every group's ``valid_mask``, and the
-        per-row counts (masked, negatives before) of the query-anchored group; the layout itself when it is off."""
+        per-row counts (masked, negatives before) of the query-anchored group; the layout itself when it is off.
+        ``keys``: the (gathered) columns' input keys for the ``"identical"`` rule, with the layout's first row
+        ``row_start``."""
         spec = self.options.false_negative_filter
         if spec is None:
             return layout, None
@@ -276,12 +314,16 @@ class WEINCELoss(nn.Module):
         pair_scores = query_group.scores.gather(1, query_group.positive_index[:, None]).squeeze(1)
         groups, counts = [], None
         for group in layout.groups:
+            key_arguments = {}
+            if spec.needs_keys:
+                key_arguments = _identical_rule_keys(group, keys, row_start, layout.num_rows)
             valid_mask, group_counts = apply_false_negative_filter(
                 group.scores,
                 group.positive_index,
                 group.valid_mask,
                 spec,
                 positive_scores=None if group.has_positive else pair_scores,
+                **key_arguments,
             )
             counts = group_counts if counts is None else counts
             groups.append(dataclasses.replace(group, valid_mask=valid_mask))
@@ -352,6 +394,7 @@ class WEINCELoss(nn.Module):
     def loss_from_scores(self, scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None) -> Tensor:
         """Cross-entropy over one score matrix, e.g. the SimCLR 2N x 2N layout of
         :func:`st_weince.functional.nt_xent_layout`. Used by the vision adapter."""
+        self._gathered_keys(None, 0)  # a score matrix carries no inputs to compare ("identical" is refused)
         check_score_shapes(scores, positive_index, valid_mask)
         if self.options.check_inputs:  # the one host sync of the step
             checks = DeferredChecks()
@@ -375,14 +418,19 @@ class WEINCELoss(nn.Module):
         self._record(stats, counts)
         return loss
 
-    def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
+    def compute_loss_from_embeddings(
+        self, embeddings: list[Tensor], labels: Tensor | None = None, *, row_keys: list[Tensor] | None = None
+    ) -> Tensor:
         """The loss on already computed column embeddings (``[anchor, positive, *negatives]``), in float32 for
-        half-precision embeddings (also under autocast) and in float64 for float64 ones."""
+        half-precision embeddings (also under autocast) and in float64 for float64 ones. ``row_keys``: each column's
+        :func:`~st_weince.functional.input_keys`, needed by the guard's ``"identical"`` rule only (``forward``
+        computes them from the token ids)."""
+        keys = self._gathered_keys(row_keys, len(embeddings))
         warn_unused_labels(self, labels)  # no sync: a host-side check
         with full_precision(*embeddings):
-            return self._loss_from_embeddings(embeddings)
+            return self._loss_from_embeddings(embeddings, keys)
 
-    def _loss_from_embeddings(self, embeddings: list[Tensor]) -> Tensor:
+    def _loss_from_embeddings(self, embeddings: list[Tensor], keys: list[Tensor] | None) -> Tensor:
         checks = DeferredChecks() if self.options.check_inputs else False
         queries, docs, offset = self._normalized_columns(embeddings, checks)
         if checks:
@@ -396,7 +444,7 @@ class WEINCELoss(nn.Module):
             row_start=offset,
             row_end=offset + batch_size,
         )
-        layout, counts = self._guarded(layout)
+        layout, counts = self._guarded(layout, keys, offset)
         statistics = [
             statistics_from_fit(fit, self.options.math, gather=self._gather) for fit in self._group_fits(layout)
         ]
@@ -436,3 +484,24 @@ class WEINCELoss(nn.Module):
     @property
     def citation(self) -> str:
         return WEINCE_CITATION
+
+
+def _identical_rule_keys(group: Any, keys: list[Tensor] | None, row_start: int, num_rows: int) -> dict[str, Tensor]:
+    """The candidates' input keys of one MNRL group (its directions' candidate sets side by side) and each row's
+    reference keys: the positive document's for rows anchored at queries, the row's query for rows anchored at
+    documents (its pair partner)."""
+    if keys is None:
+        raise ValueError("false_negative_filter='identical' needs the inputs' keys")
+    query_keys, doc_keys = keys[0], keys[1:]
+    all_doc_keys = torch.cat(doc_keys) if len(doc_keys) > 1 else doc_keys[0]
+    per_direction = {
+        "query_to_doc": all_doc_keys,
+        "query_to_query": query_keys,
+        "doc_to_query": query_keys,
+        "doc_to_doc": all_doc_keys,
+    }
+    candidate_keys = torch.cat([per_direction[direction] for direction in group.directions])
+    rows = slice(row_start, row_start + num_rows)
+    anchored_at_queries = group.directions[0] in ("query_to_doc", "query_to_query")
+    reference_keys = doc_keys[0][rows] if anchored_at_queries else query_keys[rows]
+    return {"candidate_keys": candidate_keys, "reference_keys": reference_keys}

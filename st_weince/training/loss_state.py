@@ -49,6 +49,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from st_weince.training.setup_checks import check_trainer_setup
 from st_weince.training.statistics import LossStatisticsCallback, log_loss_statistics
 from st_weince.utils.options import options_config
+from st_weince.training.trained_values import TrainedValuesCallback, carry_trained_values, rb_sigmoid_losses
 
 logger = logging.getLogger(__name__)
 
@@ -600,7 +601,11 @@ def prepare_trainer(
     - they get no weight decay, and their own learning rate ``loss_learning_rate`` through the trainer's
       ``learning_rate_mapping`` (an entry the caller gave for the same parameters wins; None: the trainer's rate);
     - their gradients are averaged across processes;
-    - their statistics (``rb_sigmoid_t``, ``rb_sigmoid_b_rel`` ...) are added to the training logs.
+    - their statistics (``rb_sigmoid_t``, ``rb_sigmoid_b_rel``, ``rb_sigmoid_t_capped`` ...) are added to the
+      training logs;
+    - RB-Sigmoid's ``log_t`` is clamped at its ``max_scale`` cap after every optimizer step, and the trained ``t`` and
+      ``b_rel`` are written into the model's configuration and its model card before every checkpoint and at the end
+      of training, so the saved model carries them (:func:`st_weince.match_probability`).
 
     For every loss: a warning (once) when WEINCE's configured batch is too small for any tail fit (it would be
     InfoNCE) or the dataset has a label column that the loss ignores (:mod:`st_weince.training.setup_checks`).
@@ -632,6 +637,11 @@ def prepare_trainer(
     trainer.add_callback(record)
     trainer.add_callback(LossStateCallback(trainer, allow_missing_loss_state=allow_missing_loss_state))
     _check_before_loading(trainer, allow_missing_loss_state)
+    if rb_sigmoid_losses(trainer.loss):
+        # after LossStateCallback: the cap applies to the step's averaged gradients, the carried values are those
+        # of the best checkpoint when it is loaded at the end
+        carry_trained_values(trainer.model, trainer.loss, 0)  # the configured starts until the first save
+        trainer.add_callback(TrainedValuesCallback(trainer))
 
     excluded = {id(p) for p in no_weight_decay_parameters(trainer.loss)}
     original_decay_names = trainer.get_decay_parameter_names
