@@ -48,8 +48,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from st_weince.training.setup_checks import check_trainer_setup
 from st_weince.training.statistics import LossStatisticsCallback, log_loss_statistics
-from st_weince.utils.options import options_config
 from st_weince.training.trained_values import TrainedValuesCallback, carry_trained_values, rb_sigmoid_losses
+from st_weince.utils.options import options_config
 
 logger = logging.getLogger(__name__)
 
