@@ -1,5 +1,5 @@
 """Supervised fine-tuning with in-batch false negatives: MNRL, WEINCE and RB-Sigmoid, each with and without the
-false-negative guard (issue 13 item 3).
+false-negative guard.
 
 Data: BANKING77 (``<data-dir>/banking77/{train,test}.csv``, columns text,category). From the training split a
 class-stratified validation split is carved off (``--val-fraction``); the rest gives same-class pairs (each class's
@@ -171,7 +171,7 @@ def blending_diagnostic(
     out = {"anchors": float(size), "false_negatives": float(same.sum())}
     masks = {"before": None, "after": ~false_negative_mask(scores, positive_index, None, spec)}
     for name, valid_mask in masks.items():
-        stats = weince_statistics(scores, positive_index, valid_mask, DEFAULTS.replace(beta="auto"), checks=False)
+        stats = weince_statistics(scores, positive_index, valid_mask, DEFAULTS.replace(beta="auto"))
         candidates = scores.masked_fill(torch.eye(size, dtype=torch.bool), float("-inf"))
         if valid_mask is not None:
             candidates = candidates.masked_fill(~valid_mask, float("-inf"))

@@ -1,4 +1,4 @@
-"""issue 14 item 4: InfoNCE against WEINCE on CIFAR-10 with a full-width ResNet-18, on one GPU in about 8 minutes.
+"""InfoNCE against WEINCE on CIFAR-10 with a full-width ResNet-18, on one GPU in about 8 minutes.
 
 Both losses start from the same seed (same initial network, data order and augmentations). The first loss (InfoNCE)
 trains whole epochs while they fit its share of the time budget; the second (WEINCE) then trains the same number of
@@ -93,7 +93,7 @@ def train_one(
     """Train ``epochs`` epochs, or (``epochs`` None) whole epochs while the next one is expected to fit the budget."""
     torch.manual_seed(args.seed)
     model = SimCLRModel("resnet18", width=args.scale["width"]).to(device, memory_format=torch.channels_last)
-    objective = SimCLRObjective(loss, args.temperature, beta=1.0).to(device)
+    objective = SimCLRObjective(loss, scale=1.0 / args.temperature).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     augment = SimCLRAugment(generator=torch.Generator().manual_seed(args.seed))
     data_generator = torch.Generator().manual_seed(args.seed + 1)

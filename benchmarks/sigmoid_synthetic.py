@@ -1,7 +1,7 @@
 """The synthetic experiments of "Global Minimizers of Sigmoid Contrastive Loss" (Bangachev et al., NeurIPS 2025),
 re-run with st-weince's sigmoid loss, plus the measurement behind RBSigmoidLoss's initial (t, b_rel).
 
-Setting (the released one, ALGORITHMS.md section 2): N = 100 pairs (U_i, V_i) in d = 10, optimized directly on the
+Setting (the released one, docs/algorithms.md section 2): N = 100 pairs (U_i, V_i) in d = 10, optimized directly on the
 unit sphere with Adam (lr 1e-2 on U, V, log t and the bias), projecting back after every step, full batch, loss averaged
 over all N^2 pairs, seed 50, start t = 10. Parts:
 

@@ -1,4 +1,4 @@
-"""Issue 14 item 3: do WEINCE's settings matter for SimCLR, and are the defaults right?
+"""Do WEINCE's settings matter for SimCLR, and are the defaults right?
 
 The released code tuned (aic_margin, kappa_rho, kappa_aic) on the 27-point grid {0, 2, 6} x {5, 10, 20} x
 {0.5, 1, 2}. Measured before training (benchmarks/weince_grid_statistics.py), aic_margin and kappa_aic do not move

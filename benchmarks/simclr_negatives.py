@@ -1,4 +1,4 @@
-"""Issue 14 item 2: does WEINCE's effect grow with the number of negatives?
+"""Does WEINCE's effect grow with the number of negatives?
 
 WEINCE against InfoNCE at 128, 512 and 2,048 pairs per step (254 to 4,094 negatives per anchor in the NT-Xent
 layout) with the same number of images seen: one epoch of all 50,000 CIFAR-10 training images, so the larger

@@ -39,7 +39,7 @@ def step_cost(width: int, batch: int, channels_last: bool, loss: str, steps: int
     model = SimCLRModel("resnet18", width=width)
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     model = model.to(memory_format=memory_format)
-    objective = SimCLRObjective(loss, 0.5)
+    objective = SimCLRObjective(loss)  # SimCLR's scale 2 (temperature 0.5)
     optimizer = torch.optim.Adam([*model.parameters(), *objective.parameters()], lr=1e-3)
     augment = SimCLRAugment(generator=torch.Generator().manual_seed(0))
     seconds = []

@@ -1,4 +1,4 @@
-"""The long SimCLR study of issue 14: InfoNCE, WEINCE and RB-Sigmoid (3 seeds each) on all of CIFAR-10.
+"""The long SimCLR study: InfoNCE, WEINCE and RB-Sigmoid (3 seeds each) on all of CIFAR-10.
 
 One CPU core per run. The configuration (``STUDY``) is the largest that fits about 45 minutes per run on one core of
 this machine (timings in docs/evidence.md): CIFAR-stem ResNet-18 of width 16, batch 256 pairs, 10 epochs over all
@@ -112,7 +112,7 @@ STUDY: dict[str, Any] = {
     "pot_images": 4000,
     "pot_quantile": 0.999,
     "subset_seed": 0,
-    # Issue 14 items 2 and 3 run this same loop at other settings (benchmarks/simclr_negatives.py, simclr_grid.py):
+    # The negatives and grid studies run this same loop at other settings (simclr_negatives.py, simclr_grid.py):
     "holdout": None,  # int: class-balanced training images held out and evaluated on in place of the test set
     "weince_options": {},  # WEINCE options beyond the vision defaults, e.g. {"aic_margin": 0.0, "kappa_rho": 5.0}
     "eval_at_start": True,  # the epoch-0 checkpoint (the same for every loss of a seed)

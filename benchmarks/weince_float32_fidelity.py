@@ -53,8 +53,8 @@ def compare(anchors: torch.Tensor, positives: torch.Tensor, options: WeinceOptio
     index = torch.arange(len(a))
     s64 = weince_statistics(scores64, index, None, options)
     s32 = weince_statistics(scores32, index, None, options)
-    loss64 = weince_cross_entropy(scores64, index, None, options, temperature=0.05)
-    loss32 = weince_cross_entropy(scores32, index, None, options, temperature=0.05)
+    loss64 = weince_cross_entropy(scores64, index, None, options, scale=20.0)
+    loss32 = weince_cross_entropy(scores32, index, None, options, scale=20.0)
     # and the statistics of float64 scores rounded to float32, fitted in float32: the fits' own error
     s32_fit = weince_statistics(scores64.float(), index, None, options)
 

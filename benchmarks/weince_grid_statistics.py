@@ -1,8 +1,8 @@
-"""Issue 14 item 3, before training: which of WEINCE's settings move lambda at all, on text and on images?
+"""Before training: which of WEINCE's settings move lambda at all, on text and on images?
 
 The released code tuned (aic_margin, kappa_rho, kappa_aic) on a 27-point grid. Training a network per point is
 expensive here, so this script first measures what each setting changes on real batches, without training. WEINCE's
-per-anchor lambda (shared/docs/ALGORITHMS.md 1.1) is computed on the same batches under each point of two 9-point
+per-anchor lambda (docs/algorithms.md 1.1) is computed on the same batches under each point of two 9-point
 Latin squares (benchmarks/simclr_grid.py):
 
 - the released factors (aic_margin {0, 2, 6} x kappa_rho {5, 10, 20} x kappa_aic {0.5, 1, 2});
@@ -13,7 +13,7 @@ Batches (``--batch-size``, default 64 for text and 256 for images, as in trainin
 
 - ``simcse``: sentences of the SimCSE Wikipedia sample embedded twice by all-MiniLM-L6-v2 in train mode (dropout
   views, unsupervised SimCSE), ``beta="auto"`` as ``WEINCELoss``'s text default;
-- ``banking77``: same-intent pairs of BANKING77's training split (supervised pairs, issue 13), eval mode;
+- ``banking77``: same-intent pairs of BANKING77's training split (supervised pairs), eval mode;
 - ``simclr-<run>``: two SimCLR views of class-balanced CIFAR-10 training images through the projection head of a
   study-1 encoder after its last saved epoch (``--study-state``, outside git; skipped when absent).
 

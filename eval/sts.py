@@ -37,33 +37,6 @@ from st_weince.data.sts import (
 )
 from st_weince.evaluation.sts import AGGREGATIONS, format_table, load_model, scores_from_details, sts_details
 
-# Names this module held before the readers and the evaluation moved into the package; kept for one release.
-_MOVED = {
-    **dict.fromkeys(
-        ("MissingDataError", "STSSubset", "SENTEVAL_SUBSETS", "TASK_ALIASES", "SICK_FILES", "load_sts_task",
-         "read_senteval_subset", "read_stsb_csv", "read_sick"),
-        "st_weince.data.sts",
-    ),
-    **dict.fromkeys(
-        ("evaluate_sts", "aggregate_spearman"),
-        "st_weince.evaluation.sts",
-    ),
-}  # fmt: skip
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _MOVED:
-        raise AttributeError(f"module 'eval.sts' has no attribute {name!r}")
-    import importlib
-    import warnings
-
-    warnings.warn(
-        f"eval.sts.{name} is deprecated and will be removed in the next release; use {_MOVED[name]}.{name}",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(_MOVED[name]), name)
-
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -16,7 +16,7 @@ to 64 dimensions, scale 2 (temperature 0.5), batch 256 pairs, 100 epochs, weight
     previous   this project's earlier setup (the default): head Linear(f, 512) - BatchNorm - ReLU - Linear(512, 64),
                Adam lr 1e-3 with weight decay 1e-6, colour jitter 0.4/0.4/0.4/0.1, normalised inputs; probe on
                standardised features of the whole train split (Adam lr 1e-3), k-NN against the whole train split.
-    released   the released WEINCE setup of ALGORITHMS.md 1.2b, for both arms: head Linear(f, f, no bias) - ReLU -
+    released   the released WEINCE setup of docs/algorithms.md 1.2b, for both arms: head Linear(f, f, no bias) - ReLU -
                Linear(f, 64, no bias), Adam lr 3e-4 without weight decay, colour jitter 0.8/0.8/0.8/0.2, no
                normalisation; a stratified 80/20 train/validation split, the probe (logistic regression, Adam lr 3e-4)
                on raw features of the 80 %, test and validation accuracy after the last epoch, k-NN over 5 split seeds
@@ -63,21 +63,15 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from st_weince.training import average_loss_gradients
-from st_weince.utils.cli import (
-    DeprecatedAlias,
-    inverse_temperature,
-    json_object_to_key_values,
-    parse_key_values,
-    positive_float,
-    quiet_known_warnings,
-    user_errors_exit,
-)
+from st_weince.utils.cli import parse_key_values, positive_float, quiet_known_warnings, user_errors_exit
 from st_weince.utils.provenance import provenance
 from st_weince.vision import (
     LOSSES,
     PREVIOUS_PROTOCOL,
     RELEASED_AUGMENT,
     RELEASED_PROTOCOL,
+    SIMCLR_BETA,
+    SIMCLR_SCALE,
     SimCLRAugment,
     SimCLRModel,
     SimCLRObjective,
@@ -90,7 +84,6 @@ from st_weince.vision import (
 from st_weince.vision.augment import SimCLRAugmentConfig
 from st_weince.vision.data import DEFAULT_SPLITS
 from st_weince.vision.models import BACKBONES
-from st_weince.vision.objectives import SIMCLR_SCALE
 
 STL10_MEAN, STL10_STD = (0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)
 FEATURE_WIDTH = "features"  # --hidden-dim value: as wide as the backbone features
@@ -155,8 +148,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--projection-dim", type=int, default=64)
     loss = parser.add_argument_group("loss")
     loss.add_argument("--loss", default="weince", choices=LOSSES)
-    loss.add_argument("--scale", type=positive_float, default=None,
-                      help="infonce/weince: 1 / temperature (default 2); rb-sigmoid: its starting t")
+    loss.add_argument(
+        "--scale",
+        type=positive_float,
+        default=None,
+        help=f"infonce/weince: 1 / temperature (default {SIMCLR_SCALE:g}); rb-sigmoid: its starting t",
+    )
     loss.add_argument(
         "--loss-option", action="append", default=[], metavar="KEY=VALUE", help="loss keyword, e.g. beta=1; repeatable"
     )
@@ -171,14 +168,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--max-steps", type=int, default=-1, help="overrides --epochs when > 0")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    old = parser.add_argument_group("deprecated aliases, removed in the next release")
-    old.add_argument(
-        "--temperature", dest="scale", action=DeprecatedAlias, new_flag="--scale", convert=inverse_temperature
-    )
-    old.add_argument("--beta", dest="loss_option", action=DeprecatedAlias, new_flag="--loss-option beta=VALUE",
-                     convert=lambda value: f"beta={value}", append=True)  # fmt: skip
-    old.add_argument("--loss-kwargs", dest="loss_option", action=DeprecatedAlias, new_flag="--loss-option KEY=VALUE",
-                     convert=json_object_to_key_values, append=True)  # fmt: skip
     train.add_argument("--log-every", type=int, default=10)
     evaluation = parser.add_argument_group("evaluation")
     evaluation.add_argument("--probe-epochs", type=int, default=100)
@@ -247,12 +236,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         head_output_bias=preset["head_output_bias"],
     )
     options = dict(args.loss_kwargs)
-    beta = options.pop("beta", 1.0)  # the vision reference setting (WEINCELoss's own default is "auto")
+    beta = options.pop("beta", SIMCLR_BETA)  # the vision reference setting (WEINCELoss's own default is "auto")
     scale = args.scale
-    if args.loss == "rb-sigmoid" and scale is not None:  # RB-Sigmoid's scale is its trained t: --scale is its start
-        if "scale" in options:
-            raise ValueError("--loss rb-sigmoid: give the starting scale with --scale, not --loss-option scale=...")
-        options["scale"], scale = scale, None
+    if args.loss == "rb-sigmoid":  # RB-Sigmoid's scale is its trained t: --scale is its start
+        if scale is not None:
+            if "scale" in options:
+                raise ValueError("--loss rb-sigmoid: give the starting scale with --scale, not --loss-option scale=...")
+            options["scale"] = scale
+        scale = SIMCLR_SCALE  # the objective's InfoNCE/WEINCE factor, which RB-Sigmoid does not read
     objective = SimCLRObjective(args.loss, beta=beta, loss_kwargs=options, scale=scale).to(device)
     loss_parameters = [p for p in objective.parameters() if p.requires_grad]
     param_groups = [{"params": list(model.parameters())}]

@@ -62,14 +62,7 @@ from st_weince.evaluation.curves import plot_training_curves
 from st_weince.evaluation.sts import STSEvaluator
 from st_weince.losses import RBSigmoidLoss, WEINCELoss
 from st_weince.training import prepare_trainer
-from st_weince.utils.cli import (
-    DeprecatedAlias,
-    inverse_temperature,
-    parse_key_values,
-    positive_float,
-    quiet_known_warnings,
-    user_errors_exit,
-)
+from st_weince.utils.cli import parse_key_values, positive_float, quiet_known_warnings, user_errors_exit
 from st_weince.utils.pretrained import build_tiny_encoder, load_sentence_encoder, minilm_path
 from st_weince.utils.provenance import provenance
 
@@ -94,10 +87,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_seq_length": 32, "scale": 20.0, "epochs": 1.0, "max_steps": 20, "eval_steps": 20, "logging_steps": 5,
         "pooling": "model", "mlp_head": False, "eval_before": True, "save_optimizer_state": False,
     },
-}  # fmt: skip
-OLD_WEINCE_FLAGS = {  # deprecated flags -> the loss option they set
-    "--beta": "beta", "--weince-mode": "mode", "--q": "q", "--kappa-rho": "kappa_rho", "--kappa-aic": "kappa_aic",
-    "--aic-margin": "aic_margin", "--tail-frac": "tail_frac", "--min-tail-points": "min_tail_points",
 }  # fmt: skip
 
 
@@ -133,14 +122,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-optimizer-state", action=argparse.BooleanOptionalAction, help="checkpoints can resume")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto", help="auto: GPU bf16/fp16")
     p.add_argument("--threads", type=int, help="torch CPU threads per process (default: torch's choice)")
-    old = p.add_argument_group("deprecated aliases, removed in the next release")
-    old.add_argument(
-        "--temperature", dest="scale", action=DeprecatedAlias, new_flag="--scale", convert=inverse_temperature
-    )
-    old.add_argument("--num-threads", dest="threads", type=int, action=DeprecatedAlias, new_flag="--threads")
-    for flag, key in OLD_WEINCE_FLAGS.items():
-        old.add_argument(flag, dest="loss_option", action=DeprecatedAlias, new_flag=f"--loss-option {key}=VALUE",
-                         convert=lambda value, key=key: f"{key}={value}", append=True)  # fmt: skip
     args = p.parse_args(argv)
     for key, value in PRESETS[args.preset].items():
         if key == "scale" and args.loss == "rb-sigmoid":

@@ -109,7 +109,9 @@ def query_group(
 ) -> CandidateGroup:
     """The query-anchored candidate group (whose statistics the loss keeps) of rows ``row_start:row_end``."""
     queries, *docs = [normalize_rows(column) for column in embeddings]
-    layout = mnrl_layout(queries, docs, loss.directions, loss.partition_mode, row_start=row_start, row_end=row_end)
+    layout = mnrl_layout(
+        queries, docs, loss.options.directions, loss.options.partition_mode, row_start=row_start, row_end=row_end
+    )
     return layout.groups[0]
 
 

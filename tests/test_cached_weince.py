@@ -87,7 +87,7 @@ def test_cached_statistics_equal_uncached_exactly_on_identical_embeddings(one_to
         if mini_batch_size == 48:
             expected = uncached.last_statistics
         else:
-            expected = weince_statistics(*chunk_scores(uncached, columns, mini_batch_size), uncached.options)
+            expected = weince_statistics(*chunk_scores(uncached, columns, mini_batch_size), uncached.options.math)
         for field in ("lam", "beta", "rho", "delta_aic", "rho0", "beta_hat", "fitted"):
             actual = getattr(cached.last_statistics, field)
             assert torch.equal(actual, getattr(expected, field)), (field, mini_batch_size)
@@ -125,7 +125,7 @@ def test_cached_equals_uncached_on_a_tiny_bert(tiny_model, one_torch_thread, opt
     # Rounding only: a wrong row or column would put scores about 1e-2 apart, i.e. about 1e5 ulps. 64 is twice the
     # textbook bound of two summation orders of a 32-term dot product of unit vectors (2 x 32 units of rounding).
     assert ulps <= 64, f"the two paths' scores are {ulps} ulps apart"
-    tolerances = tail_fit_tolerances(group.scores, group.positive_index, group.valid_mask, uncached.options, ulps)
+    tolerances = tail_fit_tolerances(group.scores, group.positive_index, group.valid_mask, uncached.options.math, ulps)
     assert_statistics_close(cached.last_statistics, uncached.last_statistics, tolerances)
     assert cached.pop_logged_statistics().keys() == uncached.pop_logged_statistics().keys()
 
@@ -178,7 +178,7 @@ def test_config_round_trip_rebuilds_the_same_loss(tiny_model, one_torch_thread, 
     rebuilt = cls(tiny_model, **config)
     assert rebuilt.get_config_dict() == config
     assert rebuilt.options == loss.options
-    if not loss.gather_across_devices:
+    if not loss.options.gather_across_devices:
         tiny_model.eval()
         features = triplet_features(tiny_model, batch_size=16, seed=3)
         with torch.no_grad():

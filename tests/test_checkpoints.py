@@ -35,7 +35,7 @@ WORKER = REPO_ROOT / "tests" / "checkpoint_worker.py"
 
 def outcome(trainer) -> dict:
     losses = {r["step"]: r["loss"] for r in trainer.state.log_history if "loss" in r}
-    return {"t": trainer.loss.inverse_temperature.item(), "b_rel": trainer.loss.b_rel.item(), "losses": losses}
+    return {"t": trainer.loss.scale.item(), "b_rel": trainer.loss.b_rel.item(), "losses": losses}
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def assert_same_run(got: dict, expected: dict) -> None:
     [
         ("model", 2),  # checkpoint-4 holds the model only: set aside, resume from checkpoint-2
         ("state", 2),  # model, optimizer, RNG, no trainer_state.json yet: set aside as well
-        ("on_save", 4),  # complete: the moment at which the loss state used to be missing (issue 11)
+        ("on_save", 4),  # complete: the moment at which a crash could leave the loss state missing
     ],
 )
 def test_killed_inside_a_save_resumes_like_an_uninterrupted_run(
@@ -183,7 +183,7 @@ def test_non_finite_loss_parameters_stop_training_before_the_checkpoint(tiny_mod
 
 
 def test_loss_state_file_helpers(tiny_model, tmp_path):
-    loss = RBSigmoidLoss(tiny_model, inverse_temperature=3.0)
+    loss = RBSigmoidLoss(tiny_model, scale=3.0)
     with pytest.raises(FileNotFoundError, match=LOSS_STATE_FILE):
         load_loss_state(loss, tmp_path)
     path = Path(save_loss_state(loss, tmp_path))
@@ -191,7 +191,7 @@ def test_loss_state_file_helpers(tiny_model, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
     fresh = RBSigmoidLoss(tiny_model)
     load_loss_state(fresh, tmp_path)
-    assert fresh.inverse_temperature.item() == pytest.approx(3.0)
+    assert fresh.scale.item() == pytest.approx(3.0)
     for content, message in [(b"", "is empty"), (b"\x80\x02not a zip", "is corrupt")]:
         path.write_bytes(content)
         with pytest.raises(ValueError, match=message) as error:

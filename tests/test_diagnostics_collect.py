@@ -96,10 +96,3 @@ def test_read_first_lines_keeps_order_and_duplicates(tmp_path) -> None:
     assert read_first_lines(path, 2) == ["a b", "c d"]
     with pytest.raises(ValueError, match="limit must be at least 1"):
         read_first_lines(path, 0)
-
-
-def test_read_sentences_is_a_deprecated_alias() -> None:
-    from st_weince.diagnostics import collect
-
-    with pytest.warns(DeprecationWarning, match="sample_distinct_lines"):
-        assert collect.read_sentences is sample_distinct_lines

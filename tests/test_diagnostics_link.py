@@ -15,7 +15,7 @@ def _simulate(lam: float, *, beta: float = 1.0, tau: float = 0.1, anchors: int =
     generator = torch.Generator().manual_seed(seed)
     distances = np.random.default_rng(seed).beta(2.0, 3.0, size=(anchors, candidates))
     scores = torch.from_numpy(1.0 - 2.0 * distances).float()
-    logits = weince_logits(scores, torch.full((anchors,), lam), torch.full((anchors,), beta), temperature=tau)
+    logits = weince_logits(scores, torch.full((anchors,), lam), torch.full((anchors,), beta), scale=1 / tau)
     winners = torch.multinomial(torch.softmax(logits.double(), dim=1), 1, generator=generator).squeeze(1)
     return scores, winners
 

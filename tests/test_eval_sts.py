@@ -421,12 +421,10 @@ def test_pair_csv_and_stsb_split_readers(tiny_data: Path, tmp_path: Path):
         read_stsb_splits(tmp_path)
 
 
-def test_moved_names_still_import_from_eval_sts_with_a_warning():
-    from st_weince.evaluation import sts as evaluation
-
-    with pytest.warns(DeprecationWarning, match=r"eval\.sts\.evaluate_sts is deprecated.*st_weince\.evaluation"):
-        assert sts_cli.evaluate_sts is evaluation.evaluate_sts
-    with pytest.warns(DeprecationWarning, match=r"st_weince\.data\.sts\.read_stsb_csv"):
-        assert sts_cli.read_stsb_csv is sts.read_stsb_csv
+def test_names_that_moved_into_the_package_are_gone_from_eval_sts():
+    with pytest.raises(AttributeError, match="evaluate_sts"):
+        sts_cli.evaluate_sts  # noqa: B018 - lives in st_weince.evaluation.sts
+    with pytest.raises(AttributeError, match="read_stsb_csv"):
+        sts_cli.read_stsb_csv  # noqa: B018 - lives in st_weince.data.sts
     with pytest.raises(AttributeError, match="no attribute 'paired_cosine'"):
         sts_cli.paired_cosine  # noqa: B018 - removed: sentence-transformers' evaluator computes the cosines

@@ -179,7 +179,7 @@ def test_rows_without_their_own_positive_use_the_query_to_doc_pair_score():
     queries, docs = (F.normalize(c.detach(), dim=-1) for c in columns)
     from st_weince.functional.layouts import mnrl_layout
 
-    layout, _ = loss._guarded(mnrl_layout(queries, [docs], loss.directions, loss.partition_mode))
+    layout, _ = loss._guarded(mnrl_layout(queries, [docs], loss.options.directions, loss.options.partition_mode))
     doc_group = layout.groups[1]
     assert not doc_group.has_positive and doc_group.directions == ("doc_to_doc",)
     removed = {tuple(x) for x in (~doc_group.valid_mask & ~torch.eye(64, dtype=torch.bool)).nonzero().tolist()}
@@ -291,12 +291,13 @@ def test_config_round_trip_keeps_the_guard(cls):
     config = loss.get_config_dict()
     assert config["false_negative_filter"] == ["relative", 0.95]
     rebuilt = cls(None, **config)
-    assert rebuilt.get_config_dict() == config and rebuilt.false_negative_filter == loss.false_negative_filter
+    assert rebuilt.get_config_dict() == config
+    assert rebuilt.options.false_negative_filter == loss.options.false_negative_filter
     assert cls(None).get_config_dict()["false_negative_filter"] is None
 
 
 def test_weince_mode_none_round_trips_and_bad_modes_are_refused():
     loss = WEINCELoss(None, mode="none")
-    assert WEINCELoss(None, **loss.get_config_dict()).mode == "none"
+    assert WEINCELoss(None, **loss.get_config_dict()).options.mode == "none"
     with pytest.raises(ValueError, match="'both', 'rho', 'aic' or 'none'"):
         WEINCELoss(None, mode="infonce")

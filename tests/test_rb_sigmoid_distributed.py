@@ -80,7 +80,7 @@ def test_trainer_keeps_loss_parameters_identical_across_ranks(ranks):
     plain = [ranks[r]["trainer"]["plain"] for r in range(2)]
     assert prepared[0] == pytest.approx(prepared[1], rel=1e-6, abs=1e-7)
     assert prepared[0][0] != pytest.approx(10.0, rel=1e-3), "t must have moved during training"
-    # Without prepare_trainer (ECOSYSTEM-NOTES trap 1) the ranks drift apart.
+    # Without prepare_trainer the ranks drift apart.
     assert plain[0] != pytest.approx(plain[1], rel=1e-6, abs=1e-7)
 
 

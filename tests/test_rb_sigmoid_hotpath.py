@@ -110,7 +110,7 @@ def test_compiled_fullgraph_equals_eager(options, one_torch_thread):
 
 
 def direct_float64(embeddings: list[torch.Tensor], log_t: torch.Tensor, b_rel: torch.Tensor) -> torch.Tensor:
-    """ALGORITHMS.md section 2 in float64, written independently: anchors against all other columns' rows."""
+    """docs/algorithms.md section 2 in float64, written independently: anchors against all other columns' rows."""
     u = embeddings[0] / embeddings[0].norm(dim=1, keepdim=True)
     v = torch.cat([e / e.norm(dim=1, keepdim=True) for e in embeddings[1:]])
     s = u @ v.T

@@ -14,11 +14,11 @@ import torch.nn.functional as F
 
 from st_weince.functional import nt_xent_layout
 from st_weince.losses import RBSigmoidLoss
-from st_weince.losses.rb_sigmoid import DEFAULT_RELATIVE_BIAS, DEFAULT_SCALE
+from st_weince.losses.rb_sigmoid import RBSigmoidOptions
 
 
 def direct(u, v_all, positive_index, t, *, b_rel=None, b=None, mask=None) -> torch.Tensor:
-    """The formula of ALGORITHMS.md section 2 on cosine scores, float64, written independently of the package."""
+    """The formula of docs/algorithms.md section 2 on cosine scores, float64, written independently of the package."""
     u = F.normalize(u.double(), dim=-1)
     v_all = F.normalize(v_all.double(), dim=-1)
     s = u @ v_all.T
@@ -131,7 +131,7 @@ def test_symmetric_changes_nothing_without_negatives_and_averages_directions_wit
     plain = RBSigmoidLoss(None).compute_loss_from_embeddings([a, p])
     symmetric = RBSigmoidLoss(None, symmetric=True).compute_loss_from_embeddings([a, p])
     assert symmetric.item() == pytest.approx(plain.item(), rel=1e-6)
-    t, b_rel = DEFAULT_SCALE, DEFAULT_RELATIVE_BIAS
+    t, b_rel = RBSigmoidOptions().scale, RBSigmoidOptions().relative_bias
     with_negatives = RBSigmoidLoss(None, symmetric=True).compute_loss_from_embeddings([a, p, n])
     expected = (
         direct(a, torch.cat([p, n]), torch.arange(5), t, b_rel=b_rel) + direct(p, a, torch.arange(5), t, b_rel=b_rel)

@@ -1,5 +1,5 @@
 """RBSigmoidLoss's options: validated at construction (types, ranges, finiteness; the error names the option),
-NumPy numbers accepted and bools refused as numbers, the deprecated aliases, MultipleNegativesRankingLoss's
+NumPy numbers accepted and bools refused as numbers, MultipleNegativesRankingLoss's
 arguments accepted or refused with the reason, and the get_config_dict round trip for every configuration."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import warnings
 
 import numpy as np
 import pytest
@@ -15,7 +14,10 @@ import torch
 from sentence_transformers.util import cos_sim, dot_score
 
 from st_weince.losses import CachedRBSigmoidLoss, RBSigmoidLoss
-from st_weince.losses.rb_sigmoid import DEFAULT_RELATIVE_BIAS, DEFAULT_SCALE, RBSigmoidOptions
+from st_weince.losses.rb_sigmoid import RBSigmoidOptions
+
+DEFAULT_SCALE = RBSigmoidOptions().scale
+DEFAULT_RELATIVE_BIAS = RBSigmoidOptions().relative_bias
 
 BAD_OPTIONS = [
     ({"scale": 0.0}, ValueError, "scale must be > 0"),
@@ -52,23 +54,22 @@ BAD_OPTIONS = [
     ({"hardness_strength": 0.5}, ValueError, "does not support hardness_strength"),
     ({"partition_mode": "joint"}, ValueError, "no softmax partition function"),
     ({"temperature": 0.05}, TypeError, "unexpected keyword argument 'temperature'"),
-    ({"inverse_temperature": 5.0, "scale": 7.0}, ValueError, "scale or its deprecated alias inverse_temperature"),
+    ({"inverse_temperature": 5.0}, TypeError, "unexpected keyword argument 'inverse_temperature'"),
+    ({"trainable_temperature": False}, TypeError, "unexpected keyword argument 'trainable_temperature'"),
 ]
 
 
 @pytest.mark.parametrize("options,error,message", BAD_OPTIONS)
 def test_bad_options_are_refused_at_construction_naming_the_option(options, error, message):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        with pytest.raises(error, match=message):
-            RBSigmoidLoss(None, **options)
+    with pytest.raises(error, match=message):
+        RBSigmoidLoss(None, **options)
 
 
 def test_numpy_numbers_are_accepted_and_stored_as_python_numbers():
     loss = RBSigmoidLoss(None, np.float32(20.0), relative_bias=np.float64(0.25), chunk_size=np.int64(3))
     assert loss.scale.item() == pytest.approx(20.0, rel=1e-6)
     assert loss.b_rel.item() == pytest.approx(0.25)
-    assert loss.chunk_size == 3 and type(loss.chunk_size) is int
+    assert loss.options.chunk_size == 3 and type(loss.options.chunk_size) is int
     config = loss.get_config_dict()
     json.dumps(config)
     assert all(not isinstance(value, np.generic) for value in config.values())
@@ -82,17 +83,6 @@ def test_scale_is_the_second_positional_argument_as_in_mnrl():
     assert RBSigmoidLoss(None).b_rel.item() == pytest.approx(DEFAULT_RELATIVE_BIAS)
 
 
-def test_deprecated_aliases_warn_and_name_the_new_option():
-    with pytest.warns(DeprecationWarning, match="inverse_temperature is deprecated, use scale"):
-        loss = RBSigmoidLoss(None, inverse_temperature=5.0)
-    assert loss.scale.item() == pytest.approx(5.0, rel=1e-6)
-    with pytest.warns(DeprecationWarning, match="trainable_temperature is deprecated, use trainable_scale"):
-        fixed = RBSigmoidLoss(None, trainable_temperature=False)
-    assert "log_t" in dict(fixed.named_buffers()) and not fixed.trainable_scale
-    with pytest.warns(DeprecationWarning, match="use scale"):
-        assert loss.inverse_temperature.item() == pytest.approx(5.0, rel=1e-6)
-
-
 def test_mnrl_arguments_at_their_no_op_values_are_accepted():
     plain = RBSigmoidLoss(None)
     mnrl_style = RBSigmoidLoss(
@@ -100,7 +90,7 @@ def test_mnrl_arguments_at_their_no_op_values_are_accepted():
     )
     assert mnrl_style.get_config_dict() == plain.get_config_dict()
     both = RBSigmoidLoss(None, directions=("doc_to_query", "query_to_doc"))
-    assert both.symmetric and both.get_config_dict() == RBSigmoidLoss(None, symmetric=True).get_config_dict()
+    assert both.options.symmetric and both.get_config_dict() == RBSigmoidLoss(None, symmetric=True).get_config_dict()
 
 
 def test_options_object_is_the_single_source_of_defaults():
@@ -169,7 +159,7 @@ def test_config_rebuilds_the_same_config_and_the_same_loss(cls, options, one_tor
 
 
 def test_default_and_adapter_configs_rebuild():
-    """The two failures reported in issue 11 item 2."""
+    """Two failures users met: a config that did not rebuild the loss, and a rebuilt scale off by a rounding."""
     for cls, options in itertools.product((RBSigmoidLoss, CachedRBSigmoidLoss), ({}, {"locked_adapter": True})):
         loss = cls(None, **options)
         assert cls(None, **loss.get_config_dict()).get_config_dict() == loss.get_config_dict()

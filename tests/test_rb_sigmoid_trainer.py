@@ -203,7 +203,7 @@ def test_cached_loss_trains_like_the_uncached_one_with_accumulation(tiny_model_d
 
 
 def test_t_and_b_rel_move_materially_at_a_fine_tuning_rate(tiny_model_dir, tmp_path, one_torch_thread):
-    """Issue 11: at the model's fine-tuning rate (2e-5) t and b_rel hardly move; prepare_trainer's own learning rate
+    """At the model's fine-tuning rate (2e-5) t and b_rel hardly move; prepare_trainer's own learning rate
     for them (DEFAULT_LOSS_LEARNING_RATE) makes them train."""
     settings = {"max_steps": 5, "learning_rate": 2e-5, "weight_decay": 0.0, "save_strategy": "no"}
     moved = {}

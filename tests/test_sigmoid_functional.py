@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from st_weince.functional import (
+    check_scores,
     chunked_sigmoid_contrastive_loss,
     constellation_margin,
     locked_adapter_scores,
@@ -17,7 +18,7 @@ from st_weince.functional import (
     sigmoid_logits,
     targets_from_positive_index,
 )
-from st_weince.utils.hotpath import DeferredChecks, count_host_syncs
+from st_weince.utils.hotpath import count_host_syncs
 
 
 def direct_loss(scores, targets, t, *, b_rel=None, b=None, mask=None) -> float:
@@ -138,7 +139,7 @@ def test_targets_from_positive_index():
     expected = torch.tensor([[0, 0, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0]], dtype=torch.float32)
     torch.testing.assert_close(targets, expected)
     with pytest.raises(ValueError, match="positive_index must lie in"):
-        targets_from_positive_index(torch.tensor([4]), 4)
+        check_scores(torch.zeros(1, 4), torch.tensor([4]))
     with pytest.raises(ValueError, match="integer"):
         targets_from_positive_index(torch.tensor([0.0]), 4)
 
@@ -251,7 +252,7 @@ def test_clear_errors_for_bad_inputs():
     with pytest.raises(ValueError, match="relative_bias must be finite"):
         sigmoid_contrastive_loss(scores, targets, scale=1.0, relative_bias=float("nan"))
     with pytest.raises(ValueError, match="only 0"):
-        sigmoid_contrastive_loss(scores, targets * 0.5, scale=1.0, relative_bias=0.0)
+        check_scores(scores, targets=targets * 0.5)
     with pytest.raises(ValueError, match="targets must have the scores' shape"):
         sigmoid_contrastive_loss(scores, targets[:, :3], scale=1.0, relative_bias=0.0)
     with pytest.raises(ValueError, match="2-D"):
@@ -261,17 +262,15 @@ def test_clear_errors_for_bad_inputs():
     bad = scores.clone()
     bad[0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf"):
-        sigmoid_contrastive_loss(bad, targets, scale=1.0, relative_bias=0.0)
+        check_scores(bad, targets=targets)
     with pytest.raises(ValueError, match="valid_mask must be a bool"):
         sigmoid_contrastive_loss(scores, targets, scale=1.0, relative_bias=0.0, valid_mask=targets)
     with pytest.raises(ValueError, match="excludes every entry"):
-        sigmoid_contrastive_loss(
-            scores, targets, scale=1.0, relative_bias=0.0, valid_mask=torch.zeros_like(targets).bool()
-        )
+        check_scores(scores, targets=targets, valid_mask=torch.zeros_like(targets).bool())
     with pytest.raises(ValueError, match="must be a scalar"):
         sigmoid_contrastive_loss(scores, targets, scale=torch.ones(2), relative_bias=0.0)
-    with pytest.raises(ValueError, match="at least one matching and one non-matching"):
-        constellation_margin(scores, torch.ones_like(scores))
+    # no non-matching pair: no constellation constrains the margin from above
+    assert constellation_margin(scores, torch.ones_like(scores))[0].item() == float("inf")
     with pytest.raises(ValueError, match="chunk_size"):
         chunked_sigmoid_contrastive_loss(
             torch.ones(2, 3),
@@ -287,42 +286,22 @@ def test_clear_errors_for_bad_inputs():
         )
 
 
-def test_inverse_temperature_is_a_deprecated_alias_of_scale():
-    scores, targets = random_case(11)
-    expected = sigmoid_contrastive_loss(scores, targets, scale=3.0, relative_bias=0.1)
-    with pytest.warns(DeprecationWarning, match="use scale"):
-        value = sigmoid_contrastive_loss(scores, targets, inverse_temperature=3.0, relative_bias=0.1)
-    assert value.item() == expected.item()
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="not both"):
-        sigmoid_contrastive_loss(scores, targets, scale=3.0, inverse_temperature=3.0, relative_bias=0.1)
-
-
-def test_check_inputs_now_deferred_or_off():
+def test_the_math_checks_shapes_only_and_check_scores_the_values():
     scores, targets = random_case(12)
     bad = scores.clone()
     bad[1, 2] = float("nan")
-    # True: checked at once, with one host-device sync for all value checks.
+    # No value check and no sync in the math; shape errors are still raised (they are free).
     with count_host_syncs() as syncs:
-        sigmoid_contrastive_loss(scores, targets, scale=torch.tensor(2.0), relative_bias=torch.tensor(0.1))
-    assert syncs.total == 1
-    # A DeferredChecks collects them for the caller: nothing is raised (or read) until it asks.
-    checks = DeferredChecks()
-    with count_host_syncs() as syncs:
-        value = sigmoid_contrastive_loss(bad, targets, scale=2.0, relative_bias=0.1, check_inputs=checks)
-    assert syncs.total == 0 and torch.isnan(value)
-    with pytest.raises(ValueError, match="NaN or Inf"):
-        checks.raise_if_failed()
-    # False: no value check and no sync; shape errors are still raised (they are free).
-    with count_host_syncs() as syncs:
-        unchecked = sigmoid_contrastive_loss(bad, targets, scale=2.0, relative_bias=0.1, check_inputs=False)
-        chunked_sigmoid_contrastive_loss(
-            torch.randn(3, 4), torch.randn(5, 4), torch.arange(3), scale=2.0, bias=0.0, check_inputs=False
-        )
+        unchecked = sigmoid_contrastive_loss(bad, targets, scale=torch.tensor(2.0), relative_bias=torch.tensor(0.1))
+        chunked_sigmoid_contrastive_loss(torch.randn(3, 4), torch.randn(5, 4), torch.arange(3), scale=2.0, bias=0.0)
     assert syncs.total == 0 and torch.isnan(unchecked)
     with pytest.raises(ValueError, match="targets must have the scores' shape"):
-        sigmoid_contrastive_loss(scores, targets[:, :2], scale=1.0, relative_bias=0.0, check_inputs=False)
-    # A tensor scale that is not > 0 (e.g. a diverged parameter) is caught by the checks.
-    with pytest.raises(ValueError, match="scale must be finite and > 0"):
-        sigmoid_contrastive_loss(scores, targets, scale=torch.tensor(-1.0), relative_bias=0.0)
+        sigmoid_contrastive_loss(scores, targets[:, :2], scale=1.0, relative_bias=0.0)
+    # check_scores reads every value check with one sync.
+    with count_host_syncs() as syncs:
+        check_scores(scores, targets=targets)
+    assert syncs.total == 1
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        check_scores(bad, targets=targets)
     with pytest.raises(TypeError, match="scale must be a real number or a scalar tensor"):
         sigmoid_contrastive_loss(scores, targets, scale="2", relative_bias=0.0)

@@ -1,4 +1,4 @@
-"""benchmarks/simclr_grid.py and simclr_negatives.py (issue 14 items 3 and 2) on the tiny synthetic ImageFolder:
+"""benchmarks/simclr_grid.py and simclr_negatives.py on the tiny synthetic ImageFolder:
 the held-out split, the grid design, the options reaching the loss, the pairing of the summaries."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""recipes/simclr.py's presets: the released WEINCE setup (ALGORITHMS.md 1.2b) point by point, the previous setup
+"""recipes/simclr.py's presets: the released WEINCE setup (docs/algorithms.md 1.2b) point by point, the previous setup
 unchanged, and the released evaluation protocol (stratified split, raw-feature probe, k-NN over split seeds)."""
 
 from __future__ import annotations

@@ -221,27 +221,29 @@ def test_no_optimizer_state_unless_asked(recipe, tiny_model_dir, small_stsb, tra
         recipe.run(resume)
 
 
-def test_demo_defaults_and_deprecated_aliases(recipe, tiny_model_dir):
+def test_demo_defaults_and_loss_options(recipe, tiny_model_dir):
     from sentence_transformers import SentenceTransformer
 
     demo = recipe.parse_args(["--preset", "cpu-demo"])
     assert demo.loss == "weince" and demo.eval_before and not demo.save_optimizer_state
     assert demo.scale == 20.0 and recipe.parse_args(["--preset", "paper"]).save_optimizer_state
-    with pytest.warns(FutureWarning, match="--temperature is deprecated.*use --scale"):
-        old = recipe.parse_args(["--temperature", "0.1", "--num-threads", "2", "--beta", "1", "--kappa-rho", "3"])
-    assert old.scale == pytest.approx(10.0) and old.threads == 2
-    assert old.loss_option == ["beta=1", "kappa_rho=3"]
-    with pytest.warns(FutureWarning, match="--beta is deprecated.*--loss-option beta=VALUE"):
-        recipe.parse_args(["--beta", "auto"])
+    args = recipe.parse_args(
+        ["--scale", "10", "--threads", "2", "--loss-option", "beta=1", "--loss-option", "kappa_rho=3"]
+    )
+    assert args.scale == pytest.approx(10.0) and args.threads == 2
+    assert args.loss_option == ["beta=1", "kappa_rho=3"]
+    for removed in (["--temperature", "0.1"], ["--num-threads", "2"], ["--beta", "1"], ["--kappa-rho", "3"]):
+        with pytest.raises(SystemExit):
+            recipe.parse_args(removed)
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
-    loss = recipe.build_loss(old, model)
+    loss = recipe.build_loss(args, model)
     assert loss.get_config_dict()["scale"] == pytest.approx(10.0) and loss.get_config_dict()["beta"] == 1
     with pytest.raises(ValueError, match="no_such_option"):  # the loss class refuses what it does not know
         recipe.build_loss(recipe.parse_args(["--loss-option", "no_such_option=1"]), model)
     with pytest.raises(ValueError, match="--scale"):
         recipe.build_loss(recipe.parse_args(["--loss", "infonce", "--loss-option", "scale=5"]), model)
     with pytest.raises(ValueError, match="--loss-option beta is given twice"):
-        recipe.build_loss(recipe.parse_args(["--loss-option", "beta=1", "--beta", "2"]), model)
+        recipe.build_loss(recipe.parse_args(["--loss-option", "beta=1", "--loss-option", "beta=2"]), model)
 
 
 @pytest.mark.parametrize("loss_name", ["weince", "infonce", "rb-sigmoid"])
@@ -270,9 +272,9 @@ def test_results_record_the_loss_that_ran(
     # Without --scale RB-Sigmoid starts from its own default, not from the presets' InfoNCE scale 20.
     default = recipe.parse_args(["--loss", "rb-sigmoid"])
     assert default.scale is None
-    from st_weince.losses.rb_sigmoid import DEFAULT_SCALE
+    from st_weince.losses import RBSigmoidOptions
 
-    assert recipe.build_loss(default, None).get_config_dict()["scale"] == pytest.approx(DEFAULT_SCALE)
+    assert recipe.build_loss(default, None).get_config_dict()["scale"] == pytest.approx(RBSigmoidOptions.scale)
     with pytest.raises(ValueError, match="--scale, not --loss-option scale"):
         recipe.build_loss(recipe.parse_args(["--loss", "rb-sigmoid", "--scale", "5", "--loss-option", "scale=3"]), None)
 

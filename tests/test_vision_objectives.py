@@ -44,7 +44,7 @@ def test_infonce_objective_is_exactly_nt_xent_with_the_same_gradients(temperatur
     z1, z2 = _views()
     z1.requires_grad_(True)
     z2.requires_grad_(True)
-    objective = SimCLRObjective("infonce", temperature=temperature)
+    objective = SimCLRObjective("infonce", scale=1.0 / temperature)
     assert isinstance(objective.loss, MultipleNegativesRankingLoss)
     assert objective.loss.directions == ("query_to_doc", "query_to_query")
     ours = objective(z1, z2)
@@ -58,32 +58,32 @@ def test_infonce_objective_is_exactly_nt_xent_with_the_same_gradients(temperatur
 @pytest.mark.numerics
 def test_weince_objective_blends_in_the_shortfall_logit_on_the_nt_xent_rows():
     z1, z2 = _views(n=40, d=6, seed=1)
-    objective = SimCLRObjective("weince", temperature=0.5, beta=1.0)
-    assert isinstance(objective.loss, WEINCELoss) and objective.loss.beta == 1.0
+    objective = SimCLRObjective("weince", scale=2.0, beta=1.0)
+    assert isinstance(objective.loss, WEINCELoss) and objective.loss.options.beta == 1.0
     loss = objective(z1, z2)
     scores, target, valid = _direct_layout(z1, z2)
     stats = weince_statistics(scores, target, valid, beta=1.0)
     assert (stats.lam > 0.05).any(), "the test batch should switch WEINCE on for some anchors"
-    logits = weince_logits(scores, stats.lam, stats.beta, valid, temperature=0.5)
+    logits = weince_logits(scores, stats.lam, stats.beta, valid, scale=2.0)
     assert loss.item() == pytest.approx(F.cross_entropy(logits, target).item(), rel=1e-5)
     assert loss.item() != pytest.approx(_nt_xent(z1, z2, 0.5).item(), rel=1e-3)
     logged = objective.pop_logged_statistics()
     # The objective's scores (nt_xent_layout) and these are computed apart: float32 may round them differently.
     ulps = ulps_apart(nt_xent_layout(z1, z2)[0], scores)
-    tolerance = tail_fit_tolerances(scores, target, valid, objective.loss.options, ulps)["lam"]
+    tolerance = tail_fit_tolerances(scores, target, valid, objective.loss.options.math, ulps)["lam"]
     assert logged["weince_lambda_mean"] == pytest.approx(float(stats.lam.mean()), rel=1e-6, abs=tolerance)
 
 
 def test_weince_with_lambda_zero_is_the_infonce_objective():
     z1, z2 = _views(seed=2)
-    no_blend = SimCLRObjective("weince", temperature=0.5, loss_kwargs={"kappa_aic": 1.0, "aic_margin": 1e9})
-    assert no_blend(z1, z2).item() == pytest.approx(SimCLRObjective("infonce", 0.5)(z1, z2).item(), rel=1e-6)
+    no_blend = SimCLRObjective("weince", scale=2.0, loss_kwargs={"kappa_aic": 1.0, "aic_margin": 1e9})
+    assert no_blend(z1, z2).item() == pytest.approx(SimCLRObjective("infonce", scale=2.0)(z1, z2).item(), rel=1e-6)
 
 
 def test_rb_sigmoid_objective_is_the_sigmoid_loss_and_trains_t_and_b_rel():
     rb_sigmoid = pytest.importorskip("st_weince.losses.rb_sigmoid")
     z1, z2 = _views(n=10, d=5, seed=3)
-    objective = SimCLRObjective("rb-sigmoid", loss_kwargs={"inverse_temperature": 10.0, "relative_bias": 0.5})
+    objective = SimCLRObjective("rb-sigmoid", loss_kwargs={"scale": 10.0, "relative_bias": 0.5})
     assert isinstance(objective.loss, rb_sigmoid.RBSigmoidLoss)
     names = {name for name, p in objective.named_parameters() if p.requires_grad}
     assert names == {"loss.log_t", "loss.b_rel"}
@@ -101,23 +101,20 @@ def test_rb_sigmoid_objective_is_the_sigmoid_loss_and_trains_t_and_b_rel():
 def test_objective_input_errors():
     with pytest.raises(ValueError, match="unknown loss"):
         SimCLRObjective("triplet")
-    with pytest.raises(ValueError, match="temperature"):
-        SimCLRObjective("infonce", temperature=0.0)
+    with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+        SimCLRObjective("infonce", scale=0.0)
     with pytest.raises(ValueError, match="same shape"):
         SimCLRObjective("infonce")(torch.randn(4, 3), torch.randn(5, 3))
     with pytest.raises(ValueError, match="NaN"):
         SimCLRObjective("weince")(torch.full((4, 3), float("nan")), torch.randn(4, 3))
 
 
-def test_scale_is_the_name_and_temperature_its_deprecated_alias():
+def test_scale_is_one_over_the_temperature():
     z1, z2 = _views(seed=4)
-    with pytest.warns(DeprecationWarning, match="scale=1/temperature"):
-        old = SimCLRObjective("infonce", temperature=0.25)
     new = SimCLRObjective("infonce", scale=4.0)
-    assert new(z1, z2).item() == pytest.approx(old(z1, z2).item(), rel=1e-12)
     assert new(z1, z2).item() == pytest.approx(_nt_xent(z1, z2, 0.25).item(), rel=1e-12)
     assert SimCLRObjective("weince").get_config_dict()["scale"] == pytest.approx(2.0)  # SimCLR's temperature 0.5
     with pytest.raises(ValueError, match="scale must be a finite number > 0"):
         SimCLRObjective("infonce", scale=float("inf"))
-    with pytest.raises(ValueError, match="pass scale only"):
-        SimCLRObjective("infonce", 0.5, scale=2.0)
+    with pytest.raises(TypeError):
+        SimCLRObjective("infonce", 0.5)  # keyword-only: a positional number could mean a temperature

@@ -122,8 +122,8 @@ def test_loss_flags_are_spelled_as_in_the_simcse_recipe(recipe):
     args = recipe.parse_args(["--loss-option", "beta=auto", "--loss-option", "kappa_rho=3", "--scale", "4"])
     assert args.scale == 4.0 and args.loss_kwargs == {"beta": "auto", "kappa_rho": 3}
     assert recipe.parse_args([]).scale == pytest.approx(2.0)  # SimCLR's temperature 0.5
-    with pytest.warns(FutureWarning, match="--temperature is deprecated.*use --scale"):
-        old = recipe.parse_args(["--temperature", "0.25", "--beta", "auto", "--loss-kwargs", '{"kappa_rho": 3}'])
-    assert old.scale == pytest.approx(4.0) and old.loss_kwargs == args.loss_kwargs
+    for removed in (["--temperature", "0.25"], ["--beta", "auto"], ["--loss-kwargs", '{"kappa_rho": 3}']):
+        with pytest.raises(SystemExit):
+            recipe.parse_args(removed)
     with pytest.raises(SystemExit):
         recipe.parse_args(["--loss-option", "beta"])  # KEY=VALUE

@@ -1,4 +1,4 @@
-"""The released WEINCE composite (ALGORITHMS.md 1.2b) on score matrices: the two top-M terms, the batch tail index
+"""The released WEINCE composite (docs/algorithms.md 1.2b) on score matrices: the two top-M terms, the batch tail index
 and its moving average, against an independent plain implementation (tests/weince_release_reference.py)."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from st_weince.functional import (
     TopMOptions,
     batch_negative_tail,
     batch_tail_fit,
+    check_scores,
     composite_cross_entropy,
     composite_loss,
     initial_beta_ema,
@@ -180,7 +181,7 @@ def test_zero_weights_give_exactly_the_blended_loss():
         scores, positive_index, valid_mask = make_batch(layout, 9, "power" if layout == "matrix" else "gaussian",
                                                         generator)  # fmt: skip
         scores = scores.float().requires_grad_()
-        blend = weince_cross_entropy(scores, positive_index, valid_mask, temperature=0.5)
+        blend = weince_cross_entropy(scores, positive_index, valid_mask, scale=2.0)
         ema = initial_beta_ema()
         result = composite_cross_entropy(scores, positive_index, valid_mask, ema, scale=2.0)
         assert torch.equal(result.loss.total, blend)
@@ -335,13 +336,14 @@ def test_hot_path_has_no_host_syncs():
     scores = scores.float().requires_grad_()
     with count_host_syncs() as syncs:
         result = composite_cross_entropy(scores, positive_index, valid_mask, initial_beta_ema(), scale=2.0,
-                                         top_m_options=RELEASED, checks=False)  # fmt: skip
+                                         top_m_options=RELEASED)  # fmt: skip
         result.loss.total.backward()
     assert syncs.total == 0, syncs
-    with count_host_syncs() as syncs:
+    with count_host_syncs() as syncs:  # a direct caller's value checks: one read for all of them
+        check_scores(scores, positive_index, valid_mask, every_row_has_positive=True)
         composite_cross_entropy(scores, positive_index, valid_mask, initial_beta_ema(), scale=2.0,
                                 top_m_options=RELEASED)  # fmt: skip
-    assert syncs.total == 1, syncs  # the one read of the deferred input checks
+    assert syncs.total == 1, syncs
 
 
 def test_compiles_with_fullgraph_and_equals_eager():
@@ -352,11 +354,9 @@ def test_compiles_with_fullgraph_and_equals_eager():
     scores = scores.float()
 
     def step(s, ema):
-        fit = batch_tail_fit(batch_negative_tail(s, positive_index, valid_mask, RELEASED, checks=False), RELEASED)
+        fit = batch_tail_fit(batch_negative_tail(s, positive_index, valid_mask, RELEASED), RELEASED)
         ema = update_beta_ema(ema, fit, RELEASED)
-        shortfall, infonce = top_m_cross_entropies(
-            s, positive_index, valid_mask, RELEASED, beta=ema, scale=2.0, checks=False
-        )
+        shortfall, infonce = top_m_cross_entropies(s, positive_index, valid_mask, RELEASED, beta=ema, scale=2.0)
         return composite_loss(s.sum() * 0.0, shortfall.mean(), infonce.mean(), RELEASED).total, ema
 
     eager_scores = scores.clone().requires_grad_()
@@ -413,6 +413,6 @@ def test_options_defaults_and_errors():
         update_beta_ema(4.0, batch_tail_fit(batch_negative_tail(torch.rand(4, 4), torch.arange(4))))
     scores = torch.rand(3, 4)
     with pytest.raises(ValueError, match="every row needs a positive"):
-        top_m_cross_entropies(scores, torch.tensor([0, -1, 2]), beta=1.0, scale=2.0)
+        check_scores(scores, torch.tensor([0, -1, 2]), every_row_has_positive=True)
     with pytest.raises(ValueError, match="scale must be > 0"):
         top_m_infonce_cross_entropy(scores, torch.tensor([0, 1, 2]), scale=0.0)

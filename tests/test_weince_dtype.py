@@ -35,9 +35,9 @@ def test_statistics_and_logits_follow_the_input_dtype(dtype, expected):
     stats = weince_statistics(scores, torch.arange(40), beta="auto")
     for value in (stats.lam, stats.beta, stats.rho, stats.delta_aic, stats.rho0, stats.beta_hat):
         assert value.dtype == expected
-    logits = weince_logits(scores, stats.lam, stats.beta, temperature=0.05)
+    logits = weince_logits(scores, stats.lam, stats.beta, scale=20.0)
     assert logits.dtype == expected
-    assert weince_cross_entropy(scores, torch.arange(40), temperature=0.05).dtype == expected
+    assert weince_cross_entropy(scores, torch.arange(40), scale=20.0).dtype == expected
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -64,7 +64,7 @@ def test_float64_reproduces_the_reference_to_1e_6(seed, options):
     np.testing.assert_allclose(stats.lam.numpy(), ref["lam"], rtol=0, atol=1e-6)
     np.testing.assert_allclose(float(stats.rho0), ref["rho0"], rtol=0, atol=1e-12)
     np.testing.assert_allclose(stats.delta_aic.numpy(), ref["delta_aic"], rtol=1e-8, atol=1e-7)
-    loss = weince_cross_entropy(scores, positive_index, valid_mask, WeinceOptions(**options), temperature=0.05)
+    loss = weince_cross_entropy(scores, positive_index, valid_mask, WeinceOptions(**options), scale=20.0)
     expected = reference_loss(scores.numpy(), positive_index.numpy(), valid_mask.numpy(), temperature=0.05, **options)
     assert abs(float(loss) - expected) < 1e-6
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from st_weince.functional import (
     WeinceOptions,
+    check_scores,
     nt_xent_layout,
     tail_sizes,
     weince_cross_entropy,
@@ -18,6 +19,7 @@ from st_weince.functional import (
     weince_statistics,
     weince_tail_fit,
 )
+from st_weince.utils.hotpath import count_host_syncs
 from tests.float32_tolerance import tail_fit_tolerances
 from tests.weince_reference import reference_loss, reference_statistics
 
@@ -58,7 +60,7 @@ def test_loss_matches_reference_with_mask_and_options():
     valid_mask = torch.rand(48, 60, generator=torch.Generator().manual_seed(2)) > 0.15
     valid_mask[torch.arange(48), positive_index] = True
     options = {"q": 0.5, "kappa_rho": 5.0, "kappa_aic": 0.5, "aic_margin": 0.0, "tail_frac": 0.3, "min_tail_points": 12}
-    loss = weince_cross_entropy(scores, positive_index, valid_mask, temperature=0.1, beta="auto", **options)
+    loss = weince_cross_entropy(scores, positive_index, valid_mask, scale=10.0, beta="auto", **options)
     expected = reference_loss(
         scores.double().numpy(), positive_index.numpy(), valid_mask.numpy(), temperature=0.1, beta="auto", **options
     )
@@ -74,7 +76,7 @@ def test_tail_sizes_follow_the_spec():
 def test_lambda_zero_is_infonce():
     scores = paired_scores(64, seed=4).requires_grad_(True)
     positive_index = torch.arange(64)
-    loss = weince_cross_entropy(scores, positive_index, temperature=0.05, aic_margin=1e9)
+    loss = weince_cross_entropy(scores, positive_index, scale=20.0, aic_margin=1e9)
     infonce = F.cross_entropy(scores * 20.0, positive_index)
     assert float(loss.detach()) == pytest.approx(float(infonce.detach()), abs=1e-6)
     (grad,) = torch.autograd.grad(loss, scores)
@@ -90,7 +92,7 @@ def test_gradient_flows_through_scores_only():
     assert not stats.lam.requires_grad and not stats.beta.requires_grad
     assert float(stats.lam.max()) > 0.05, "test needs a non-trivial blend"
     leaf = scores.clone().requires_grad_(True)
-    loss = weince_cross_entropy(leaf, positive_index, temperature=0.05, beta="auto")
+    loss = weince_cross_entropy(leaf, positive_index, scale=20.0, beta="auto")
     (grad,) = torch.autograd.grad(loss, leaf)
     lam, beta = stats.lam[:, None].double(), stats.beta[:, None].double()
     s = scores.double()
@@ -108,11 +110,11 @@ def test_nt_xent_layout_through_valid_mask():
     scores, positive_index, valid_mask = nt_xent_layout(view_a, view_b)
     assert scores.shape == (40, 40) and not valid_mask.diagonal().any()
     assert positive_index[:20].tolist() == list(range(20, 40)) and positive_index[20:].tolist() == list(range(20))
-    loss = weince_cross_entropy(scores, positive_index, valid_mask, temperature=0.5)
+    loss = weince_cross_entropy(scores, positive_index, valid_mask, scale=2.0)
     expected = reference_loss(scores.double().numpy(), positive_index.numpy(), valid_mask.numpy(), temperature=0.5)
     assert float(loss) == pytest.approx(expected, rel=1e-5)
     # with lambda forced to 0 it is NT-Xent: cross-entropy over the 2N - 1 other views
-    infonce = weince_cross_entropy(scores, positive_index, valid_mask, temperature=0.5, aic_margin=1e9)
+    infonce = weince_cross_entropy(scores, positive_index, valid_mask, scale=2.0, aic_margin=1e9)
     z = F.normalize(torch.cat([view_a, view_b]), dim=1)
     sim = (z @ z.T / 0.5).masked_fill(torch.eye(40, dtype=torch.bool), float("-inf"))
     assert float(infonce) == pytest.approx(float(F.cross_entropy(sim, positive_index)), abs=1e-6)
@@ -131,7 +133,7 @@ def test_nt_xent_layout_through_valid_mask():
 def test_edges_are_finite(scores, beta):
     scores = scores.clone().requires_grad_(True)
     positive_index = torch.arange(scores.shape[0])
-    loss = weince_cross_entropy(scores, positive_index, temperature=0.05, beta=beta)
+    loss = weince_cross_entropy(scores, positive_index, scale=20.0, beta=beta)
     (grad,) = torch.autograd.grad(loss, scores)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
 
@@ -143,7 +145,7 @@ def test_scores_at_one_with_real_blend_are_finite():
     scores = scores.requires_grad_(True)
     stats = weince_statistics(scores, torch.arange(60), beta="auto")
     assert float(stats.lam.max()) > 0.5
-    loss = weince_cross_entropy(scores, torch.arange(60), temperature=0.05, beta="auto")
+    loss = weince_cross_entropy(scores, torch.arange(60), scale=20.0, beta="auto")
     (grad,) = torch.autograd.grad(loss, scores)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
 
@@ -160,10 +162,10 @@ def test_fewer_than_ten_negatives_fall_back_to_infonce():
 def test_low_precision_scores_are_finite_and_close(dtype):
     scores = paired_scores(64, seed=9)
     positive_index = torch.arange(64)
-    full = weince_cross_entropy(scores, positive_index, temperature=0.05, beta="auto")
+    full = weince_cross_entropy(scores, positive_index, scale=20.0, beta="auto")
     with torch.autocast("cpu", dtype=dtype):
-        low = weince_cross_entropy(scores.to(dtype), positive_index, temperature=0.05, beta="auto")
-        logits = weince_logits(scores.to(dtype), torch.full((64,), 0.5), torch.ones(64), temperature=0.05)
+        low = weince_cross_entropy(scores.to(dtype), positive_index, scale=20.0, beta="auto")
+        logits = weince_logits(scores.to(dtype), torch.full((64,), 0.5), torch.ones(64), scale=20.0)
     assert logits.dtype == torch.float32
     assert torch.isfinite(low)
     assert float(low) == pytest.approx(float(full), rel=0.05)
@@ -173,15 +175,19 @@ def test_bad_inputs_raise_clear_errors():
     scores = paired_scores(8, seed=10)
     positive_index = torch.arange(8)
     with pytest.raises(ValueError, match="temperature"):
-        weince_cross_entropy(scores, positive_index, temperature=0.0)
+        weince_cross_entropy(scores, positive_index, scale=0.0)
     with pytest.raises(ValueError, match="temperature"):
-        weince_cross_entropy(scores, positive_index, temperature=-1.0)
+        weince_cross_entropy(scores, positive_index, scale=-1.0)
     bad = scores.clone()
     bad[2, 3] = float("nan")
+    # the math checks shapes only; the values are checked by check_scores (the losses do it on their inputs)
+    with count_host_syncs() as syncs:
+        unchecked = weince_cross_entropy(bad, positive_index, scale=20.0)
+    assert syncs.total == 0 and torch.isnan(unchecked)
     with pytest.raises(ValueError, match="NaN"):
-        weince_cross_entropy(bad, positive_index, temperature=0.05)
+        check_scores(bad, positive_index)
     with pytest.raises(ValueError, match="one entry per anchor"):
-        weince_cross_entropy(scores, torch.arange(7), temperature=0.05)
+        weince_cross_entropy(scores, torch.arange(7), scale=20.0)
     with pytest.raises(ValueError, match="2-D"):
         weince_statistics(scores[0], positive_index)
     with pytest.raises(ValueError, match="mode"):
@@ -191,7 +197,10 @@ def test_bad_inputs_raise_clear_errors():
     mask = torch.ones(8, 8, dtype=torch.bool)
     mask[0, 0] = False
     with pytest.raises(ValueError, match="masked out"):
-        weince_cross_entropy(scores, positive_index, mask, temperature=0.05)
+        check_scores(scores, positive_index, mask, every_row_has_positive=True)
+    check_scores(scores, positive_index, mask)  # a row without a valid positive is fine outside a cross-entropy
+    with pytest.raises(ValueError, match="needs a positive"):
+        check_scores(scores, torch.full((8,), -1), every_row_has_positive=True)
 
 
 @settings(max_examples=40, deadline=None)
@@ -208,12 +217,12 @@ def test_property_finite_bounded_and_permutation_invariant(num_anchors, extra, n
     stats = weince_statistics(scores, positive_index, beta=beta)
     assert ((stats.lam >= 0) & (stats.lam <= 1)).all()
     assert (stats.rho > 0).all() and torch.isfinite(stats.delta_aic).all()
-    loss = weince_cross_entropy(scores, positive_index, temperature=0.05, beta=beta)
+    loss = weince_cross_entropy(scores, positive_index, scale=20.0, beta=beta)
     assert torch.isfinite(loss) and float(loss) >= 0
     # permuting the candidate columns (and the positives with them) changes nothing
     perm = torch.randperm(scores.shape[1], generator=torch.Generator().manual_seed(seed))
     inverse = torch.argsort(perm)
-    permuted = weince_cross_entropy(scores[:, perm], inverse[positive_index], temperature=0.05, beta=beta)
+    permuted = weince_cross_entropy(scores[:, perm], inverse[positive_index], scale=20.0, beta=beta)
     assert float(permuted) == pytest.approx(float(loss), rel=1e-5, abs=1e-6)
 
 
@@ -247,8 +256,8 @@ def test_fused_cross_entropy_equals_logits_then_cross_entropy(dtype):
     weights = torch.rand(30, generator=torch.Generator().manual_seed(7), dtype=dtype)  # upstream gradient per row
     fused_input = scores.clone().requires_grad_()
     plain_input = scores.clone().requires_grad_()
-    fused = blended_cross_entropy(fused_input, lam, beta, positive_index, valid_mask, temperature=0.05)
-    logits = weince_logits(plain_input, lam, beta, valid_mask, temperature=0.05)
+    fused = blended_cross_entropy(fused_input, lam, beta, positive_index, valid_mask, scale=20.0)
+    logits = weince_logits(plain_input, lam, beta, valid_mask, scale=20.0)
     plain = F.cross_entropy(logits, positive_index, reduction="none")
     assert fused.dtype == dtype
     torch.testing.assert_close(fused, plain)

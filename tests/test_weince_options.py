@@ -11,7 +11,7 @@ import torch
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 from sentence_transformers.util import dot_score
 
-from st_weince.functional import WeinceOptions, weince_statistics
+from st_weince.functional import WeinceOptions, check_scores, weince_statistics
 from st_weince.losses import WEINCELoss
 
 BAD_OPTIONS = [
@@ -79,7 +79,7 @@ def test_one_source_of_defaults():
             assert signature["beta"].default == "auto" and defaults.beta == 1.0
         else:
             assert signature[field.name].default == getattr(defaults, field.name), field.name
-    assert WEINCELoss(None).options == dataclasses.replace(defaults, beta="auto")
+    assert WEINCELoss(None).options.math == dataclasses.replace(defaults, beta="auto")
     with pytest.raises(dataclasses.FrozenInstanceError):
         defaults.q = 0.5
 
@@ -129,9 +129,9 @@ def test_shape_and_dtype_mistakes_get_errors_in_the_projects_words():
     with pytest.raises(ValueError, match="positive_index must be a torch.long tensor, got torch.int32"):
         weince_statistics(scores, torch.arange(8, dtype=torch.int32))
     with pytest.raises(ValueError, match="positive_index must lie in"):
-        weince_statistics(scores, torch.full((8,), 8))
+        check_scores(scores, torch.full((8,), 8))
     # a NumPy float temperature is a number like any other
     from st_weince.functional import weince_cross_entropy
 
-    value = weince_cross_entropy(scores, torch.arange(8), temperature=np.float32(0.05))
+    value = weince_cross_entropy(scores, torch.arange(8), scale=np.float32(20.0))
     assert torch.isfinite(value)

@@ -93,7 +93,7 @@ def test_no_own_learning_rate_on_request(tiny_model_dir, tmp_path):
 def test_own_tensors_of_a_dict_of_losses_use_the_trainers_names(tiny_model):
     losses = {"nli": RBSigmoidLoss(tiny_model), "pairs": MatryoshkaLoss(tiny_model, RBSigmoidLoss(tiny_model), [16])}
     assert sorted(own_tensors(losses)) == ["nli.b_rel", "nli.log_t", "pairs.loss.b_rel", "pairs.loss.log_t"]
-    assert sorted(own_tensors(RBSigmoidLoss(tiny_model, trainable_temperature=False), trainable_only=True)) == [
+    assert sorted(own_tensors(RBSigmoidLoss(tiny_model, trainable_scale=False), trainable_only=True)) == [
         "b_rel"
     ]
 

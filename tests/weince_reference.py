@@ -1,4 +1,4 @@
-"""An independent, deliberately plain re-implementation of ALGORITHMS.md section 1 (NumPy, a loop over anchors).
+"""An independent, deliberately plain re-implementation of docs/algorithms.md section 1 (NumPy, a loop over anchors).
 
 It shares no code with st_weince.functional, so tests comparing the two check the vectorised implementation
 against the written specification.

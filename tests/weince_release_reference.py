@@ -1,4 +1,4 @@
-"""An independent, deliberately plain re-implementation of the released WEINCE composite (ALGORITHMS.md 1.2b):
+"""An independent, deliberately plain re-implementation of the released WEINCE composite (docs/algorithms.md 1.2b):
 policy ``tlambda_select`` (the blend of section 1.2 with beta = 1) plus the top-M shortfall and top-M InfoNCE terms,
 with the batch tail index as a moving average carried across steps.
 

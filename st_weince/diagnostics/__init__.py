@@ -1,4 +1,4 @@
-"""Diagnostics of the hard-negative tail (ALGORITHMS.md 1.4): POT/GPD fits and likelihood link selection.
+"""Diagnostics of the hard-negative tail (docs/algorithms.md 1.4): POT/GPD fits and likelihood link selection.
 
 Command line: ``python -m st_weince.diagnostics --help`` (or ``st-weince-diagnostics``).
 """

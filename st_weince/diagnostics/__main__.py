@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"link fits ({source} positives)", flush=True)
         scores, winners, mask = choice_data(view_a, view_b, batch_size=args.batch_size, layout=layout)
         common = {"temperature": temperature, "profile_points": args.profile_points}
-        fit_beta1 = fit_link(scores, winners, mask, free=("lambda", "tau"), beta=1.0, **common)
+        fit_beta1 = fit_link(scores, winners, mask, free=("lambda", "tau"), **common)  # beta: WEINCE's default
         fit_tau = fit_link(scores, winners, mask, free=("lambda", "beta"), **common)
         plot_link_profile(
             {"beta = 1, tau fitted": fit_beta1, f"tau = {temperature}, beta fitted": fit_tau},

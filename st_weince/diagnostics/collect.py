@@ -5,7 +5,7 @@
 - Choice data (for the link fit): two views of each input (for text: the same sentence encoded twice in train mode,
   i.e. with dropout, as unsupervised SimCSE trains; or the two sides of given sentence pairs; for images: two
   augmentations), cut into batches; row ``a`` of a batch scores view A of input ``a`` against the candidates of its
-  batch and the observed winner is its own other view. Two layouts (ALGORITHMS.md 1.3): ``"pairs"`` (candidates =
+  batch and the observed winner is its own other view. Two layouts (docs/algorithms.md 1.3): ``"pairs"`` (candidates =
   the B views B of the batch, as sentence-transformers' (anchor, positive) columns) and ``"nt_xent"`` (2B views,
   each an anchor, self excluded, as SimCLR).
 """
@@ -25,22 +25,6 @@ from st_weince.data.sts import read_pair_csv
 from st_weince.functional.layouts import nt_xent_layout
 
 LAYOUTS = ("pairs", "nt_xent")
-
-
-def __getattr__(name: str) -> object:
-    if name == "read_sentences":  # renamed; kept for one release
-        import warnings
-
-        from st_weince.data.sentences import sample_distinct_lines
-
-        warnings.warn(
-            "st_weince.diagnostics.collect.read_sentences is deprecated and will be removed in the next release; "
-            "use st_weince.data.sentences.sample_distinct_lines",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return sample_distinct_lines
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def read_pairs(

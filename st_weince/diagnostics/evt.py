@@ -1,6 +1,6 @@
 """Peaks-over-threshold (POT) fits of a generalized Pareto distribution (GPD) to the upper tail of scores.
 
-ALGORITHMS.md 1.4: fit a GPD to the exceedances of (negative) scores above a high threshold; a shape ``xi < 0``
+docs/algorithms.md 1.4: fit a GPD to the exceedances of (negative) scores above a high threshold; a shape ``xi < 0``
 signals a finite right endpoint (Weibull domain of attraction), ``xi = 0`` the Gumbel domain that softmax assumes.
 
 GPD of the exceedances ``y = x - u > 0`` with shape ``xi`` and scale ``sigma``:

@@ -1,6 +1,6 @@
 """Likelihood link selection: how much endpoint (shortfall) logit do observed top-1 winners want?
 
-ALGORITHMS.md 1.4: each anchor row ``a`` has candidate scores ``s[a, :]`` and an observed winner ``c*(a)`` (the
+docs/algorithms.md 1.4: each anchor row ``a`` has candidate scores ``s[a, :]`` and an observed winner ``c*(a)`` (the
 positive). Under the blended link the winner is drawn with probability ``softmax_c(l[a, c])`` where
 
     ``l[a, c] = (1 - lambda) s[a, c] / tau + lambda (-beta log(1 - s[a, c]))``,
@@ -45,7 +45,7 @@ import torch
 from scipy import optimize, stats
 from torch import Tensor
 
-from st_weince.functional.weince import weince_logits
+from st_weince.functional.weince import DEFAULTS, weince_logits
 
 _LOG_BOUND = 12.0  # |log tau|, |log beta| <= 12
 
@@ -140,8 +140,8 @@ def _prepare(
     zeros = torch.zeros(num_anchors, dtype=torch.float32)
     ones = torch.ones(num_anchors, dtype=torch.float32)
     # The two components of the blended logit, taken from WEINCE's own formula (no second implementation).
-    softmax_part = weince_logits(s, zeros, ones, temperature=1.0, eps=eps).double()
-    shortfall_part = weince_logits(s, ones, ones, temperature=1.0, eps=eps).double()
+    softmax_part = weince_logits(s, zeros, ones, scale=1.0, eps=eps).double()
+    shortfall_part = weince_logits(s, ones, ones, scale=1.0, eps=eps).double()
     problem = _Problem(softmax_part, shortfall_part, valid_mask, winner_index)
     masked = s.masked_fill(~valid_mask, float("-inf"))
     top1 = float((masked.argmax(1) == winner_index).double().mean())
@@ -227,9 +227,9 @@ def fit_link(
     valid_mask: Tensor | None = None,
     *,
     free: Sequence[str] = ("lambda", "tau"),
-    beta: float = 1.0,
+    beta: float = DEFAULTS.beta,
     temperature: float = 0.05,
-    eps: float = 1e-6,
+    eps: float = DEFAULTS.eps,
     ci_level: float = 0.95,
     profile_points: int = 21,
 ) -> LinkFit:
@@ -371,7 +371,7 @@ def link_loglik(
         torch.full((num_anchors,), float(lam)),
         torch.full((num_anchors,), float(beta)),
         valid_mask,
-        temperature=float(tau),
+        scale=1.0 / float(tau),
         eps=eps,
     ).double()
     return float(torch.log_softmax(logits, dim=1).gather(1, winner_index.long()[:, None]).sum())

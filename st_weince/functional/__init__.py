@@ -1,5 +1,6 @@
 """Pure tensor functions on score matrices: the math every loss adapter (text and vision) calls."""
 
+from st_weince.functional.checks import check_scores, compute_dtype
 from st_weince.functional.composite import (
     TOP_M_DEFAULTS,
     BatchTail,
@@ -53,7 +54,6 @@ from st_weince.functional.weince import (
     blend_weights,
     blended_cross_entropy,
     check_scale,
-    check_temperature,
     statistics_from_fit,
     tail_index,
     tail_sizes,
@@ -64,6 +64,8 @@ from st_weince.functional.weince import (
 )
 
 __all__ = [
+    "check_scores",
+    "compute_dtype",
     "TOP_M_DEFAULTS",
     "BatchTail",
     "BatchTailFit",
@@ -102,7 +104,6 @@ __all__ = [
     "blend_weights",
     "blended_cross_entropy",
     "check_scale",
-    "check_temperature",
     "statistics_from_fit",
     "CandidateGroup",
     "MNRLLayout",

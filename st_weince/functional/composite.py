@@ -1,4 +1,4 @@
-"""The released WEINCE composite (ALGORITHMS.md 1.2b) as pure functions on score matrices.
+"""The released WEINCE composite (docs/algorithms.md 1.2b) as pure functions on score matrices.
 
 ``L = L_blend + w_shortfall * L_shortfall_topM + w_infonce * L_infonce_topM``, where per anchor the two top-M terms
 are cross-entropies over the positive and the M hardest negatives only:
@@ -14,9 +14,11 @@ Conventions as in :mod:`st_weince.functional.weince`: ``scores`` [A, C], ``posit
 a positive for the top-M terms), ``valid_mask`` [A, C] bool or None. Negatives of a row: its valid entries other than
 its positive. Every default lives in :class:`TopMOptions`.
 
-Hot path: shapes decide every Python branch, nothing here reads a device value on the host (value checks go into a
-:class:`~st_weince.utils.hotpath.DeferredChecks` or are skipped), the moving average is updated with ``torch.where``,
-so a step compiles with ``torch.compile(fullgraph=True)``. Computed in the scores' dtype, float16/bfloat16 in float32.
+Hot path: shapes decide every Python branch, nothing here reads a device value on the host (the functions check
+shapes only; the values are checked where a loss receives its inputs, and a direct caller checks them with
+:func:`st_weince.functional.check_scores` and ``every_row_has_positive=True``), the moving average is updated with
+``torch.where``, so a step compiles with ``torch.compile(fullgraph=True)``. Computed in the scores' dtype,
+float16/bfloat16 in float32.
 
 Under data parallelism the batch tail index is taken over the global batch: each process computes
 :func:`batch_negative_tail` on its rows (``global_entries`` = the score entries of all processes), the processes
@@ -32,21 +34,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from st_weince.functional.checks import compute_dtype
 from st_weince.functional.weince import (
     BETA_AUTO_RANGE,
-    Checks,
     WeinceOptions,
     WeinceStatistics,
-    _check_scores,
-    _checks_for,
-    _finish,
+    _check_shapes,
     _fit_design,
     _fit_lines,
     check_scale,
-    compute_dtype,
     weince_cross_entropy,
 )
-from st_weince.utils.hotpath import DeferredChecks
 from st_weince.utils.options import real_option
 
 # Fewer negatives than this in the whole batch: no fit, the moving average keeps its value.
@@ -65,7 +63,7 @@ def _integer(name: str, value: Any, minimum: int) -> int:
 @dataclass(frozen=True)
 class TopMOptions:
     """The options of the two top-M terms and of the batch tail index: the one source of their defaults (the
-    released implementation's, ALGORITHMS.md 1.2b) and of their validation, with errors naming the option.
+    released implementation's, docs/algorithms.md 1.2b) and of their validation, with errors naming the option.
 
     Args:
         top_m: M, the number of hardest negatives per anchor (an integer >= 1); a row with K negatives uses
@@ -152,22 +150,6 @@ def _negative_mask(scores: Tensor, positive_index: Tensor, valid_mask: Tensor | 
 # --------------------------------------------------------------------------------------------- top-M terms
 
 
-def _check_rows(
-    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None, checks: Checks
-) -> DeferredChecks | None:
-    """Shapes now; values (finite scores, a valid positive in every row) into the deferred checks."""
-    deferred = _checks_for(checks)
-    _check_scores(scores, positive_index, valid_mask, deferred)
-    if deferred is not None:
-        deferred.require(positive_index >= 0, "every row needs a positive for the top-M terms (positive_index >= 0)")
-        if valid_mask is not None:
-            deferred.require(
-                valid_mask.gather(1, positive_index.clamp_min(0)[:, None]),
-                "the positive of a row is masked out by valid_mask",
-            )
-    return deferred
-
-
 def top_m_negatives(
     scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, *, top_m: int = TOP_M_DEFAULTS.top_m
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -176,7 +158,7 @@ def top_m_negatives(
     shape; unused positions hold 0. Gradient flows to the selected scores. In the scores' dtype (half: float32).
     """
     top_m = _integer("top_m", top_m, 1)
-    s = scores.to(compute_dtype(scores.dtype))
+    s = scores.to(compute_dtype(scores))
     positive = s.gather(1, positive_index.clamp_min(0)[:, None]).squeeze(1)
     width = max(min(top_m, s.shape[1] - 2), 0)
     if width == 0:  # at most one negative per row: K - 1 = 0 hard negatives
@@ -209,18 +191,15 @@ def top_m_cross_entropies(
     *,
     beta: Tensor | float,
     scale: float,
-    checks: Checks = True,
     **overrides: Any,
 ) -> tuple[Tensor, Tensor]:
     """Both top-M terms per row, ``(shortfall [A], infonce [A])``, from one selection of the hardest negatives.
 
     ``beta``: the batch tail index ``beta_t`` (a scalar tensor, no gradient, or a number); ``scale`` = 1 / tau.
-    ``checks`` as in :func:`st_weince.functional.weince_tail_fit`.
     """
     options = _resolve(options, overrides)
     scale = check_scale(scale)
-    deferred = _check_rows(scores, positive_index, valid_mask, checks)
-    _finish(deferred, checks)
+    _check_shapes(scores, positive_index, valid_mask)
     positive, negatives, used = top_m_negatives(scores, positive_index, valid_mask, top_m=options.top_m)
     beta = torch.as_tensor(beta, device=positive.device).detach().to(positive.dtype)
     shortfall = _cross_entropy_first(
@@ -237,14 +216,12 @@ def top_m_shortfall_cross_entropy(
     options: TopMOptions | None = None,
     *,
     beta: Tensor | float,
-    checks: Checks = True,
     **overrides: Any,
 ) -> Tensor:
     """Per-row [A] cross-entropy of the shortfall logits over [positive] + the M hardest negatives, target the
-    positive (``L_weibit_topM`` of ALGORITHMS.md 1.2b)."""
+    positive (``L_weibit_topM`` of docs/algorithms.md 1.2b)."""
     options = _resolve(options, overrides)
-    deferred = _check_rows(scores, positive_index, valid_mask, checks)
-    _finish(deferred, checks)
+    _check_shapes(scores, positive_index, valid_mask)
     positive, negatives, used = top_m_negatives(scores, positive_index, valid_mask, top_m=options.top_m)
     beta = torch.as_tensor(beta, device=positive.device).detach().to(positive.dtype)
     return _cross_entropy_first(
@@ -259,15 +236,13 @@ def top_m_infonce_cross_entropy(
     options: TopMOptions | None = None,
     *,
     scale: float,
-    checks: Checks = True,
     **overrides: Any,
 ) -> Tensor:
     """Per-row [A] InfoNCE over [positive] + the M hardest negatives, logits ``scale * s``, target the positive
-    (``L_infonce_topM`` of ALGORITHMS.md 1.2b)."""
+    (``L_infonce_topM`` of docs/algorithms.md 1.2b)."""
     options = _resolve(options, overrides)
     scale = check_scale(scale)
-    deferred = _check_rows(scores, positive_index, valid_mask, checks)
-    _finish(deferred, checks)
+    _check_shapes(scores, positive_index, valid_mask)
     positive, negatives, used = top_m_negatives(scores, positive_index, valid_mask, top_m=options.top_m)
     return _cross_entropy_first(positive * scale, negatives * scale, used)
 
@@ -308,7 +283,6 @@ def batch_negative_tail(
     options: TopMOptions | None = None,
     *,
     global_entries: int | None = None,
-    checks: Checks = True,
     **overrides: Any,
 ) -> BatchTail:
     """The smallest shortfalls ``max(1 - s, eps)`` over ALL negative scores of these rows (self-pairs, positives and
@@ -319,13 +293,11 @@ def batch_negative_tail(
     all its valid entries.
     """
     options = _resolve(options, overrides)
-    deferred = _checks_for(checks)
-    _check_scores(scores, positive_index, valid_mask, deferred)
-    _finish(deferred, checks)
+    _check_shapes(scores, positive_index, valid_mask)
     entries = scores.numel()
     global_entries = entries if global_entries is None else _integer("global_entries", global_entries, entries)
     keep = min(entries, batch_tail_size(global_entries, options))
-    s = scores.detach().to(compute_dtype(scores.dtype))
+    s = scores.detach().to(compute_dtype(scores))
     negative = _negative_mask(s, positive_index, valid_mask)
     shortfall = torch.rsub(s, 1.0).clamp_min_(options.eps).masked_fill_(~negative, float("inf"))
     smallest = shortfall.reshape(-1).topk(keep, largest=False, sorted=True).values
@@ -346,7 +318,7 @@ class BatchTailFit:
 @torch.no_grad()
 def batch_tail_fit(tail: BatchTail, options: TopMOptions | None = None, **overrides: Any) -> BatchTailFit:
     """Fit ``log F_r ~ a + slope * log d_r`` on the k smallest shortfalls (sorted ascending, ``F_r = r / (k + 1)``,
-    the first ``max(1, floor(k / 20))`` dropped) and its R^2 (ALGORITHMS.md 1.2b). Shortfalls whose log spreads by
+    the first ``max(1, floor(k / 20))`` dropped) and its R^2 (docs/algorithms.md 1.2b). Shortfalls whose log spreads by
     no more than rounding give slope 0 (no tail shape), hence an untrusted fit."""
     options = _resolve(options, overrides)
     shortfalls = torch.sort(tail.shortfalls).values  # the parts of a concatenated tail are each sorted only
@@ -473,10 +445,9 @@ def composite_cross_entropy(
     weince_options: WeinceOptions | None = None,
     top_m_options: TopMOptions | None = None,
     statistics: WeinceStatistics | None = None,
-    checks: Checks = True,
 ) -> CompositeStep:
     """The released composite on one (scores, positive_index, valid_mask) triple: the blended cross-entropy
-    (section 1.2 with ``weince_options``, temperature 1 / ``scale``), the batch tail index updated from these scores,
+    (section 1.2 with ``weince_options`` and ``scale``), the batch tail index updated from these scores,
     and the top-M terms with that ``beta_t``. Terms with weight 0 are not computed; the tail index is updated
     only when the shortfall term is on (it is its only user).
 
@@ -486,14 +457,9 @@ def composite_cross_entropy(
     """
     options = _resolve(top_m_options, {})
     scale = check_scale(scale)
-    deferred = _check_rows(scores, positive_index, valid_mask, checks)
-    inner: Checks = deferred if deferred is not None else False
-    blend = weince_cross_entropy(
-        scores, positive_index, valid_mask, weince_options, temperature=1.0 / scale, statistics=statistics, checks=inner
-    )
-    _finish(deferred, checks)
+    blend = weince_cross_entropy(scores, positive_index, valid_mask, weince_options, scale=scale, statistics=statistics)
     if options.top_m_shortfall_weight > 0:
-        fit = batch_tail_fit(batch_negative_tail(scores, positive_index, valid_mask, options, checks=False), options)
+        fit = batch_tail_fit(batch_negative_tail(scores, positive_index, valid_mask, options), options)
         beta_ema = update_beta_ema(beta_ema, fit, options)
     else:
         zero = torch.zeros((), device=scores.device)
@@ -501,7 +467,7 @@ def composite_cross_entropy(
     shortfall = infonce = None
     if options.top_m_shortfall_weight > 0 or options.top_m_infonce_weight > 0:
         shortfall_rows, infonce_rows = top_m_cross_entropies(
-            scores, positive_index, valid_mask, options, beta=beta_ema, scale=scale, checks=False
+            scores, positive_index, valid_mask, options, beta=beta_ema, scale=scale
         )
         shortfall, infonce = shortfall_rows.mean(), infonce_rows.mean()
     return CompositeStep(loss=composite_loss(blend, shortfall, infonce, options), beta_ema=beta_ema, fit=fit)

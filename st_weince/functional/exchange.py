@@ -27,8 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from st_weince.functional.false_negatives import FilterCounts
+
 ProcessGroup = dist.ProcessGroup | None
-BlockLoss = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor, Tensor | None]]
+BlockLoss = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor, FilterCounts | None]]
 
 
 def process_count(group: ProcessGroup = None) -> tuple[int, int]:
@@ -110,7 +112,7 @@ def ring_block_losses(
     anchor_chunk: int | None = None,
     backward: bool = False,
     group: ProcessGroup = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, FilterCounts | None]:
     """A loss that is a sum over candidate blocks, with the candidates of every process, by neighbour exchange.
 
     Args:
@@ -119,8 +121,8 @@ def ring_block_losses(
         positive_index: [A] each anchor's positive row in the local ``candidates`` (-1: none); no anchor has a
             positive in another process's block.
         block_loss: ``(anchor rows, candidate block, positive index of the rows in the block, positive scores)`` ->
-            ``(mean loss over the rows, smallest matching score, largest non-matching score, per-row count of
-            candidates the false-negative guard removed or None)``. ``positive scores`` [rows] are the rows'
+            ``(mean loss over the rows, smallest matching score, largest non-matching score, what the false-negative
+            guard removed per row as FilterCounts, or None without a guard)``. ``positive scores`` [rows] are the rows'
             matching-pair cosine scores (``+inf`` without a positive), the guard's threshold also in blocks that do
             not hold the positive.
         weight: factor on the loss (applied before a chunk's backward).
@@ -131,7 +133,8 @@ def ring_block_losses(
 
     Returns:
         ``weight`` times the mean over the anchors of their loss against every process's candidates, the extremes
-        over all blocks and the per-anchor count of removed candidates summed over all blocks (zeros without a guard).
+        over all blocks and what the guard removed per anchor summed over all blocks (FilterCounts; None without a
+        guard).
     """
     num_anchors = anchors.shape[0]
     step = num_anchors if anchor_chunk is None else anchor_chunk
@@ -143,7 +146,7 @@ def ring_block_losses(
     total = anchors.new_zeros(())
     min_positive = anchors.new_tensor(float("inf"))
     max_negative = anchors.new_tensor(float("-inf"))
-    masked_per_row = torch.zeros_like(positive_index)
+    guard_counts: FilterCounts | None = None
     received, leaves = [], []
     rank, _ = process_count(group)
     for source, block in ring_blocks(candidates, group):
@@ -166,9 +169,10 @@ def ring_block_losses(
             if masked is not None:
                 counts.append(masked)
         if counts:
-            masked_per_row = masked_per_row + torch.cat(counts)
+            block_counts = FilterCounts.cat(counts)
+            guard_counts = block_counts if guard_counts is None else guard_counts.plus(block_counts)
     if received:
         # A zero gradient rather than none: every process must run the same backward transfers.
         grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
         torch.autograd.backward(received, grads)
-    return total, min_positive, max_negative, masked_per_row
+    return total, min_positive, max_negative, guard_counts

@@ -64,11 +64,29 @@ class FalseNegativeFilter:
 
 @dataclass(frozen=True)
 class FilterCounts:
-    """What the guard removed in one score matrix (device tensors, no sync)."""
+    """What the guard removed, per row (long device tensors, no sync). Counts add up over candidate blocks
+    (:meth:`plus`) and concatenate over row chunks (:meth:`cat`); shares do not, so a loss that computes its score
+    matrix in pieces combines the counts and takes the shares once."""
 
-    masked_share: Tensor  # share of the valid negatives that were masked
-    anchors_share: Tensor  # share of anchors (with a positive) that lost at least one candidate
-    masked: Tensor  # [A, C] bool, True where the guard removed a candidate
+    masked: Tensor  # [A] candidates the guard removed
+    negatives: Tensor  # [A] valid negatives before the guard
+
+    @property
+    def masked_share(self) -> Tensor:
+        """Masked candidates over valid negatives (0 when there are none), a float32 scalar."""
+        return self.masked.sum().float() / self.negatives.sum().clamp_min(1).float()
+
+    @property
+    def anchors_share(self) -> Tensor:
+        """Share of rows that lost at least one candidate, a float32 scalar."""
+        return (self.masked > 0).float().mean()
+
+    def plus(self, other: FilterCounts) -> FilterCounts:
+        return FilterCounts(self.masked + other.masked, self.negatives + other.negatives)
+
+    @staticmethod
+    def cat(parts: list[FilterCounts]) -> FilterCounts:
+        return FilterCounts(torch.cat([p.masked for p in parts]), torch.cat([p.negatives for p in parts]))
 
 
 @torch.no_grad()
@@ -109,29 +127,13 @@ def false_negative_mask(
 
 
 @torch.no_grad()
-def filter_row_counts(masked: Tensor, positive_index: Tensor, valid_mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Per row [A] (long): how many candidates the guard masked, and how many valid negatives the row had before.
-
-    Counts add up over row chunks and candidate blocks (a cached loss sums them), shares do not: a loss that computes
-    its score matrix in pieces sums these and calls :func:`shares_from_row_counts` once."""
+def filter_counts(masked: Tensor, positive_index: Tensor, valid_mask: Tensor | None) -> FilterCounts:
+    """Per row: how many candidates the guard masked, and how many valid negatives the row had before. A positive
+    index outside ``[0, C)`` (none, or in another candidate block) leaves every valid entry a negative."""
     num_candidates = masked.shape[1]
     valid = valid_mask.sum(1) if valid_mask is not None else torch.full_like(positive_index, num_candidates)
-    negatives = (valid - (positive_index >= 0).long()).clamp_min(0)
-    return masked.sum(1), negatives
-
-
-def shares_from_row_counts(masked_per_row: Tensor, negatives_per_row: Tensor) -> tuple[Tensor, Tensor]:
-    """``(masked_share, anchors_share)`` as float32 device scalars: masked candidates over valid negatives (0 when
-    there are none), and the share of rows with at least one masked candidate."""
-    masked_share = masked_per_row.sum().float() / negatives_per_row.sum().clamp_min(1).float()
-    return masked_share, (masked_per_row > 0).float().mean()
-
-
-@torch.no_grad()
-def filter_counts(masked: Tensor, positive_index: Tensor, valid_mask: Tensor | None) -> FilterCounts:
-    """Shares of masked negatives and of affected anchors, as device scalars (float32)."""
-    masked_share, anchors_share = shares_from_row_counts(*filter_row_counts(masked, positive_index, valid_mask))
-    return FilterCounts(masked_share=masked_share, anchors_share=anchors_share, masked=masked)
+    has_positive = (positive_index >= 0) & (positive_index < num_candidates)
+    return FilterCounts(masked.sum(1), (valid - has_positive.long()).clamp_min(0))
 
 
 def apply_false_negative_filter(
@@ -141,13 +143,13 @@ def apply_false_negative_filter(
     spec: FalseNegativeFilter | None,
     positive_scores: Tensor | None = None,
 ) -> tuple[Tensor | None, FilterCounts | None]:
-    """The layout's ``valid_mask`` with the guard's candidates removed, and what was removed.
+    """The guard, applied: ``valid_mask`` with the guard's candidates removed, and what was removed per row.
 
-    With ``spec=None`` the mask comes back unchanged (and no counts): the filter is off.
+    Every loss applies the guard through this function. With ``spec=None`` the mask comes back unchanged (and no
+    counts): the filter is off. ``positive_scores`` as in :func:`false_negative_mask`.
     """
     if spec is None:
         return valid_mask, None
     masked = false_negative_mask(scores, positive_index, valid_mask, spec, positive_scores)
     counts = filter_counts(masked, positive_index, valid_mask)
-    base = valid_mask if valid_mask is not None else torch.ones_like(masked)
-    return base & ~masked, counts
+    return (~masked if valid_mask is None else valid_mask & ~masked), counts

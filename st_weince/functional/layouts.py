@@ -30,7 +30,7 @@ def normalize_rows(embeddings: Tensor, checks: DeferredChecks | None = None, nam
     ``cos_sim``), with a check of the norms.
 
     The norm squares the entries: a finite row with a norm above about 1e19 overflows in float32 and would become a
-    zero vector with zero gradient, silently (what ``cos_sim`` does, issue 10 item 5). With ``checks`` such rows are
+    zero vector with zero gradient, silently (what ``cos_sim`` does). With ``checks`` such rows are
     refused with an error naming ``name``, and so are NaN/Inf entries (they make the norm non-finite too): one check
     on the [rows] norms, which the normalisation needs anyway. A scale-safe normalisation (divide by the largest
     entry first) would cost two extra passes over the embeddings every step, for an input only a diverged model

@@ -1,6 +1,6 @@
 """The sigmoid contrastive loss (SigLIP; RB-Sigmoid's relative-bias parametrization) as pure functions.
 
-Every formula of ``shared/docs/ALGORITHMS.md`` section 2 lives here exactly once; the sentence-transformers adapters
+Every formula of ``docs/algorithms.md`` section 2 lives here exactly once; the sentence-transformers adapters
 (:class:`st_weince.losses.RBSigmoidLoss`, :class:`st_weince.losses.CachedRBSigmoidLoss`), the vision recipe, the
 diagnostics and the synthetic experiments call these.
 
@@ -26,15 +26,13 @@ embeddings alike; the unchunked case is a single block.
 Dtype: computed in the inputs' dtype, at least float32: float64 stays float64, float16 / bfloat16 are computed in
 float32. Scalars (scale, biases) are cast to that dtype, so a float32 parameter in a float64 computation is exact.
 
-Input checks (``check_inputs``): ``True`` checks now (one host-device sync for all value checks), ``False`` skips the
-value checks (shape checks are free and always run), and a :class:`~st_weince.utils.hotpath.DeferredChecks` collects
-them for the caller, who reads everything with one sync (:meth:`DeferredChecks.raise_if_failed`).
+Input checks: shapes and dtypes only (free, no host-device sync); the values are checked once where a loss receives
+its inputs, or by :func:`st_weince.functional.check_scores` for direct callers.
 """
 
 from __future__ import annotations
 
 import numbers
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -42,81 +40,34 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from st_weince.functional.false_negatives import FalseNegativeFilter, false_negative_mask
-from st_weince.utils.hotpath import DeferredChecks
+from st_weince.functional.checks import compute_dtype
+from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
 from st_weince.utils.options import real_option
 
 ScalarLike = Tensor | float
-CheckInputs = bool | DeferredChecks
 
 
-def compute_dtype(*tensors: Tensor) -> torch.dtype:
-    """The dtype the loss is computed in: the widest floating input dtype, at least float32."""
-    dtype = torch.float32
-    for tensor in tensors:
-        if tensor.is_floating_point():
-            dtype = torch.promote_types(dtype, tensor.dtype)
-    return dtype
-
-
-def _collector(check_inputs: CheckInputs) -> DeferredChecks | None:
-    if isinstance(check_inputs, DeferredChecks):
-        return check_inputs
-    if not isinstance(check_inputs, bool):
-        raise TypeError(f"check_inputs must be a bool or a DeferredChecks, got {type(check_inputs).__name__}")
-    return DeferredChecks() if check_inputs else None
-
-
-def _finish(check_inputs: CheckInputs, checks: DeferredChecks | None) -> None:
-    """Raise now when this function owns the checks (``check_inputs=True``); a caller's collector is left to it."""
-    if checks is not None and check_inputs is True:
-        checks.raise_if_failed()
-
-
-def _scale_argument(scale: ScalarLike | None, inverse_temperature: ScalarLike | None) -> ScalarLike:
-    if inverse_temperature is not None:
-        warnings.warn(
-            "inverse_temperature is deprecated, use scale (the same t = 1 / temperature)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        if scale is not None:
-            raise ValueError("give scale or its deprecated alias inverse_temperature, not both")
-        scale = inverse_temperature
-    if scale is None:
-        raise ValueError("scale (t > 0, the inverse temperature) is required")
-    return scale
-
-
-def _scalar(
-    value: ScalarLike, name: str, dtype: torch.dtype, checks: DeferredChecks | None, positive: bool = False
-) -> ScalarLike:
+def _scalar(value: ScalarLike, name: str, dtype: torch.dtype, positive: bool = False) -> ScalarLike:
     """A scalar argument in the computation dtype. Python numbers are checked on the host (no sync) and stay numbers;
-    tensors keep their autograd graph and are checked through ``checks``."""
-    requirement = "finite and > 0" if positive else "finite"
+    tensors (trained loss parameters) keep their autograd graph; their values are their owner's to check."""
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name} must be a scalar, got shape {tuple(value.shape)}")
-        tensor = value.reshape(()).to(dtype)
-        if checks is not None:
-            detached = tensor.detach()
-            ok = torch.isfinite(detached) & (detached > 0) if positive else torch.isfinite(detached)
-            checks.require(ok, f"{name} must be {requirement} (a diverged loss parameter gives NaN or Inf)")
-        return tensor
+        return value.reshape(()).to(dtype)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number or a scalar tensor, got {type(value).__name__}")
     return real_option(name, value, positive=positive)
 
 
 def _bias_argument(
-    relative_bias: ScalarLike | None, bias: ScalarLike | None, dtype: torch.dtype, checks: DeferredChecks | None
+    relative_bias: ScalarLike | None, bias: ScalarLike | None, dtype: torch.dtype
 ) -> tuple[ScalarLike, bool]:
     """``(bias value, relative?)`` from exactly one of ``relative_bias`` and ``bias``."""
     if (relative_bias is None) == (bias is None):
         raise ValueError("give exactly one of relative_bias (z = t (s - b_rel)) or bias (z = t s - b)")
     if relative_bias is not None:
-        return _scalar(relative_bias, "relative_bias", dtype, checks), True
-    return _scalar(bias, "bias", dtype, checks), False
+        return _scalar(relative_bias, "relative_bias", dtype), True
+    return _scalar(bias, "bias", dtype), False
 
 
 def _logits(scores: Tensor, scale: ScalarLike, bias_value: ScalarLike, relative: bool) -> Tensor:
@@ -156,9 +107,7 @@ def _block_extremes(scores: Tensor, positive_mask: Tensor, valid_mask: Tensor | 
     return min_positive, max_negative
 
 
-def _check_score_inputs(
-    scores: Tensor, targets: Tensor, valid_mask: Tensor | None, checks: DeferredChecks | None
-) -> None:
+def _check_score_shapes(scores: Tensor, targets: Tensor, valid_mask: Tensor | None) -> None:
     if scores.dim() != 2:
         raise ValueError(f"scores must be a 2-D [anchors, candidates] matrix, got shape {tuple(scores.shape)}")
     if scores.numel() == 0:
@@ -172,36 +121,21 @@ def _check_score_inputs(
             f"valid_mask must be a bool tensor of the scores' shape {tuple(scores.shape)}, "
             f"got {valid_mask.dtype} {tuple(valid_mask.shape)}"
         )
-    if checks is None:
-        return
-    checks.require((targets == 0) | (targets == 1), "targets must contain only 0 (non-matching) and 1 (matching)")
-    detached = scores.detach()
-    if valid_mask is not None:
-        checks.require(valid_mask.any(), "valid_mask excludes every entry: there is nothing to compute a loss on")
-        detached = detached.masked_fill(~valid_mask, 0.0)
-    checks.require(
-        torch.isfinite(detached), "scores contain NaN or Inf (check the embeddings: a NaN embedding gives NaN scores)"
-    )
 
 
 def sigmoid_logits(
     scores: Tensor,
     *,
-    scale: ScalarLike | None = None,
+    scale: ScalarLike,
     relative_bias: ScalarLike | None = None,
     bias: ScalarLike | None = None,
-    check_inputs: CheckInputs = True,
-    inverse_temperature: ScalarLike | None = None,
 ) -> Tensor:
     """Logits ``z = t (s - b_rel)`` (relative) or ``z = t s - b`` (absolute) with ``t = scale``, in the computation
     dtype (see the module docstring). Exactly one of ``relative_bias`` and ``bias`` must be given; ``scale`` must be
-    finite and > 0. ``inverse_temperature`` is a deprecated alias of ``scale``."""
-    scale = _scale_argument(scale, inverse_temperature)
-    checks = _collector(check_inputs)
+    finite and > 0."""
     dtype = compute_dtype(scores)
-    t = _scalar(scale, "scale", dtype, checks, positive=True)
-    bias_value, relative = _bias_argument(relative_bias, bias, dtype, checks)
-    _finish(check_inputs, checks)
+    t = _scalar(scale, "scale", dtype, positive=True)
+    bias_value, relative = _bias_argument(relative_bias, bias, dtype)
     return _logits(scores.to(dtype), t, bias_value, relative)
 
 
@@ -209,12 +143,10 @@ def sigmoid_contrastive_loss(
     scores: Tensor,
     targets: Tensor,
     *,
-    scale: ScalarLike | None = None,
+    scale: ScalarLike,
     relative_bias: ScalarLike | None = None,
     bias: ScalarLike | None = None,
     valid_mask: Tensor | None = None,
-    check_inputs: CheckInputs = True,
-    inverse_temperature: ScalarLike | None = None,
 ) -> Tensor:
     """Sigmoid contrastive loss: mean over anchors (rows) of the sum over valid candidates of
     ``-[y log sigmoid(z) + (1 - y) log sigmoid(-z)]``, with ``z`` from :func:`sigmoid_logits`.
@@ -226,16 +158,11 @@ def sigmoid_contrastive_loss(
         relative_bias: ``b_rel`` of the relative parametrization ``z = t (s - b_rel)``.
         bias: ``b`` of the absolute (SigLIP) parametrization ``z = t s - b``.
         valid_mask: [A, C] bool, False entries are left out of the sum.
-        check_inputs: see the module docstring.
-        inverse_temperature: deprecated alias of ``scale``.
     """
-    scale = _scale_argument(scale, inverse_temperature)
-    checks = _collector(check_inputs)
-    _check_score_inputs(scores, targets, valid_mask, checks)
+    _check_score_shapes(scores, targets, valid_mask)
     dtype = compute_dtype(scores)
-    t = _scalar(scale, "scale", dtype, checks, positive=True)
-    bias_value, relative = _bias_argument(relative_bias, bias, dtype, checks)
-    _finish(check_inputs, checks)
+    t = _scalar(scale, "scale", dtype, positive=True)
+    bias_value, relative = _bias_argument(relative_bias, bias, dtype)
     loss_sum = _block_loss_sum(scores.to(dtype), targets == 1, valid_mask, t, bias_value, relative)
     return loss_sum / scores.shape[0]
 
@@ -257,39 +184,29 @@ def constellation_margin_from_extremes(min_positive: Tensor, max_negative: Tenso
 
 
 def score_extremes(
-    scores: Tensor, targets: Tensor, valid_mask: Tensor | None = None, *, check_inputs: CheckInputs = True
+    scores: Tensor, targets: Tensor, valid_mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """Smallest matching (positive) and largest valid non-matching score, without gradient.
 
-    With checks (the default) an empty set raises; without them an empty set gives ``+inf`` / ``-inf``."""
-    checks = _collector(check_inputs)
-    _check_score_inputs(scores, targets, valid_mask, checks)
+    An empty set gives ``+inf`` (no matching pair) / ``-inf`` (no non-matching pair)."""
+    _check_score_shapes(scores, targets, valid_mask)
     min_positive, max_negative = _block_extremes(scores.to(compute_dtype(scores)), targets == 1, valid_mask)
-    if checks is not None:
-        checks.require(
-            torch.isfinite(min_positive) & torch.isfinite(max_negative),
-            "the margin needs at least one matching and one non-matching valid pair",
-        )
-    _finish(check_inputs, checks)
     return min_positive, max_negative
 
 
 def constellation_margin(
-    scores: Tensor, targets: Tensor, valid_mask: Tensor | None = None, *, check_inputs: CheckInputs = True
+    scores: Tensor, targets: Tensor, valid_mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """``(margin, centre)`` of a score matrix: see :func:`constellation_margin_from_extremes`."""
-    return constellation_margin_from_extremes(*score_extremes(scores, targets, valid_mask, check_inputs=check_inputs))
+    return constellation_margin_from_extremes(*score_extremes(scores, targets, valid_mask))
 
 
 def targets_from_positive_index(
-    positive_index: Tensor, num_candidates: int, *, check_inputs: CheckInputs = True, dtype: torch.dtype | None = None
+    positive_index: Tensor, num_candidates: int, *, dtype: torch.dtype | None = None
 ) -> Tensor:
     """0/1 targets [A, C] (float32 unless ``dtype``) with a 1 at ``positive_index[a]``; rows with index -1 have no
     positive. Built by comparison with the column numbers, without data-dependent shapes (no sync)."""
     _check_positive_index(positive_index, None)
-    checks = _collector(check_inputs)
-    _require_index_range(positive_index, num_candidates, checks)
-    _finish(check_inputs, checks)
     return _positive_mask(positive_index, 0, num_candidates).to(dtype or torch.float32)
 
 
@@ -300,14 +217,6 @@ def _check_positive_index(positive_index: Tensor, num_anchors: int | None) -> No
         raise ValueError(f"positive_index must be an integer tensor, got {positive_index.dtype}")
     if num_anchors is not None and positive_index.shape[0] != num_anchors:
         raise ValueError(f"positive_index must be [A] = [{num_anchors}], got {tuple(positive_index.shape)}")
-
-
-def _require_index_range(positive_index: Tensor, num_candidates: int, checks: DeferredChecks | None) -> None:
-    if checks is not None and positive_index.numel():
-        checks.require(
-            (positive_index >= -1) & (positive_index < num_candidates),
-            f"positive_index must lie in [-1, {num_candidates - 1}] (-1 = no positive in this row)",
-        )
 
 
 def _positive_mask(positive_index: Tensor, start: int, width: int) -> Tensor:
@@ -327,22 +236,22 @@ def _embedding_block(
     score_transform: Callable[[Tensor], Tensor] | None,
     false_negative_filter: FalseNegativeFilter | None = None,
     positive_scores: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """Loss sum of one candidate block (candidates ``start ...``) with its extremes and the number of candidates
-    per row the false-negative guard removed (None without it): the score block of
+) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+    """Loss sum of one candidate block (candidates ``start ...``) with its extremes and the false-negative guard's
+    per-row counts (masked, negatives; None without the guard): the score block of
     :func:`chunked_sigmoid_contrastive_loss`."""
     scores = anchors @ candidates.T
-    valid_mask, masked_per_row = None, None
-    if false_negative_filter is not None:
-        # On the cosine scores (before a score transform), against each row's matching-pair score.
-        masked = false_negative_mask(scores, positive_index - start, None, false_negative_filter, positive_scores)
-        valid_mask, masked_per_row = ~masked, masked.sum(1)
+    # On the cosine scores (before a score transform), against each row's matching-pair score.
+    valid_mask, guard_counts = apply_false_negative_filter(
+        scores, positive_index - start, None, false_negative_filter, positive_scores
+    )
     if score_transform is not None:
         scores = score_transform(scores)
     positive_mask = _positive_mask(positive_index, start, candidates.shape[0])
     loss_sum = _block_loss_sum(scores, positive_mask, valid_mask, scale, bias_value, relative)
     min_positive, max_negative = _block_extremes(scores, positive_mask, valid_mask)
-    return loss_sum, min_positive, max_negative, masked_per_row
+    guard = None if guard_counts is None else (guard_counts.masked, guard_counts.negatives)
+    return loss_sum, min_positive, max_negative, guard
 
 
 def chunked_sigmoid_contrastive_loss(
@@ -350,14 +259,12 @@ def chunked_sigmoid_contrastive_loss(
     candidates: Tensor,
     positive_index: Tensor,
     *,
-    scale: ScalarLike | None = None,
+    scale: ScalarLike,
     relative_bias: ScalarLike | None = None,
     bias: ScalarLike | None = None,
     score_transform: Callable[[Tensor], Tensor] | None = None,
     chunk_size: int | None = None,
     return_extremes: bool = False,
-    check_inputs: CheckInputs = True,
-    inverse_temperature: ScalarLike | None = None,
     false_negative_filter: FalseNegativeFilter | tuple | list | None = None,
     return_guard_counts: bool = False,
     positive_scores: Tensor | None = None,
@@ -378,19 +285,16 @@ def chunked_sigmoid_contrastive_loss(
         return_extremes: also return the smallest matching and the largest non-matching score (no gradient; for
             the margin, see :func:`constellation_margin_from_extremes`), from the same score blocks; ``+inf`` /
             ``-inf`` when there is none.
-        check_inputs: see the module docstring.
-        inverse_temperature: deprecated alias of ``scale``.
         false_negative_filter: the in-batch false-negative guard (:mod:`st_weince.functional.false_negatives`):
             non-matching candidates whose cosine score is above the threshold set by the row's matching-pair score
             (``anchors[a] . candidates[positive_index[a]]``) are left out of the loss and of the extremes. Rows
             without a positive (-1) mask nothing. Applied to the cosine scores, before ``score_transform``.
-        return_guard_counts: also return (last) the number of candidates the guard removed per anchor, [A] long
-            (zeros without a guard).
+        return_guard_counts: also return (last) what the guard removed per anchor, a
+            :class:`~st_weince.functional.false_negatives.FilterCounts` (None without a guard).
         positive_scores: [A] the rows' matching-pair scores for the guard's threshold, when ``candidates`` is one
             block of a larger candidate set that may not hold the positive (``+inf``: the row masks nothing); None
             takes them from ``candidates[positive_index]``.
     """
-    scale = _scale_argument(scale, inverse_temperature)
     false_negative_filter = FalseNegativeFilter.parse(false_negative_filter)
     if anchors.dim() != 2 or candidates.dim() != 2 or anchors.shape[1] != candidates.shape[1]:
         raise ValueError(
@@ -404,23 +308,15 @@ def chunked_sigmoid_contrastive_loss(
     _check_positive_index(positive_index, anchors.shape[0])
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
-    checks = _collector(check_inputs)
     dtype = compute_dtype(anchors, candidates)
-    t = _scalar(scale, "scale", dtype, checks, positive=True)
-    bias_value, relative = _bias_argument(relative_bias, bias, dtype, checks)
+    t = _scalar(scale, "scale", dtype, positive=True)
+    bias_value, relative = _bias_argument(relative_bias, bias, dtype)
     num_candidates = candidates.shape[0]
-    if checks is not None:
-        checks.require(
-            torch.isfinite(anchors.detach()).all() & torch.isfinite(candidates.detach()).all(),
-            "anchors and candidates must be finite (NaN or Inf embeddings)",
-        )
-    _require_index_range(positive_index, num_candidates, checks)
-    _finish(check_inputs, checks)
 
     anchors, candidates = anchors.to(dtype), candidates.to(dtype)
     step = num_candidates if chunk_size is None else min(chunk_size, num_candidates)
     recompute = step < num_candidates and torch.is_grad_enabled()
-    masked_per_row = torch.zeros_like(positive_index, dtype=torch.long)
+    guard_counts: FilterCounts | None = None
     if false_negative_filter is None:
         positive_scores = None
     elif positive_scores is not None:
@@ -448,9 +344,10 @@ def chunked_sigmoid_contrastive_loss(
         total = total + loss_sum
         min_positive, max_negative = torch.minimum(min_positive, low), torch.maximum(max_negative, high)
         if masked is not None:
-            masked_per_row = masked_per_row + masked
+            block_counts = FilterCounts(*masked)
+            guard_counts = block_counts if guard_counts is None else guard_counts.plus(block_counts)
     loss = total / anchors.shape[0]
     outputs = (loss, min_positive, max_negative) if return_extremes else (loss,)
     if return_guard_counts:
-        outputs = (*outputs, masked_per_row)
+        outputs = (*outputs, guard_counts)
     return outputs if len(outputs) > 1 else loss

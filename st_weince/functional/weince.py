@@ -2,7 +2,7 @@
 
 Data flows one way: scores -> per-anchor tail fits -> batch pivot -> blend weights -> logits -> cross-entropy.
 Every adapter (sentence-transformers losses, the vision recipe, the diagnostics) calls these functions, so each
-formula of ``shared/docs/ALGORITHMS.md`` section 1 lives here exactly once, and the nine options live in one place,
+formula of ``docs/algorithms.md`` section 1 lives here exactly once, and the nine options live in one place,
 :class:`WeinceOptions`.
 
 Conventions
@@ -14,8 +14,9 @@ Conventions
 Negatives of a row are its valid entries other than its positive.
 
 Hot path: no function here reads a device value on the host. Shapes decide every Python branch (the largest tail
-size comes from the number of columns), value checks are collected in a :class:`~st_weince.utils.hotpath.DeferredChecks`
-and read with one sync, or skipped (``checks=False``), so the loss compiles with ``torch.compile(fullgraph=True)``.
+size comes from the number of columns) and only shapes are checked, so the loss compiles with
+``torch.compile(fullgraph=True)``; the values are checked once where a loss receives its inputs, or by
+:func:`st_weince.functional.check_scores` for direct callers.
 
 Dtypes: the statistics and the logits are computed in the scores' dtype, float16/bfloat16 in float32.
 """
@@ -30,7 +31,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from st_weince.utils.hotpath import DeferredChecks
+from st_weince.functional.checks import compute_dtype
 from st_weince.utils.options import real_option
 
 WeinceMode = Literal["both", "rho", "aic", "none"]
@@ -43,10 +44,9 @@ _WRONG_SIGN_PENALTY = 1e6
 _MIN_SSE = 1e-12
 _MIN_FIT_POINTS = 3
 # A tail whose log-shortfalls spread less than this many units of rounding (RMS, relative to their size) has no
-# shape: its line fits are rounding noise (issue 10 item 5: 0.92 everywhere gave lambda 1.0).
+# shape: its line fits are rounding noise (equal scores of 0.92 everywhere would otherwise give lambda 1.0).
 _DEGENERATE_SPREAD_ULPS = 16.0
 
-Checks = DeferredChecks | bool
 
 
 def _real(name: str, value: Any) -> float:
@@ -60,11 +60,6 @@ def check_scale(scale: Any, name: str = "scale") -> float:
     if not value > 0:
         raise ValueError(f"{name} must be > 0 ({name} = 1 / temperature), got {value}")
     return value
-
-
-def check_temperature(temperature: Any) -> float:
-    """A softmax temperature: a finite number > 0."""
-    return check_scale(temperature, name="temperature")
 
 
 @dataclass(frozen=True)
@@ -188,27 +183,8 @@ class WeinceStatistics:
     fitted: Tensor  # [A] bool
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the statistics and logits for scores of ``dtype``: float64 stays, everything else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _checks_for(checks: Checks) -> DeferredChecks | None:
-    if isinstance(checks, DeferredChecks):
-        return checks
-    return DeferredChecks() if checks else None
-
-
-def _finish(local: DeferredChecks | None, checks: Checks) -> None:
-    """Read the checks now if this function owns them (``checks=True``); a caller's DeferredChecks it reads itself."""
-    if local is not None and checks is True:
-        local.raise_if_failed()
-
-
-def _check_scores(
-    scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None, checks: DeferredChecks | None
-) -> None:
-    """Shapes and dtypes now (free); values (finite scores, positives in range) into ``checks``."""
+def _check_shapes(scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None) -> None:
+    """Shapes and dtypes (free); the values are the caller's (:func:`st_weince.functional.check_scores`)."""
     if not isinstance(scores, Tensor) or scores.dim() != 2:
         shape = tuple(scores.shape) if isinstance(scores, Tensor) else type(scores).__name__
         raise ValueError(f"scores must be a 2-D [anchors, candidates] matrix, got shape {shape}")
@@ -230,19 +206,6 @@ def _check_scores(
             )
         if positive_index.dtype != torch.long:
             raise ValueError(f"positive_index must be a torch.long tensor, got {positive_index.dtype}")
-    if checks is None:
-        return
-    if positive_index is not None:
-        checks.require(
-            (positive_index < num_candidates) & (positive_index >= -1),
-            f"positive_index must lie in [-1, {num_candidates - 1}]",
-        )
-    # One reduction pass: NaN or +-Inf in any valid entry makes the sum non-finite.
-    valid_scores = scores.detach() if valid_mask is None else scores.detach().masked_fill(~valid_mask, 0.0)
-    checks.require(
-        torch.isfinite(valid_scores.sum(dtype=compute_dtype(scores.dtype))),
-        "scores contain NaN or Inf (check the embeddings: a NaN embedding gives NaN scores)",
-    )
 
 
 def _count_negatives(positive_index: Tensor | None, valid_mask: Tensor | None, shape: torch.Size, device) -> Tensor:
@@ -284,7 +247,7 @@ def _top_negative_scores(
 
 
 def tail_sizes(num_negatives: Tensor, *, tail_frac: float, min_tail_points: int) -> Tensor:
-    """Tail size k per anchor from its number of negatives K (ALGORITHMS.md 1.1 step 1)."""
+    """Tail size k per anchor from its number of negatives K (docs/algorithms.md 1.1 step 1)."""
     k = torch.clamp(torch.round(tail_frac * num_negatives.double()).long(), min=min_tail_points)
     k = torch.minimum(k, num_negatives)
     k = torch.clamp(k, min=10)
@@ -360,22 +323,15 @@ def weince_tail_fit(
     positive_index: Tensor | None,
     valid_mask: Tensor | None = None,
     options: WeinceOptions | None = None,
-    *,
-    checks: Checks = True,
     **overrides: Any,
 ) -> TailFit:
-    """Per-anchor shortfall tail fits (ALGORITHMS.md 1.1 steps 1-4), vectorised over anchors, in the scores'
-    dtype (float16/bfloat16: float32).
-
-    ``checks``: True validates the inputs here (one host sync), a DeferredChecks collects the value checks for the
-    caller to read, False skips them (the caller guarantees finite scores and valid positives).
-    """
+    """Per-anchor shortfall tail fits (docs/algorithms.md 1.1 steps 1-4), vectorised over anchors, in the scores'
+    dtype (float16/bfloat16: float32). Shapes are checked, values are not (:func:`check_scores`)."""
     if isinstance(valid_mask, WeinceOptions):
         raise TypeError("valid_mask got a WeinceOptions: pass the options as options=... (the fourth argument)")
     options = resolve_options(options, overrides)
-    deferred = _checks_for(checks)
-    _check_scores(scores, positive_index, valid_mask, deferred)
-    dtype = compute_dtype(scores.dtype)
+    _check_shapes(scores, positive_index, valid_mask)
+    dtype = compute_dtype(scores)
     device = scores.device
     num_negatives = _count_negatives(positive_index, valid_mask, scores.shape, device)
     k = tail_sizes(num_negatives, tail_frac=options.tail_frac, min_tail_points=options.min_tail_points)
@@ -402,7 +358,6 @@ def weince_tail_fit(
     delta_aic = n_safe.squeeze(1) * (torch.log(sse_gumbel) - torch.log(sse_weibull))
     shaped = fitted & ~degenerate
     zero = torch.zeros_like(rho)
-    _finish(deferred, checks)
     return TailFit(
         rho=rho,
         beta_hat=torch.where(shaped, beta_hat, zero),
@@ -413,7 +368,7 @@ def weince_tail_fit(
 
 
 @torch.no_grad()
-def batch_pivot(rho: Tensor, has_negatives: Tensor, q: float = 0.2) -> Tensor:
+def batch_pivot(rho: Tensor, has_negatives: Tensor, q: float = DEFAULTS.q) -> Tensor:
     """``rho0``: the q-quantile of rho over the anchors that have negatives (sort ascending, index round(q (A-1))).
 
     Sort plus gather, no boolean-mask indexing: rows without negatives sort last (+inf) and the index counts only
@@ -446,7 +401,7 @@ def blend_weights(fit: TailFit, rho0: Tensor | float, options: WeinceOptions | N
     return torch.where(fit.fitted, lam, torch.zeros_like(lam))
 
 
-def tail_index(fit: TailFit, beta: float | str = 1.0) -> Tensor:
+def tail_index(fit: TailFit, beta: float | str = DEFAULTS.beta) -> Tensor:
     """beta(a) in the shortfall logit: a constant (reference implementation: 1.0) or "auto", the clamped estimate."""
     beta = WeinceOptions(beta=beta).beta
     if beta == "auto":
@@ -463,7 +418,7 @@ def statistics_from_fit(
     rho0: Tensor | float | None = None,
     gather: Callable[[Tensor], Tensor] | None = None,
 ) -> WeinceStatistics:
-    """Steps 5-7 of ALGORITHMS.md 1.1 on given tail fits: the pivot (over ``gather``'s global batch unless ``rho0``
+    """Steps 5-7 of docs/algorithms.md 1.1 on given tail fits: the pivot (over ``gather``'s global batch unless ``rho0``
     is given), the blend weights and the tail index."""
     options = resolve_options(options, {})
     if rho0 is None:
@@ -490,7 +445,6 @@ def weince_statistics(
     *,
     rho0: Tensor | float | None = None,
     gather: Callable[[Tensor], Tensor] | None = None,
-    checks: Checks = True,
     **overrides: Any,
 ) -> WeinceStatistics:
     """Per-anchor WEINCE statistics (no gradient), in the scores' dtype (float16/bfloat16: float32).
@@ -498,10 +452,9 @@ def weince_statistics(
     ``options`` (default :data:`DEFAULTS`), with keyword ``overrides`` (e.g. ``beta="auto"``) applied.
     ``rho0`` overrides the batch pivot. ``gather`` maps a per-anchor tensor of this process to the one of the global
     batch (e.g. an all-gather under data parallelism), so that the pivot is taken over every process's anchors.
-    ``checks`` as in :func:`weince_tail_fit`.
     """
     options = resolve_options(options, overrides)
-    fit = weince_tail_fit(scores, positive_index, valid_mask, options, checks=checks)
+    fit = weince_tail_fit(scores, positive_index, valid_mask, options)
     return statistics_from_fit(fit, options, rho0=rho0, gather=gather)
 
 
@@ -539,16 +492,17 @@ def weince_logits(
     beta: Tensor,
     valid_mask: Tensor | None = None,
     *,
-    temperature: float,
+    scale: float,
     eps: float = DEFAULTS.eps,
 ) -> Tensor:
-    """Blended logits (1 - lam) s / tau + lam (-beta log(1 - min(s, 1 - eps))), -inf at invalid entries.
+    """Blended logits (1 - lam) s / tau + lam (-beta log(1 - min(s, 1 - eps))), -inf at invalid entries, with
+    ``scale = 1 / tau``.
 
     In the scores' dtype; float16/bfloat16 (autocast) scores are computed in float32, since the shortfall log
     needs it. Gradient flows through ``scores`` only; ``lam`` and ``beta`` are treated as constants.
     """
-    temperature = check_temperature(temperature)
-    dtype = compute_dtype(scores.dtype)
+    temperature = 1.0 / check_scale(scale)
+    dtype = compute_dtype(scores)
     s = scores.to(dtype)
     lam = lam.detach().to(dtype)[:, None]
     logits = _BlendedLogit.apply(s, lam, beta.detach().to(dtype)[:, None], temperature, float(eps))
@@ -596,13 +550,13 @@ def blended_cross_entropy(
     positive_index: Tensor,
     valid_mask: Tensor | None = None,
     *,
-    temperature: float,
+    scale: float,
     eps: float = DEFAULTS.eps,
 ) -> Tensor:
     """Per-row cross-entropy [A] of :func:`weince_logits` with ``positive_index`` as the target, fused (fewer passes
     over the matrix in backward). Same dtypes and gradient as the unfused logits + ``F.cross_entropy``."""
-    temperature = check_temperature(temperature)
-    dtype = compute_dtype(scores.dtype)
+    temperature = 1.0 / check_scale(scale)
+    dtype = compute_dtype(scores)
     return _BlendedCrossEntropy.apply(
         scores.to(dtype),
         lam.detach().to(dtype)[:, None],
@@ -630,39 +584,26 @@ def weince_cross_entropy(
     valid_mask: Tensor | None = None,
     options: WeinceOptions | None = None,
     *,
-    temperature: float,
+    scale: float,
     reduction: str = "mean",
     rho0: Tensor | float | None = None,
     statistics: WeinceStatistics | None = None,
-    checks: Checks = True,
     **overrides: Any,
 ) -> Tensor:
     """WEINCE loss: cross-entropy of the blended logits of each row with its positive as the target.
 
-    ``statistics`` reuses precomputed statistics of these rows (else they are computed here with ``options``); their
-    computation checked the values of these inputs, so only shapes are checked again.
+    ``statistics`` reuses precomputed statistics of these rows (else they are computed here with ``options``). Shapes
+    are checked, values are not: every row needs a positive that is not masked out (:func:`check_scores` with
+    ``every_row_has_positive=True``).
     """
     options = resolve_options(options, overrides)
-    temperature = check_temperature(temperature)
+    scale = check_scale(scale)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    deferred = _checks_for(checks)
+    _check_shapes(scores, positive_index, valid_mask)
     if statistics is None:
-        statistics = weince_statistics(
-            scores, positive_index, valid_mask, options, rho0=rho0, checks=deferred if deferred is not None else False
-        )
-    else:
-        # shapes only: the values were checked when these statistics were computed from the same inputs
-        _check_scores(scores, positive_index, valid_mask, None)
-    if deferred is not None:
-        deferred.require(positive_index >= 0, "every row needs a positive for the cross-entropy (positive_index >= 0)")
-        if valid_mask is not None:
-            deferred.require(
-                valid_mask.gather(1, positive_index.clamp_min(0)[:, None]),
-                "the positive of a row is masked out by valid_mask",
-            )
-    _finish(deferred, checks)
+        statistics = weince_statistics(scores, positive_index, valid_mask, options, rho0=rho0)
     rows = blended_cross_entropy(
-        scores, statistics.lam, statistics.beta, positive_index, valid_mask, temperature=temperature, eps=options.eps
+        scores, statistics.lam, statistics.beta, positive_index, valid_mask, scale=scale, eps=options.eps
     )
     return _reduce(rows, reduction)

@@ -1,26 +1,18 @@
-"""Input checks shared by the loss adapters: column counts, shapes, batch sizes, finite embeddings."""
+"""Input checks shared by the loss adapters: column counts, shapes, batch sizes and dtypes (free: no device value is
+read). The values (NaN, Inf, overflowing norms) are checked by :func:`st_weince.functional.normalize_rows`, in the
+loss's one host sync."""
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
-
-from st_weince.utils.hotpath import DeferredChecks
 
 
 def check_embedding_columns(
     embeddings: list[Tensor],
     loss_name: str,
     min_columns: int = 2,
-    checks: DeferredChecks | bool = True,
 ) -> None:
-    """Raise a clear ValueError for too few columns, wrong shapes, mismatched batch sizes or dimensions, and
-    non-finite embeddings.
-
-    Shapes are checked at once (free). The finiteness of the values needs the host to read the device: with
-    ``checks=True`` all columns are read with one sync here; a :class:`DeferredChecks` collects them for the caller,
-    who reads every check of its forward pass at once; ``False`` skips them (no sync at all).
-    """
+    """Raise a clear ValueError for too few columns, wrong shapes, and mismatched batch sizes or dimensions."""
     if len(embeddings) < min_columns:
         raise ValueError(
             f"{loss_name} needs at least {min_columns} input columns (anchor, positive[, negative_1, ...]), "
@@ -42,13 +34,3 @@ def check_embedding_columns(
     dims = [e.shape[1] for e in embeddings]
     if any(dim != dims[0] for dim in dims):
         raise ValueError(f"{loss_name}: all columns must have the same embedding dimension, got {dims}")
-    if checks is False:
-        return
-    deferred = checks if isinstance(checks, DeferredChecks) else DeferredChecks()
-    for index, embedding in enumerate(embeddings):
-        deferred.require(
-            torch.isfinite(embedding.detach()).all(),
-            f"{loss_name}: column {index} has NaN or Inf embeddings; the model diverged or its input is broken",
-        )
-    if checks is True:
-        deferred.raise_if_failed()

@@ -4,25 +4,25 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from sentence_transformers.base.losses.gradcache import CachedLossMixin, has_static_embedding_input
 from torch import Tensor, nn
 
+from st_weince.functional.false_negatives import FilterCounts
 from st_weince.losses._columns import check_embedding_columns
+from st_weince.losses._gradcache import GradCachedLoss, GradCacheOptions
 from st_weince.losses._labels import warn_unused_labels
-from st_weince.losses.rb_sigmoid import DEFAULT_SCALE, RBSigmoidLoss
-from st_weince.utils.hotpath import DeferredChecks
-from st_weince.utils.options import flag_option, positive_int_option
+from st_weince.losses.rb_sigmoid import RBSigmoidLoss, RBSigmoidOptions
+from st_weince.utils.options import options_from_arguments
 
 
-class CachedRBSigmoidLoss(CachedLossMixin, RBSigmoidLoss):
+class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
     def __init__(
         self,
         model: nn.Module | None,
-        scale: float = DEFAULT_SCALE,
+        scale: float = RBSigmoidOptions.scale,
         *,
-        mini_batch_size: int = 32,
-        mini_batch_num_tokens: int | None = None,
-        show_progress_bar: bool = False,
+        mini_batch_size: int = GradCacheOptions.mini_batch_size,
+        mini_batch_num_tokens: int | None = GradCacheOptions.mini_batch_num_tokens,
+        show_progress_bar: bool = GradCacheOptions.show_progress_bar,
         **options: Any,
     ) -> None:
         """
@@ -101,23 +101,8 @@ class CachedRBSigmoidLoss(CachedLossMixin, RBSigmoidLoss):
                 prepare_trainer(trainer)
                 trainer.train()
         """
-        super().__init__(model, scale, **options)
-        if model is not None and has_static_embedding_input(model):
-            raise ValueError(
-                "CachedRBSigmoidLoss cannot split the inputs of a StaticEmbedding model into mini-batches; "
-                "use RBSigmoidLoss instead"
-            )
-        self.mini_batch_size = positive_int_option("mini_batch_size", mini_batch_size)
-        self.mini_batch_num_tokens = positive_int_option("mini_batch_num_tokens", mini_batch_num_tokens, optional=True)
-        self.show_progress_bar = flag_option("show_progress_bar", show_progress_bar)
-
-    def get_config_dict(self) -> dict[str, Any]:
-        return {
-            **super().get_config_dict(),
-            "mini_batch_size": self.mini_batch_size,
-            "mini_batch_num_tokens": self.mini_batch_num_tokens,
-            "show_progress_bar": self.show_progress_bar,
-        }
+        RBSigmoidLoss.__init__(self, model, scale, **options)
+        self._set_cache_options(model, options_from_arguments(GradCacheOptions, locals()))
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)
@@ -156,32 +141,32 @@ class CachedRBSigmoidLoss(CachedLossMixin, RBSigmoidLoss):
         warn_unused_labels(self, labels)  # no sync: a host-side check
         embeddings = [torch.cat(column) for column in reps]
         checks = self._new_checks()
-        check_embedding_columns(embeddings, type(self).__name__, checks=False)  # values: by normalize_rows' check
+        check_embedding_columns(embeddings, type(self).__name__)  # values: by normalize_rows' check
         params = self.loss_parameters()
         self._require_finite_parameters(params, checks)
+        normalized = self._normalized(embeddings, checks)
+        if checks is not None:
+            checks.raise_if_failed()  # the one host sync of the step, where the loss receives its inputs
         if not with_backward:
-            total, extremes, guard_counts = self._row_chunk_losses(embeddings, params, checks, backward=False)
+            total, extremes, guard_counts = self._row_chunk_losses(normalized, params, backward=False)
         else:
             stand_ins = {name: value.detach().requires_grad_(value.requires_grad) for name, value in params.items()}
-            total, extremes, guard_counts = self._row_chunk_losses(embeddings, stand_ins, checks, backward=True)
+            total, extremes, guard_counts = self._row_chunk_losses(normalized, stand_ins, backward=True)
             for name, value in params.items():
                 if value.requires_grad and stand_ins[name].grad is not None:
                     total = total + (value - value.detach()) * stand_ins[name].grad
-        if checks is not None:
-            checks.raise_if_failed()
         self._record(params, *extremes, guard_counts)
         return total
 
     def _row_chunk_losses(
-        self, embeddings: list[Tensor], params: dict[str, Tensor], checks: DeferredChecks | None, backward: bool
-    ) -> tuple[Tensor, tuple[Tensor, Tensor], tuple[Tensor, Tensor] | None]:
+        self, normalized: list[Tensor], params: dict[str, Tensor], backward: bool
+    ) -> tuple[Tensor, tuple[Tensor, Tensor], FilterCounts | None]:
         """Sum of the chunk losses (detached when ``backward``), the first block's extremes and its false-negative
         guard counts per anchor (None without the guard).
 
         With ``backward``, normalization and gathering run once on leaves: each chunk's backward stops at the
         normalized (and gathered) columns, and one backward per column then carries the accumulated gradients
         through the gather and the normalization to the embeddings."""
-        normalized = self._normalized(embeddings, checks)
         columns = [column.detach().requires_grad_() for column in normalized] if backward else normalized
         gathered, positive_index = self._candidates(columns)
         # Without gathering the candidates are the columns themselves; gathered ones become leaves of their own.
@@ -192,11 +177,11 @@ class CachedRBSigmoidLoss(CachedLossMixin, RBSigmoidLoss):
 
         total = columns[0].new_zeros(())
         extremes: tuple[Tensor, Tensor] | None = None
-        guard_counts: list[tuple[Tensor, Tensor]] = []
+        guard_counts: list[FilterCounts] = []
         for block_index, (anchor_column, block, weight) in enumerate(self._directional_blocks(columns, candidates)):
             if self._exchanges_with_neighbours:
                 # Each process block arrives once; the row chunks go through it before the next one is received.
-                value, low, high, masked = self._exchanged_block_loss(
+                value, low, high, counts = self._exchanged_block_loss(
                     columns[anchor_column],
                     block,
                     positive_index,
@@ -208,12 +193,12 @@ class CachedRBSigmoidLoss(CachedLossMixin, RBSigmoidLoss):
                 total = total + value
                 if block_index == 0:
                     extremes = (low, high)
-                    if masked is not None:
-                        guard_counts.append(self._guard_counts(masked, positive_index, block))
+                    if counts is not None:
+                        guard_counts.append(counts)
                 continue
             for begin in range(0, batch_size, self.mini_batch_size):
                 end = min(begin + self.mini_batch_size, batch_size)
-                value, low, high, masked = self._block_loss(
+                value, low, high, counts = self._block_loss(
                     columns[anchor_column][begin:end], block, positive_index[begin:end], params
                 )
                 # The block loss is the mean over the chunk's anchors; the loss is the mean over all anchors.
@@ -224,16 +209,14 @@ class CachedRBSigmoidLoss(CachedLossMixin, RBSigmoidLoss):
                 total = total + value
                 if block_index == 0:  # the logged margin is the first block's, as in RBSigmoidLoss
                     extremes = (low, high) if extremes is None else _merge(extremes, low, high)
-                    if masked is not None:
-                        guard_counts.append(self._guard_counts(masked, positive_index[begin:end], block))
+                    if counts is not None:
+                        guard_counts.append(counts)
         if backward:
             if self._all_gathers:
                 _backward_where_used(gathered, candidates)
             _backward_where_used(normalized, columns)
-        guard = None
-        if guard_counts:  # per-anchor counts of the row chunks, in row order
-            guard = (torch.cat([c[0] for c in guard_counts]), torch.cat([c[1] for c in guard_counts]))
-        return total, extremes, guard
+        # per-anchor counts of the row chunks, in row order
+        return total, extremes, FilterCounts.cat(guard_counts) if guard_counts else None
 
 
 def _merge(extremes: tuple[Tensor, Tensor], low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,20 +1,20 @@
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import tqdm
-from sentence_transformers.base.losses.gradcache import CachedLossMixin, has_static_embedding_input
-from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
-from st_weince.functional.false_negatives import FalseNegativeFilter
-from st_weince.functional.layouts import Direction, PartitionMode, mnrl_layout
-from st_weince.functional.weince import DEFAULTS, TailFit, WeinceMode, WeinceStatistics, statistics_from_fit
+from st_weince.functional.false_negatives import FilterCounts
+from st_weince.functional.layouts import mnrl_layout
+from st_weince.functional.weince import TailFit, WeinceStatistics, statistics_from_fit
+from st_weince.losses._gradcache import GradCachedLoss, GradCacheOptions
 from st_weince.losses._labels import warn_unused_labels
-from st_weince.losses.weince import LOSS_BETA_DEFAULT, WEINCE_CITATION, WEINCELoss
+from st_weince.losses.weince import WEINCE_CITATION, WEINCELoss, WEINCELossOptions
 from st_weince.utils.hotpath import DeferredChecks
+from st_weince.utils.options import options_from_arguments
 
 GRADCACHE_CITATION = """
 @misc{gao2021scaling,
@@ -41,32 +41,16 @@ def _rows(stats: WeinceStatistics, rows: slice) -> WeinceStatistics:
     )
 
 
-class CachedWEINCELoss(CachedLossMixin, WEINCELoss):
+class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
     def __init__(
         self,
-        model: nn.Module,
-        scale: float = 20.0,
-        gather_across_devices: bool = False,
-        directions: tuple[Direction, ...] = ("query_to_doc",),
-        partition_mode: PartitionMode = "joint",
+        model: nn.Module | None,
+        scale: float = WEINCELossOptions.scale,
         *,
-        mini_batch_size: int = 32,
-        mini_batch_num_tokens: int | None = None,
-        show_progress_bar: bool = False,
-        beta: float | str = LOSS_BETA_DEFAULT,
-        mode: WeinceMode = DEFAULTS.mode,
-        q: float = DEFAULTS.q,
-        kappa_rho: float = DEFAULTS.kappa_rho,
-        kappa_aic: float = DEFAULTS.kappa_aic,
-        aic_margin: float = DEFAULTS.aic_margin,
-        tail_frac: float = DEFAULTS.tail_frac,
-        min_tail_points: int = DEFAULTS.min_tail_points,
-        eps: float = DEFAULTS.eps,
-        false_negative_filter: FalseNegativeFilter | tuple | list | None = None,
-        check_inputs: bool = True,
-        similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
-        hardness_mode: str | None = None,
-        hardness_strength: float = 0.0,
+        mini_batch_size: int = GradCacheOptions.mini_batch_size,
+        mini_batch_num_tokens: int | None = GradCacheOptions.mini_batch_num_tokens,
+        show_progress_bar: bool = GradCacheOptions.show_progress_bar,
+        **options: Any,
     ) -> None:
         """
         :class:`WEINCELoss` with gradient caching (GradCache, Gao et al. 2021), for batches of thousands of
@@ -90,19 +74,17 @@ class CachedWEINCELoss(CachedLossMixin, WEINCELoss):
 
         Args:
             model: SentenceTransformer model.
-            scale, gather_across_devices, directions, partition_mode: as in :class:`WEINCELoss` (and MNRL).
+            scale: as in :class:`WEINCELoss` (and MNRL).
             mini_batch_size: rows per mini-batch, for embedding and for the loss's row chunks; memory grows with it,
                 speed too. The loss is the same for every value.
             mini_batch_num_tokens: if set, embedding mini-batches are packed by token count instead (as in CMNRL);
                 the loss's row chunks keep ``mini_batch_size`` rows.
             show_progress_bar: show progress bars over the mini-batches.
-            beta, mode, q, kappa_rho, kappa_aic, aic_margin, tail_frac, min_tail_points, eps: the WEINCE options,
-                as in :class:`WEINCELoss` (validated at construction by :class:`st_weince.functional.WeinceOptions`).
-            false_negative_filter: the in-batch false-negative guard, as in :class:`WEINCELoss` (applied to every
-                row chunk before the statistics, so the statistics and the loss equal the uncached ones).
-            check_inputs: as in :class:`WEINCELoss` (one host sync per step, or none).
-            similarity_fct, hardness_mode, hardness_strength: accepted for MNRL compatibility only at their
-                defaults (cos_sim, None, 0.0); refused otherwise with the reason.
+            **options: every other option of :class:`WEINCELoss` (``gather_across_devices``, ``directions``,
+                ``partition_mode``, ``beta``, ``mode``, ``q``, ..., ``false_negative_filter``, ``check_inputs``), with
+                its defaults and validation (:class:`~st_weince.losses.weince.WEINCELossOptions`). The guard is
+                applied to every row chunk before the statistics, so the statistics and the loss equal the
+                uncached ones.
 
         References:
             - Erol et al., When Softmax Fails at the Top: Extreme-Value Corrections for InfoNCE, ICML 2026.
@@ -148,46 +130,8 @@ class CachedWEINCELoss(CachedLossMixin, WEINCELoss):
                 prepare_trainer(trainer)
                 trainer.train()
         """
-        WEINCELoss.__init__(
-            self,
-            model,
-            scale=scale,
-            gather_across_devices=gather_across_devices,
-            directions=directions,
-            partition_mode=partition_mode,
-            beta=beta,
-            mode=mode,
-            q=q,
-            kappa_rho=kappa_rho,
-            kappa_aic=kappa_aic,
-            aic_margin=aic_margin,
-            tail_frac=tail_frac,
-            min_tail_points=min_tail_points,
-            eps=eps,
-            false_negative_filter=false_negative_filter,
-            check_inputs=check_inputs,
-            similarity_fct=similarity_fct,
-            hardness_mode=hardness_mode,
-            hardness_strength=hardness_strength,
-        )
-        if model is not None and has_static_embedding_input(model):
-            raise ValueError(
-                "CachedWEINCELoss is not compatible with a StaticEmbedding model, whose inputs cannot be split into "
-                "mini-batches along a batch dimension. Use WEINCELoss instead."
-            )
-        if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size < 1:
-            raise ValueError(f"mini_batch_size must be a positive integer, got {mini_batch_size!r}")
-        if mini_batch_num_tokens is not None and (
-            isinstance(mini_batch_num_tokens, bool)
-            or not isinstance(mini_batch_num_tokens, int)
-            or mini_batch_num_tokens < 1
-        ):
-            raise ValueError(f"mini_batch_num_tokens must be a positive integer or None, got {mini_batch_num_tokens!r}")
-        if not isinstance(show_progress_bar, bool):
-            raise TypeError(f"show_progress_bar must be a bool, got {show_progress_bar!r}")
-        self.mini_batch_size = mini_batch_size
-        self.mini_batch_num_tokens = mini_batch_num_tokens
-        self.show_progress_bar = show_progress_bar
+        WEINCELoss.__init__(self, model, scale, **options)
+        self._set_cache_options(model, options_from_arguments(GradCacheOptions, locals()))
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)
@@ -206,9 +150,11 @@ class CachedWEINCELoss(CachedLossMixin, WEINCELoss):
         With ``with_backward`` the loss is back-propagated to ``reps`` chunk by chunk and returned detached.
         """
         warn_unused_labels(self, labels)  # no sync: a host-side check
-        checks = DeferredChecks() if self.check_inputs else False
+        checks = DeferredChecks() if self.options.check_inputs else False
         embeddings = [torch.cat(column) for column in reps]
         queries, docs, offset = self._normalized_columns(embeddings, checks)
+        if checks:
+            checks.raise_if_failed()  # the one host sync of the step, where the loss receives its inputs
         if with_backward:
             # The chunks' backward passes stop at these leaves; the normalisation (and the gather across
             # processes) is back-propagated once at the end, not once per chunk.
@@ -222,7 +168,12 @@ class CachedWEINCELoss(CachedLossMixin, WEINCELoss):
             # with the false-negative guard applied (and its per-row counts), or the plain layout and None
             return self._guarded(
                 mnrl_layout(
-                    queries, docs, self.directions, self.partition_mode, row_start=offset + begin, row_end=offset + end
+                    queries,
+                    docs,
+                    self.options.directions,
+                    self.options.partition_mode,
+                    row_start=offset + begin,
+                    row_end=offset + end,
                 )
             )
 
@@ -233,13 +184,9 @@ class CachedWEINCELoss(CachedLossMixin, WEINCELoss):
                 layout, counts = layout_of(begin, end)
                 chunk_fits.append(self._group_fits(layout))
                 chunk_counts.append(counts)
-        guard_counts = None
-        if self.false_negative_filter is not None:
-            guard_counts = tuple(torch.cat([counts[part] for counts in chunk_counts]) for part in range(2))
+        guard_counts = FilterCounts.cat(chunk_counts) if self.options.false_negative_filter is not None else None
         fits = [TailFit.cat([fits[group] for fits in chunk_fits]) for group in range(len(chunk_fits[0]))]
-        statistics = [statistics_from_fit(fit, self.options, gather=self._gather) for fit in fits]
-        if checks:
-            checks.raise_if_failed()  # the one host sync of the step, before any backward pass
+        statistics = [statistics_from_fit(fit, self.options.math, gather=self._gather) for fit in fits]
 
         total = torch.zeros((), dtype=statistics[0].lam.dtype, device=queries.device)
         for begin, end in tqdm.tqdm(chunks, desc="Calculating loss", disable=not self.show_progress_bar):
@@ -258,14 +205,6 @@ class CachedWEINCELoss(CachedLossMixin, WEINCELoss):
             )
         self._record(statistics[0], guard_counts)
         return total
-
-    def get_config_dict(self) -> dict[str, Any]:
-        return {
-            **super().get_config_dict(),
-            "mini_batch_size": self.mini_batch_size,
-            "mini_batch_num_tokens": self.mini_batch_num_tokens,
-            "show_progress_bar": self.show_progress_bar,
-        }
 
     @property
     def citation(self) -> str:

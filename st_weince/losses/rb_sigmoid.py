@@ -3,28 +3,22 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import combinations
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from sentence_transformers.base.losses.merged_forward import embed_columns
 from sentence_transformers.util import all_gather_with_grad, cos_sim, get_rank
 from torch import Tensor, nn
 
-from st_weince.functional.exchange import process_count, ring_block_losses
-from st_weince.functional.false_negatives import (
-    FalseNegativeFilter,
-    false_negative_mask,
-    filter_row_counts,
-    shares_from_row_counts,
-)
+from st_weince.functional.checks import compute_dtype, require_valid_scores
+from st_weince.functional.exchange import ring_block_losses
+from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
 from st_weince.functional.layouts import normalize_rows
 from st_weince.functional.sigmoid import (
     chunked_sigmoid_contrastive_loss,
-    compute_dtype,
     constellation_margin_from_extremes,
     locked_adapter_scores,
     score_extremes,
@@ -33,25 +27,23 @@ from st_weince.functional.sigmoid import (
 )
 from st_weince.losses._columns import check_embedding_columns
 from st_weince.losses._labels import warn_unused_labels
-from st_weince.training.statistics import RunningMeans
 from st_weince.utils.hotpath import DeferredChecks
-from st_weince.utils.options import flag_option, positive_int_option, real_option
+from st_weince.utils.logged_statistics import RunningMeans
+from st_weince.utils.options import (
+    choice_option,
+    flag_option,
+    options_config,
+    options_from_arguments,
+    positive_int_option,
+    real_option,
+)
 
 Parametrization = Literal["relative", "absolute"]
 ColumnMode = Literal["negatives", "modalities"]
 Exchange = Literal["all_gather", "neighbour"]
 
-# Defaults chosen by measurement (benchmarks/sigmoid_synthetic.py, parts "init" and "bias"): docs/rb-sigmoid.md.
-DEFAULT_SCALE = 10.0
-DEFAULT_RELATIVE_BIAS = 0.7
-DEFAULT_ADAPTER_LOGIT = 0.0
-
-# Old keyword -> new keyword; accepted with a DeprecationWarning for one release (the coordinator's naming decision:
-# the temperature family is called ``scale`` everywhere, as in MultipleNegativesRankingLoss).
-DEPRECATED_ALIASES = {"inverse_temperature": "scale", "trainable_temperature": "trainable_scale"}
-
-# Constructor arguments of MultipleNegativesRankingLoss that RB-Sigmoid has no use for: accepted at the value that
-# makes them a no-op, refused otherwise, with the reason. ``directions`` is accepted (it maps onto ``symmetric``).
+# MultipleNegativesRankingLoss's arguments that RB-Sigmoid has no use for: accepted at the value that makes them a
+# no-op, refused otherwise, with the reason. ``directions`` is accepted (it maps onto ``symmetric``).
 _MNRL_NO_OP_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "similarity_fct": (
         lambda value: value is cos_sim,
@@ -68,7 +60,7 @@ _MNRL_NO_OP_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "hardness weighting re-weights the softmax denominator of InfoNCE, and the sigmoid loss has none",
     ),
     "partition_mode": (
-        lambda value: False,
+        lambda value: value is None,
         "the sigmoid loss has no softmax partition function to share or split across directions; with "
         "symmetric=True the two directions are averaged",
     ),
@@ -92,20 +84,21 @@ RB_SIGMOID_CITATION = """
 """
 
 
-def _choice_option(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
-    return value
-
-
 @dataclass(frozen=True)
 class RBSigmoidOptions:
     """The options of :class:`RBSigmoidLoss` (and :class:`~st_weince.losses.CachedRBSigmoidLoss`): the one place of
-    their defaults and their validation. Construction validates and resolves them: in the relative parametrization
-    ``relative_bias`` is set (default 0.7) and ``bias`` is None; in the absolute one ``bias`` is set (default
-    ``scale * relative_bias``) and ``relative_bias`` is None."""
+    their defaults and their validation; the loss signatures read their defaults from here. Construction validates
+    and resolves them: in the relative parametrization ``relative_bias`` is set (default
+    ``RELATIVE_BIAS_START``) and ``bias`` is None; in the absolute one ``bias`` is set (default
+    ``scale * relative_bias``) and ``relative_bias`` is None.
 
-    scale: float = DEFAULT_SCALE
+    The start values were chosen by measurement (``benchmarks/sigmoid_synthetic.py``, parts "init" and "bias"; see
+    ``docs/rb-sigmoid.md``): ``t = 10`` is SigLIP's start, ``b_rel = 0.7`` reached the largest margins.
+    """
+
+    RELATIVE_BIAS_START: ClassVar[float] = 0.7
+
+    scale: float = 10.0
     parametrization: Parametrization = "relative"
     relative_bias: float | None = None
     bias: float | None = None
@@ -116,7 +109,7 @@ class RBSigmoidOptions:
     symmetric: bool = False
     columns: ColumnMode = "negatives"
     locked_adapter: bool = False
-    adapter_logit: float = DEFAULT_ADAPTER_LOGIT
+    adapter_logit: float = 0.0
     chunk_size: int | None = None
     check_inputs: bool = True
     false_negative_filter: FalseNegativeFilter | None = None
@@ -125,28 +118,27 @@ class RBSigmoidOptions:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
-        put("parametrization", _choice_option("parametrization", self.parametrization, ("relative", "absolute")))
-        put("columns", _choice_option("columns", self.columns, ("negatives", "modalities")))
-        put("exchange", _choice_option("exchange", self.exchange, ("all_gather", "neighbour")))
+        put("parametrization", choice_option("parametrization", self.parametrization, ("relative", "absolute")))
+        put("columns", choice_option("columns", self.columns, ("negatives", "modalities")))
+        put("exchange", choice_option("exchange", self.exchange, ("all_gather", "neighbour")))
         put("scale", real_option("scale", self.scale, positive=True))
         relative_bias = real_option("relative_bias", self.relative_bias, optional=True)
         bias = real_option("bias", self.bias, optional=True)
+        start = self.RELATIVE_BIAS_START if relative_bias is None else relative_bias
         if self.parametrization == "relative":
             if bias is not None:
                 raise ValueError(
                     "bias is the start of the absolute parametrization (z = t s - b); with parametrization="
                     "'relative' give relative_bias (z = t (s - b_rel))"
                 )
-            put("relative_bias", DEFAULT_RELATIVE_BIAS if relative_bias is None else relative_bias)
+            put("relative_bias", start)
         else:
             if bias is not None and relative_bias is not None:
                 raise ValueError(
                     "give the absolute start either as bias or as relative_bias (then b = scale * relative_bias), "
                     "not both"
                 )
-            if bias is None:
-                bias = self.scale * (DEFAULT_RELATIVE_BIAS if relative_bias is None else relative_bias)
-            put("bias", bias)
+            put("bias", self.scale * start if bias is None else bias)
             put("relative_bias", None)
         for name in ("trainable_scale", "trainable_bias", "gather_across_devices", "symmetric", "locked_adapter"):
             put(name, flag_option(name, getattr(self, name)))
@@ -160,67 +152,59 @@ class RBSigmoidOptions:
         put("chunk_size", positive_int_option("chunk_size", self.chunk_size, optional=True))
         put("false_negative_filter", FalseNegativeFilter.parse(self.false_negative_filter))
 
-    @classmethod
-    def from_arguments(cls, arguments: dict[str, Any], extra: dict[str, Any], owner: str) -> RBSigmoidOptions:
-        """Options from a constructor's arguments: ``arguments`` the named ones (``directions`` included), ``extra``
-        the other keywords (deprecated aliases, MultipleNegativesRankingLoss's arguments), checked here."""
-        arguments = dict(arguments)
-        for old, new in DEPRECATED_ALIASES.items():
-            if old not in extra:
-                continue
-            value = extra.pop(old)
-            warnings.warn(f"{owner}: {old} is deprecated, use {new}", DeprecationWarning, stacklevel=3)
-            default = cls.__dataclass_fields__[new].default
-            if arguments[new] != default and arguments[new] != value:
-                raise ValueError(f"{owner}: give {new} or its deprecated alias {old}, not both")
-            arguments[new] = value
-        for name, value in extra.items():
-            if name not in _MNRL_NO_OP_VALUES:
-                raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {name!r}")
-            is_no_op, reason = _MNRL_NO_OP_VALUES[name]
-            if not is_no_op(value):
-                raise ValueError(f"{owner} does not support {name}={value!r}: {reason}")
-        directions = arguments.pop("directions")
-        if directions is not None:
-            if isinstance(directions, str) or not isinstance(directions, (tuple, list)):
-                raise TypeError(f"directions must be a tuple of direction names, got {directions!r}")
-            chosen = frozenset(directions)
-            if chosen not in (_ONE_DIRECTION, _BOTH_DIRECTIONS) or len(chosen) != len(directions):
-                raise ValueError(
-                    f"{owner} supports directions ('query_to_doc',) and ('query_to_doc', 'doc_to_query') "
-                    f"(= symmetric=True), got {tuple(directions)!r}: query_to_query and doc_to_doc would score "
-                    "anchors against anchors and documents against documents, which hold no positive pair here "
-                    "(for every column pair use columns='modalities')"
-                )
-            symmetric = chosen == _BOTH_DIRECTIONS
-            if arguments["symmetric"] and not symmetric:
-                raise ValueError(f"symmetric=True contradicts directions={tuple(directions)!r}")
-            arguments["symmetric"] = symmetric
-        return cls(**arguments)
+
+def symmetric_from_directions(directions: tuple[str, ...] | None, symmetric: bool, owner: str) -> bool:
+    """MultipleNegativesRankingLoss's ``directions`` in RB-Sigmoid's terms: ``("query_to_doc",)`` or
+    ``("query_to_doc", "doc_to_query")`` (= ``symmetric=True``); None keeps ``symmetric``."""
+    if directions is None:
+        return symmetric
+    if isinstance(directions, str) or not isinstance(directions, (tuple, list)):
+        raise TypeError(f"directions must be a tuple of direction names, got {directions!r}")
+    chosen = frozenset(directions)
+    if chosen not in (_ONE_DIRECTION, _BOTH_DIRECTIONS) or len(chosen) != len(directions):
+        raise ValueError(
+            f"{owner} supports directions ('query_to_doc',) and ('query_to_doc', 'doc_to_query') "
+            f"(= symmetric=True), got {tuple(directions)!r}: query_to_query and doc_to_doc would score "
+            "anchors against anchors and documents against documents, which hold no positive pair here "
+            "(for every column pair use columns='modalities')"
+        )
+    if symmetric is True and chosen != _BOTH_DIRECTIONS:
+        raise ValueError(f"symmetric=True contradicts directions={tuple(directions)!r}")
+    return chosen == _BOTH_DIRECTIONS
+
+
+def refuse_mnrl_arguments(owner: str, **arguments: Any) -> None:
+    for name, value in arguments.items():
+        is_no_op, reason = _MNRL_NO_OP_VALUES[name]
+        if not is_no_op(value):
+            raise ValueError(f"{owner} does not support {name}={value!r}: {reason}")
 
 
 class RBSigmoidLoss(nn.Module):
     def __init__(
         self,
         model: nn.Module | None,
-        scale: float = DEFAULT_SCALE,
+        scale: float = RBSigmoidOptions.scale,
         *,
-        parametrization: Parametrization = "relative",
-        relative_bias: float | None = None,
-        bias: float | None = None,
-        trainable_scale: bool = True,
-        trainable_bias: bool = True,
-        gather_across_devices: bool = False,
-        exchange: Exchange = "all_gather",
-        symmetric: bool = False,
-        columns: ColumnMode = "negatives",
-        locked_adapter: bool = False,
-        adapter_logit: float = DEFAULT_ADAPTER_LOGIT,
-        chunk_size: int | None = None,
-        check_inputs: bool = True,
+        parametrization: Parametrization = RBSigmoidOptions.parametrization,
+        relative_bias: float | None = RBSigmoidOptions.relative_bias,
+        bias: float | None = RBSigmoidOptions.bias,
+        trainable_scale: bool = RBSigmoidOptions.trainable_scale,
+        trainable_bias: bool = RBSigmoidOptions.trainable_bias,
+        gather_across_devices: bool = RBSigmoidOptions.gather_across_devices,
+        exchange: Exchange = RBSigmoidOptions.exchange,
+        symmetric: bool = RBSigmoidOptions.symmetric,
+        columns: ColumnMode = RBSigmoidOptions.columns,
+        locked_adapter: bool = RBSigmoidOptions.locked_adapter,
+        adapter_logit: float = RBSigmoidOptions.adapter_logit,
+        chunk_size: int | None = RBSigmoidOptions.chunk_size,
+        check_inputs: bool = RBSigmoidOptions.check_inputs,
+        false_negative_filter: FalseNegativeFilter | tuple | list | None = RBSigmoidOptions.false_negative_filter,
         directions: tuple[str, ...] | None = None,
-        false_negative_filter: FalseNegativeFilter | tuple | list | None = None,
-        **deprecated_or_mnrl_options: Any,
+        similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
+        hardness_mode: str | None = None,
+        hardness_strength: float = 0.0,
+        partition_mode: str | None = None,
     ) -> None:
         """
         RB-Sigmoid: the sigmoid (SigLIP-style) contrastive loss with a trainable scale (inverse temperature) ``t``
@@ -237,12 +221,12 @@ class RBSigmoidLoss(nn.Module):
             model: SentenceTransformer model (None to use only ``compute_loss_from_embeddings`` /
                 ``loss_from_scores``).
             scale: initial ``t = 1 / temperature`` (trained as ``log_t``), as MNRL's ``scale``. Default 10
-                (SigLIP's start). ``inverse_temperature`` is a deprecated alias.
+                (SigLIP's start).
             parametrization: "relative" (``z = t (s - b_rel)``, default) or "absolute" (SigLIP's ``z = t s - b``).
             relative_bias: initial ``b_rel`` (default 0.7, measured: see ``docs/rb-sigmoid.md``). In the absolute
                 parametrization it gives the start ``b = scale * relative_bias`` instead of ``bias``.
             bias: initial absolute bias ``b`` (absolute parametrization only).
-            trainable_scale: train ``t``; if False it stays fixed. ``trainable_temperature`` is a deprecated alias.
+            trainable_scale: train ``t``; if False it stays fixed.
             trainable_bias: train the bias (``b_rel`` or ``b``); if False it is a fixed hyperparameter (a fixed
                 ``b_rel`` trades margin against bias).
             gather_across_devices: gather embeddings across processes: local anchors against global candidates. The
@@ -289,7 +273,7 @@ class RBSigmoidLoss(nn.Module):
         References:
             - Bangachev, Bresler, Noman, Polyanskiy: Global Minimizers of Sigmoid Contrastive Loss, NeurIPS 2025.
             - Zhai et al.: Sigmoid Loss for Language Image Pre-Training (SigLIP), ICCV 2023.
-            - ``shared/docs/ALGORITHMS.md`` section 2 of this project; ``docs/rb-sigmoid.md``.
+            - ``docs/algorithms.md`` section 2 of this project; ``docs/rb-sigmoid.md``.
 
         Requirements:
             1. (anchor, positive) pairs or (anchor, positive, negative_1, ..., negative_n) tuples; or, with
@@ -341,42 +325,19 @@ class RBSigmoidLoss(nn.Module):
                 trainer.train()
         """
         super().__init__()
-        options = RBSigmoidOptions.from_arguments(
-            {
-                "scale": scale,
-                "parametrization": parametrization,
-                "relative_bias": relative_bias,
-                "bias": bias,
-                "trainable_scale": trainable_scale,
-                "trainable_bias": trainable_bias,
-                "gather_across_devices": gather_across_devices,
-                "exchange": exchange,
-                "symmetric": symmetric,
-                "columns": columns,
-                "locked_adapter": locked_adapter,
-                "adapter_logit": adapter_logit,
-                "chunk_size": chunk_size,
-                "check_inputs": check_inputs,
-                "directions": directions,
-                "false_negative_filter": false_negative_filter,
-            },
-            deprecated_or_mnrl_options,
-            type(self).__name__,
+        owner = type(self).__name__
+        refuse_mnrl_arguments(
+            owner,
+            similarity_fct=similarity_fct,
+            hardness_mode=hardness_mode,
+            hardness_strength=hardness_strength,
+            partition_mode=partition_mode,
         )
+        symmetric = symmetric_from_directions(directions, symmetric, owner)
+        options = options_from_arguments(RBSigmoidOptions, locals())
         self.model = model
-        self.parametrization = options.parametrization
-        self.trainable_scale = options.trainable_scale
-        self.trainable_bias = options.trainable_bias
-        self.gather_across_devices = options.gather_across_devices
-        self.exchange = options.exchange
-        self.symmetric = options.symmetric
-        self.columns = options.columns
-        self.locked_adapter = options.locked_adapter
-        self.chunk_size = options.chunk_size
-        self.check_inputs = options.check_inputs
-        self.false_negative_filter = options.false_negative_filter
-        self.initial_options = options
-
+        # The options as constructed; the trained values of t and the bias live in the parameters below.
+        self.options = options
         self._register_scalar("log_t", math.log(options.scale), options.trainable_scale)
         if options.parametrization == "relative":
             self._register_scalar("b_rel", options.relative_bias, options.trainable_bias)
@@ -400,29 +361,23 @@ class RBSigmoidLoss(nn.Module):
         return self.log_t.exp()
 
     @property
-    def inverse_temperature(self) -> Tensor:
-        """Deprecated alias of :attr:`scale`."""
-        warnings.warn("inverse_temperature is deprecated, use scale", DeprecationWarning, stacklevel=2)
-        return self.scale
-
-    @property
     def relative_bias(self) -> Tensor:
         """``b_rel`` (relative) or ``b / t`` (absolute)."""
-        if self.parametrization == "relative":
+        if self.options.parametrization == "relative":
             return self.b_rel
         return self.bias / self.scale
 
     @property
     def absolute_bias(self) -> Tensor:
         """``b = t b_rel`` (relative) or ``b`` (absolute)."""
-        if self.parametrization == "absolute":
+        if self.options.parametrization == "absolute":
             return self.bias
         return self.scale * self.b_rel
 
     @property
     def delta(self) -> Tensor | None:
         """The locked-encoder adapter's ``delta = sigmoid(x)``, or None without the adapter."""
-        return torch.sigmoid(self.adapter_logit) if self.locked_adapter else None
+        return torch.sigmoid(self.adapter_logit) if self.options.locked_adapter else None
 
     def no_weight_decay_parameter_names(self) -> list[str]:
         """Names of this loss's own parameters (relative to the loss), none of which should get weight decay."""
@@ -432,8 +387,8 @@ class RBSigmoidLoss(nn.Module):
         """The loss's own scalars by name (parameters or, when fixed, buffers): ``log_t``, ``b_rel`` or ``bias``,
         and ``adapter_logit`` with the adapter. Every computation reads them from such a dict, so that the cached
         variant can substitute stand-ins."""
-        names = ["log_t", "b_rel" if self.parametrization == "relative" else "bias"]
-        if self.locked_adapter:
+        names = ["log_t", "b_rel" if self.options.parametrization == "relative" else "bias"]
+        if self.options.locked_adapter:
             names.append("adapter_logit")
         return {name: getattr(self, name) for name in names}
 
@@ -441,20 +396,20 @@ class RBSigmoidLoss(nn.Module):
         """Keyword arguments of the functional losses for these parameter values, in the computation dtype (the
         scale is exponentiated in that dtype, so float64 inputs get a float64 ``t``)."""
         arguments: dict[str, Any] = {"scale": params["log_t"].to(dtype).exp()}
-        if self.parametrization == "relative":
+        if self.options.parametrization == "relative":
             arguments["relative_bias"] = params["b_rel"]
         else:
             arguments["bias"] = params["bias"]
         return arguments
 
     def _score_transform(self, params: dict[str, Tensor], dtype: torch.dtype) -> Callable[[Tensor], Tensor] | None:
-        if not self.locked_adapter:
+        if not self.options.locked_adapter:
             return None
         delta = torch.sigmoid(params["adapter_logit"].to(dtype))
         return lambda scores: locked_adapter_scores(scores, delta)
 
     def _new_checks(self) -> DeferredChecks | None:
-        return DeferredChecks() if self.check_inputs else None
+        return DeferredChecks() if self.options.check_inputs else None
 
     @staticmethod
     def _require_finite_parameters(params: dict[str, Tensor], checks: DeferredChecks | None) -> None:
@@ -478,27 +433,22 @@ class RBSigmoidLoss(nn.Module):
         Used by the vision adapter; with the locked adapter enabled it is applied to ``scores`` first."""
         if scores.dim() != 2:
             raise ValueError(f"scores must be a 2-D [anchors, candidates] matrix, got shape {tuple(scores.shape)}")
-        checks = self._new_checks()
-        check_inputs = checks if checks is not None else False
-        dtype = compute_dtype(scores)
-        targets = targets_from_positive_index(positive_index, scores.shape[1], check_inputs=check_inputs, dtype=dtype)
         params = self.loss_parameters()
-        self._require_finite_parameters(params, checks)
-        transform = self._score_transform(params, dtype)
-        guard_counts = None
-        if self.false_negative_filter is not None:
-            # on the cosine scores, before the adapter's transform, as in compute_loss_from_embeddings
-            masked = false_negative_mask(scores, positive_index, valid_mask, self.false_negative_filter)
-            guard_counts = filter_row_counts(masked, positive_index, valid_mask)
-            valid_mask = ~masked if valid_mask is None else valid_mask & ~masked
-        scores = scores.to(dtype) if transform is None else transform(scores)
-        loss = sigmoid_contrastive_loss(
-            scores, targets, valid_mask=valid_mask, check_inputs=check_inputs, **self._logit_arguments(params, dtype)
-        )
-        extremes = score_extremes(scores, targets, valid_mask, check_inputs=False)
-        if checks is not None:
+        if self.options.check_inputs:  # the one host sync of the step
+            checks = DeferredChecks()
+            require_valid_scores(checks, scores, positive_index, valid_mask)
+            self._require_finite_parameters(params, checks)
             checks.raise_if_failed()
-        self._record(params, *extremes, guard_counts)
+        dtype = compute_dtype(scores)
+        targets = targets_from_positive_index(positive_index, scores.shape[1], dtype=dtype)
+        transform = self._score_transform(params, dtype)
+        # on the cosine scores, before the adapter's transform, as in compute_loss_from_embeddings
+        valid_mask, guard_counts = apply_false_negative_filter(
+            scores, positive_index, valid_mask, self.options.false_negative_filter
+        )
+        scores = scores.to(dtype) if transform is None else transform(scores)
+        loss = sigmoid_contrastive_loss(scores, targets, valid_mask=valid_mask, **self._logit_arguments(params, dtype))
+        self._record(params, *score_extremes(scores, targets, valid_mask), guard_counts)
         return loss
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
@@ -508,15 +458,15 @@ class RBSigmoidLoss(nn.Module):
         columns, gathered, positive_index = self._prepare_columns(embeddings, checks)
         params = self.loss_parameters()
         self._require_finite_parameters(params, checks)
+        if checks is not None:
+            checks.raise_if_failed()  # the one host sync of the step, where the loss receives its inputs
         loss = columns[0].new_zeros(())
         extremes = guard_counts = None
         for anchor_column, candidates, weight in self._directional_blocks(columns, gathered):
-            value, low, high, masked = self._block_loss(columns[anchor_column], candidates, positive_index, params)
+            value, low, high, counts = self._block_loss(columns[anchor_column], candidates, positive_index, params)
             loss = loss + weight * value
             if extremes is None:  # the first block's, logged
-                extremes, guard_counts = (low, high), self._guard_counts(masked, positive_index, candidates)
-        if checks is not None:
-            checks.raise_if_failed()
+                extremes, guard_counts = (low, high), counts
         self._record(params, *extremes, guard_counts)
         return loss
 
@@ -527,7 +477,7 @@ class RBSigmoidLoss(nn.Module):
         """Normalized columns in the computation dtype, the candidate columns (gathered across processes with
         ``gather_across_devices``) and each local anchor's positive row among the candidates."""
         # Shapes here; the values (NaN, Inf, overflowing norms) by the norm check of normalize_rows.
-        check_embedding_columns(embeddings, type(self).__name__, checks=False)
+        check_embedding_columns(embeddings, type(self).__name__)
         columns = self._normalized(embeddings, checks)
         gathered, positive_index = self._candidates(columns)
         return columns, gathered, positive_index
@@ -547,12 +497,12 @@ class RBSigmoidLoss(nn.Module):
     @property
     def _all_gathers(self) -> bool:
         """Whether the candidates are all-gathered into one global matrix."""
-        return self.gather_across_devices and self.exchange == "all_gather"
+        return self.options.gather_across_devices and self.options.exchange == "all_gather"
 
     @property
     def _exchanges_with_neighbours(self) -> bool:
         """Whether the candidates stay local and every block loss passes them around the ring of processes."""
-        return self.gather_across_devices and self.exchange == "neighbour"
+        return self.options.gather_across_devices and self.options.exchange == "neighbour"
 
     def _normalized(self, embeddings: list[Tensor], checks: DeferredChecks | None) -> list[Tensor]:
         """Unit-length rows in the computation dtype (float64 stays float64, half precision becomes float32); with
@@ -567,25 +517,25 @@ class RBSigmoidLoss(nn.Module):
     def _directional_blocks(self, columns: list[Tensor], candidates: list[Tensor]) -> list[tuple[int, Tensor, float]]:
         """``(anchor column, candidate matrix, weight)`` of every anchors-against-candidates block whose weighted sum
         is the loss. The first block's margin is the one logged."""
-        if self.columns == "negatives":
+        if self.options.columns == "negatives":
             documents = candidates[1] if len(candidates) == 2 else torch.cat(candidates[1:], dim=0)
             pairs, reverse = [(0, documents)], [(1, candidates[0])]
         else:
             index_pairs = list(combinations(range(len(columns)), 2))
             pairs = [(i, candidates[j]) for i, j in index_pairs]
             reverse = [(j, candidates[i]) for i, j in index_pairs]
-        if not self.symmetric:
+        if not self.options.symmetric:
             return [(column, block, 1.0) for column, block in pairs]
         # Each direction of a pair gets half the weight: the symmetric loss is the mean of both directions.
         return [(column, block, 0.5) for column, block in pairs + reverse]
 
     def _block_loss(
         self, anchors: Tensor, candidates: Tensor, positive_index: Tensor, params: dict[str, Tensor]
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    ) -> tuple[Tensor, Tensor, Tensor, FilterCounts | None]:
         """Mean over ``anchors`` of their loss against ``candidates``, with the block's smallest matching and largest
-        non-matching score (no gradient), and the per-anchor count of candidates the false-negative guard removed
-        (None without the guard). With ``exchange="neighbour"`` ``candidates`` are the local ones, and the loss is
-        taken against every process's block of them."""
+        non-matching score (no gradient), and what the false-negative guard removed per anchor (None without it).
+        With ``exchange="neighbour"`` ``candidates`` are the local ones, and the loss is taken against every
+        process's block of them."""
         if self._exchanges_with_neighbours:
             return self._exchanged_block_loss(anchors, candidates, positive_index, params)
         return self._candidate_block_loss(anchors, candidates, positive_index, params)
@@ -600,7 +550,7 @@ class RBSigmoidLoss(nn.Module):
         weight: float = 1.0,
         anchor_chunk: int | None = None,
         backward: bool = False,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    ) -> tuple[Tensor, Tensor, Tensor, FilterCounts | None]:
         """:meth:`_block_loss` against the local ``candidates`` and those of every other process, passed around the
         ring (:func:`st_weince.functional.exchange.ring_block_losses`; ``weight``, ``anchor_chunk`` and ``backward``
         as there)."""
@@ -608,10 +558,9 @@ class RBSigmoidLoss(nn.Module):
         def block_loss(rows: Tensor, block: Tensor, index: Tensor, positive_scores: Tensor):
             return self._candidate_block_loss(rows, block, index, params, positive_scores)
 
-        loss, low, high, masked = ring_block_losses(
+        return ring_block_losses(
             anchors, candidates, positive_index, block_loss, weight=weight, anchor_chunk=anchor_chunk, backward=backward
         )
-        return loss, low, high, masked if self.false_negative_filter is not None else None
 
     def _candidate_block_loss(
         self,
@@ -620,7 +569,7 @@ class RBSigmoidLoss(nn.Module):
         positive_index: Tensor,
         params: dict[str, Tensor],
         positive_scores: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    ) -> tuple[Tensor, Tensor, Tensor, FilterCounts | None]:
         """:meth:`_block_loss` against exactly ``candidates`` (``positive_scores``: the guard's threshold scores
         when the block may not hold the rows' positives)."""
         dtype = anchors.dtype
@@ -629,27 +578,14 @@ class RBSigmoidLoss(nn.Module):
             candidates,
             positive_index,
             score_transform=self._score_transform(params, dtype),
-            chunk_size=self.chunk_size,
+            chunk_size=self.options.chunk_size,
             return_extremes=True,
-            check_inputs=False,  # the embeddings and parameters are checked by the caller, in the same sync
-            false_negative_filter=self.false_negative_filter,
-            return_guard_counts=self.false_negative_filter is not None,
+            false_negative_filter=self.options.false_negative_filter,
+            return_guard_counts=True,
             positive_scores=positive_scores,
             **self._logit_arguments(params, dtype),
         )
-        return outputs if self.false_negative_filter is not None else (*outputs, None)
-
-    def _guard_counts(
-        self, masked_per_row: Tensor | None, positive_index: Tensor, candidates: Tensor
-    ) -> tuple[Tensor, Tensor] | None:
-        """Per-anchor (masked, non-matching candidates before the guard) of one block, or None without the guard."""
-        if masked_per_row is None:
-            return None
-        num_candidates = candidates.shape[0]
-        if self._exchanges_with_neighbours:  # the local block of one per process
-            num_candidates = num_candidates * process_count()[1]
-        negatives = num_candidates - (positive_index >= 0).long()
-        return masked_per_row, negatives
+        return outputs
 
     # ----- statistics -----
     @torch.no_grad()
@@ -658,12 +594,12 @@ class RBSigmoidLoss(nn.Module):
         params: dict[str, Tensor],
         min_positive: Tensor,
         max_negative: Tensor,
-        guard_counts: tuple[Tensor, Tensor] | None = None,
+        guard_counts: FilterCounts | None = None,
     ) -> None:
         """Keep ``t``, ``b_rel``, ``b``, the margin (and ``delta``, and the false-negative guard's shares) as device
         tensors: no sync in the hot path."""
         t = params["log_t"].detach().exp()
-        if self.parametrization == "relative":
+        if self.options.parametrization == "relative":
             b_rel = params["b_rel"].detach()
             b = t * b_rel
         else:
@@ -672,12 +608,11 @@ class RBSigmoidLoss(nn.Module):
         values = {"rb_sigmoid_t": t, "rb_sigmoid_b_rel": b_rel, "rb_sigmoid_b": b}
         # A block without matching or without non-matching pairs has an infinite "margin": not counted.
         values["rb_sigmoid_margin"] = constellation_margin_from_extremes(min_positive, max_negative)[0]
-        if self.locked_adapter:
+        if self.options.locked_adapter:
             values["rb_sigmoid_delta"] = torch.sigmoid(params["adapter_logit"].detach())
         if guard_counts is not None:
-            masked_share, anchors_share = shares_from_row_counts(*guard_counts)
-            values["rb_sigmoid_fn_masked_share"] = masked_share
-            values["rb_sigmoid_fn_anchors_share"] = anchors_share
+            values["rb_sigmoid_fn_masked_share"] = guard_counts.masked_share
+            values["rb_sigmoid_fn_anchors_share"] = guard_counts.anchors_share
         self.logged_statistics.add(values)
 
     def pop_logged_statistics(self) -> dict[str, float]:
@@ -691,25 +626,16 @@ class RBSigmoidLoss(nn.Module):
         """The constructor's options with the loss parameters' current values, so that
         ``type(loss)(model, **loss.get_config_dict())`` rebuilds this loss (JSON-able)."""
         values = {name: float(value.detach()) for name, value in self.loss_parameters().items()}
-        options = dataclasses.replace(
-            self.initial_options,
-            # exp in float64 of the float32 log_t: its log rounds back to the same float32
-            scale=math.exp(values["log_t"]),
-            relative_bias=values.get("b_rel"),
-            bias=values.get("bias"),
-            adapter_logit=values.get("adapter_logit", self.initial_options.adapter_logit),
-            trainable_scale=self.trainable_scale,
-            trainable_bias=self.trainable_bias,
-            gather_across_devices=self.gather_across_devices,
-            exchange=self.exchange,
-            symmetric=self.symmetric,
-            chunk_size=self.chunk_size,
-            check_inputs=self.check_inputs,
+        return options_config(
+            dataclasses.replace(
+                self.options,
+                # exp in float64 of the float32 log_t: its log rounds back to the same float32
+                scale=math.exp(values["log_t"]),
+                relative_bias=values.get("b_rel"),
+                bias=values.get("bias"),
+                adapter_logit=values.get("adapter_logit", self.options.adapter_logit),
+            )
         )
-        config = dataclasses.asdict(options)
-        # JSON form of the guard (asdict would make a dict of the dataclass, which the constructor does not take)
-        config["false_negative_filter"] = self.false_negative_filter.to_config() if self.false_negative_filter else None
-        return config
 
     @property
     def citation(self) -> str:

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -8,14 +10,9 @@ from sentence_transformers.base.losses.merged_forward import embed_columns
 from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim, get_rank
 from torch import Tensor, nn
 
-from st_weince.functional.false_negatives import (
-    FalseNegativeFilter,
-    false_negative_mask,
-    filter_row_counts,
-    shares_from_row_counts,
-)
+from st_weince.functional.checks import require_valid_scores
+from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
 from st_weince.functional.layouts import (
-    CandidateGroup,
     Direction,
     MNRLLayout,
     PartitionMode,
@@ -41,6 +38,8 @@ from st_weince.functional.weince import (
 from st_weince.losses._columns import check_embedding_columns
 from st_weince.losses._labels import warn_unused_labels
 from st_weince.utils.hotpath import DeferredChecks
+from st_weince.utils.logged_statistics import RunningMeans
+from st_weince.utils.options import flag_option, options_config, options_from_arguments
 
 WEINCE_CITATION = """
 @inproceedings{erol2026weince,
@@ -53,17 +52,47 @@ WEINCE_CITATION = """
 }
 """
 
-# The loss class's one departure from the released implementation's defaults (WeinceOptions): see its docstring.
-LOSS_BETA_DEFAULT = "auto"
-LOGGED_STATISTICS = (
-    "weince_lambda_mean",
-    "weince_lambda_gt_half",
-    "weince_rho0",
-    "weince_delta_aic_mean",
-    "weince_beta_mean",
-)
-# Logged too when the false-negative guard is on (of the query-anchored rows, like the statistics above).
-GUARD_LOGGED_STATISTICS = ("weince_fn_masked_share", "weince_fn_anchors_share")
+
+@dataclass(frozen=True)
+class WEINCELossOptions:
+    """The options of :class:`WEINCELoss` (and :class:`~st_weince.losses.CachedWEINCELoss`): the one place of their
+    defaults and their validation; the loss signatures read their defaults from here, ``get_config_dict`` writes
+    them out. The nine options of the math default to the released implementation's
+    (:class:`~st_weince.functional.WeinceOptions`), except ``beta``: "auto" here, because the released 1.0 was tuned
+    at temperature 0.5 and is 10-20x too soft at SimCSE's 0.05 (``docs/weince.md``). The scale is MNRL's
+    (temperature 0.05)."""
+
+    scale: float = 20.0
+    gather_across_devices: bool = False
+    directions: tuple[Direction, ...] = ("query_to_doc",)
+    partition_mode: PartitionMode = "joint"
+    beta: float | str = "auto"
+    mode: WeinceMode = DEFAULTS.mode
+    q: float = DEFAULTS.q
+    kappa_rho: float = DEFAULTS.kappa_rho
+    kappa_aic: float = DEFAULTS.kappa_aic
+    aic_margin: float = DEFAULTS.aic_margin
+    tail_frac: float = DEFAULTS.tail_frac
+    min_tail_points: int = DEFAULTS.min_tail_points
+    eps: float = DEFAULTS.eps
+    false_negative_filter: FalseNegativeFilter | None = None
+    check_inputs: bool = True
+    # The options of the statistics (:mod:`st_weince.functional.weince`), derived from the fields above.
+    math: WeinceOptions = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        put("scale", check_scale(self.scale))
+        for name in ("gather_across_devices", "check_inputs"):
+            put(name, flag_option(name, getattr(self, name)))
+        check_directions(self.directions, self.partition_mode)
+        put("directions", tuple(self.directions))
+        put("math", WeinceOptions(**{f.name: getattr(self, f.name) for f in fields(WeinceOptions)}))
+        for name in self.math.as_dict():  # validated and normalised there (NumPy numbers -> Python numbers)
+            put(name, getattr(self.math, name))
+        put("false_negative_filter", FalseNegativeFilter.parse(self.false_negative_filter))
 
 
 def check_mnrl_only_arguments(
@@ -89,22 +118,22 @@ class WEINCELoss(nn.Module):
     def __init__(
         self,
         model: nn.Module | None,
-        scale: float = 20.0,
-        gather_across_devices: bool = False,
-        directions: tuple[Direction, ...] = ("query_to_doc",),
-        partition_mode: PartitionMode = "joint",
+        scale: float = WEINCELossOptions.scale,
+        gather_across_devices: bool = WEINCELossOptions.gather_across_devices,
+        directions: tuple[Direction, ...] = WEINCELossOptions.directions,
+        partition_mode: PartitionMode = WEINCELossOptions.partition_mode,
         *,
-        beta: float | str = LOSS_BETA_DEFAULT,
-        mode: WeinceMode = DEFAULTS.mode,
-        q: float = DEFAULTS.q,
-        kappa_rho: float = DEFAULTS.kappa_rho,
-        kappa_aic: float = DEFAULTS.kappa_aic,
-        aic_margin: float = DEFAULTS.aic_margin,
-        tail_frac: float = DEFAULTS.tail_frac,
-        min_tail_points: int = DEFAULTS.min_tail_points,
-        eps: float = DEFAULTS.eps,
-        false_negative_filter: FalseNegativeFilter | tuple | list | None = None,
-        check_inputs: bool = True,
+        beta: float | str = WEINCELossOptions.beta,
+        mode: WeinceMode = WEINCELossOptions.mode,
+        q: float = WEINCELossOptions.q,
+        kappa_rho: float = WEINCELossOptions.kappa_rho,
+        kappa_aic: float = WEINCELossOptions.kappa_aic,
+        aic_margin: float = WEINCELossOptions.aic_margin,
+        tail_frac: float = WEINCELossOptions.tail_frac,
+        min_tail_points: int = WEINCELossOptions.min_tail_points,
+        eps: float = WEINCELossOptions.eps,
+        false_negative_filter: FalseNegativeFilter | tuple | list | None = WEINCELossOptions.false_negative_filter,
+        check_inputs: bool = WEINCELossOptions.check_inputs,
         similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
         hardness_mode: str | None = None,
         hardness_strength: float = 0.0,
@@ -158,13 +187,14 @@ class WEINCELoss(nn.Module):
             hardness_mode: only None (MNRL's hardness weighting does not combine with WEINCE; refused otherwise).
             hardness_strength: only 0.0.
 
-        The nine WEINCE options are validated at construction (types, ranges, finiteness), by
-        :class:`st_weince.functional.WeinceOptions`, which holds their defaults.
+        Every option is validated at construction (types, ranges, finiteness) by
+        :class:`~st_weince.losses.weince.WEINCELossOptions`, which holds their defaults; the loss reads them as
+        ``loss.options.<name>``.
 
         References:
             - Erol et al., When Softmax Fails at the Top: Extreme-Value Corrections for InfoNCE, ICML 2026,
               arXiv 2606.00262.
-            - ``shared/docs/ALGORITHMS.md`` section 1 of this project for the exact statistics.
+            - ``docs/algorithms.md`` section 1 of this project for the exact statistics.
 
         Requirements:
             1. (anchor, positive) pairs or (anchor, positive, negative_1, ..., negative_n) tuples.
@@ -206,47 +236,16 @@ class WEINCELoss(nn.Module):
                 trainer.train()
         """
         super().__init__()
-        self.model = model
-        self.scale = check_scale(scale)
-        if not isinstance(gather_across_devices, bool):
-            raise TypeError(f"gather_across_devices must be a bool, got {gather_across_devices!r}")
-        if not isinstance(check_inputs, bool):
-            raise TypeError(f"check_inputs must be a bool, got {check_inputs!r}")
-        check_directions(directions, partition_mode)
         check_mnrl_only_arguments(similarity_fct, hardness_mode, hardness_strength)
-        self.directions = tuple(directions)
-        self.partition_mode = partition_mode
-        self.gather_across_devices = gather_across_devices
-        self.check_inputs = check_inputs
-        self.options = WeinceOptions(
-            q=q,
-            kappa_rho=kappa_rho,
-            kappa_aic=kappa_aic,
-            aic_margin=aic_margin,
-            tail_frac=tail_frac,
-            min_tail_points=min_tail_points,
-            eps=eps,
-            mode=mode,
-            beta=beta,
-        )
-        self.false_negative_filter = FalseNegativeFilter.parse(false_negative_filter)
-        self._logged_names = LOGGED_STATISTICS + (GUARD_LOGGED_STATISTICS if self.false_negative_filter else ())
+        self.model = model
+        self.options = options_from_arguments(WEINCELossOptions, locals())
+        self.logged_statistics = RunningMeans()
         self.last_statistics: WeinceStatistics | None = None
-        # Sums of LOGGED_STATISTICS since the last pop, kept on the device: read only when the trainer logs.
-        self._logged_sums: Tensor | None = None
-        self._logged_steps: Tensor | None = None
 
     @property
-    def temperature(self) -> float:
-        return 1.0 / self.scale
-
-    @property
-    def beta(self) -> float | str:
-        return self.options.beta
-
-    @property
-    def mode(self) -> str:
-        return self.options.mode
+    def scale(self) -> float:
+        """``1 / temperature``, as MNRL's ``scale`` (read from the options)."""
+        return self.options.scale
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         embeddings = embed_columns(self.model, sentence_features)
@@ -256,20 +255,20 @@ class WEINCELoss(nn.Module):
 
     def _gather(self, local: Tensor) -> Tensor:
         """A per-anchor tensor of this process -> the global batch's (no gradient); identity without gathering."""
-        return all_gather(local) if self.gather_across_devices else local
+        return all_gather(local) if self.options.gather_across_devices else local
 
     def statistics(
         self, scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None = None
     ) -> WeinceStatistics:
         """Statistics of rows held by this process; the pivot rho0 is taken over all processes' rows."""
         return weince_statistics(
-            scores, positive_index, valid_mask, self.options, gather=self._gather, checks=self.check_inputs
+            scores, positive_index, valid_mask, self.options.math, gather=self._gather
         )
 
-    def _guarded(self, layout: MNRLLayout) -> tuple[MNRLLayout, tuple[Tensor, Tensor] | None]:
+    def _guarded(self, layout: MNRLLayout) -> tuple[MNRLLayout, FilterCounts | None]:
         """The layout with the false-negative guard's candidates removed from every group's ``valid_mask``, and the
         per-row counts (masked, negatives before) of the query-anchored group; the layout itself when it is off."""
-        spec = self.false_negative_filter
+        spec = self.options.false_negative_filter
         if spec is None:
             return layout, None
         query_group = layout.groups[0]
@@ -277,32 +276,20 @@ class WEINCELoss(nn.Module):
         pair_scores = query_group.scores.gather(1, query_group.positive_index[:, None]).squeeze(1)
         groups, counts = [], None
         for group in layout.groups:
-            masked = false_negative_mask(
+            valid_mask, group_counts = apply_false_negative_filter(
                 group.scores,
                 group.positive_index,
                 group.valid_mask,
                 spec,
                 positive_scores=None if group.has_positive else pair_scores,
             )
-            if counts is None:
-                counts = filter_row_counts(masked, group.positive_index, group.valid_mask)
-            valid_mask = ~masked if group.valid_mask is None else group.valid_mask & ~masked
-            groups.append(
-                CandidateGroup(
-                    directions=group.directions,
-                    scores=group.scores,
-                    widths=group.widths,
-                    positive_index=group.positive_index,
-                    valid_mask=valid_mask,
-                    has_positive=group.has_positive,
-                )
-            )
+            counts = group_counts if counts is None else counts
+            groups.append(dataclasses.replace(group, valid_mask=valid_mask))
         return MNRLLayout(groups=tuple(groups), partition_mode=layout.partition_mode, num_rows=layout.num_rows), counts
 
     def _group_fits(self, layout: MNRLLayout) -> list[TailFit]:
-        # The scores come from normalised finite embeddings (checked by the caller): no value checks here.
         return [
-            weince_tail_fit(group.scores, group.positive_index, group.valid_mask, self.options, checks=False)
+            weince_tail_fit(group.scores, group.positive_index, group.valid_mask, self.options.math)
             for group in layout.groups
         ]
 
@@ -317,8 +304,8 @@ class WEINCELoss(nn.Module):
                     stats.beta,
                     group.positive_index,
                     group.valid_mask,
-                    temperature=self.temperature,
-                    eps=self.options.eps,
+                    scale=self.options.scale,
+                    eps=self.options.math.eps,
                 )
                 for group, stats in zip(layout.groups, statistics)
             ]
@@ -329,8 +316,8 @@ class WEINCELoss(nn.Module):
                 stats.lam,
                 stats.beta,
                 group.valid_mask,
-                temperature=self.temperature,
-                eps=self.options.eps,
+                scale=self.options.scale,
+                eps=self.options.math.eps,
             )
             for group, stats in zip(layout.groups, statistics)
         ]
@@ -341,10 +328,10 @@ class WEINCELoss(nn.Module):
     ) -> tuple[Tensor, list[Tensor], int]:
         """Checked, (gathered,) unit-normalised columns and the global row of this process's first anchor."""
         # Shapes here; the values (NaN, Inf, overflowing norms) by the norm check of normalize_rows.
-        check_embedding_columns(embeddings, type(self).__name__, checks=False)
+        check_embedding_columns(embeddings, type(self).__name__)
         queries, docs = embeddings[0], list(embeddings[1:])
         offset = 0
-        if self.gather_across_devices:
+        if self.options.gather_across_devices:
             offset = get_rank() * queries.shape[0]
             queries = all_gather_with_grad(queries)
             docs = [all_gather_with_grad(doc) for doc in docs]
@@ -361,92 +348,71 @@ class WEINCELoss(nn.Module):
     def loss_from_scores(self, scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None) -> Tensor:
         """Cross-entropy over one score matrix, e.g. the SimCLR 2N x 2N layout of
         :func:`st_weince.functional.nt_xent_layout`. Used by the vision adapter."""
-        checks = DeferredChecks() if self.check_inputs else False
-        counts = None
-        if self.false_negative_filter is not None:
-            masked = false_negative_mask(scores, positive_index, valid_mask, self.false_negative_filter)
-            counts = filter_row_counts(masked, positive_index, valid_mask)
-            valid_mask = ~masked if valid_mask is None else valid_mask & ~masked
-        stats = weince_statistics(scores, positive_index, valid_mask, self.options, gather=self._gather, checks=checks)
-        loss = weince_cross_entropy(
-            scores,
-            positive_index,
-            valid_mask,
-            self.options,
-            temperature=self.temperature,
-            statistics=stats,
-            checks=checks,
-        )
-        if checks:
+        if self.options.check_inputs:  # the one host sync of the step
+            checks = DeferredChecks()
+            require_valid_scores(checks, scores, positive_index, valid_mask, every_row_has_positive=True)
             checks.raise_if_failed()
+        valid_mask, counts = apply_false_negative_filter(
+            scores, positive_index, valid_mask, self.options.false_negative_filter
+        )
+        stats = weince_statistics(scores, positive_index, valid_mask, self.options.math, gather=self._gather)
+        loss = weince_cross_entropy(
+            scores, positive_index, valid_mask, self.options.math, scale=self.options.scale, statistics=stats
+        )
         self._record(stats, counts)
         return loss
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
         warn_unused_labels(self, labels)  # no sync: a host-side check
-        checks = DeferredChecks() if self.check_inputs else False
+        checks = DeferredChecks() if self.options.check_inputs else False
         queries, docs, offset = self._normalized_columns(embeddings, checks)
+        if checks:
+            checks.raise_if_failed()  # the one host sync of the step, where the loss receives its inputs
         batch_size = embeddings[0].shape[0]
         layout = mnrl_layout(
-            queries, docs, self.directions, self.partition_mode, row_start=offset, row_end=offset + batch_size
+            queries,
+            docs,
+            self.options.directions,
+            self.options.partition_mode,
+            row_start=offset,
+            row_end=offset + batch_size,
         )
         layout, counts = self._guarded(layout)
-        statistics = [statistics_from_fit(fit, self.options, gather=self._gather) for fit in self._group_fits(layout)]
+        statistics = [
+            statistics_from_fit(fit, self.options.math, gather=self._gather) for fit in self._group_fits(layout)
+        ]
         loss = self._rows_loss(layout, statistics).mean()
-        if checks:
-            checks.raise_if_failed()  # the one host sync of the step
         self._record(statistics[0], counts)
         return loss
 
     # -- logging -----------------------------------------------------------------------------------------------
 
-    def _record(self, stats: WeinceStatistics, guard_counts: tuple[Tensor, Tensor] | None = None) -> None:
-        """Keep the statistics of the query rows: the latest ones, and their sums for the trainer's logs (on the
-        device, so no step reads them on the host). ``guard_counts``: the guard's per-row (masked, negatives)."""
+    def _record(self, stats: WeinceStatistics, guard_counts: FilterCounts | None = None) -> None:
+        """Keep the statistics of the query rows: the latest ones, and their running means for the trainer's logs
+        (on the device, so no step reads them on the host)."""
         if not torch.compiler.is_compiling():
             self.last_statistics = stats
         fitted = stats.fitted.to(stats.lam.dtype)
-        values = torch.stack(
-            [
-                stats.lam.mean(),
-                (stats.lam > 0.5).to(stats.lam.dtype).mean(),
-                stats.rho0,
-                (stats.delta_aic * fitted).sum() / fitted.sum().clamp_min(1.0),
-                stats.beta.mean(),
-                *(
-                    [value.to(stats.lam.dtype) for value in shares_from_row_counts(*guard_counts)]
-                    if guard_counts is not None
-                    else []
-                ),
-            ]
-        ).detach()
-        if self._logged_sums is None or self._logged_sums.device != values.device:
-            self._logged_sums = torch.zeros(len(self._logged_names), dtype=torch.float32, device=values.device)
-            self._logged_steps = torch.zeros((), dtype=torch.float32, device=values.device)
-        self._logged_sums.add_(values.to(self._logged_sums.dtype))
-        self._logged_steps.add_(1.0)
+        values = {
+            "weince_lambda_mean": stats.lam.mean(),
+            "weince_lambda_gt_half": (stats.lam > 0.5).to(stats.lam.dtype).mean(),
+            "weince_rho0": stats.rho0,
+            "weince_delta_aic_mean": (stats.delta_aic * fitted).sum() / fitted.sum().clamp_min(1.0),
+            "weince_beta_mean": stats.beta.mean(),
+        }
+        if guard_counts is not None:  # of the query-anchored rows, like the statistics above
+            values["weince_fn_masked_share"] = guard_counts.masked_share
+            values["weince_fn_anchors_share"] = guard_counts.anchors_share
+        self.logged_statistics.add(values)
 
     def pop_logged_statistics(self) -> dict[str, float]:
         """Means of the statistics since the last call (used by :func:`st_weince.training.log_loss_statistics`);
         the one place they are read on the host."""
-        if self._logged_sums is None or not float(self._logged_steps):
-            return {}
-        means = (self._logged_sums / self._logged_steps).tolist()
-        self._logged_sums.zero_()
-        self._logged_steps.zero_()
-        return dict(zip(self._logged_names, means))
+        return self.logged_statistics.pop()
 
     def get_config_dict(self) -> dict[str, Any]:
         """The constructor arguments: ``type(loss)(model, **loss.get_config_dict())`` rebuilds the same loss."""
-        return {
-            "scale": self.scale,
-            "gather_across_devices": self.gather_across_devices,
-            "directions": list(self.directions),
-            "partition_mode": self.partition_mode,
-            **self.options.as_dict(),
-            "false_negative_filter": self.false_negative_filter.to_config() if self.false_negative_filter else None,
-            "check_inputs": self.check_inputs,
-        }
+        return options_config(self.options)
 
     @property
     def citation(self) -> str:

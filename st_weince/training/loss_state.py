@@ -1,6 +1,6 @@
 """Trainer integration for losses WITH parameters (RB-Sigmoid's ``log_t``, ``b_rel`` ...), in one call.
 
-The sentence-transformers trainer puts a loss's parameters into its optimizer, but (ECOSYSTEM-NOTES.md):
+The sentence-transformers trainer puts a loss's parameters into its optimizer, but:
 
 1. under DDP only the model is wrapped, so the loss parameters' gradients are not averaged across processes;
 2. checkpoints hold only the model, so a resumed run restarts the loss parameters from their initial values;

@@ -16,6 +16,8 @@ from torch import nn
 
 from st_weince.functional.layouts import mnrl_layout, normalize_rows
 from st_weince.functional.weince import WeinceOptions, weince_tail_fit
+from st_weince.losses import RBSigmoidLoss, WEINCELoss
+from st_weince.losses._labels import LABEL_COLUMNS, warn_unused_labels
 
 _LARGEST_BATCH_SEARCHED = 4096
 
@@ -34,7 +36,7 @@ def _query_group(loss: Any, batch_size: int, num_columns: int):
     """The query-anchored candidate group of the loss's layout for a batch of random embeddings."""
     generator = torch.Generator().manual_seed(0)
     columns = [normalize_rows(torch.randn(batch_size, 8, generator=generator)) for _ in range(num_columns)]
-    return mnrl_layout(columns[0], columns[1:], loss.directions, loss.partition_mode).groups[0]
+    return mnrl_layout(columns[0], columns[1:], loss.options.directions, loss.options.partition_mode).groups[0]
 
 
 def negatives_per_anchor(loss: Any, batch_size: int, num_columns: int) -> int:
@@ -47,7 +49,7 @@ def negatives_per_anchor(loss: Any, batch_size: int, num_columns: int) -> int:
 def fits_a_tail(loss: Any, batch_size: int, num_columns: int) -> bool:
     """Whether WEINCE fits any anchor's tail at this (global) batch size and column count."""
     group = _query_group(loss, batch_size, num_columns)
-    fit = weince_tail_fit(group.scores, group.positive_index, group.valid_mask, loss.options)
+    fit = weince_tail_fit(group.scores, group.positive_index, group.valid_mask, loss.options.math)
     return bool(fit.fitted.any())
 
 
@@ -63,7 +65,7 @@ def small_batch_message(loss: Any, batch_size: int, num_columns: int) -> str | N
     return (
         f"{type(loss).__name__} at a batch of {batch_size} ({have} negative{'s' if have != 1 else ''} per anchor) "
         "fits no anchor's tail: its "
-        f"tail fit needs at least {negatives_needed(loss.options)} negatives per anchor, so lambda is 0 for every "
+        f"tail fit needs at least {negatives_needed(loss.options.math)} negatives per anchor, so lambda is 0 for every "
         "anchor and the loss is InfoNCE (MultipleNegativesRankingLoss). "
         + (f"Use a batch of at least {needed}" if needed else "Use a larger batch")
         + " (per_device_train_batch_size, and a dataset at least that long; with gather_across_devices=True the "
@@ -93,10 +95,6 @@ def _datasets_and_losses(trainer: Any) -> list[tuple[Any, nn.Module]]:
 def check_trainer_setup(trainer: Any) -> None:
     """Warn (once per loss) about a WEINCE loss whose configured batch fits no tail, and about label columns that
     st-weince's losses ignore. Reads only the trainer's configuration; nothing on the device."""
-    # not at import time: the losses import this package (its statistics module)
-    from st_weince.losses import RBSigmoidLoss, WEINCELoss
-    from st_weince.losses._labels import LABEL_COLUMNS, warn_unused_labels
-
     label_columns = getattr(trainer.data_collator, "valid_label_columns", None) or LABEL_COLUMNS
     for dataset, loss in _datasets_and_losses(trainer):
         names = list(getattr(dataset, "column_names", None) or [])
@@ -112,7 +110,7 @@ def check_trainer_setup(trainer: Any) -> None:
             batch_size = int(trainer.args.per_device_train_batch_size)
             if hasattr(dataset, "__len__"):
                 batch_size = min(batch_size, len(dataset))
-            if module.gather_across_devices:
+            if module.options.gather_across_devices:
                 batch_size *= max(int(getattr(trainer.args, "world_size", 1)), 1)
             message = small_batch_message(module, batch_size, num_columns)
             if message:

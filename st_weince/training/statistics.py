@@ -1,60 +1,21 @@
 """Putting a loss's own statistics (WEINCE's lambda, RB-Sigmoid's t and b_rel ...) into the trainer's logs.
 
 The sentence-transformers trainer sums every entry of a dict-valued loss into the training loss, so statistics
-cannot travel that way. Instead a loss keeps running means (``RunningMeans``) and a trainer callback adds them
-to each log record, before the printing and reporting callbacks see it.
-
-The running sums stay where the statistics are (on the accelerator): adding a tensor is a device operation, and the
-values are read back to the host only when the trainer logs, in one transfer per device.
+cannot travel that way. Instead a loss keeps running means by name
+(:class:`st_weince.utils.logged_statistics.RunningMeans`) and a trainer callback adds them to each log record,
+before the printing and reporting callbacks see it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 from transformers import TrainerCallback
 
+from st_weince.utils.logged_statistics import RunningMeans
 
-class RunningMeans:
-    """Accumulates scalar statistics between two log events; no autograd graph is kept and, for tensors, no
-    host-device synchronisation happens before :meth:`pop`. Non-finite tensor values (e.g. the margin of a block
-    without negatives) are left out of their mean instead of turning it into NaN."""
-
-    def __init__(self) -> None:
-        self._sums: dict[str, Tensor | float] = {}
-        self._counts: dict[str, Tensor | int] = {}
-
-    def add(self, values: dict[str, Any]) -> None:
-        for key, value in values.items():
-            if isinstance(value, Tensor):
-                # A copy: the value may be a view of a parameter that the optimizer changes before the log.
-                value = value.detach().reshape(()).to(torch.float32, copy=True)
-                finite = torch.isfinite(value)
-                value, count = torch.where(finite, value, torch.zeros_like(value)), finite.float()
-            else:
-                value, count = float(value), 1
-            previous = self._sums.get(key)
-            self._sums[key] = value if previous is None else previous + value
-            self._counts[key] = count if previous is None else self._counts[key] + count
-
-    def pop(self) -> dict[str, float]:
-        """Means since the last call, as Python floats (one device-to-host transfer per device)."""
-        sums: dict[str, float] = {key: value for key, value in self._sums.items() if not isinstance(value, Tensor)}
-        counts: dict[str, float] = {key: float(self._counts[key]) for key in sums}
-        by_device: dict[torch.device, list[str]] = {}
-        for key, value in self._sums.items():
-            if isinstance(value, Tensor):
-                by_device.setdefault(value.device, []).append(key)
-        for keys in by_device.values():
-            flat = torch.stack([self._sums[key] for key in keys] + [self._counts[key] for key in keys]).tolist()
-            sums.update(zip(keys, flat[: len(keys)]))
-            counts.update(zip(keys, flat[len(keys) :]))
-        means = {key: sums[key] / counts[key] for key in self._sums if counts[key] > 0}
-        self._sums.clear()
-        self._counts.clear()
-        return means
+__all__ = ["LossStatisticsCallback", "RunningMeans", "log_loss_statistics", "statistics_sources"]
 
 
 def statistics_sources(loss: nn.Module | dict[str, nn.Module]) -> list[nn.Module]:

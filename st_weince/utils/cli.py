@@ -1,4 +1,4 @@
-"""Command-line pieces the recipes and CLIs share: ``KEY=VALUE`` options, deprecated flag aliases, one-line exits
+"""Command-line pieces the recipes and CLIs share: ``KEY=VALUE`` loss options and argument types, one-line exits
 for a user's error, and the one list of known-harmless library warnings that the command lines filter."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 # Warnings (message regex, category, regex of the module they are attributed to) that libraries print on every run
@@ -79,74 +79,6 @@ def parse_key_values(items: Sequence[str], flag: str = "--loss-option") -> dict[
         except json.JSONDecodeError:
             options[key] = value
     return options
-
-
-class DeprecatedAlias(argparse.Action):
-    """An old flag kept for one release: it warns (``FutureWarning``, shown by default) naming the new flag, then
-    stores ``convert(value)`` into the new flag's destination, or appends it when that destination is a list
-    (``--beta 1`` -> ``--loss-option beta=1``).
-
-    Example::
-
-        parser.add_argument("--num-threads", dest="threads", type=int, action=DeprecatedAlias, new_flag="--threads")
-    """
-
-    def __init__(
-        self,
-        option_strings: Sequence[str],
-        dest: str,
-        *,
-        new_flag: str,
-        convert: Callable[[Any], Any] | None = None,
-        append: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        kwargs.setdefault("help", f"deprecated: use {new_flag}")
-        kwargs["default"] = argparse.SUPPRESS  # the new flag owns the default
-        super().__init__(option_strings, dest, **kwargs)
-        self.new_flag = new_flag
-        self.convert = convert
-        self.append = append
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        warnings.warn(
-            f"{option_string} is deprecated and will be removed in the next release; use {self.new_flag}",
-            FutureWarning,
-            stacklevel=2,
-        )
-        try:
-            value = self.convert(values) if self.convert is not None else values
-        except ValueError as error:
-            parser.error(f"{option_string}: {error}")
-        if self.append:  # a list value (e.g. from a JSON object) extends the list
-            added = value if isinstance(value, list) else [value]
-            setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), *added])
-        else:
-            setattr(namespace, self.dest, value)
-
-
-def json_object_to_key_values(value: str) -> list[str]:
-    """``--loss-kwargs '{"beta": 1}'`` -> ``["beta=1"]`` (what ``--loss-option beta=1`` gives)."""
-    options = None
-    with contextlib.suppress(json.JSONDecodeError):
-        options = json.loads(value)
-    if not isinstance(options, dict):
-        raise ValueError(f"expected a JSON object, got {value!r}")
-    return [f"{key}={json.dumps(item)}" for key, item in options.items()]
-
-
-def inverse_temperature(value: str) -> float:
-    """``--temperature T`` -> the ``--scale`` it means, ``1 / T``."""
-    temperature = float(value)
-    if not temperature > 0:
-        raise ValueError(f"the temperature must be > 0, got {value}")
-    return 1.0 / temperature
 
 
 def positive_float(value: str) -> float:

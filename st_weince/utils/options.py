@@ -3,11 +3,14 @@ class refuses a bad option with the same words, naming it (NumPy numbers are acc
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 
 def real_option(name: str, value: Any, *, positive: bool = False, optional: bool = False) -> float | None:
@@ -39,3 +42,31 @@ def positive_int_option(name: str, value: Any, *, optional: bool = False) -> int
     if value < 1:
         raise ValueError(f"{name} must be a positive integer{' or None' if optional else ''}, got {value!r}")
     return int(value)
+
+
+def choice_option(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
+    return value
+
+
+def options_from_arguments(options_class: type[T], arguments: dict[str, Any]) -> T:
+    """An options dataclass built from a constructor's ``locals()``: every field is taken by its name, so a loss
+    class lists an option once in its signature (whose default reads the dataclass's) and nowhere else."""
+    return options_class(**{f.name: arguments[f.name] for f in dataclasses.fields(options_class) if f.init})
+
+
+def options_config(options: Any) -> dict[str, Any]:
+    """An options dataclass as the JSON-able keyword arguments of its loss class (``get_config_dict``): tuples
+    become lists and values with a ``to_config`` (the false-negative guard) their JSON form."""
+    config: dict[str, Any] = {}
+    for field in dataclasses.fields(options):
+        if not field.init:  # derived, not a constructor argument
+            continue
+        value = getattr(options, field.name)
+        if hasattr(value, "to_config"):
+            value = value.to_config()
+        elif isinstance(value, tuple):
+            value = list(value)
+        config[field.name] = value
+    return config

@@ -22,7 +22,7 @@ from st_weince.vision.evaluation import (
     stratified_split,
 )
 from st_weince.vision.models import CifarResNet, ProjectionHead, SimCLRModel, load_encoder, save_encoder
-from st_weince.vision.objectives import LOSSES, SimCLRObjective
+from st_weince.vision.objectives import LOSSES, SIMCLR_BETA, SIMCLR_SCALE, SimCLRObjective
 
 __all__ = [
     "KNN_KS",
@@ -36,6 +36,8 @@ __all__ = [
     "evaluate_frozen_features",
     "knn_evaluate_splits",
     "stratified_split",
+    "SIMCLR_BETA",
+    "SIMCLR_SCALE",
     "CifarResNet",
     "ImageTensorDataset",
     "ProjectionHead",

@@ -51,9 +51,9 @@ class SimCLRAugmentConfig:
             raise ValueError(f"hue must lie in [0, 0.5], got {self.hue}")
 
 
-# The released WEINCE setup's augmentation (ALGORITHMS.md 1.2b): torchvision's RandomResizedCrop defaults, horizontal
-# flip, colour jitter (0.8, 0.8, 0.8, 0.2) with p = 0.8, grayscale p = 0.2, then ToTensor only: mean 0 and std 1 make
-# the normalisation the identity (exactly: x - 0 and x / 1 are exact in floating point).
+# The released WEINCE setup's augmentation (docs/algorithms.md 1.2b): torchvision's RandomResizedCrop defaults,
+# horizontal flip, colour jitter (0.8, 0.8, 0.8, 0.2) with p = 0.8, grayscale p = 0.2, then ToTensor only: mean 0 and
+# std 1 make the normalisation the identity (exactly: x - 0 and x / 1 are exact in floating point).
 RELEASED_AUGMENT = SimCLRAugmentConfig(
     brightness=0.8, contrast=0.8, saturation=0.8, hue=0.2, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0)
 )

@@ -4,7 +4,7 @@ Two protocols (docs/vision.md):
 
 - this project's previous one: the probe on standardised features of the whole train split, Adam lr 1e-3, weight
   decay 1e-6; k-NN against the whole train split;
-- the released WEINCE protocol (ALGORITHMS.md 1.2b): a stratified 80/20 train/validation split of the train split
+- the released WEINCE protocol (docs/algorithms.md 1.2b): a stratified 80/20 train/validation split of the train split
   (:func:`stratified_split`), the probe (logistic regression) on the raw features of the 80 %, Adam lr 3e-4 without
   weight decay, batch 256, 100 epochs, test and validation accuracy after the last epoch; k-NN with the 80 % as the
   bank, for each of 5 split seeds (:func:`knn_evaluate_splits`).

@@ -90,7 +90,7 @@ class ProjectionHead(nn.Module):
         batch_norm: BatchNorm after the first layer (this project's previous setup); the released setup has none.
         output_bias: a bias in the last layer (previous setup); the released setup has none.
 
-    The released WEINCE setup (ALGORITHMS.md 1.2b) is ``ProjectionHead(f, f, 64, batch_norm=False,
+    The released WEINCE setup (docs/algorithms.md 1.2b) is ``ProjectionHead(f, f, 64, batch_norm=False,
     output_bias=False)``: Linear(f, f, no bias) - ReLU - Linear(f, 64, no bias). Evaluation uses the backbone
     features before the head.
     """

@@ -15,17 +15,17 @@ No loss math lives here: each objective only arranges two views ``z1, z2`` [N, D
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 from torch import Tensor, nn
 
-from st_weince.functional import nt_xent_layout
+from st_weince.functional import WeinceOptions, nt_xent_layout
 from st_weince.losses import RBSigmoidLoss, WEINCELoss
 
 LOSSES = ("infonce", "weince", "rb-sigmoid")
 SIMCLR_SCALE = 2.0  # SimCLR's temperature 0.5 on images
+SIMCLR_BETA = WeinceOptions().beta  # the released implementation's tail index, the vision reference setting
 
 
 class SimCLRObjective(nn.Module):
@@ -33,40 +33,25 @@ class SimCLRObjective(nn.Module):
 
     Args:
         name: "infonce", "weince" or "rb-sigmoid".
-        temperature: deprecated (removed in the next release): pass ``scale = 1 / temperature``. Kept in second
-            position so that calls written for the previous release keep their meaning.
-        beta: WEINCE's tail index in the shortfall logit (reference implementation: 1.0).
-        loss_kwargs: extra keyword arguments for the loss class, validated by it (e.g. RB-Sigmoid's start values).
         scale: the factor on cosine scores of InfoNCE and WEINCE (``1 / temperature``; SimCLR on images: 2.0, i.e.
             temperature 0.5). Not used by RB-Sigmoid, whose scale ``t`` is its own trainable parameter (its start
             value goes in ``loss_kwargs``).
+        beta: WEINCE's tail index in the shortfall logit; the vision setting is the released implementation's
+            (:class:`st_weince.functional.WeinceOptions`), not the text loss class's "auto".
+        loss_kwargs: extra keyword arguments for the loss class, validated by it (e.g. RB-Sigmoid's start values).
     """
 
     def __init__(
         self,
         name: str,
-        temperature: float | None = None,
-        beta: float | str = 1.0,
-        loss_kwargs: dict[str, Any] | None = None,
         *,
-        scale: float | None = None,
+        scale: float = SIMCLR_SCALE,
+        beta: float | str = SIMCLR_BETA,
+        loss_kwargs: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if name not in LOSSES:
             raise ValueError(f"unknown loss {name!r}; choose one of {LOSSES}")
-        if temperature is not None:
-            warnings.warn(
-                "SimCLRObjective(temperature=...) is deprecated and will be removed in the next release; "
-                "pass scale=1/temperature",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            if scale is not None:
-                raise ValueError("pass scale only (temperature is its deprecated alias, scale = 1 / temperature)")
-            if not (isinstance(temperature, int | float) and 0 < temperature < math.inf):
-                raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-            scale = 1.0 / temperature
-        scale = SIMCLR_SCALE if scale is None else scale
         if not (isinstance(scale, int | float) and 0 < scale < math.inf):
             raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
         self.name = name
