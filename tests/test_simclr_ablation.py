@@ -138,3 +138,41 @@ def test_paired_differences_and_the_interaction_by_seed(ablation):
     # No interaction without every part on the same seed.
     del finals[("blend", 1)]
     assert ablation.paired(finals)["interaction"]["seeds"] == [0]
+
+
+def test_the_top_m_arms_reach_the_loss_and_their_tail_index_survives_a_resume(
+    ablation,
+    image_folder,  # noqa: F811
+    tmp_path,
+    one_torch_thread,
+):
+    """Arms 2-5 build the loss options of their name; the composite's batch tail index is in the run's state, so a
+    run stopped and resumed writes the lines of an uninterrupted one."""
+    arms = ["infonce-topm-infonce", "infonce-topm-shortfall", "blend", "composite"]
+    run(ablation, image_folder, tmp_path / "straight", "--runs", *(f"{arm}-seed0" for arm in arms))
+    expected_weights = {
+        "infonce-topm-infonce": ("none", 0.0, 0.5),
+        "infonce-topm-shortfall": ("none", 0.5, 0.0),
+        "blend": ("both", 0.0, 0.0),
+        "composite": ("both", 0.5, 0.5),
+    }
+    for arm in arms:
+        records = lines(tmp_path / "straight" / "results" / f"{arm}-seed0.jsonl")
+        objective = records[0]["objective"]
+        assert (objective["mode"], objective["top_m_shortfall_weight"], objective["top_m_infonce_weight"]) == (
+            expected_weights[arm]
+        )
+        assert (objective["scale"], objective["beta"], objective["top_m"]) == (2.0, 1.0, 50)
+        statistics = records[-1]["loss_statistics"]
+        assert ("weince_batch_beta" in statistics) == (expected_weights[arm][1] > 0), arm
+        assert ("weince_share_blend" in statistics) == (arm != "blend"), arm
+    state = torch.load(tmp_path / "straight" / "state" / "composite-seed0" / "state.pt", weights_only=False)
+    assert "loss.batch_beta_ema" in state["objective"]
+    # Stopped after epoch 1 and resumed by a new process: the same lines as the uninterrupted run.
+    run(ablation, image_folder, tmp_path / "resumed", "--runs", "composite-seed0", "--stop-after-epoch", "1")
+    run(ablation, image_folder, tmp_path / "resumed", "--runs", "composite-seed0")
+    resumed = lines(tmp_path / "resumed" / "results" / "composite-seed0.jsonl")
+    straight = lines(tmp_path / "straight" / "results" / "composite-seed0.jsonl")
+    assert [r["type"] for r in resumed] == ["header", "checkpoint", "checkpoint", "resume", "checkpoint", "final"]
+    kept = [without_timing(r) for r in resumed if r["type"] in ("checkpoint", "final")]
+    assert kept == [without_timing(r) for r in straight if r["type"] in ("checkpoint", "final")]
