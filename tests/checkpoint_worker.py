@@ -34,10 +34,11 @@ from tests.conftest import TINY_SENTENCES  # noqa: E402
 
 MAX_STEPS = 6
 SAVE_STEPS = 2
+# (loss, batch size). The composite: every batch fit trusted (R^2 >= 0), so that the moving average moves at this tiny
+# batch; 6 pairs give 5 negatives per anchor, enough for the blend's tail fits too.
 LOSSES = {
-    "rb-sigmoid": RBSigmoidLoss,
-    # every fit trusted (R^2 >= 0), so that the moving average moves at this tiny batch
-    "weince-composite": lambda model: WEINCELoss.released(model, beta_min_r_squared=0.0),
+    "rb-sigmoid": (RBSigmoidLoss, 4),
+    "weince-composite": (lambda model: WEINCELoss.released(model, beta_min_r_squared=0.0), 6),
 }
 
 
@@ -45,7 +46,7 @@ def build_trainer(model_dir, output_dir, callbacks=(), loss="rb-sigmoid", **over
     model = SentenceTransformer(str(model_dir), device="cpu")
     settings = {
         "output_dir": str(output_dir),
-        "per_device_train_batch_size": 4,
+        "per_device_train_batch_size": LOSSES[loss][1],
         "max_steps": MAX_STEPS,
         "learning_rate": 5e-2,
         "lr_scheduler_type": "constant",
@@ -64,7 +65,7 @@ def build_trainer(model_dir, output_dir, callbacks=(), loss="rb-sigmoid", **over
         model=model,
         args=SentenceTransformerTrainingArguments(**settings),
         train_dataset=dataset,
-        loss=LOSSES[loss](model),
+        loss=LOSSES[loss][0](model),
         callbacks=list(callbacks),
     )
     return trainer
