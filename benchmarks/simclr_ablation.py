@@ -202,16 +202,7 @@ def markdown(summary: dict[str, Any]) -> str:
             f"| {study.format_stat(row['knn_top1'])} |"
         )
     lines += ["", "Paired by seed (same initialisation, batches and augmentations), points", ""]
-    lines += ["| comparison | seeds | linear top-1 | k-NN top-1 | per seed (linear / k-NN) |"]
-    lines += ["| --- | --- | --- | --- | --- |"]
-    for name, diff in summary["paired"].items():
-        per_seed = "; ".join(
-            f"seed {s}: {d['linear_top1']:+.2f} / {d['knn_top1']:+.2f}" for s, d in diff["per_seed"].items()
-        )
-        lines.append(
-            f"| {name} | {len(diff['seeds'])} | {study.format_stat(diff['linear_top1'], sign=True)} "
-            f"| {study.format_stat(diff['knn_top1'], sign=True)} | {per_seed} |"
-        )
+    lines += study.paired_table(summary["paired"])
     if summary["runs_missing"]:
         lines += ["", f"Not finished yet: {', '.join(summary['runs_missing'])}"]
     return "\n".join(lines)

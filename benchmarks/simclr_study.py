@@ -736,6 +736,24 @@ def summarize(output_dir: Path) -> dict[str, Any]:
     return summary
 
 
+def paired_table(paired: dict[str, Any]) -> list[str]:
+    """Markdown table of paired differences (``{name: {"seeds", "per_seed", "linear_top1", "knn_top1"}}``): mean
+    +- sample std over seeds and every seed's value, in points."""
+    lines = [
+        "| comparison | seeds | linear top-1 | k-NN top-1 | per seed (linear / k-NN) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, diff in paired.items():
+        per_seed = "; ".join(
+            f"seed {s}: {d['linear_top1']:+.2f} / {d['knn_top1']:+.2f}" for s, d in diff["per_seed"].items()
+        )
+        lines.append(
+            f"| {name} | {len(diff['seeds'])} | {format_stat(diff['linear_top1'], sign=True)} "
+            f"| {format_stat(diff['knn_top1'], sign=True)} | {per_seed} |"
+        )
+    return lines
+
+
 def summary_markdown(summary: dict[str, Any]) -> str:
     lines: list[str] = []
     if not summary["full_evaluations"]:
@@ -754,16 +772,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
                 f"| {format_stat(stats['encoder_lambda_mean'], 3)} |"
             )
         lines += ["", f"Epoch {epoch}, paired by seed (same initialisation, batches and augmentations), points", ""]
-        lines += ["| comparison | seeds | linear top-1 | k-NN top-1 | per seed (linear / k-NN) |"]
-        lines += ["| --- | --- | --- | --- | --- |"]
-        for name, diff in block["paired"].items():
-            per_seed = "; ".join(
-                f"seed {s}: {d['linear_top1']:+.2f} / {d['knn_top1']:+.2f}" for s, d in diff["per_seed"].items()
-            )
-            lines.append(
-                f"| {name} | {len(diff['seeds'])} | {format_stat(diff['linear_top1'], sign=True)} "
-                f"| {format_stat(diff['knn_top1'], sign=True)} | {per_seed} |"
-            )
+        lines += paired_table(block["paired"])
         lines.append("")
     lines += ["WEINCE - InfoNCE along training, paired by seed (probes on the fixed subset), points", ""]
     lines += [

@@ -3,13 +3,11 @@ optimizer and the probes; the arms differ only in the loss; states survive arms 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from tests.conftest import load_script
-from tests.test_simclr_study import TINY, image_folder, lines, without_timing  # noqa: F401  (fixture)
+from tests.test_simclr_study import TINY, image_folder, lines, run_study, without_timing  # noqa: F401
 
 # The released probe splits its training images 80/20 per class: all 24 (12 a class) leave 2 a class to validate.
 TINY_RELEASED = {**TINY, "hidden_dim": None, "epochs": 2, "full_eval_epochs": [], "probe_subset": None}
@@ -21,19 +19,7 @@ def ablation():
 
 
 def run(ablation, image_folder, out, *extra, override=None):  # noqa: F811
-    ablation.main(
-        [
-            "--data-dir",
-            str(image_folder),
-            "--output-dir",
-            str(out / "results"),
-            "--state-dir",
-            str(out / "state"),
-            "--override",
-            json.dumps({**TINY_RELEASED, **(override or {})}),
-            *extra,
-        ]
-    )
+    run_study(ablation, image_folder, out, *extra, override={**TINY_RELEASED, **(override or {})})
 
 
 def test_infonce_and_its_temperature_control_under_the_released_setup(
