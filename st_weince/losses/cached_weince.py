@@ -203,13 +203,13 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
         for begin, end in tqdm.tqdm(chunks, desc="Calculating loss", disable=not self.show_progress_bar):
             rows = slice(begin, end)
             layout = layout_of(begin, end)[0]
-            blend = self._rows_loss(layout, [_rows(s, rows) for s in statistics])
+            rows_loss = self._rows_loss(layout, [_rows(s, rows) for s in statistics])  # the blend
             if top_m:
                 shortfall, infonce = self._top_m_rows(self._top_m_units(layout), beta_t)
-                for index, term in enumerate((blend, shortfall, infonce)):
+                for index, term in enumerate((rows_loss, shortfall, infonce)):
                     term_sums[index] = term_sums[index] + term.detach().sum()
-                blend = composite_loss(blend, shortfall, infonce, self.options.top_m_options).total
-            chunk_loss = blend.sum() / batch_size
+                rows_loss = composite_loss(rows_loss, shortfall, infonce, self.options.top_m_options).total
+            chunk_loss = rows_loss.sum() / batch_size
             if with_backward:
                 chunk_loss.backward()
                 chunk_loss = chunk_loss.detach()

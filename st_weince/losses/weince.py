@@ -359,7 +359,9 @@ class WEINCELoss(nn.Module):
         self, scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None = None
     ) -> WeinceStatistics:
         """Statistics of rows held by this process; the pivot rho0 is taken over all processes' rows."""
-        return weince_statistics(scores, positive_index, valid_mask, self.options.math, gather=self._gather)
+        return weince_statistics(
+            scores, positive_index, valid_mask, self.options.math, gather=self._gather
+        )
 
     def _guarded(self, layout: MNRLLayout) -> tuple[MNRLLayout, FilterCounts | None]:
         """The layout with the false-negative guard's candidates removed from every group's ``valid_mask``, and the
