@@ -60,6 +60,15 @@ def test_infonce_and_its_temperature_control_under_the_released_setup(
     assert head == {"head.net.0.weight": (features, features), "head.net.2.weight": (TINY["projection_dim"], features)}
     # Adam without weight decay at 3e-4.
     assert [(g["lr"], g["weight_decay"]) for g in state["optimizer"]["param_groups"]] == [(3e-4, 0.0)]
+    # The summary pairs the control with InfoNCE of the same seed and lists what is still missing.
+    summary = ablation.summarize(tmp_path / "results")
+    difference = summary["paired"]["infonce-tau0.2_minus_infonce"]
+    assert difference["seeds"] == [0]
+    assert difference["per_seed"]["0"]["linear_top1"] == pytest.approx(
+        control[-1]["linear_top1"] - base[-1]["linear_top1"]
+    )
+    assert "interaction" not in summary["paired"] and len(summary["runs_missing"]) == 16
+    assert "infonce-tau0.2_minus_infonce" in (tmp_path / "results" / "summary.md").read_text()
 
 
 def test_a_state_resumes_when_arms_are_added_but_not_when_its_own_arm_changes(
