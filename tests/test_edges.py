@@ -227,6 +227,7 @@ def test_cached_losses_refuse_empty_batches_in_their_own_words(loss_cls):
 
 # ----- resume errors -----
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:WEINCELoss at a batch of 4")
 def test_resume_names_a_changed_loss_and_a_set_aside_checkpoint(tiny_model_dir, tmp_path, one_torch_thread):
     output = tmp_path / "run"
     make_trainer(tiny_model_dir, output, callbacks=[StopAt(3)]).train()
@@ -252,6 +253,7 @@ def test_resume_names_a_changed_loss_and_a_set_aside_checkpoint(tiny_model_dir, 
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:WEINCELoss at a batch of 4")  # the tiny trainer's batch: InfoNCE, as intended
 def test_a_loss_without_parameters_records_its_class_too(tiny_model_dir, tmp_path, one_torch_thread):
     output = tmp_path / "weince"
     trainer = make_trainer(tiny_model_dir, output, loss_cls=WEINCELoss, callbacks=[StopAt(3)])

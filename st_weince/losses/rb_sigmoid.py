@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from itertools import combinations
 from typing import Any, ClassVar, Literal
 
+import numpy as np
 import torch
 from sentence_transformers.base.losses.merged_forward import embed_columns
 from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim, get_rank
@@ -174,16 +175,19 @@ def stored_scale_option(name: str, value: Any) -> float:
     when that ``t`` overflows or underflows float32 (1e39 has a finite float32 log, whose exp is Inf; 1e-46 gives
     t = 0)."""
     number = real_option(name, value, positive=True)
-    t = float(torch.tensor(math.log(number), dtype=torch.float32).exp())
+    # t from the float32 log_t, in float64 on the host (no tensor), with a margin of 1e-6 relative for the rounding of
+    # float32 exp implementations at the range's ends
+    log_t = float(np.float32(math.log(number)))
+    t = math.exp(log_t) if log_t < 710.0 else math.inf
     info = torch.finfo(torch.float32)
-    if not t <= info.max:
+    if not t <= info.max * (1.0 - 1e-6):
         raise ValueError(
-            f"{name} = {number!r} overflows float32 as stored (t = exp(log_t) with a float32 log_t is Inf; "
+            f"{name} = {number!r} overflows float32 as stored (t = exp(log_t) with a float32 log_t is {t:.4g}; "
             f"largest finite value {info.max:.4g})"
         )
-    if t < info.tiny:
+    if t < info.tiny * (1.0 + 1e-6):
         raise ValueError(
-            f"{name} = {number!r} underflows float32 as stored (t = exp(log_t) with a float32 log_t is {t}, "
+            f"{name} = {number!r} underflows float32 as stored (t = exp(log_t) with a float32 log_t is {t:.4g}, "
             f"below the smallest normal value {info.tiny:.4g})"
         )
     return number
