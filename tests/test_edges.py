@@ -120,7 +120,11 @@ def test_float16_zero_row_issue_case():
         (RBSigmoidLoss, {"scale": 1e39}, "scale = 1e\\+39 overflows float32 as stored"),
         (RBSigmoidLoss, {"scale": 1e-46}, "scale = 1e-46 underflows float32 as stored"),
         (RBSigmoidLoss, {"relative_bias": 1e39}, "relative_bias = 1e\\+39 overflows torch.float32"),
-        (RBSigmoidLoss, {"parametrization": "absolute", "scale": 1e30, "max_scale": 1e30, "relative_bias": 1e10}, "bias = .* overflows"),
+        (
+            RBSigmoidLoss,
+            {"parametrization": "absolute", "scale": 1e30, "max_scale": 1e30, "relative_bias": 1e10},
+            "bias = .* overflows",
+        ),
         (RBSigmoidLoss, {"adapter_logit": -1e40, "locked_adapter": True}, "adapter_logit = .* overflows"),
         (WEINCELoss, {"scale": 1e300}, "scale = 1e\\+300 overflows torch.float32"),
         (WEINCELoss, {"scale": 1e-300}, "scale = 1e-300 underflows torch.float32"),
