@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from itertools import combinations
 from typing import Any, ClassVar, Literal
 
+import numpy as np
 import torch
 from sentence_transformers.base.losses.merged_forward import embed_columns
 from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim, get_rank
@@ -175,9 +176,9 @@ def log_scale_cap(max_scale: float) -> float:
     ``c`` so that ``t = exp(log_t) <= max_scale``. ``exp`` in float32 is faithfully rounded (within one ulp), so ``c``
     is taken 2 ulp of ``max_scale`` below it in float64 and rounded down to float32."""
     target = math.log(max_scale * (1.0 - 2.0**-22))
-    cap = torch.tensor(target, dtype=torch.float32)
+    cap = np.float32(target)  # NumPy, not a torch tensor: building a loss reads no device value
     if float(cap) > target:
-        cap = torch.nextafter(cap, torch.tensor(-math.inf))
+        cap = np.nextafter(cap, np.float32(-np.inf))
     return float(cap)
 
 
