@@ -13,7 +13,11 @@ instead of stopping the check; sections past the time budget are recorded as ski
 2. ``loss_level``: the loss alone (similarity matmul included) on identical bf16 embeddings of dimension 768, batch
    1,024 to 16,384: WEINCE and RB-Sigmoid against MNRL, eager and ``torch.compile(fullgraph=True)``; and the cached
    variants against CMNRL with an embedding-table "model", so the figure is the cached loss's own cost.
-3. ``whole_step``: one optimizer step of a BERT-base-sized encoder built from a config (random init, no download),
+3. ``low_precision``: the losses on bf16 / fp16 embeddings (computed in float32): their relative difference from the
+   float64 computation on the same values, their gradients' error against the rounding of the exact ones, and the
+   time on half-precision against float32 embeddings (the cost of the casts), batch 1,024 and 16,384, dimension
+   768 (``benchmarks/low_precision.py``).
+4. ``whole_step``: one optimizer step of a BERT-base-sized encoder built from a config (random init, no download),
    bf16 autocast, sequences of 32 tokens: batch 64 uncached (MNRL, WEINCE, RB-Sigmoid) and batch 4,096 cached
    (CMNRL, CachedWEINCE, CachedRBSigmoid, mini-batch 512).
 
@@ -222,6 +226,18 @@ def section_loss_level(
     return {"rows": rows, "dtype": str(dtype), "compile_backend": compile_backend}
 
 
+def section_low_precision(device: str, batches: list[int], repeats: int, deadline: float) -> dict:
+    from low_precision import accuracy, cost
+
+    out: dict[str, Any] = {"accuracy": accuracy(device, batch=256, dim=64, seed=0), "cost": []}
+    for batch in batches:
+        if time.monotonic() > deadline:
+            out["cost"].append({"batch": batch, "skipped": "time budget"})
+            continue
+        out["cost"].extend(cost(device, batch=batch, dim=768, repeats=repeats, seed=0))
+    return out
+
+
 def build_encoder(size: str, device: str) -> nn.Module:
     """A sentence-transformers encoder of BERT's shape from a config (random init, no download), mean pooling."""
     from sentence_transformers import SentenceTransformer
@@ -366,6 +382,7 @@ def main(argv: list[str] | None = None) -> dict:
             "mini_batch": 16,
             "step_repeats": 2,
             "compile_backend": "aot_eager",
+            "low_precision_batches": [256],
         }
     else:
         plan = {
@@ -377,6 +394,7 @@ def main(argv: list[str] | None = None) -> dict:
             "mini_batch": 512,
             "step_repeats": 5,
             "compile_backend": "inductor",
+            "low_precision_batches": [1024, 16384],
         }
     dtype = torch.bfloat16
     report: dict[str, Any] = {"plan": plan, "device": args.device, "provenance": provenance(argv)}
@@ -400,6 +418,10 @@ def main(argv: list[str] | None = None) -> dict:
         lambda: section_loss_level(
             args.device, dtype, plan["batches"], plan["repeats"], plan["compile_backend"], deadline
         ),
+    )
+    run_section(
+        "low_precision",
+        lambda: section_low_precision(args.device, plan["low_precision_batches"], plan["repeats"], deadline),
     )
     run_section(
         "whole_step",

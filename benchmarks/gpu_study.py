@@ -1,5 +1,15 @@
 """InfoNCE against WEINCE on CIFAR-10 with a full-width ResNet-18, on one GPU in about 8 minutes.
 
+Two setups (``--setup``; the loop of benchmarks/simclr_study.py selects the same ones):
+
+- ``released`` (default): ALGORITHMS.md 1.2b's training setup for both arms (projection head without BatchNorm or
+  biases, hidden width = feature width; Adam lr 3e-4 without weight decay; colour jitter 0.8/0.8/0.8/0.2; no
+  normalisation), InfoNCE against the released composite (the blend + 0.5 x top-M shortfall + 0.5 x top-M InfoNCE,
+  M = 50: the arms ``infonce`` and ``composite`` of benchmarks/simclr_ablation.py), evaluated with the released
+  probe protocol too (stratified 80/20 split, linear probe on raw features, Adam lr 3e-4, 100 epochs; k-NN over 5
+  split seeds) besides the k-NN on the whole train split;
+- ``previous``: this project's earlier setup, InfoNCE against the blend alone (``weince``).
+
 Both losses start from the same seed (same initial network, data order and augmentations). The first loss (InfoNCE)
 trains whole epochs while they fit its share of the time budget; the second (WEINCE) then trains the same number of
 epochs, so the comparison is at equal images seen. Augmentations run on the GPU (st_weince.vision.SimCLRAugment does
@@ -18,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,20 +42,31 @@ from st_weince.utils.provenance import provenance
 from st_weince.vision import (
     KNN_KS,
     KNN_TEMPERATURE,
+    PREVIOUS_PROTOCOL,
     SimCLRAugment,
     SimCLRModel,
     SimCLRObjective,
     balanced_subset,
     eval_transform,
+    evaluate_frozen_features,
     extract_features,
     knn_evaluate,
     load_dataset,
 )
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.simclr_ablation import ARMS  # noqa: E402
+from benchmarks.simclr_study import SETUPS, arm_objective  # noqa: E402
+
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "cifar10" / "cifar10-jpg.zip"
 DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "gpu_study" / "gpu_study.json"
-LOSS_ORDER = ("infonce", "weince")
+# The two arms of each setup, baseline first; their objectives: benchmarks/simclr_ablation.py's ARMS.
+SETUP_ARMS = {"released": ("infonce", "composite"), "previous": ("infonce", "blend")}
+# Optimizer settings of each setup (--lr / --weight-decay override them).
+SETUP_OPTIMIZER = {"released": {"lr": 3e-4, "weight_decay": 0.0}, "previous": {"lr": 1e-3, "weight_decay": 1e-6}}
 KNN_HEADLINE_K = 20
 # Share of the budget for each loss's training; the rest covers data loading, the first epoch's warm-up and evaluation.
 TRAIN_SHARE_PER_LOSS = 0.40
@@ -61,13 +83,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budget-seconds", type=float, default=480.0, help="whole script, both losses")
     parser.add_argument("--epochs", type=int, default=None, help="fixed epochs instead of what fits the budget")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--weight-decay", type=float, default=1e-6)
+    parser.add_argument("--setup", choices=sorted(SETUP_ARMS), default="released", help="see above")
+    parser.add_argument("--lr", type=float, default=None, help="the setup's by default")
+    parser.add_argument("--weight-decay", type=float, default=None, help="the setup's by default")
     parser.add_argument("--temperature", type=float, default=0.5)
     parser.add_argument("--quick", action="store_true", help="tiny data and network (CPU smoke run)")
     parser.add_argument("--no-bf16", action="store_true", help="float32 forward instead of bf16 autocast")
+    parser.add_argument("--probe-epochs", type=int, default=100, help="the released protocol's linear probe")
     args = parser.parse_args(argv)
     args.scale = QUICK if args.quick else FULL
+    for name, value in SETUP_OPTIMIZER[args.setup].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.epochs is not None and args.epochs < 1:
         parser.error(f"--epochs must be at least 1, got {args.epochs}")
     if not args.budget_seconds > 0:
@@ -91,11 +118,21 @@ def train_one(
     train_budget: float,
 ) -> tuple[SimCLRModel, dict[str, Any]]:
     """Train ``epochs`` epochs, or (``epochs`` None) whole epochs while the next one is expected to fit the budget."""
+    setup = SETUPS[args.setup]
     torch.manual_seed(args.seed)
-    model = SimCLRModel("resnet18", width=args.scale["width"]).to(device, memory_format=torch.channels_last)
-    objective = SimCLRObjective(loss, scale=1.0 / args.temperature).to(device)
+    model = SimCLRModel(
+        "resnet18",
+        width=args.scale["width"],
+        hidden_dim=None if args.setup == "released" else 512,  # released: as wide as the features
+        head_batch_norm=setup.head_batch_norm,
+        head_output_bias=setup.head_output_bias,
+    ).to(device, memory_format=torch.channels_last)
+    name, temperature, options = arm_objective(
+        loss, {"arms": ARMS, "temperature": args.temperature, "weince_options": {}}
+    )
+    objective = SimCLRObjective(name, scale=1.0 / temperature, loss_kwargs=options).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    augment = SimCLRAugment(generator=torch.Generator().manual_seed(args.seed))
+    augment = SimCLRAugment(setup.augment, generator=torch.Generator().manual_seed(args.seed))
     data_generator = torch.Generator().manual_seed(args.seed + 1)
     batch_size = args.scale["batch_size"]
     steps_per_epoch = images.shape[0] // batch_size
@@ -145,9 +182,11 @@ def train_one(
 
 def evaluate(model: SimCLRModel, train: Any, test: Any, args: argparse.Namespace, device: torch.device) -> dict:
     tick = time.perf_counter()
+    setup = SETUPS[args.setup]
 
     def transform(images: Tensor) -> Tensor:
-        return eval_transform(images).contiguous(memory_format=torch.channels_last)
+        normalized = eval_transform(images, setup.augment.mean, setup.augment.std)
+        return normalized.contiguous(memory_format=torch.channels_last)
 
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=not args.no_bf16)
     with autocast:
@@ -164,13 +203,29 @@ def evaluate(model: SimCLRModel, train: Any, test: Any, args: argparse.Namespace
     except ValueError as error:  # recorded, not hidden
         pot = {"xi": None, "error": str(error)}
     headline = KNN_HEADLINE_K if KNN_HEADLINE_K in knn.top1 else max(knn.top1)
-    return {
+    out = {
         "knn_top1": knn.top1[headline],
         "knn_k": headline,
         "knn": knn.as_dict(),
         "pot_projection": pot,
-        "eval_seconds": time.perf_counter() - tick,
     }
+    if setup.probe is not PREVIOUS_PROTOCOL:  # the setup's own probe protocol, on the same features
+        released = evaluate_frozen_features(
+            train_features.float(),
+            train.labels,
+            test_features.float(),
+            test.labels,
+            setup.probe,
+            epochs=args.probe_epochs,
+            num_classes=num_classes,
+            seed=args.seed,
+        )
+        out["probe_protocol"] = {
+            key: released[key]
+            for key in ("protocol", "linear_top1", "linear_val_top1", "knn_top1", "knn_headline_k", "knn", "knn_val")
+        }
+    out["eval_seconds"] = time.perf_counter() - tick
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -184,7 +239,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     train_budget = TRAIN_SHARE_PER_LOSS * args.budget_seconds
     results: dict[str, Any] = {}
     epochs = args.epochs
-    for loss in LOSS_ORDER:
+    baseline, arm = SETUP_ARMS[args.setup]
+    for loss in (baseline, arm):
         model, record = train_one(loss, images, args, device, epochs, train_budget)
         epochs = record["epochs"]  # the second loss trains exactly as many epochs as the first
         record.update(evaluate(model, train, test, args, device))
@@ -197,11 +253,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         del model
     output = {
         "description": (
-            "issue 14 item 4: InfoNCE vs WEINCE, SimCLR on CIFAR-10 (JPEG copy), CIFAR-stem ResNet-18, same seed, "
-            "same epochs; GPU-side augmentations, bf16 autocast, channels_last; weighted k-NN top-1 in percent."
+            f"InfoNCE vs WEINCE ({arm}), {args.setup} setup, SimCLR on CIFAR-10 (JPEG copy), CIFAR-stem ResNet-18, "
+            "same seed, same epochs; GPU-side augmentations, bf16 autocast, channels_last; weighted k-NN top-1 in "
+            "percent (whole train split as the bank, k = 20); under the released setup also its probe protocol."
         ),
         "config": {
             **scale,
+            "setup": args.setup,
+            "arms": {name: ARMS[name] for name in (baseline, arm)},
             "quick": args.quick,
             "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
@@ -218,7 +277,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "test_images": len(test),
         },
         "results": results,
-        "weince_minus_infonce_knn_top1": results["weince"]["knn_top1"] - results["infonce"]["knn_top1"],
+        "weince_minus_infonce_knn_top1": results[arm]["knn_top1"] - results[baseline]["knn_top1"],
         "total_seconds": time.perf_counter() - started,
         **provenance(),
     }

@@ -51,6 +51,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,12 +66,18 @@ from st_weince.utils.provenance import provenance
 from st_weince.vision import (
     KNN_KS,
     KNN_TEMPERATURE,
+    PREVIOUS_PROTOCOL,
+    RELEASED_AUGMENT,
+    RELEASED_PROTOCOL,
     ImageTensorDataset,
+    ProbeProtocol,
     SimCLRAugment,
+    SimCLRAugmentConfig,
     SimCLRModel,
     SimCLRObjective,
     balanced_subset,
     eval_transform,
+    evaluate_frozen_features,
     extract_features,
     knn_evaluate,
     linear_probe,
@@ -109,6 +116,9 @@ STUDY: dict[str, Any] = {
     "holdout": None,  # int: class-balanced training images held out and evaluated on in place of the test set
     "weince_options": {},  # WEINCE options beyond the vision defaults, e.g. {"aic_margin": 0.0, "kappa_rho": 5.0}
     "eval_at_start": True,  # the epoch-0 checkpoint (the same for every loss of a seed)
+    # The released-setup ablation (benchmarks/simclr_ablation.py) runs this same loop with:
+    "setup": "previous",  # "previous" or "released": augmentations, projection head and probe protocol (SETUPS)
+    "arms": {},  # run name prefix -> {"loss", optional "temperature", optional "options"}; {}: the loss names
 }
 # Most informative first: a complete InfoNCE/WEINCE pair per seed, RB-Sigmoid last.
 RUN_ORDER = [
@@ -129,6 +139,27 @@ LATER_KEYS: dict[str, Any] = {
     "holdout": None,
     "weince_options": {},
     "eval_at_start": True,
+    "setup": "previous",
+    "arms": {},
+}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What ``config["setup"]`` selects besides the optimizer settings (``lr``, ``weight_decay``, ``hidden_dim``
+    stay config keys): the augmentations (their mean/std also normalise the evaluation images), the projection
+    head's BatchNorm and output bias, and the probe protocol of st_weince.vision."""
+
+    augment: SimCLRAugmentConfig
+    head_batch_norm: bool
+    head_output_bias: bool
+    probe: ProbeProtocol
+
+
+# "released": ALGORITHMS.md 1.2b, as recipes/simclr.py --preset released (docs/vision.md's table).
+SETUPS = {
+    "previous": Setup(SimCLRAugmentConfig(), head_batch_norm=True, head_output_bias=True, probe=PREVIOUS_PROTOCOL),
+    "released": Setup(RELEASED_AUGMENT, head_batch_norm=False, head_output_bias=False, probe=RELEASED_PROTOCOL),
 }
 
 
@@ -218,7 +249,8 @@ class EvalData:
         self.probe_index = torch.tensor(balanced_subset(train.labels, config["probe_subset"], seed))
         self.pot_index = torch.tensor(balanced_subset(test.labels, config["pot_images"], seed))
         stats_index = torch.tensor(balanced_subset(train.labels, config["batch_size"], seed))
-        augment = SimCLRAugment(generator=torch.Generator().manual_seed(STATS_AUGMENT_SEED))
+        self.setup = SETUPS[config["setup"]]
+        augment = SimCLRAugment(self.setup.augment, generator=torch.Generator().manual_seed(STATS_AUGMENT_SEED))
         self.stats_views = augment(train.images[stats_index])
         self.num_classes = len(train.classes)
 
@@ -261,13 +293,44 @@ def encoder_weince_statistics(model: SimCLRModel, data: EvalData, config: dict[s
     }
 
 
+def protocol_evaluation(
+    features: Tensor, labels: Tensor, test_features: Tensor, data: EvalData, config: dict[str, Any], seed: int
+) -> dict[str, Any]:
+    """The setup's probe protocol (st_weince.vision.evaluate_frozen_features) in the study's record keys, plus the
+    protocol's own figures (validation accuracies, every k-NN split seed)."""
+    result = evaluate_frozen_features(
+        features,
+        labels,
+        test_features,
+        data.test.labels,
+        data.setup.probe,
+        epochs=config["probe_epochs"],
+        num_classes=data.num_classes,
+        seed=seed,
+    )
+    return {
+        "probe_train_images": len(labels),
+        "probe_protocol": result["protocol"],
+        "linear_top1": result["linear_top1"],
+        "linear_top5": result["linear_top5"],
+        "linear_train_top1": result["linear_train_top1"],
+        "linear_val_top1": result.get("linear_val_top1"),
+        "knn_top1": result["knn_top1"],
+        "knn_k": result["knn_headline_k"],
+        "knn_top1_by_k": {str(k): v for k, v in result["knn"]["top1"].items()},
+        "knn_val_top1_by_k": {str(k): v for k, v in result["knn_val"]["top1"].items()} if "knn_val" in result else None,
+        "knn_splits": result.get("knn_splits"),
+    }
+
+
 def evaluate(model: SimCLRModel, data: EvalData, config: dict[str, Any], seed: int, full: bool) -> dict[str, Any]:
     """Probes on the subset (and, when ``full``, on all training images), POT shapes, WEINCE statistics."""
     tick = time.perf_counter()
     channels_last = config["channels_last"]
+    augment_config = data.setup.augment
 
     def transform(images: Tensor) -> Tensor:
-        return to_memory_format(eval_transform(images), channels_last)
+        return to_memory_format(eval_transform(images, augment_config.mean, augment_config.std), channels_last)
 
     test_features = extract_features(model.encoder, data.test.images, transform, 500)
     subset_labels = data.train.labels[data.probe_index]
@@ -282,6 +345,9 @@ def evaluate(model: SimCLRModel, data: EvalData, config: dict[str, Any], seed: i
         subsets = {"subset": (extract_features(model.encoder, train_images, transform, 500), subset_labels)}
     out: dict[str, Any] = {}
     for name, (features, labels) in subsets.items():
+        if data.setup.probe is not PREVIOUS_PROTOCOL:
+            out[name] = protocol_evaluation(features, labels, test_features, data, config, seed)
+            continue
         ks = [k for k in KNN_KS if k <= len(labels)]
         knn = knn_evaluate(features, labels, test_features, data.test.labels, ks, KNN_TEMPERATURE, data.num_classes)
         linear = linear_probe(
@@ -303,7 +369,7 @@ def evaluate(model: SimCLRModel, data: EvalData, config: dict[str, Any], seed: i
             "knn_k": headline,
             "knn_top1_by_k": {str(k): v for k, v in knn.top1.items()},
         }
-    pot_images = to_memory_format(eval_transform(data.test.images[data.pot_index]), channels_last)
+    pot_images = transform(data.test.images[data.pot_index])
     was_training = model.training
     model.eval()
     with torch.no_grad():
@@ -322,19 +388,39 @@ def evaluate(model: SimCLRModel, data: EvalData, config: dict[str, Any], seed: i
 # one run
 
 
+def arm_objective(loss: str, config: dict[str, Any]) -> tuple[str, float, dict[str, Any]]:
+    """(loss class name of SimCLRObjective, temperature, loss options) of the run prefix ``loss``: its entry in
+    ``config["arms"]`` when there is one, else the loss of that name with the study's temperature."""
+    arm = config["arms"].get(loss)
+    if arm is not None:
+        return arm["loss"], arm.get("temperature", config["temperature"]), dict(arm.get("options", {}))
+    return loss, config["temperature"], dict(config["weince_options"]) if loss == "weince" else {}
+
+
+def run_config(config: dict[str, Any], loss: str) -> dict[str, Any]:
+    """What a saved state of run prefix ``loss`` must agree with: the configuration, with ``arms`` narrowed to
+    that run's own arm (arms added to a study later do not invalidate the states of the runs already going)."""
+    if not config.get("arms"):
+        return config
+    return {**config, "arms": {loss: config["arms"].get(loss)}}
+
+
 def build(loss: str, seed: int, config: dict[str, Any]) -> tuple[SimCLRModel, SimCLRObjective, torch.optim.Optimizer]:
     torch.manual_seed(seed)  # the same initial network for every loss
+    setup = SETUPS[config["setup"]]
     model = SimCLRModel(
         config["backbone"],
         width=config["width"],
-        hidden_dim=config["hidden_dim"],
+        hidden_dim=config["hidden_dim"],  # None: as wide as the features (the released head)
         projection_dim=config["projection_dim"],
+        head_batch_norm=setup.head_batch_norm,
+        head_output_bias=setup.head_output_bias,
     )
     if config["channels_last"]:
         model = model.to(memory_format=torch.channels_last)
-    loss_kwargs = dict(config["weince_options"]) if loss == "weince" else {}
+    name, temperature, loss_kwargs = arm_objective(loss, config)
     beta = loss_kwargs.pop("beta", config["beta"])  # a grid point may set WEINCE's beta too
-    objective = SimCLRObjective(loss, scale=1.0 / config["temperature"], beta=beta, loss_kwargs=loss_kwargs)
+    objective = SimCLRObjective(name, scale=1.0 / temperature, beta=beta, loss_kwargs=loss_kwargs)
     groups = [{"params": list(model.parameters())}]
     loss_parameters = [p for p in objective.parameters() if p.requires_grad]
     if loss_parameters:
@@ -371,13 +457,14 @@ def train_run(
 
     model, objective, optimizer = build(loss, seed, config)
     augment_generator = torch.Generator().manual_seed(seed)
-    augment = SimCLRAugment(generator=augment_generator)
+    augment = SimCLRAugment(data.setup.augment, generator=augment_generator)
     start_epoch, elapsed, train_seconds = 0, 0.0, 0.0
     state = torch.load(state_path, weights_only=False) if state_path.exists() else None
     if state is not None:
-        saved = {**{k: v for k, v in LATER_KEYS.items() if k in config}, **state["config"]}
-        if saved != config:
-            changed = sorted(k for k in set(config) | set(saved) if config.get(k) != saved.get(k))
+        saved = run_config({**{k: v for k, v in LATER_KEYS.items() if k in config}, **state["config"]}, loss)
+        mine = run_config(config, loss)
+        if saved != mine:
+            changed = sorted(k for k in set(mine) | set(saved) if mine.get(k) != saved.get(k))
             raise ValueError(f"{state_path} was written with a different configuration ({changed}); move it away")
         if until_epoch is not None and state["epoch"] >= until_epoch and records:
             return "waiting"  # already there: nothing done, nothing written
@@ -649,6 +736,24 @@ def summarize(output_dir: Path) -> dict[str, Any]:
     return summary
 
 
+def paired_table(paired: dict[str, Any]) -> list[str]:
+    """Markdown table of paired differences (``{name: {"seeds", "per_seed", "linear_top1", "knn_top1"}}``): mean
+    +- sample std over seeds and every seed's value, in points."""
+    lines = [
+        "| comparison | seeds | linear top-1 | k-NN top-1 | per seed (linear / k-NN) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, diff in paired.items():
+        per_seed = "; ".join(
+            f"seed {s}: {d['linear_top1']:+.2f} / {d['knn_top1']:+.2f}" for s, d in diff["per_seed"].items()
+        )
+        lines.append(
+            f"| {name} | {len(diff['seeds'])} | {format_stat(diff['linear_top1'], sign=True)} "
+            f"| {format_stat(diff['knn_top1'], sign=True)} | {per_seed} |"
+        )
+    return lines
+
+
 def summary_markdown(summary: dict[str, Any]) -> str:
     lines: list[str] = []
     if not summary["full_evaluations"]:
@@ -667,16 +772,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
                 f"| {format_stat(stats['encoder_lambda_mean'], 3)} |"
             )
         lines += ["", f"Epoch {epoch}, paired by seed (same initialisation, batches and augmentations), points", ""]
-        lines += ["| comparison | seeds | linear top-1 | k-NN top-1 | per seed (linear / k-NN) |"]
-        lines += ["| --- | --- | --- | --- | --- |"]
-        for name, diff in block["paired"].items():
-            per_seed = "; ".join(
-                f"seed {s}: {d['linear_top1']:+.2f} / {d['knn_top1']:+.2f}" for s, d in diff["per_seed"].items()
-            )
-            lines.append(
-                f"| {name} | {len(diff['seeds'])} | {format_stat(diff['linear_top1'], sign=True)} "
-                f"| {format_stat(diff['knn_top1'], sign=True)} | {per_seed} |"
-            )
+        lines += paired_table(block["paired"])
         lines.append("")
     lines += ["WEINCE - InfoNCE along training, paired by seed (probes on the fixed subset), points", ""]
     lines += [

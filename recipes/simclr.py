@@ -21,7 +21,7 @@ to 64 dimensions, scale 2 (temperature 0.5), batch 256 pairs, 100 epochs, weight
                normalisation; a stratified 80/20 train/validation split, the probe (logistic regression, Adam lr 3e-4)
                on raw features of the 80 %, test and validation accuracy after the last epoch, k-NN over 5 split seeds
                (headline k = 50). ``--loss weince`` is the released composite: the preset adds the loss options
-               top_m=50, top_m_shortfall_weight=0.5, top_m_infonce_weight=0.5 (scale 2, beta 1); ``--loss-option``
+               top_m_shortfall_weight=0.5, top_m_infonce_weight=0.5 (M = 50, scale 2, beta 1); ``--loss-option``
                overrides each, ``--no-preset-loss-options`` drops them (the blend alone). ``--loss infonce`` is the
                baseline arm.
 
@@ -62,6 +62,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
+from st_weince.losses.weince import RELEASED_COMPOSITE
 from st_weince.training import average_loss_gradients
 from st_weince.utils.cli import parse_key_values, positive_float, quiet_known_warnings, user_errors_exit
 from st_weince.utils.provenance import provenance
@@ -108,8 +109,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "head_output_bias": False,
         "augment": RELEASED_AUGMENT,
         "probe": RELEASED_PROTOCOL,
-        # the composite arm: L_blend + 0.5 L_shortfall_topM + 0.5 L_infonce_topM, M = 50 (beta 1 is the recipe's)
-        "loss_options": {"weince": {"top_m": 50, "top_m_shortfall_weight": 0.5, "top_m_infonce_weight": 0.5}},
+        # the composite arm: L_blend + 0.5 L_shortfall_topM + 0.5 L_infonce_topM, M = 50 (WEINCELoss.released; its
+        # scale 2 and beta 1 are the recipe's --scale and the vision beta)
+        "loss_options": {
+            "weince": {name: RELEASED_COMPOSITE[name] for name in ("top_m_shortfall_weight", "top_m_infonce_weight")}
+        },
     },
 }
 

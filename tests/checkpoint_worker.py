@@ -1,7 +1,8 @@
-"""A tiny RB-Sigmoid trainer run for the checkpoint tests (tests/test_checkpoints.py), also run as a subprocess
-that the test SIGKILLs at a chosen moment of a checkpoint save.
+"""A tiny trainer run for the checkpoint tests (tests/test_checkpoints.py), also run as a subprocess that the test
+SIGKILLs at a chosen moment of a checkpoint save. The loss (``--loss``): RB-Sigmoid (its trained t and b_rel) or the
+released WEINCE composite (its batch tail index, a moving average carried across steps).
 
-    python tests/checkpoint_worker.py MODEL_DIR OUTPUT_DIR [--block WHERE --block-step N --ready FILE]
+    python tests/checkpoint_worker.py MODEL_DIR OUTPUT_DIR [--loss NAME] [--block WHERE --block-step N --ready FILE]
 
 ``--block`` makes the run signal (create ``--ready``) and then sleep at one moment of the save of
 ``checkpoint-N``, so that the parent kills it exactly there:
@@ -27,19 +28,25 @@ from transformers.trainer_callback import ExportableState
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: import this checkout
 
-from st_weince.losses import RBSigmoidLoss  # noqa: E402
+from st_weince.losses import RBSigmoidLoss, WEINCELoss  # noqa: E402
 from st_weince.training import prepare_trainer  # noqa: E402
 from tests.conftest import TINY_SENTENCES  # noqa: E402
 
 MAX_STEPS = 6
 SAVE_STEPS = 2
+# (loss, batch size). The composite: every batch fit trusted (R^2 >= 0), so that the moving average moves at this tiny
+# batch; 6 pairs give 5 negatives per anchor, enough for the blend's tail fits too.
+LOSSES = {
+    "rb-sigmoid": (RBSigmoidLoss, 4),
+    "weince-composite": (lambda model: WEINCELoss.released(model, beta_min_r_squared=0.0), 6),
+}
 
 
-def build_trainer(model_dir, output_dir, callbacks=(), **overrides) -> SentenceTransformerTrainer:
+def build_trainer(model_dir, output_dir, callbacks=(), loss="rb-sigmoid", **overrides) -> SentenceTransformerTrainer:
     model = SentenceTransformer(str(model_dir), device="cpu")
     settings = {
         "output_dir": str(output_dir),
-        "per_device_train_batch_size": 4,
+        "per_device_train_batch_size": LOSSES[loss][1],
         "max_steps": MAX_STEPS,
         "learning_rate": 5e-2,
         "lr_scheduler_type": "constant",
@@ -58,7 +65,7 @@ def build_trainer(model_dir, output_dir, callbacks=(), **overrides) -> SentenceT
         model=model,
         args=SentenceTransformerTrainingArguments(**settings),
         train_dataset=dataset,
-        loss=RBSigmoidLoss(model),
+        loss=LOSSES[loss][0](model),
         callbacks=list(callbacks),
     )
     return trainer
@@ -98,6 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model_dir")
     parser.add_argument("output_dir")
+    parser.add_argument("--loss", choices=sorted(LOSSES), default="rb-sigmoid")
     parser.add_argument("--block", choices=["none", "model", "state", "on_save"], default="none")
     parser.add_argument("--block-step", type=int, default=-1)
     parser.add_argument("--ready", default="")
@@ -107,7 +115,9 @@ def main() -> None:
         callbacks.append(BlockInState(options.block_step, options.ready))
     if options.block == "on_save":
         callbacks.append(BlockOnSave(options.block_step, options.ready))
-    trainer = prepare_trainer(build_trainer(options.model_dir, options.output_dir, callbacks=callbacks))
+    trainer = prepare_trainer(
+        build_trainer(options.model_dir, options.output_dir, callbacks=callbacks, loss=options.loss)
+    )
     if options.block == "model":
         save_model = trainer.save_model
 

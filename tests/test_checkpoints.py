@@ -1,6 +1,7 @@
 """The loss state survives any kill: subprocess runs SIGKILLed at chosen moments of a checkpoint save (and at a
 random moment), then resumed here with ``resume_from_checkpoint=True``, end exactly like an uninterrupted run
-(t, b_rel, every per-step loss). Also: refused checkpoints, corrupt loss state, non-finite loss parameters."""
+(the loss state: RB-Sigmoid's t and b_rel, the WEINCE composite's batch tail index; every per-step loss). Also:
+refused checkpoints, corrupt loss state, non-finite loss parameters."""
 
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ import torch
 from transformers import TrainerCallback
 
 from st_weince.losses import RBSigmoidLoss
+from st_weince.losses.weince import WEINCELossOptions
 from st_weince.training import (
     LOSS_STATE_FILE,
     LOSS_STATE_RECORD,
     load_loss_state,
+    loss_state_dict,
     prepare_trainer,
     read_checkpoint_loss_state,
     save_loss_state,
@@ -35,16 +38,27 @@ WORKER = REPO_ROOT / "tests" / "checkpoint_worker.py"
 
 def outcome(trainer) -> dict:
     losses = {r["step"]: r["loss"] for r in trainer.state.log_history if "loss" in r}
-    return {"t": trainer.loss.scale.item(), "b_rel": trainer.loss.b_rel.item(), "losses": losses}
+    return {"state": {name: value.item() for name, value in loss_state_dict(trainer.loss).items()}, "losses": losses}
+
+
+def uninterrupted_run(model_dir, output_dir: Path, loss: str) -> dict:
+    torch.set_num_threads(1)
+    trainer = prepare_trainer(build_trainer(model_dir, output_dir, loss=loss))
+    trainer.train()
+    result = outcome(trainer)
+    assert sorted(result["losses"]) == list(range(1, MAX_STEPS + 1))
+    return result
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_model_dir, tmp_path_factory) -> dict:
-    torch.set_num_threads(1)
-    trainer = prepare_trainer(build_trainer(tiny_model_dir, tmp_path_factory.mktemp("full")))
-    trainer.train()
-    result = outcome(trainer)
-    assert sorted(result["losses"]) == list(range(1, MAX_STEPS + 1))
+    return uninterrupted_run(tiny_model_dir, tmp_path_factory.mktemp("full"), "rb-sigmoid")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_composite(tiny_model_dir, tmp_path_factory) -> dict:
+    result = uninterrupted_run(tiny_model_dir, tmp_path_factory.mktemp("full-composite"), "weince-composite")
+    assert set(result["state"]) == {"batch_beta_ema"}
     return result
 
 
@@ -56,12 +70,19 @@ def readable_json(path: Path) -> bool:
     return True
 
 
-def run_and_kill(model_dir, output_dir: Path, block: str = "none", step: int = -1, delay: float | None = None):
+def run_and_kill(
+    model_dir,
+    output_dir: Path,
+    block: str = "none",
+    step: int = -1,
+    delay: float | None = None,
+    loss: str = "rb-sigmoid",
+):
     """Start the worker; SIGKILL it when it signals that it blocks inside the save (or ``delay`` seconds after its
     first checkpoint is complete). Returns True if it was killed (False: it finished first)."""
     ready = output_dir.parent / f"{output_dir.name}.ready"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, str(WORKER), str(model_dir), str(output_dir), "--block", block]
+    command = [sys.executable, str(WORKER), str(model_dir), str(output_dir), "--loss", loss, "--block", block]
     command += ["--block-step", str(step), "--ready", str(ready)]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 240
@@ -82,15 +103,16 @@ def run_and_kill(model_dir, output_dir: Path, block: str = "none", step: int = -
     return killed
 
 
-def resume(model_dir, output_dir: Path) -> dict:
-    trainer = prepare_trainer(build_trainer(model_dir, output_dir))
+def resume(model_dir, output_dir: Path, loss: str = "rb-sigmoid") -> dict:
+    trainer = prepare_trainer(build_trainer(model_dir, output_dir, loss=loss))
     trainer.train(resume_from_checkpoint=True)
     return outcome(trainer)
 
 
 def assert_same_run(got: dict, expected: dict) -> None:
-    assert got["t"] == pytest.approx(expected["t"], rel=1e-5)
-    assert got["b_rel"] == pytest.approx(expected["b_rel"], rel=1e-5, abs=1e-6)
+    assert set(got["state"]) == set(expected["state"])
+    for name, value in expected["state"].items():
+        assert got["state"][name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
     assert sorted(got["losses"]) == sorted(expected["losses"])
     for step, loss in expected["losses"].items():
         assert got["losses"][step] == pytest.approx(loss, rel=1e-4, abs=1e-4), f"loss at step {step}"
@@ -116,6 +138,20 @@ def test_killed_inside_a_save_resumes_like_an_uninterrupted_run(
     assert_same_run(got, uninterrupted)
     first_resumed = json.loads((output / "checkpoint-6" / "trainer_state.json").read_text())["log_history"]
     assert any(r.get("step") == resumed_from + 1 for r in first_resumed)
+
+
+@pytest.mark.parametrize(("block", "resumed_from"), [("model", 2), ("state", 2), ("on_save", 4)])
+def test_composite_tail_index_killed_inside_a_save_resumes_like_an_uninterrupted_run(
+    block, resumed_from, tiny_model_dir, tmp_path, uninterrupted_composite, one_torch_thread
+):
+    """The WEINCE composite's batch tail index (a buffer, no parameter) has RB-Sigmoid's guarantees."""
+    output = tmp_path / "run"
+    assert run_and_kill(tiny_model_dir, output, block=block, step=4, loss="weince-composite")
+    got = resume(tiny_model_dir, output, loss="weince-composite")
+    assert (output / "incomplete-checkpoint-4").is_dir() == (resumed_from == 2)
+    saved = read_checkpoint_loss_state(output / "checkpoint-2")["batch_beta_ema"].item()
+    assert saved != pytest.approx(WEINCELossOptions.beta_ema_start), "the tail index must have moved by step 2"
+    assert_same_run(got, uninterrupted_composite)
 
 
 def test_killed_at_a_random_moment_resumes_like_an_uninterrupted_run(

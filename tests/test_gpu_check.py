@@ -20,8 +20,12 @@ def test_gpu_check_quick_on_cpu(tmp_path, monkeypatch):
     output = tmp_path / "gpu_check.json"
     gpu_check.main(["--device", "cpu", "--quick", "--output", str(output)])
     report = json.loads(output.read_text())
-    for section in ("syncs", "loss_level", "whole_step"):
+    for section in ("syncs", "loss_level", "low_precision", "whole_step"):
         assert "error" not in report[section], report[section].get("traceback")
+    for row in report["low_precision"]["accuracy"]:  # half-precision embeddings are computed in float32
+        assert row["relative_loss_error_vs_float64"] < 1e-5
+        assert max(row["gradient_error_over_rounding_error"]) <= 2.0
+    assert {row["input_dtype"] for row in report["low_precision"]["cost"]} == {"float32", "bfloat16", "float16"}
     syncs = report["syncs"]
     assert syncs["mnrl/check_inputs=True"]["dispatch_count"] == 0
     for name in ("weince", "rb_sigmoid"):
@@ -42,3 +46,4 @@ def test_gpu_check_quick_on_cpu(tmp_path, monkeypatch):
         assert baseline in step["seconds"] and len(step["ratio"]) == 2
     assert report["provenance"]["command"].startswith("python")
     sys.modules.pop("gpu_check", None)
+    sys.modules.pop("low_precision", None)

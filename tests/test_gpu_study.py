@@ -19,14 +19,16 @@ def gpu_study():
     return load_gpu_study()
 
 
-def test_quick_cpu_run_writes_one_json_with_both_losses(gpu_study, shared_data, tmp_path, one_torch_thread):
+@pytest.mark.parametrize("setup, arm", [("previous", "blend"), ("released", "composite")])
+def test_quick_cpu_run_writes_one_json_with_both_arms(gpu_study, shared_data, tmp_path, one_torch_thread, setup, arm):
     output = tmp_path / "gpu.json"
     zip_path = shared_data / "cifar10" / "cifar10-jpg.zip"
     result = gpu_study.main(
         ["--device", "cpu", "--quick", "--epochs", "2", "--data-dir", str(zip_path), "--output", str(output)]
+        + ["--setup", setup, "--probe-epochs", "3"]
     )
     assert json.loads(output.read_text()) == json.loads(json.dumps(result))
-    infonce, weince = result["results"]["infonce"], result["results"]["weince"]
+    infonce, weince = result["results"]["infonce"], result["results"][arm]
     steps = 256 // 32
     for record in (infonce, weince):
         assert record["epochs"] == 2 and record["steps"] == 2 * steps and record["images_seen"] == 2 * steps * 32
@@ -38,14 +40,28 @@ def test_quick_cpu_run_writes_one_json_with_both_losses(gpu_study, shared_data, 
     assert result["config"]["bf16"] and result["config"]["channels_last"] and result["config"]["width"] == 4
     assert result["config"]["train_images"] == 256 and result["config"]["test_images"] == 128
     assert "versions" in result and "git_commit" in result
+    lr, decay = (3e-4, 0.0) if setup == "released" else (1e-3, 1e-6)
+    assert (result["config"]["lr"], result["config"]["weight_decay"]) == (lr, decay)
+    if setup == "released":
+        # The composite's options reached the loss; its batch tail index is logged; the released probe protocol ran.
+        objective = weince["objective"]
+        assert (objective["top_m_shortfall_weight"], objective["top_m_infonce_weight"]) == (0.5, 0.5)
+        assert (objective["scale"], objective["beta"]) == (2.0, 1.0)
+        assert weince["loss_statistics_last_epoch"]["weince_batch_beta"] > 0.0
+        for record in (infonce, weince):
+            assert record["probe_protocol"]["protocol"] == "released"
+            assert record["probe_protocol"]["linear_val_top1"] is not None
+    else:
+        assert "probe_protocol" not in infonce  # the blend alone: no top-M term
+        assert weince["objective"].get("top_m_shortfall_weight", 0.0) == 0.0
 
 
 def test_budget_decides_epochs_and_the_second_loss_follows(gpu_study, shared_data, tmp_path, one_torch_thread):
     zip_path = shared_data / "cifar10" / "cifar10-jpg.zip"
     argv = ["--device", "cpu", "--quick", "--budget-seconds", "0.01", "--data-dir", str(zip_path)]
-    result = gpu_study.main([*argv, "--output", str(tmp_path / "gpu.json")])
+    result = gpu_study.main([*argv, "--setup", "previous", "--output", str(tmp_path / "gpu.json")])
     # A budget smaller than one epoch still trains one whole epoch; WEINCE then trains exactly as many.
-    assert result["results"]["infonce"]["epochs"] == 1 == result["results"]["weince"]["epochs"]
+    assert result["results"]["infonce"]["epochs"] == 1 == result["results"]["blend"]["epochs"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")

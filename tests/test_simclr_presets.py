@@ -40,7 +40,7 @@ def test_released_preset_settings(recipe):  # noqa: F811
         64,
         100,
     )
-    assert args.loss_kwargs == {"top_m": 50, "top_m_shortfall_weight": 0.5, "top_m_infonce_weight": 0.5}
+    assert args.loss_kwargs == {"top_m_shortfall_weight": 0.5, "top_m_infonce_weight": 0.5}  # M: the default 50
     preset = recipe.PRESETS["released"]
     assert preset["augment"] is RELEASED_AUGMENT and preset["probe"] is RELEASED_PROTOCOL
     assert not preset["head_batch_norm"] and not preset["head_output_bias"]
@@ -160,13 +160,14 @@ def test_knn_splits_reject_no_seeds():
         knn_evaluate_splits(train, labels, train, labels, split_seeds=())
 
 
-@pytest.mark.parametrize("loss", ["infonce", "weince"])
+@pytest.mark.parametrize("loss", ["infonce", "weince", "weince-blend"])
 def test_released_preset_end_to_end(recipe, tiny_zip, tmp_path, loss):  # noqa: F811
     output = tmp_path / loss
-    argv = ["--preset", "released", "--dataset", "imagefolder", "--data-dir", str(tiny_zip), "--loss", loss]
+    argv = ["--preset", "released", "--dataset", "imagefolder", "--data-dir", str(tiny_zip)]
+    argv += ["--loss", loss.removesuffix("-blend")]
     argv += ["--width", "2", "--batch-size", "6", "--max-steps", "2", "--limit-train", "24", "--limit-eval", "9"]
-    argv += ["--probe-epochs", "2", "--seed", "1", "--output-dir", str(output)]
-    if loss == "weince":  # the top-M options reach WEINCELoss once it has them; here the blend arm
+    argv += ["--probe-epochs", "2", "--seed", "1", "--output-dir", str(output), "--log-every", "1"]
+    if loss == "weince-blend":  # the blend alone
         argv.append("--no-preset-loss-options")
     returned = recipe.main(argv)
     results = json.loads((output / "results.json").read_text())
@@ -176,3 +177,14 @@ def test_released_preset_end_to_end(recipe, tiny_zip, tmp_path, loss):  # noqa: 
     assert results["linear_top1"] == pytest.approx(returned["linear_top1"])
     config = json.loads((output / "model_config.json").read_text())
     assert config["hidden_dim"] == 16 and not config["head_batch_norm"] and not config["head_output_bias"]
+    objective = results["objective"]
+    if loss == "weince":  # the released composite: both top-M terms, the batch tail index logged every step
+        assert (objective["scale"], objective["beta"], objective["top_m"]) == (2.0, 1.0, 50)
+        assert (objective["top_m_shortfall_weight"], objective["top_m_infonce_weight"]) == (0.5, 0.5)
+        assert all(record["weince_batch_beta"] > 0 for record in results["history"])
+        shares = ("blend", "top_m_shortfall", "top_m_infonce")
+        assert all(sum(record[f"weince_share_{name}"] for name in shares) == pytest.approx(1.0)
+                   for record in results["history"])  # fmt: skip
+    elif loss == "weince-blend":
+        assert (objective["top_m_shortfall_weight"], objective["top_m_infonce_weight"]) == (0.0, 0.0)
+        assert not any("weince_batch_beta" in record for record in results["history"])

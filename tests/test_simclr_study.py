@@ -52,7 +52,8 @@ def image_folder(tmp_path_factory) -> Path:
     return root
 
 
-def run_study(study, image_folder: Path, out: Path, *extra: str) -> None:
+def run_study(study, image_folder: Path, out: Path, *extra: str, override: dict | None = None) -> None:
+    """``study.main`` (this script's or one built on it) on the tiny folder, results and states under ``out``."""
     study.main(
         [
             "--data-dir",
@@ -62,7 +63,7 @@ def run_study(study, image_folder: Path, out: Path, *extra: str) -> None:
             "--state-dir",
             str(out / "state"),
             "--override",
-            json.dumps(TINY),
+            json.dumps(TINY if override is None else override),
             *extra,
         ]
     )

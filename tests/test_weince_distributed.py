@@ -11,21 +11,40 @@ import pytest
 import torch
 
 from st_weince.losses import WEINCELoss
+from st_weince.losses.weince import WEINCELossOptions
 from tests.conftest import torchrun_command
 from tests.float32_tolerance import block_scores, query_group, row_chunks, tail_fit_tolerances, ulps_apart
-from tests.weince_distributed_worker import GUARD, SETTINGS, global_batch
+from tests.weince_distributed_worker import (
+    COMPOSITE_SETTINGS,
+    COMPOSITE_STEPS,
+    GUARD,
+    SETTINGS,
+    composite_step_batch,
+    global_batch,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def distributed_results(tmp_path_factory) -> list[list[dict]]:
+def distributed_output(tmp_path_factory) -> Path:
+    """One torchrun launch for every test of this file (starting processes is slow)."""
     output_dir = tmp_path_factory.mktemp("weince-ddp")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     command = torchrun_command("-m", "tests.weince_distributed_worker", str(output_dir))
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
-    return [torch.load(output_dir / f"rank{r}.pt") for r in range(2)]
+    return output_dir
+
+
+@pytest.fixture(scope="module")
+def distributed_results(distributed_output) -> list[list[dict]]:
+    return [torch.load(distributed_output / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def composite_results(distributed_output) -> list[list[list[dict]]]:
+    return [torch.load(distributed_output / f"composite-rank{r}.pt") for r in range(2)]
 
 
 @pytest.mark.distributed
@@ -97,3 +116,29 @@ def test_two_processes_equal_one_with_the_false_negative_guard(distributed_resul
         for column_index, column in enumerate(columns):
             distributed_grad = torch.cat([r[f"{prefix}grads"][column_index] for r in ranks]) / 2
             torch.testing.assert_close(distributed_grad, column.grad, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("setting", range(len(COMPOSITE_SETTINGS)))
+def test_two_processes_equal_one_with_the_top_m_terms(composite_results, setting):
+    """The released composite under gather_across_devices: the batch tail index is fitted on the global batch's
+    negatives, so both ranks carry the same moving average, equal to one process's, step after step; the loss and
+    gradients (uncached and cached) equal one process's."""
+    directions, partition_mode, num_columns = COMPOSITE_SETTINGS[setting]
+    ranks = [composite_results[r][setting] for r in range(2)]
+    single = WEINCELoss.released(None, directions=directions, partition_mode=partition_mode)
+    for step in range(COMPOSITE_STEPS):
+        columns = [c.clone().requires_grad_(True) for c in composite_step_batch(step, num_columns)]
+        loss = single.compute_loss_from_embeddings(columns, None)
+        loss.backward()
+        mine = [ranks[r][step] for r in range(2)]
+        for prefix in ("", "cached_"):
+            # the same gathered tail on both ranks: the same moving average, bit for bit
+            assert torch.equal(mine[0][f"{prefix}beta"], mine[1][f"{prefix}beta"]), (step, prefix)
+            assert float(mine[0][f"{prefix}beta"]) == pytest.approx(float(single.batch_beta_ema), rel=1e-5)
+            distributed_loss = (mine[0][f"{prefix}loss"] + mine[1][f"{prefix}loss"]) / 2
+            assert abs(float(distributed_loss - loss.detach())) < 1e-5, (step, prefix)
+            for column_index, column in enumerate(columns):
+                distributed_grad = torch.cat([r[f"{prefix}grads"][column_index] for r in mine]) / 2
+                torch.testing.assert_close(distributed_grad, column.grad, atol=1e-5, rtol=1e-4)
+    assert float(single.batch_beta_ema) != WEINCELossOptions.beta_ema_start, "the tail index must move"

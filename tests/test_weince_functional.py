@@ -180,9 +180,11 @@ def test_bad_inputs_raise_clear_errors():
         weince_cross_entropy(scores, positive_index, scale=-1.0)
     bad = scores.clone()
     bad[2, 3] = float("nan")
-    # the math checks shapes only; the values are checked by check_scores (the losses do it on their inputs)
+    # the cross-entropy checks its values like torch's losses (one sync); check_inputs=False checks shapes only
+    with pytest.raises(ValueError, match="NaN"):
+        weince_cross_entropy(bad, positive_index, scale=20.0)
     with count_host_syncs() as syncs:
-        unchecked = weince_cross_entropy(bad, positive_index, scale=20.0)
+        unchecked = weince_cross_entropy(bad, positive_index, scale=20.0, check_inputs=False)
     assert syncs.total == 0 and torch.isnan(unchecked)
     with pytest.raises(ValueError, match="NaN"):
         check_scores(bad, positive_index)

@@ -8,6 +8,7 @@ loss receives its inputs, with one sync per step; someone who calls the math dir
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -26,6 +27,72 @@ def compute_dtype(*tensors: Tensor) -> torch.dtype:
     return dtype
 
 
+class _Upcast(torch.autograd.Function):
+    """``tensor.to(dtype)`` whose backward returns the gradient in the input's dtype, saturated at that dtype's
+    largest finite value instead of overflowing to Inf (a float16 zero row's normalisation gradient, 1e12 times the
+    upstream one, is finite in float32 but not in float16)."""
+
+    @staticmethod
+    def forward(ctx, tensor: Tensor, dtype: torch.dtype) -> Tensor:
+        ctx.input_dtype = tensor.dtype
+        return tensor.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        limit = torch.finfo(ctx.input_dtype).max
+        return grad.clamp(-limit, limit).to(ctx.input_dtype), None
+
+
+def upcast(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    """``tensor`` in ``dtype`` (a wider one, from :func:`compute_dtype`). Where the input's dtype has a smaller range
+    (float16, bfloat16), the gradient flowing back is clamped to the input dtype's finite range before the cast:
+    an exact gradient rounded to the input dtype where it fits, the largest finite value where it does not. Shapes
+    and dtypes decide, no value is read."""
+    if tensor.dtype == dtype:
+        return tensor
+    if not tensor.requires_grad or torch.finfo(tensor.dtype).max >= torch.finfo(dtype).max:
+        return tensor.to(dtype)
+    return _Upcast.apply(tensor, dtype)
+
+
+def full_precision(*tensors: Any) -> AbstractContextManager:
+    """Autocast off on the device of the first tensor among ``tensors``, for the body of a loss: its products and
+    reductions then run in the dtype the loss chose (:func:`compute_dtype`: float32 for half-precision inputs), not
+    in autocast's lower one. The model's forward, outside the loss, keeps the autocast it runs under."""
+    for tensor in tensors:
+        if isinstance(tensor, Tensor):
+            return torch.autocast(tensor.device.type, enabled=False)
+    return nullcontext()
+
+
+def check_score_shapes(scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None) -> None:
+    """The shapes and dtypes of a score matrix and its labels (free: no device value is read); the errors name the
+    argument. ``positive_index`` may have any integer dtype, as the targets of torch's losses."""
+    if not isinstance(scores, Tensor) or scores.dim() != 2:
+        shape = tuple(scores.shape) if isinstance(scores, Tensor) else type(scores).__name__
+        raise ValueError(f"scores must be a 2-D [anchors, candidates] matrix, got shape {shape}")
+    if not scores.is_floating_point():
+        raise ValueError(f"scores must be a floating-point tensor, got {scores.dtype}")
+    num_anchors, num_candidates = scores.shape
+    if num_anchors == 0 or num_candidates == 0:
+        raise ValueError(f"scores is empty (shape {tuple(scores.shape)})")
+    if valid_mask is not None and (
+        not isinstance(valid_mask, Tensor) or valid_mask.shape != scores.shape or valid_mask.dtype != torch.bool
+    ):
+        got = f"{valid_mask.dtype} {tuple(valid_mask.shape)}" if isinstance(valid_mask, Tensor) else repr(valid_mask)
+        raise ValueError(f"valid_mask must be a bool tensor of the scores' shape {tuple(scores.shape)}, got {got}")
+    if positive_index is not None:
+        if not isinstance(positive_index, Tensor):
+            raise TypeError(f"positive_index must be an integer tensor, got {type(positive_index).__name__}")
+        if positive_index.shape != (num_anchors,):
+            raise ValueError(
+                f"positive_index must have one entry per anchor ({num_anchors}), "
+                f"got shape {tuple(positive_index.shape)}"
+            )
+        if positive_index.is_floating_point() or positive_index.is_complex() or positive_index.dtype == torch.bool:
+            raise ValueError(f"positive_index must be an integer tensor, got {positive_index.dtype}")
+
+
 def require_valid_scores(
     checks: DeferredChecks,
     scores: Tensor,
@@ -40,6 +107,7 @@ def require_valid_scores(
     and not masked out), ``targets`` only 0 and 1, and at least one valid entry."""
     num_candidates = scores.shape[1]
     if positive_index is not None and positive_index.numel():
+        positive_index = positive_index.long()
         checks.require(
             (positive_index < num_candidates) & (positive_index >= -1),
             f"positive_index must lie in [-1, {num_candidates - 1}] (-1 = no positive in this row)",
@@ -58,9 +126,9 @@ def require_valid_scores(
     if valid_mask is not None:
         checks.require(valid_mask.any(), "valid_mask excludes every entry: there is nothing to compute a loss on")
         detached = detached.masked_fill(~valid_mask, 0.0)
-    # One reduction pass: NaN or +-Inf in any valid entry makes the sum non-finite.
+    # Elementwise, not a sum: finite scores near the dtype's largest value (3e38 in float32) sum to Inf.
     checks.require(
-        torch.isfinite(detached.sum(dtype=compute_dtype(scores))),
+        torch.isfinite(detached).all(),
         "scores contain NaN or Inf (check the embeddings: a NaN embedding gives NaN scores)",
     )
 
@@ -72,9 +140,11 @@ def check_scores(
     values; ``requirements`` (``targets=``, ``every_row_has_positive=``) and the checks as in
     :func:`require_valid_scores`; one host-device sync. The loss classes make these checks themselves
     (``check_inputs=True``); call this when you use the math directly on data you do not trust."""
-    if not isinstance(scores, Tensor) or scores.dim() != 2:
-        shape = tuple(scores.shape) if isinstance(scores, Tensor) else type(scores).__name__
-        raise ValueError(f"scores must be a 2-D [anchors, candidates] matrix, got shape {shape}")
+    check_score_shapes(scores, positive_index, valid_mask)
+    targets = requirements.get("targets")
+    if targets is not None and (not isinstance(targets, Tensor) or targets.shape != scores.shape):
+        shape = tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__
+        raise ValueError(f"targets must have the scores' shape {tuple(scores.shape)}, got {shape}")
     checks = DeferredChecks()
     require_valid_scores(checks, scores, positive_index, valid_mask, **requirements)
     checks.raise_if_failed()

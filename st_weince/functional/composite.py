@@ -34,12 +34,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from st_weince.functional.checks import compute_dtype
+from st_weince.functional.checks import check_score_shapes, compute_dtype
 from st_weince.functional.weince import (
     BETA_AUTO_RANGE,
     WeinceOptions,
     WeinceStatistics,
-    _check_shapes,
     _fit_design,
     _fit_lines,
     check_scale,
@@ -199,7 +198,8 @@ def top_m_cross_entropies(
     """
     options = _resolve(options, overrides)
     scale = check_scale(scale)
-    _check_shapes(scores, positive_index, valid_mask)
+    check_score_shapes(scores, positive_index, valid_mask)
+    positive_index = positive_index.long()  # any integer dtype, as in torch's losses
     positive, negatives, used = top_m_negatives(scores, positive_index, valid_mask, top_m=options.top_m)
     beta = torch.as_tensor(beta, device=positive.device).detach().to(positive.dtype)
     shortfall = _cross_entropy_first(
@@ -221,7 +221,8 @@ def top_m_shortfall_cross_entropy(
     """Per-row [A] cross-entropy of the shortfall logits over [positive] + the M hardest negatives, target the
     positive (``L_weibit_topM`` of docs/algorithms.md 1.2b)."""
     options = _resolve(options, overrides)
-    _check_shapes(scores, positive_index, valid_mask)
+    check_score_shapes(scores, positive_index, valid_mask)
+    positive_index = positive_index.long()  # any integer dtype, as in torch's losses
     positive, negatives, used = top_m_negatives(scores, positive_index, valid_mask, top_m=options.top_m)
     beta = torch.as_tensor(beta, device=positive.device).detach().to(positive.dtype)
     return _cross_entropy_first(
@@ -242,7 +243,8 @@ def top_m_infonce_cross_entropy(
     (``L_infonce_topM`` of docs/algorithms.md 1.2b)."""
     options = _resolve(options, overrides)
     scale = check_scale(scale)
-    _check_shapes(scores, positive_index, valid_mask)
+    check_score_shapes(scores, positive_index, valid_mask)
+    positive_index = positive_index.long()  # any integer dtype, as in torch's losses
     positive, negatives, used = top_m_negatives(scores, positive_index, valid_mask, top_m=options.top_m)
     return _cross_entropy_first(positive * scale, negatives * scale, used)
 
@@ -293,7 +295,8 @@ def batch_negative_tail(
     all its valid entries.
     """
     options = _resolve(options, overrides)
-    _check_shapes(scores, positive_index, valid_mask)
+    check_score_shapes(scores, positive_index, valid_mask)
+    positive_index = positive_index.long()  # any integer dtype, as in torch's losses
     entries = scores.numel()
     global_entries = entries if global_entries is None else _integer("global_entries", global_entries, entries)
     keep = min(entries, batch_tail_size(global_entries, options))
@@ -457,7 +460,15 @@ def composite_cross_entropy(
     """
     options = _resolve(top_m_options, {})
     scale = check_scale(scale)
-    blend = weince_cross_entropy(scores, positive_index, valid_mask, weince_options, scale=scale, statistics=statistics)
+    blend = weince_cross_entropy(
+        scores,
+        positive_index,
+        valid_mask,
+        weince_options,
+        scale=scale,
+        statistics=statistics,
+        check_inputs=False,  # shapes only, like every piece here; values: check_scores (module docstring)
+    )
     if options.top_m_shortfall_weight > 0:
         fit = batch_tail_fit(batch_negative_tail(scores, positive_index, valid_mask, options), options)
         beta_ema = update_beta_ema(beta_ema, fit, options)

@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from st_weince.functional.checks import compute_dtype, full_precision, upcast
 from st_weince.utils.hotpath import DeferredChecks
 
 Direction = Literal["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"]
@@ -25,9 +26,21 @@ QUERY_ANCHORED: tuple[Direction, ...] = ("query_to_doc", "query_to_query")
 DOC_ANCHORED: tuple[Direction, ...] = ("doc_to_query", "doc_to_doc")
 
 
-def normalize_rows(embeddings: Tensor, checks: DeferredChecks | None = None, name: str = "embeddings") -> Tensor:
+def normalize_rows(
+    embeddings: Tensor,
+    checks: DeferredChecks | None = None,
+    name: str = "embeddings",
+    dtype: torch.dtype | None = None,
+) -> Tensor:
     """Rows scaled to unit L2 norm, exactly ``torch.nn.functional.normalize`` (as in sentence-transformers'
-    ``cos_sim``), with a check of the norms.
+    ``cos_sim``), in ``dtype`` (default :func:`~st_weince.functional.checks.compute_dtype` of the embeddings:
+    float16/bfloat16 become float32, float64 stays float64), with a check of the norms.
+
+    The upcast comes first: in float16 the floor ``1e-12`` of the norm is 0, so a zero row would give 0 / 0 = NaN,
+    and a row's norm overflows above about 256; the scores of low-precision rows also need float32 to be exact
+    (bfloat16 cosines carry 3 significant digits). Its backward returns the gradient in the input dtype, saturated
+    at that dtype's largest value (:func:`~st_weince.functional.checks.upcast`): a zero row's gradient, the upstream
+    one divided by the floor, stays finite.
 
     The norm squares the entries: a finite row with a norm above about 1e19 overflows in float32 and would become a
     zero vector with zero gradient, silently (what ``cos_sim`` does). With ``checks`` such rows are
@@ -36,6 +49,7 @@ def normalize_rows(embeddings: Tensor, checks: DeferredChecks | None = None, nam
     entry first) would cost two extra passes over the embeddings every step, for an input only a diverged model
     produces.
     """
+    embeddings = upcast(embeddings, dtype or compute_dtype(embeddings))
     norms = torch.linalg.vector_norm(embeddings, dim=-1, keepdim=True)
     if checks is not None:
         checks.require(
@@ -60,8 +74,9 @@ def nt_xent_layout(view_a: Tensor, view_b: Tensor) -> tuple[Tensor, Tensor, Tens
     num_pairs = view_a.shape[0]
     if num_pairs < 2:
         raise ValueError(f"the NT-Xent layout needs at least 2 pairs, got {num_pairs}")
-    views = normalize_rows(torch.cat([view_a, view_b], dim=0))
-    scores = views @ views.T
+    with full_precision(view_a):  # the cosines in float32 also under autocast
+        views = normalize_rows(torch.cat([view_a, view_b], dim=0))
+        scores = views @ views.T
     index = torch.arange(num_pairs, device=views.device)
     positive_index = torch.cat([index + num_pairs, index])
     valid_mask = ~torch.eye(2 * num_pairs, dtype=torch.bool, device=views.device)
@@ -70,7 +85,9 @@ def nt_xent_layout(view_a: Tensor, view_b: Tensor) -> tuple[Tensor, Tensor, Tens
 
 def check_directions(directions: tuple[str, ...], partition_mode: str) -> tuple[Direction, ...]:
     """MultipleNegativesRankingLoss's rules for ``directions`` and ``partition_mode`` (same messages)."""
-    if isinstance(directions, str) or not directions:
+    if isinstance(directions, str) or not isinstance(directions, (tuple, list)):
+        raise TypeError(f"directions must be a non-empty tuple of direction names, got {directions!r}")
+    if not directions:
         raise ValueError(f"directions must be a non-empty tuple of direction names, got {directions!r}")
     directions = tuple(directions)
     valid = set(DIRECTIONS)
@@ -194,14 +211,19 @@ def mnrl_cross_entropy(layout: MNRLLayout, group_logits: list[Tensor]) -> Tensor
     ``"per_direction"``, the mean over directions of each direction's own cross-entropy."""
     if len(group_logits) != len(layout.groups):
         raise ValueError(f"need one logits tensor per group ({len(layout.groups)}), got {len(group_logits)}")
+    # The logits are shifted by their row maximum (no gradient: the loss does not depend on the shift) before the
+    # log-sum-exp and the positive's logit are subtracted: at an extreme scale both are huge and their difference
+    # would lose the log K of a row of equal logits to rounding; shifted, equal logits are exactly 0.
     if layout.partition_mode == "joint":
         query_group = layout.groups[0]
-        positive = group_logits[0].gather(1, query_group.positive_index[:, None]).squeeze(1)
+        row_max = torch.stack([logits.detach().amax(dim=1) for logits in group_logits], dim=1).amax(dim=1)
+        shifted = [logits - row_max[:, None] for logits in group_logits]
+        positive = shifted[0].gather(1, query_group.positive_index[:, None]).squeeze(1)
         # log-sum-exp per group, then across groups: no concatenated copy of the rows
-        log_z = torch.stack([logits.logsumexp(dim=1) for logits in group_logits], dim=1).logsumexp(dim=1)
+        log_z = torch.stack([logits.logsumexp(dim=1) for logits in shifted], dim=1).logsumexp(dim=1)
         return log_z - positive
-    losses = [
-        logits.logsumexp(dim=1) - logits.gather(1, group.positive_index[:, None]).squeeze(1)
-        for group, logits in zip(layout.groups, group_logits)
-    ]
+    losses = []
+    for group, logits in zip(layout.groups, group_logits):
+        shifted = logits - logits.detach().amax(dim=1, keepdim=True)
+        losses.append(shifted.logsumexp(dim=1) - shifted.gather(1, group.positive_index[:, None]).squeeze(1))
     return torch.stack(losses, dim=1).mean(dim=1)

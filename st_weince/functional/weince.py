@@ -31,8 +31,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from st_weince.functional.checks import compute_dtype
-from st_weince.utils.options import real_option
+from st_weince.functional.checks import check_score_shapes, check_scores, compute_dtype
+from st_weince.utils.options import check_representable, real_option
 
 WeinceMode = Literal["both", "rho", "aic", "none"]
 # "none": lambda = 0 for every anchor, i.e. exactly InfoNCE / MNRL through the same code path (the control arm of a
@@ -49,17 +49,19 @@ _DEGENERATE_SPREAD_ULPS = 16.0
 
 
 
-def _real(name: str, value: Any) -> float:
-    """``value`` as a finite Python float; bools, strings, tensors and non-finite numbers are refused by name."""
-    return real_option(name, value)
+def _real(name: str, value: Any, positive: bool = False) -> float:
+    """``value`` as a finite Python float, also finite in float32 (the dtype the statistics and logits are computed
+    in for float32 and half-precision inputs); bools, strings, tensors and non-finite numbers are refused by name."""
+    return real_option(name, value, positive=positive, dtype=torch.float32)
 
 
 def check_scale(scale: Any, name: str = "scale") -> float:
-    """``scale = 1 / temperature`` as a float: a finite number > 0 (the error names ``name``)."""
-    value = _real(name, scale)
+    """``scale = 1 / temperature`` as a float: a number > 0, finite and nonzero in float32 (the error names
+    ``name``)."""
+    value = real_option(name, scale)
     if not value > 0:
         raise ValueError(f"{name} must be > 0 ({name} = 1 / temperature), got {value}")
-    return value
+    return _real(name, value, positive=True)
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,10 @@ class WeinceOptions:
         store("eps", _real("eps", self.eps))
         if not 0.0 < self.eps < 0.5:
             raise ValueError(f"eps must lie in (0, 0.5), got {self.eps}")
-        if not isinstance(self.mode, str) or self.mode not in WEINCE_MODES:
+        check_representable("eps", self.eps, torch.float32, positive=True)  # log(eps) must stay finite
+        if not isinstance(self.mode, str):
+            raise TypeError(f"mode must be 'both', 'rho', 'aic' or 'none', got {type(self.mode).__name__}")
+        if self.mode not in WEINCE_MODES:
             raise ValueError(f"mode must be 'both', 'rho', 'aic' or 'none', got {self.mode!r}")
         if isinstance(self.beta, str):
             if self.beta != "auto":
@@ -130,6 +135,7 @@ class WeinceOptions:
                 raise type(error)(f"{error} (beta must be a finite number > 0 or 'auto')") from None
             if not beta > 0:
                 raise ValueError(f"beta must be a positive number or 'auto', got {beta}")
+            check_representable("beta", beta, torch.float32, positive=True)
             store("beta", beta)
 
     def as_dict(self) -> dict[str, Any]:
@@ -181,31 +187,6 @@ class WeinceStatistics:
     rho0: Tensor  # scalar batch pivot
     beta_hat: Tensor  # [A] raw estimate (before clamping)
     fitted: Tensor  # [A] bool
-
-
-def _check_shapes(scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None) -> None:
-    """Shapes and dtypes (free); the values are the caller's (:func:`st_weince.functional.check_scores`)."""
-    if not isinstance(scores, Tensor) or scores.dim() != 2:
-        shape = tuple(scores.shape) if isinstance(scores, Tensor) else type(scores).__name__
-        raise ValueError(f"scores must be a 2-D [anchors, candidates] matrix, got shape {shape}")
-    if not scores.is_floating_point():
-        raise ValueError(f"scores must be a floating-point tensor, got {scores.dtype}")
-    num_anchors, num_candidates = scores.shape
-    if num_anchors == 0 or num_candidates == 0:
-        raise ValueError(f"scores is empty (shape {tuple(scores.shape)})")
-    if valid_mask is not None and (valid_mask.shape != scores.shape or valid_mask.dtype != torch.bool):
-        raise ValueError(
-            f"valid_mask must be a bool tensor of the scores' shape {tuple(scores.shape)}, "
-            f"got {valid_mask.dtype} {tuple(valid_mask.shape)}"
-        )
-    if positive_index is not None:
-        if positive_index.shape != (num_anchors,):
-            raise ValueError(
-                f"positive_index must have one entry per anchor ({num_anchors}), "
-                f"got shape {tuple(positive_index.shape)}"
-            )
-        if positive_index.dtype != torch.long:
-            raise ValueError(f"positive_index must be a torch.long tensor, got {positive_index.dtype}")
 
 
 def _count_negatives(positive_index: Tensor | None, valid_mask: Tensor | None, shape: torch.Size, device) -> Tensor:
@@ -330,7 +311,8 @@ def weince_tail_fit(
     if isinstance(valid_mask, WeinceOptions):
         raise TypeError("valid_mask got a WeinceOptions: pass the options as options=... (the fourth argument)")
     options = resolve_options(options, overrides)
-    _check_shapes(scores, positive_index, valid_mask)
+    check_score_shapes(scores, positive_index, valid_mask)
+    positive_index = None if positive_index is None else positive_index.long()
     dtype = compute_dtype(scores)
     device = scores.device
     num_negatives = _count_negatives(positive_index, valid_mask, scores.shape, device)
@@ -421,6 +403,9 @@ def statistics_from_fit(
     """Steps 5-7 of docs/algorithms.md 1.1 on given tail fits: the pivot (over ``gather``'s global batch unless ``rho0``
     is given), the blend weights and the tail index."""
     options = resolve_options(options, {})
+    if rho0 is not None and not isinstance(rho0, Tensor):
+        # a pivot is a shortfall 1 - s of a cosine score: in (0, 2]; log(rho0) enters lambda
+        rho0 = real_option("rho0", rho0, positive=True, dtype=torch.float32)
     if rho0 is None:
         gather = gather or (lambda local: local)
         rho0 = batch_pivot(gather(fit.rho), gather(fit.has_negatives), options.q)
@@ -468,8 +453,8 @@ class _BlendedLogit(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, scores: Tensor, lam: Tensor, beta: Tensor, temperature: float, eps: float) -> Tensor:
-        linear_weight = (1.0 - lam) / temperature
+    def forward(ctx, scores: Tensor, lam: Tensor, beta: Tensor, scale: float, eps: float) -> Tensor:
+        linear_weight = (1.0 - lam) * scale
         shortfall_weight = lam * beta
         shortfall = torch.rsub(scores, 1.0).clamp_min_(eps)
         logits = torch.log(shortfall).mul_(-shortfall_weight).addcmul_(scores, linear_weight)
@@ -501,11 +486,11 @@ def weince_logits(
     In the scores' dtype; float16/bfloat16 (autocast) scores are computed in float32, since the shortfall log
     needs it. Gradient flows through ``scores`` only; ``lam`` and ``beta`` are treated as constants.
     """
-    temperature = 1.0 / check_scale(scale)
+    scale = check_scale(scale)
     dtype = compute_dtype(scores)
     s = scores.to(dtype)
     lam = lam.detach().to(dtype)[:, None]
-    logits = _BlendedLogit.apply(s, lam, beta.detach().to(dtype)[:, None], temperature, float(eps))
+    logits = _BlendedLogit.apply(s, lam, beta.detach().to(dtype)[:, None], scale, float(eps))
     if valid_mask is not None:
         logits = logits.masked_fill(~valid_mask, float("-inf"))
     return logits
@@ -517,27 +502,31 @@ class _BlendedCrossEntropy(torch.autograd.Function):
     The separate logit + log-sum-exp + gather chain makes autograd run about seven passes over [A, C] in backward;
     fused, the gradient (softmax - one-hot) * dl/ds takes four: dl/ds = (1 - lam) / tau + lam beta / (1 - s) with the
     row's upstream gradient folded into the two per-row weights.
+
+    The loss is ``-log_softmax(l)[pos]``, whose kernel subtracts the row maximum first, not ``logsumexp(l) - l_pos``:
+    at an extreme scale (logits of 1e8, whose float32 spacing is 8) the difference of two large numbers would lose
+    the ``log K`` of a row of equal logits entirely; shifted, equal logits are exactly 0. It is also one fused kernel,
+    and its output, saved for backward, gives the softmax with one ``exp``.
     """
 
     @staticmethod
-    def forward(ctx, scores, lam, beta, positive_index, valid_mask, temperature, eps):
-        linear_weight = (1.0 - lam) / temperature
+    def forward(ctx, scores, lam, beta, positive_index, valid_mask, scale, eps):
+        linear_weight = (1.0 - lam) * scale
         shortfall_weight = lam * beta
         shortfall = torch.rsub(scores, 1.0).clamp_min_(eps)
         logits = torch.log(shortfall).mul_(-shortfall_weight).addcmul_(scores, linear_weight)
         torch.threshold_(shortfall, eps, float("inf"))  # entries at the clamp: no shortfall gradient
         if valid_mask is not None:
             logits.masked_fill_(~valid_mask, float("-inf"))
-        log_z = torch.logsumexp(logits, dim=1)
-        positive = logits.gather(1, positive_index[:, None]).squeeze(1)
-        ctx.save_for_backward(logits, shortfall, linear_weight, shortfall_weight, positive_index, log_z)
-        return log_z - positive
+        log_probabilities = torch.log_softmax(logits, dim=1)
+        ctx.save_for_backward(log_probabilities, shortfall, linear_weight, shortfall_weight, positive_index)
+        return log_probabilities.gather(1, positive_index[:, None]).squeeze(1).neg_()
 
     @staticmethod
     def backward(ctx, grad_rows: Tensor):
-        logits, shortfall, linear_weight, shortfall_weight, positive_index, log_z = ctx.saved_tensors
+        log_probabilities, shortfall, linear_weight, shortfall_weight, positive_index = ctx.saved_tensors
         grad_rows = grad_rows[:, None]
-        probabilities = torch.sub(logits, log_z[:, None]).exp_()
+        probabilities = log_probabilities.exp()
         probabilities.scatter_add_(1, positive_index[:, None], -torch.ones_like(grad_rows))
         slope = torch.addcdiv(linear_weight * grad_rows, shortfall_weight * grad_rows, shortfall)
         return probabilities.mul_(slope), None, None, None, None, None, None
@@ -555,15 +544,16 @@ def blended_cross_entropy(
 ) -> Tensor:
     """Per-row cross-entropy [A] of :func:`weince_logits` with ``positive_index`` as the target, fused (fewer passes
     over the matrix in backward). Same dtypes and gradient as the unfused logits + ``F.cross_entropy``."""
-    temperature = 1.0 / check_scale(scale)
+    scale = check_scale(scale)
+    check_score_shapes(scores, positive_index, valid_mask)
     dtype = compute_dtype(scores)
     return _BlendedCrossEntropy.apply(
         scores.to(dtype),
         lam.detach().to(dtype)[:, None],
         beta.detach().to(dtype)[:, None],
-        positive_index,
+        positive_index.long(),
         valid_mask,
-        temperature,
+        scale,
         float(eps),
     )
 
@@ -588,19 +578,25 @@ def weince_cross_entropy(
     reduction: str = "mean",
     rho0: Tensor | float | None = None,
     statistics: WeinceStatistics | None = None,
+    check_inputs: bool = True,
     **overrides: Any,
 ) -> Tensor:
     """WEINCE loss: cross-entropy of the blended logits of each row with its positive as the target.
 
-    ``statistics`` reuses precomputed statistics of these rows (else they are computed here with ``options``). Shapes
-    are checked, values are not: every row needs a positive that is not masked out (:func:`check_scores` with
-    ``every_row_has_positive=True``).
+    ``statistics`` reuses precomputed statistics of these rows (else they are computed here with ``options``).
+    ``positive_index`` may have any integer dtype. Like torch's losses, the values are checked (every score finite,
+    every row's positive in range and not masked out: :func:`check_scores` with ``every_row_has_positive=True``),
+    with one host-device sync; ``check_inputs=False`` skips that (no sync, so ``torch.compile(fullgraph=True)``
+    traces it whole), for inputs already checked, as the loss classes do.
     """
     options = resolve_options(options, overrides)
     scale = check_scale(scale)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    _check_shapes(scores, positive_index, valid_mask)
+    check_score_shapes(scores, positive_index, valid_mask)
+    if check_inputs:
+        check_scores(scores, positive_index, valid_mask, every_row_has_positive=True)
+    positive_index = positive_index.long()
     if statistics is None:
         statistics = weince_statistics(scores, positive_index, valid_mask, options, rho0=rho0)
     rows = blended_cross_entropy(

@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from sentence_transformers.base.losses.gradcache import CachedLossMixin, has_static_embedding_input
-from torch import nn
+from torch import Tensor, nn
 
 from st_weince.utils.options import flag_option, options_config, positive_int_option
 
@@ -56,6 +57,19 @@ class GradCachedLoss(CachedLossMixin):
     @property
     def show_progress_bar(self) -> bool:
         return self.cache_options.show_progress_bar
+
+    def _concatenated_columns(self, reps: list[list[Tensor]]) -> list[Tensor]:
+        """Each column's mini-batch embeddings as one [batch, dimension] matrix. An empty batch (no mini-batch, or a
+        column without rows) is refused with the losses' own error, not ``torch.cat``'s."""
+        name = type(self).__name__
+        if not reps:
+            raise ValueError(f"{name}: got no input columns")
+        for index, column in enumerate(reps):
+            if not all(isinstance(piece, Tensor) for piece in column):
+                raise ValueError(f"{name}: column {index} must be a list of embedding tensors")
+            if not column or sum(piece.shape[0] if piece.dim() else 0 for piece in column) == 0:
+                raise ValueError(f"{name}: the batch is empty (column {index} has no rows)")
+        return [torch.cat(column) for column in reps]
 
     def get_config_dict(self) -> dict[str, Any]:
         return {**super().get_config_dict(), **options_config(self.cache_options)}

@@ -6,6 +6,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from st_weince.functional.checks import full_precision
 from st_weince.functional.false_negatives import FilterCounts
 from st_weince.losses._columns import check_embedding_columns
 from st_weince.losses._gradcache import GradCachedLoss, GradCacheOptions
@@ -148,9 +149,13 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
         the loss parameters' gradients are returned as the zero-valued term ``sum_p (p - p.detach()) g_p`` added to
         the detached loss (see the class docstring)."""
         warn_unused_labels(self, labels)  # no sync: a host-side check
-        embeddings = [torch.cat(column) for column in reps]
+        embeddings = self._concatenated_columns(reps)
         row_keys = getattr(self, "_pending_row_keys", None)
         self._require_row_keys(row_keys, len(embeddings))
+        with full_precision(*embeddings):
+            return self._cached_loss(embeddings, with_backward, row_keys)
+
+    def _cached_loss(self, embeddings: list[Tensor], with_backward: bool, row_keys: list[Tensor] | None) -> Tensor:
         checks = self._new_checks()
         check_embedding_columns(embeddings, type(self).__name__)  # values: by normalize_rows' check
         params = self.loss_parameters()

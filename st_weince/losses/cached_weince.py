@@ -7,6 +7,8 @@ import torch
 import tqdm
 from torch import Tensor, nn
 
+from st_weince.functional.checks import full_precision
+from st_weince.functional.composite import BatchTail, composite_loss
 from st_weince.functional.false_negatives import FilterCounts
 from st_weince.functional.layouts import mnrl_layout
 from st_weince.functional.weince import TailFit, WeinceStatistics, statistics_from_fit
@@ -81,10 +83,13 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
                 the loss's row chunks keep ``mini_batch_size`` rows.
             show_progress_bar: show progress bars over the mini-batches.
             **options: every other option of :class:`WEINCELoss` (``gather_across_devices``, ``directions``,
-                ``partition_mode``, ``beta``, ``mode``, ``q``, ..., ``false_negative_filter``, ``check_inputs``), with
-                its defaults and validation (:class:`~st_weince.losses.weince.WEINCELossOptions`). The guard is
-                applied to every row chunk before the statistics, so the statistics and the loss equal the
-                uncached ones.
+                ``partition_mode``, ``beta``, ``mode``, ``q``, ..., ``false_negative_filter``, ``check_inputs``, the
+                top-M terms ``top_m``, ``top_m_shortfall_weight``, ``top_m_infonce_weight`` and the batch tail
+                index's ``beta_*``), with its defaults and validation
+                (:class:`~st_weince.losses.weince.WEINCELossOptions`). The guard is applied to every row chunk
+                before the statistics, so the statistics and the loss equal the uncached ones. The top-M terms need
+                only a row's own candidates, so they are computed chunk by chunk; the batch tail index is fitted on
+                the negatives of all chunks (and processes) first, in the statistics pass.
 
         References:
             - Erol et al., When Softmax Fails at the Top: Extreme-Value Corrections for InfoNCE, ICML 2026.
@@ -155,8 +160,12 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
         With ``with_backward`` the loss is back-propagated to ``reps`` chunk by chunk and returned detached.
         """
         warn_unused_labels(self, labels)  # no sync: a host-side check
+        embeddings = self._concatenated_columns(reps)
+        with full_precision(*embeddings):
+            return self._cached_loss(embeddings, with_backward)
+
+    def _cached_loss(self, embeddings: list[Tensor], with_backward: bool) -> Tensor:
         checks = DeferredChecks() if self.options.check_inputs else False
-        embeddings = [torch.cat(column) for column in reps]
         keys = self._gathered_keys(getattr(self, "_pending_row_keys", None), len(embeddings))
         queries, docs, offset = self._normalized_columns(embeddings, checks)
         if checks:
@@ -185,22 +194,35 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
                 offset + begin,
             )
 
-        # Statistics over the whole score matrix, a row chunk at a time, without gradient.
-        chunk_fits, chunk_counts = [], []
+        # Statistics over the whole score matrix, a row chunk at a time, without gradient; with the top-M shortfall
+        # term also the batch's negative tail, for its tail index.
+        chunk_fits, chunk_counts, chunk_tails = [], [], []
         with torch.no_grad():
             for begin, end in chunks:
                 layout, counts = layout_of(begin, end)
                 chunk_fits.append(self._group_fits(layout))
                 chunk_counts.append(counts)
+                if self.batch_beta_ema is not None:
+                    chunk_tails.append(self._batch_tail(self._top_m_units(layout), batch_size))
         guard_counts = FilterCounts.cat(chunk_counts) if self.options.false_negative_filter is not None else None
         fits = [TailFit.cat([fits[group] for fits in chunk_fits]) for group in range(len(chunk_fits[0]))]
         statistics = [statistics_from_fit(fit, self.options.math, gather=self._gather) for fit in fits]
+        top_m = self.options.has_top_m_terms
+        beta_t, beta_fit = self._advance_batch_beta(BatchTail.cat(chunk_tails) if chunk_tails else None)
 
         total = torch.zeros((), dtype=statistics[0].lam.dtype, device=queries.device)
+        # the terms' sums over the rows (detached), for their logged shares
+        term_sums = [torch.zeros((), dtype=total.dtype, device=total.device) for _ in range(3)] if top_m else []
         for begin, end in tqdm.tqdm(chunks, desc="Calculating loss", disable=not self.show_progress_bar):
             rows = slice(begin, end)
-            chunk_loss = self._rows_loss(layout_of(begin, end)[0], [_rows(s, rows) for s in statistics]).sum()
-            chunk_loss = chunk_loss / batch_size
+            layout = layout_of(begin, end)[0]
+            rows_loss = self._rows_loss(layout, [_rows(s, rows) for s in statistics])  # the blend
+            if top_m:
+                shortfall, infonce = self._top_m_rows(self._top_m_units(layout), beta_t)
+                for index, term in enumerate((rows_loss, shortfall, infonce)):
+                    term_sums[index] = term_sums[index] + term.detach().sum()
+                rows_loss = composite_loss(rows_loss, shortfall, infonce, self.options.top_m_options).total
+            chunk_loss = rows_loss.sum() / batch_size
             if with_backward:
                 chunk_loss.backward()
                 chunk_loss = chunk_loss.detach()
@@ -211,7 +233,12 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
                 [n for n, leaf in zip(normalized, leaves) if leaf.grad is not None],
                 [leaf.grad for leaf in leaves if leaf.grad is not None],
             )
-        self._record(statistics[0], guard_counts)
+        composite_values = None
+        if top_m:
+            means = [term_sum / batch_size for term_sum in term_sums]
+            shares = composite_loss(*means, self.options.top_m_options).shares()
+            composite_values = self._composite_values(shares, beta_t, beta_fit)
+        self._record(statistics[0], guard_counts, composite_values)
         return total
 
     @property

@@ -13,7 +13,7 @@ from sentence_transformers.base.losses.merged_forward import embed_columns
 from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim, get_rank
 from torch import Tensor, nn
 
-from st_weince.functional.checks import compute_dtype, require_valid_scores
+from st_weince.functional.checks import check_score_shapes, compute_dtype, full_precision, require_valid_scores
 from st_weince.functional.exchange import ring_block_losses
 from st_weince.functional.false_negatives import (
     FalseNegativeFilter,
@@ -35,6 +35,7 @@ from st_weince.losses._labels import warn_unused_labels
 from st_weince.utils.hotpath import DeferredChecks
 from st_weince.utils.logged_statistics import RunningMeans
 from st_weince.utils.options import (
+    check_representable,
     choice_option,
     flag_option,
     options_config,
@@ -128,7 +129,7 @@ class RBSigmoidOptions:
         put("parametrization", choice_option("parametrization", self.parametrization, ("relative", "absolute")))
         put("columns", choice_option("columns", self.columns, ("negatives", "modalities")))
         put("exchange", choice_option("exchange", self.exchange, ("all_gather", "neighbour")))
-        put("scale", real_option("scale", self.scale, positive=True))
+        put("scale", stored_scale_option("scale", self.scale))
         put("max_scale", real_option("max_scale", self.max_scale, positive=True))
         if not self.max_scale < _FLOAT32_MAX:
             raise ValueError(f"max_scale must be finite in float32 (below {_FLOAT32_MAX:.4g}), got {self.max_scale!r}")
@@ -137,8 +138,8 @@ class RBSigmoidOptions:
                 f"max_scale must be >= scale (t starts at scale and never exceeds max_scale), got max_scale="
                 f"{self.max_scale!r} < scale={self.scale!r}"
             )
-        relative_bias = real_option("relative_bias", self.relative_bias, optional=True)
-        bias = real_option("bias", self.bias, optional=True)
+        relative_bias = real_option("relative_bias", self.relative_bias, optional=True, dtype=torch.float32)
+        bias = real_option("bias", self.bias, optional=True, dtype=torch.float32)
         start = self.RELATIVE_BIAS_START if relative_bias is None else relative_bias
         if self.parametrization == "relative":
             if bias is not None:
@@ -154,6 +155,7 @@ class RBSigmoidOptions:
                     "not both"
                 )
             put("bias", self.scale * start if bias is None else bias)
+            check_representable("bias", self.bias, torch.float32)  # scale * relative_bias may overflow
             put("relative_bias", None)
         for name in ("trainable_scale", "trainable_bias", "gather_across_devices", "symmetric", "locked_adapter"):
             put(name, flag_option(name, getattr(self, name)))
@@ -163,11 +165,32 @@ class RBSigmoidOptions:
                 "exchange='neighbour' passes candidate blocks between processes, so it needs "
                 "gather_across_devices=True (without it every process scores only its own candidates)"
             )
-        put("adapter_logit", real_option("adapter_logit", self.adapter_logit))
+        put("adapter_logit", real_option("adapter_logit", self.adapter_logit, dtype=torch.float32))
         put("chunk_size", positive_int_option("chunk_size", self.chunk_size, optional=True))
         put("false_negative_filter", FalseNegativeFilter.parse(self.false_negative_filter))
 
 
+def stored_scale_option(name: str, value: Any) -> float:
+    """A scale ``t > 0`` validated as it is stored, a float32 ``log_t`` whose ``exp`` is ``t``: refused, naming it,
+    when that ``t`` overflows or underflows float32 (1e39 has a finite float32 log, whose exp is Inf; 1e-46 gives
+    t = 0)."""
+    number = real_option(name, value, positive=True)
+    # t from the float32 log_t, in float64 on the host (no tensor), with a margin of 1e-6 relative for the rounding of
+    # float32 exp implementations at the range's ends
+    log_t = float(np.float32(math.log(number)))
+    t = math.exp(log_t) if log_t < 710.0 else math.inf
+    info = torch.finfo(torch.float32)
+    if not t <= info.max * (1.0 - 1e-6):
+        raise ValueError(
+            f"{name} = {number!r} overflows float32 as stored (t = exp(log_t) with a float32 log_t is {t:.4g}; "
+            f"largest finite value {info.max:.4g})"
+        )
+    if t < info.tiny * (1.0 + 1e-6):
+        raise ValueError(
+            f"{name} = {number!r} underflows float32 as stored (t = exp(log_t) with a float32 log_t is {t:.4g}, "
+            f"below the smallest normal value {info.tiny:.4g})"
+        )
+    return number
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
@@ -504,14 +527,19 @@ class RBSigmoidLoss(nn.Module):
         of :func:`st_weince.functional.nt_xent_layout`). Targets are 1 at the positive, 0 at the other valid entries.
         Used by the vision adapter; with the locked adapter enabled it is applied to ``scores`` first."""
         self._require_row_keys(None, 0)  # a score matrix carries no inputs to compare
-        if scores.dim() != 2:
-            raise ValueError(f"scores must be a 2-D [anchors, candidates] matrix, got shape {tuple(scores.shape)}")
+        check_score_shapes(scores, positive_index, valid_mask)
         params = self.loss_parameters()
         if self.options.check_inputs:  # the one host sync of the step
             checks = DeferredChecks()
             require_valid_scores(checks, scores, positive_index, valid_mask)
             self._require_finite_parameters(params, checks)
             checks.raise_if_failed()
+        with full_precision(scores):
+            return self._loss_from_checked_scores(scores, positive_index, valid_mask, params)
+
+    def _loss_from_checked_scores(
+        self, scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None, params: dict[str, Tensor]
+    ) -> Tensor:
         dtype = compute_dtype(scores)
         targets = targets_from_positive_index(positive_index, scores.shape[1], dtype=dtype)
         transform = self._score_transform(params, dtype)
@@ -527,11 +555,16 @@ class RBSigmoidLoss(nn.Module):
     def compute_loss_from_embeddings(
         self, embeddings: list[Tensor], labels: Tensor | None = None, *, row_keys: list[Tensor] | None = None
     ) -> Tensor:
-        """The loss on already computed column embeddings (``[anchor, positive, *negatives]`` or modalities).
+        """The loss on already computed column embeddings (``[anchor, positive, *negatives]`` or modalities), in
+        float32 for half-precision embeddings (also under autocast) and in float64 for float64 ones.
         ``row_keys``: each column's :func:`~st_weince.functional.input_keys`, needed by the guard's ``"identical"``
         rule only (``forward`` computes them from the token ids)."""
         self._require_row_keys(row_keys, len(embeddings))
         warn_unused_labels(self, labels)  # no sync: a host-side check
+        with full_precision(*embeddings):
+            return self._loss_from_embeddings(embeddings, row_keys)
+
+    def _loss_from_embeddings(self, embeddings: list[Tensor], row_keys: list[Tensor] | None) -> Tensor:
         checks = self._new_checks()
         columns, gathered, positive_index = self._prepare_columns(embeddings, checks)
         key_blocks = self._key_blocks(columns, row_keys)
@@ -601,7 +634,7 @@ class RBSigmoidLoss(nn.Module):
         dtype = compute_dtype(*embeddings)
         name = type(self).__name__
         return [
-            normalize_rows(embedding.to(dtype), checks, f"{name}: column {index}")
+            normalize_rows(embedding, checks, f"{name}: column {index}", dtype)
             for index, embedding in enumerate(embeddings)
         ]
 

@@ -6,11 +6,24 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from sentence_transformers.base.losses.merged_forward import embed_columns
 from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim, get_rank
 from torch import Tensor, nn
 
-from st_weince.functional.checks import require_valid_scores
+from st_weince.functional.checks import check_score_shapes, compute_dtype, full_precision, require_valid_scores
+from st_weince.functional.composite import (
+    TOP_M_DEFAULTS,
+    BatchTail,
+    BatchTailFit,
+    TopMOptions,
+    batch_negative_tail,
+    batch_tail_fit,
+    composite_loss,
+    initial_beta_ema,
+    top_m_cross_entropies,
+    update_beta_ema,
+)
 from st_weince.functional.false_negatives import (
     FalseNegativeFilter,
     FilterCounts,
@@ -82,8 +95,22 @@ class WEINCELossOptions:
     eps: float = DEFAULTS.eps
     false_negative_filter: FalseNegativeFilter | None = None
     check_inputs: bool = True
+    # The released vision composite's two top-M terms and the batch tail index of the shortfall term: off by default
+    # (weights 0); the other defaults are the released implementation's (TopMOptions).
+    top_m: int = TOP_M_DEFAULTS.top_m
+    top_m_shortfall_weight: float = TOP_M_DEFAULTS.top_m_shortfall_weight
+    top_m_infonce_weight: float = TOP_M_DEFAULTS.top_m_infonce_weight
+    beta_ema_start: float = TOP_M_DEFAULTS.beta_ema_start
+    beta_ema_momentum: float = TOP_M_DEFAULTS.beta_ema_momentum
+    beta_min_r_squared: float = TOP_M_DEFAULTS.beta_min_r_squared
+    beta_min: float = TOP_M_DEFAULTS.beta_min
+    beta_max: float = TOP_M_DEFAULTS.beta_max
+    beta_tail_min_points: int = TOP_M_DEFAULTS.beta_tail_min_points
+    beta_tail_frac: float = TOP_M_DEFAULTS.beta_tail_frac
     # The options of the statistics (:mod:`st_weince.functional.weince`), derived from the fields above.
     math: WeinceOptions = field(init=False, repr=False, compare=False)
+    # The options of the top-M terms (:mod:`st_weince.functional.composite`), derived from the fields above.
+    top_m_options: TopMOptions = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -98,6 +125,25 @@ class WEINCELossOptions:
         for name in self.math.as_dict():  # validated and normalised there (NumPy numbers -> Python numbers)
             put(name, getattr(self.math, name))
         put("false_negative_filter", FalseNegativeFilter.parse(self.false_negative_filter))
+        # validated and normalised there; eps is the blend's (one floor of the shortfall for every term)
+        put("top_m_options", TopMOptions(**{f.name: getattr(self, f.name) for f in fields(TopMOptions)}))
+        for name in self.top_m_options.as_dict():
+            put(name, getattr(self.top_m_options, name))
+
+    @property
+    def has_top_m_terms(self) -> bool:
+        """Whether either top-M term is on (a weight > 0)."""
+        return self.top_m_shortfall_weight > 0 or self.top_m_infonce_weight > 0
+
+
+#: The released vision composite (docs/algorithms.md, "the released recipe"): temperature 0.5 (scale 2), beta 1 in the
+#: blend (the released implementation's, WeinceOptions), both top-M terms at weight 0.5 with M = 50 (the default).
+RELEASED_COMPOSITE: dict[str, Any] = {
+    "scale": 2.0,
+    "beta": DEFAULTS.beta,
+    "top_m_shortfall_weight": 0.5,
+    "top_m_infonce_weight": 0.5,
+}
 
 
 def check_mnrl_only_arguments(
@@ -139,6 +185,16 @@ class WEINCELoss(nn.Module):
         eps: float = WEINCELossOptions.eps,
         false_negative_filter: FalseNegativeFilter | tuple | list | None = WEINCELossOptions.false_negative_filter,
         check_inputs: bool = WEINCELossOptions.check_inputs,
+        top_m: int = WEINCELossOptions.top_m,
+        top_m_shortfall_weight: float = WEINCELossOptions.top_m_shortfall_weight,
+        top_m_infonce_weight: float = WEINCELossOptions.top_m_infonce_weight,
+        beta_ema_start: float = WEINCELossOptions.beta_ema_start,
+        beta_ema_momentum: float = WEINCELossOptions.beta_ema_momentum,
+        beta_min_r_squared: float = WEINCELossOptions.beta_min_r_squared,
+        beta_min: float = WEINCELossOptions.beta_min,
+        beta_max: float = WEINCELossOptions.beta_max,
+        beta_tail_min_points: int = WEINCELossOptions.beta_tail_min_points,
+        beta_tail_frac: float = WEINCELossOptions.beta_tail_frac,
         similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
         hardness_mode: str | None = None,
         hardness_strength: float = 0.0,
@@ -190,9 +246,37 @@ class WEINCELoss(nn.Module):
                 (all checks read at once). False makes the hot path free of host syncs, so
                 ``torch.compile(loss.compute_loss_from_embeddings, fullgraph=True)`` and CUDA graphs work;
                 a NaN embedding then gives a NaN loss instead of an error.
+            top_m: M, the number of hardest negatives per anchor of the two top-M terms (a row with K negatives uses
+                ``min(M, K - 1)``).
+            top_m_shortfall_weight: weight of the top-M shortfall term (0 = off, the default; released: 0.5): a
+                pure shortfall softmax, logits ``-beta_t log(1 - s)``, over the positive and the M hardest negatives
+                of each anchor, with ``beta_t`` the batch tail index below.
+            top_m_infonce_weight: weight of the top-M InfoNCE term (0 = off, the default; released: 0.5): InfoNCE
+                (logits ``scale * s``) over the positive and the M hardest negatives only.
+            beta_ema_start, beta_ema_momentum, beta_min_r_squared, beta_min, beta_max, beta_tail_min_points,
+                beta_tail_frac: the batch tail index ``beta_t`` of the top-M shortfall term (not the blend's
+                ``beta``): a Weibull line is fitted to the ``k = min(K_all, max(beta_tail_min_points, floor(
+                beta_tail_frac * K_all)))`` smallest shortfalls of ALL the batch's K_all negative scores (the global
+                batch under ``gather_across_devices``); when its R^2 reaches ``beta_min_r_squared`` and its slope is
+                positive, ``beta_ema = beta_ema_momentum * beta_ema + (1 - beta_ema_momentum) * clamp(slope,
+                beta_min, beta_max)``; ``beta_t = beta_ema``, which starts at ``beta_ema_start``. The moving average
+                is the loss's buffer ``batch_beta_ema`` (present when the shortfall term is on): it is in the loss's
+                ``state_dict``, :func:`st_weince.training.prepare_trainer` saves it in every checkpoint and restores
+                it on resume. It advances on training steps (grad enabled, loss in training mode); under
+                ``torch.no_grad()`` or after ``loss.eval()`` it is read, not changed. Defaults: the released
+                implementation's.
             similarity_fct: only ``cos_sim`` (accepted for MNRL compatibility): WEINCE needs scores with endpoint 1.
             hardness_mode: only None (MNRL's hardness weighting does not combine with WEINCE; refused otherwise).
             hardness_strength: only 0.0.
+
+        The released vision composite (docs/algorithms.md) is
+        ``WEINCELoss(model, scale=2.0, beta=1.0, top_m_shortfall_weight=0.5, top_m_infonce_weight=0.5)`` on the
+        SimCLR layout (:meth:`loss_from_scores` with :func:`st_weince.functional.nt_xent_layout`), also
+        :meth:`WEINCELoss.released`: ``L = L_blend + 0.5 L_shortfall_topM + 0.5 L_infonce_topM``, M = 50. With both
+        weights 0 (the default) the loss is the blend alone, computed exactly as without these options. The logs
+        then add ``weince_batch_beta`` (the batch tail index used), ``weince_batch_beta_r2`` (its fit's R^2) and
+        each term's share of the loss (``weince_share_blend``, ``weince_share_top_m_shortfall``,
+        ``weince_share_top_m_infonce``).
 
         Every option is validated at construction (types, ranges, finiteness) by
         :class:`~st_weince.losses.weince.WEINCELossOptions`, which holds their defaults; the loss reads them as
@@ -248,6 +332,20 @@ class WEINCELoss(nn.Module):
         self.options = options_from_arguments(WEINCELossOptions, locals())
         self.logged_statistics = RunningMeans()
         self.last_statistics: WeinceStatistics | None = None
+        self.batch_beta_ema: Tensor | None
+        if self.options.top_m_shortfall_weight > 0:
+            # State carried across steps: in the state_dict, hence in every checkpoint (training/loss_state.py).
+            self.register_buffer("batch_beta_ema", initial_beta_ema(self.options.top_m_options))
+        else:
+            self.batch_beta_ema = None
+
+    @classmethod
+    def released(cls, model: nn.Module | None, **overrides: Any) -> WEINCELoss:
+        """The released vision composite: ``cls(model, scale=2.0, beta=1.0, top_m_shortfall_weight=0.5,
+        top_m_infonce_weight=0.5)`` (M = 50 and the batch tail index at their defaults), with ``overrides`` applied
+        (any option of the class, e.g. ``gather_across_devices=True``). Use it on the SimCLR layout
+        (:meth:`loss_from_scores`); on the text layout it is the same loss on MNRL's candidates."""
+        return cls(model, **{**RELEASED_COMPOSITE, **overrides})
 
     @property
     def scale(self) -> float:
@@ -371,6 +469,7 @@ class WEINCELoss(nn.Module):
         """Checked, (gathered,) unit-normalised columns and the global row of this process's first anchor."""
         # Shapes here; the values (NaN, Inf, overflowing norms) by the norm check of normalize_rows.
         check_embedding_columns(embeddings, type(self).__name__)
+        dtype = compute_dtype(*embeddings)  # float32 for half precision (and a mix of dtypes), float64 stays
         queries, docs = embeddings[0], list(embeddings[1:])
         offset = 0
         if self.options.gather_across_devices:
@@ -380,8 +479,11 @@ class WEINCELoss(nn.Module):
         deferred = checks if isinstance(checks, DeferredChecks) else None
         name = type(self).__name__
         return (
-            normalize_rows(queries, deferred, f"{name}: column 0"),
-            [normalize_rows(doc, deferred, f"{name}: column {index}") for index, doc in enumerate(docs, start=1)],
+            normalize_rows(queries, deferred, f"{name}: column 0", dtype),
+            [
+                normalize_rows(doc, deferred, f"{name}: column {index}", dtype)
+                for index, doc in enumerate(docs, start=1)
+            ],
             offset,
         )
 
@@ -391,28 +493,49 @@ class WEINCELoss(nn.Module):
         """Cross-entropy over one score matrix, e.g. the SimCLR 2N x 2N layout of
         :func:`st_weince.functional.nt_xent_layout`. Used by the vision adapter."""
         self._gathered_keys(None, 0)  # a score matrix carries no inputs to compare ("identical" is refused)
+        check_score_shapes(scores, positive_index, valid_mask)
         if self.options.check_inputs:  # the one host sync of the step
             checks = DeferredChecks()
             require_valid_scores(checks, scores, positive_index, valid_mask, every_row_has_positive=True)
             checks.raise_if_failed()
-        valid_mask, counts = apply_false_negative_filter(
-            scores, positive_index, valid_mask, self.options.false_negative_filter
-        )
-        stats = weince_statistics(scores, positive_index, valid_mask, self.options.math, gather=self._gather)
-        loss = weince_cross_entropy(
-            scores, positive_index, valid_mask, self.options.math, scale=self.options.scale, statistics=stats
-        )
-        self._record(stats, counts)
-        return loss
+        positive_index = positive_index.long()
+        with full_precision(scores):
+            valid_mask, counts = apply_false_negative_filter(
+                scores, positive_index, valid_mask, self.options.false_negative_filter
+            )
+            stats = weince_statistics(scores, positive_index, valid_mask, self.options.math, gather=self._gather)
+            loss = weince_cross_entropy(
+                scores,
+                positive_index,
+                valid_mask,
+                self.options.math,
+                scale=self.options.scale,
+                statistics=stats,
+                check_inputs=False,  # checked above, with the loss's own switch
+            )
+            if not self.options.has_top_m_terms:
+                self._record(stats, counts)
+                return loss
+            units = [(scores, positive_index, valid_mask)]
+            beta_t, fit = self._advance_batch_beta(self._batch_tail(units, scores.shape[0]))
+            shortfall, infonce = self._top_m_rows(units, beta_t)
+            composite = composite_loss(loss, shortfall.mean(), infonce.mean(), self.options.top_m_options)
+        self._record(stats, counts, self._composite_values(composite.shares(), beta_t, fit))
+        return composite.total
 
     def compute_loss_from_embeddings(
         self, embeddings: list[Tensor], labels: Tensor | None = None, *, row_keys: list[Tensor] | None = None
     ) -> Tensor:
-        """The loss on already computed column embeddings. ``row_keys``: each column's
+        """The loss on already computed column embeddings (``[anchor, positive, *negatives]``), in float32 for
+        half-precision embeddings (also under autocast) and in float64 for float64 ones. ``row_keys``: each column's
         :func:`~st_weince.functional.input_keys`, needed by the guard's ``"identical"`` rule only (``forward``
         computes them from the token ids)."""
         keys = self._gathered_keys(row_keys, len(embeddings))
         warn_unused_labels(self, labels)  # no sync: a host-side check
+        with full_precision(*embeddings):
+            return self._loss_from_embeddings(embeddings, keys)
+
+    def _loss_from_embeddings(self, embeddings: list[Tensor], keys: list[Tensor] | None) -> Tensor:
         checks = DeferredChecks() if self.options.check_inputs else False
         queries, docs, offset = self._normalized_columns(embeddings, checks)
         if checks:
@@ -431,12 +554,99 @@ class WEINCELoss(nn.Module):
             statistics_from_fit(fit, self.options.math, gather=self._gather) for fit in self._group_fits(layout)
         ]
         loss = self._rows_loss(layout, statistics).mean()
-        self._record(statistics[0], counts)
-        return loss
+        if not self.options.has_top_m_terms:
+            self._record(statistics[0], counts)
+            return loss
+        units = self._top_m_units(layout)
+        beta_t, fit = self._advance_batch_beta(self._batch_tail(units, layout.num_rows))
+        shortfall, infonce = self._top_m_rows(units, beta_t)
+        composite = composite_loss(loss, shortfall.mean(), infonce.mean(), self.options.top_m_options)
+        self._record(statistics[0], counts, self._composite_values(composite.shares(), beta_t, fit))
+        return composite.total
+
+    # -- the top-M terms and the batch tail index ----------------------------------------------------------------
+
+    @staticmethod
+    def _top_m_units(layout: MNRLLayout) -> list[tuple[Tensor, Tensor, Tensor | None]]:
+        """The (scores, positive_index, valid_mask) of each softmax of the layout's rows, over which the top-M terms
+        pick a row's hardest negatives: under ``"joint"`` one, every group's candidates of the row side by side
+        (the query_to_doc positive the target, as in the blend's softmax); under ``"per_direction"`` one per group."""
+        groups = layout.groups
+        if layout.partition_mode == "per_direction" or len(groups) == 1:
+            return [(g.scores, g.positive_index, g.valid_mask) for g in groups]
+        masks = [g.valid_mask for g in groups]
+        valid_mask = None
+        if any(m is not None for m in masks):
+            valid_mask = torch.cat(
+                [m if m is not None else torch.ones_like(g.scores, dtype=torch.bool) for m, g in zip(masks, groups)],
+                dim=1,
+            )
+        return [(torch.cat([g.scores for g in groups], dim=1), groups[0].positive_index, valid_mask)]
+
+    def _batch_tail(self, units: list[tuple[Tensor, Tensor, Tensor | None]], step_rows: int) -> BatchTail | None:
+        """The smallest negative shortfalls of these rows (no gradient), as many as the global batch's tail can
+        need: ``step_rows`` is the number of rows of this process's whole step (a cached loss passes one row chunk
+        at a time), so that every chunk and process keeps at least the global tail's size. None when the shortfall
+        term is off (its tail index is its only use)."""
+        if self.batch_beta_ema is None:
+            return None
+        world = dist.get_world_size() if self.options.gather_across_devices and dist.is_initialized() else 1
+        global_entries = step_rows * world * sum(scores.shape[1] for scores, _, _ in units)
+        return BatchTail.cat(
+            [
+                batch_negative_tail(scores, index, mask, self.options.top_m_options, global_entries=global_entries)
+                for scores, index, mask in units
+            ]
+        )
+
+    def _advance_batch_beta(self, tail: BatchTail | None) -> tuple[Tensor | None, BatchTailFit | None]:
+        """This step's ``beta_t`` and fit from the batch tail (gathered over processes): the moving average updated
+        with the fit, stored in the buffer on training steps. (None, None) when the shortfall term is off."""
+        if tail is None or self.batch_beta_ema is None:
+            return None, None
+        if self.options.gather_across_devices:
+            tail = BatchTail(
+                shortfalls=all_gather(tail.shortfalls), num_negatives=all_gather(tail.num_negatives[None]).sum()
+            )
+        fit = batch_tail_fit(tail, self.options.top_m_options)
+        beta_t = update_beta_ema(self.batch_beta_ema, fit, self.options.top_m_options)
+        if self.training and torch.is_grad_enabled():
+            with torch.no_grad():
+                self.batch_beta_ema.copy_(beta_t)
+        return beta_t, fit
+
+    def _top_m_rows(
+        self, units: list[tuple[Tensor, Tensor, Tensor | None]], beta_t: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """Per-row [R] top-M shortfall and top-M InfoNCE terms (the mean over the units of a row)."""
+        beta = beta_t if beta_t is not None else 1.0  # only the shortfall term reads it, and it is off then
+        terms = [
+            top_m_cross_entropies(scores, index, mask, self.options.top_m_options, beta=beta, scale=self.options.scale)
+            for scores, index, mask in units
+        ]
+        if len(terms) == 1:
+            return terms[0]
+        return torch.stack([t[0] for t in terms], 1).mean(1), torch.stack([t[1] for t in terms], 1).mean(1)
+
+    @staticmethod
+    def _composite_values(
+        shares: dict[str, Tensor], beta_t: Tensor | None, fit: BatchTailFit | None
+    ) -> dict[str, Tensor]:
+        """The logged values of the composite: each term's share, the batch tail index and its fit's R^2."""
+        values = {f"weince_share_{name}": share for name, share in shares.items()}
+        if beta_t is not None and fit is not None:
+            values["weince_batch_beta"] = beta_t.detach()
+            values["weince_batch_beta_r2"] = fit.r_squared
+        return values
 
     # -- logging -----------------------------------------------------------------------------------------------
 
-    def _record(self, stats: WeinceStatistics, guard_counts: FilterCounts | None = None) -> None:
+    def _record(
+        self,
+        stats: WeinceStatistics,
+        guard_counts: FilterCounts | None = None,
+        composite_values: dict[str, Tensor] | None = None,
+    ) -> None:
         """Keep the statistics of the query rows: the latest ones, and their running means for the trainer's logs
         (on the device, so no step reads them on the host)."""
         if not torch.compiler.is_compiling():
@@ -452,6 +662,7 @@ class WEINCELoss(nn.Module):
         if guard_counts is not None:  # of the query-anchored rows, like the statistics above
             values["weince_fn_masked_share"] = guard_counts.masked_share
             values["weince_fn_anchors_share"] = guard_counts.anchors_share
+        values.update(composite_values or {})
         self.logged_statistics.add(values)
 
     def pop_logged_statistics(self) -> dict[str, float]:

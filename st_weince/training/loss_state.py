@@ -22,12 +22,15 @@ file into ``trainer.state`` before ``on_train_begin``, where :class:`LossStateCa
 (nothing patches ``trainer.train``; the resume path need not be known). A checkpoint whose ``trainer_state.json``
 is missing, empty or unreadable (a run killed while saving) can never be resumed from; ``prepare_trainer`` renames
 such folders in ``output_dir`` to ``incomplete-checkpoint-N`` so that ``resume_from_checkpoint=True`` picks the
-last complete one.
+last complete one. The record also names the loss class and configuration; the trainer's ``_load_from_checkpoint``,
+which ``train()`` calls before it loads the optimizer, first runs :func:`check_resumable`, which refuses a checkpoint
+of another loss (or a set-aside one) with that reason.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -46,6 +49,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from st_weince.training.setup_checks import check_trainer_setup
 from st_weince.training.statistics import LossStatisticsCallback, log_loss_statistics
 from st_weince.training.trained_values import TrainedValuesCallback, carry_trained_values, rb_sigmoid_losses
+from st_weince.utils.options import options_config
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +208,73 @@ def _record_state(record: Any, source: str) -> tuple[int, dict[str, Tensor]]:
     return int(attributes.get("global_step", -1)), _decode(attributes.get("entries"), source)
 
 
+# Options that change how a loss is computed in memory, not what it computes: they may differ at resume.
+_OPERATIONAL_OPTIONS = frozenset(
+    {"check_inputs", "show_progress_bar", "mini_batch_size", "mini_batch_num_tokens", "chunk_size"}
+)
+
+
+def _configuration(module: nn.Module) -> dict[str, Any]:
+    """A loss module's configuration as constructed: its options objects (this project's losses; the starting values,
+    not the trained ones, which are the loss state), else its ``get_config_dict()``."""
+    options = getattr(module, "options", None)
+    if dataclasses.is_dataclass(options) and not isinstance(options, type):
+        config = options_config(options)
+        cache_options = getattr(module, "cache_options", None)
+        if dataclasses.is_dataclass(cache_options) and not isinstance(cache_options, type):
+            config.update(options_config(cache_options))
+    elif callable(getattr(module, "get_config_dict", None)):
+        config = module.get_config_dict()
+    else:
+        config = {}
+    return {name: value for name, value in config.items() if name not in _OPERATIONAL_OPTIONS}
+
+
+def loss_description(loss: nn.Module | dict[str, nn.Module]) -> dict[str, dict[str, Any]]:
+    """The class and configuration of every loss module in the loss tree (wrappers such as ``MatryoshkaLoss`` and
+    the loss they wrap; not the model), as JSON data: what a checkpoint's loss state is recorded under, and what a
+    resume compares it with. Keys: the module's path ("loss" for the top one; "{dataset}" for a dict of losses)."""
+    description: dict[str, dict[str, Any]] = {}
+    for prefix, top in _losses(loss).items():
+        model_modules = {
+            id(module)
+            for parent in top.modules()
+            if parent._modules.get("model") is not None
+            for module in parent._modules["model"].modules()
+        }
+        for name, module in top.named_modules():
+            if id(module) in model_modules or not (name == "" or callable(getattr(module, "get_config_dict", None))):
+                continue
+            key = ".".join(part for part in (prefix.rstrip("."), name) if part) or "loss"
+            description[key] = {"class": type(module).__name__, "config": _configuration(module)}
+    # as it reads back from JSON (tuples as lists; anything else JSON cannot hold as its text)
+    return json.loads(json.dumps(description, default=str))
+
+
+def describe_loss_change(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """What differs between two :func:`loss_description` results, in words; None when nothing does."""
+    changes = []
+    for key in sorted(set(saved) | set(current)):
+        before, now = saved.get(key), current.get(key)
+        if before == now:
+            continue
+        if before is None:
+            changes.append(f"{key}: {now['class']} now, no such loss in the checkpoint")
+        elif now is None:
+            changes.append(f"{key}: {before['class']} in the checkpoint, no such loss now")
+        elif before.get("class") != now["class"]:
+            changes.append(f"{key}: {before.get('class')} in the checkpoint, {now['class']} now")
+        else:
+            old_config, new_config = before.get("config") or {}, now["config"]
+            options = [
+                f"{option}={old_config.get(option)!r} in the checkpoint, {new_config.get(option)!r} now"
+                for option in sorted(set(old_config) | set(new_config))
+                if old_config.get(option) != new_config.get(option)
+            ]
+            changes.append(f"{key} ({now['class']}): " + "; ".join(options))
+    return "; ".join(changes) if changes else None
+
+
 def read_checkpoint_loss_state(checkpoint: str | os.PathLike) -> dict[str, Tensor] | None:
     """The loss state that :func:`prepare_trainer` stored in ``checkpoint/trainer_state.json``, or None when that
     file holds none (a checkpoint written without prepare_trainer, or of a loss without state of its own).
@@ -345,6 +416,71 @@ def set_aside_incomplete_checkpoints(output_dir: str | os.PathLike) -> list[str]
     return moved
 
 
+def _set_aside_as(checkpoint: str) -> str | None:
+    """Where :func:`set_aside_incomplete_checkpoints` moved ``checkpoint`` (the newest such folder), or None."""
+    directory, name = os.path.split(os.path.normpath(checkpoint))
+    if not _CHECKPOINT_NAME.match(name) or not os.path.isdir(directory):
+        return None
+    pattern = re.compile(rf"^{re.escape(INCOMPLETE_PREFIX + name)}(?:\.(\d+))?$")
+    found = [(int(m.group(1) or 1), entry) for entry in os.listdir(directory) if (m := pattern.match(entry))]
+    return os.path.join(directory, max(found)[1]) if found else None
+
+
+def check_resumable(
+    loss: nn.Module | dict[str, nn.Module], checkpoint: str | os.PathLike, allow_missing_loss_state: bool = False
+) -> None:
+    """Refuse, naming the cause, a checkpoint this loss cannot resume from, before the trainer loads anything from
+    it (the model, then the optimizer, whose own error would only say that the parameter groups differ):
+
+    - a ``checkpoint-N`` that was set aside as ``incomplete-checkpoint-N`` (an interrupted save): FileNotFoundError
+      naming the new folder and why;
+    - a ``trainer_state.json`` that is missing, empty or unreadable: FileNotFoundError / ValueError naming it;
+    - a checkpoint written under another loss class or configuration (recorded with its loss state): ValueError
+      naming what differs;
+    - for a loss with parameters, a checkpoint without loss state (unless ``allow_missing_loss_state``):
+      FileNotFoundError.
+    """
+    checkpoint = os.fspath(checkpoint)
+    if not os.path.isdir(checkpoint):
+        moved = _set_aside_as(checkpoint)
+        if moved is not None:
+            problem = _trainer_state_problem(os.path.join(moved, TRAINER_STATE_FILE)) or "was incomplete"
+            raise FileNotFoundError(
+                f"{checkpoint} was set aside as {moved}: its {TRAINER_STATE_FILE} {problem}, so its save was "
+                "interrupted and it cannot be resumed from. Resume from an earlier checkpoint, or with "
+                "resume_from_checkpoint=True (the last complete one)."
+            )
+        return  # the trainer's own error names the missing path
+    path = os.path.join(checkpoint, TRAINER_STATE_FILE)
+    problem = _trainer_state_problem(path)
+    if problem is not None:
+        raise (FileNotFoundError if problem == "is missing" else ValueError)(
+            f"{path} {problem}: this checkpoint is incomplete (was the run killed while saving it?) and cannot be "
+            "resumed from"
+        )
+    with open(path, encoding="utf-8") as handle:
+        record = (json.load(handle).get("stateful_callbacks") or {}).get(LOSS_STATE_RECORD)
+    if isinstance(record, list):
+        record = record[0] if record else None
+    attributes = record.get("attributes") if isinstance(record, dict) else None
+    saved = attributes.get("loss") if isinstance(attributes, dict) else None
+    if isinstance(saved, dict):
+        change = describe_loss_change(saved, loss_description(loss))
+        if change is not None:
+            raise ValueError(
+                f"{checkpoint} was written under another loss configuration than this trainer's loss ({change}). "
+                "Its loss state and optimizer state belong to that loss: resume with the loss it was written with, "
+                "or start a new run in another output_dir."
+            )
+    elif record is None and own_tensors(loss) and not allow_missing_loss_state:
+        raise FileNotFoundError(
+            f"{path} holds no st-weince loss state (stateful_callbacks[{LOSS_STATE_RECORD!r}] is missing): the "
+            "checkpoint was written without st_weince.training.prepare_trainer, or under a loss without parameters. "
+            f"Resuming would restart the loss parameters {sorted(own_tensors(loss))} from their current values. "
+            "To do that knowingly, call prepare_trainer(trainer, allow_missing_loss_state=True)."
+        )
+
+
 class LossStateRecord(TrainerCallback, ExportableState):
     """Carries the loss state into every checkpoint's ``trainer_state.json`` (``stateful_callbacks``).
 
@@ -368,10 +504,13 @@ class LossStateRecord(TrainerCallback, ExportableState):
             raise RuntimeError("LossStateRecord is not linked to a loss: call st_weince.training.prepare_trainer")
         values = loss_state_dict(self.loss)
         check_finite_loss_state(values, f"checkpoint at step {self.global_step}")
-        return {
-            "args": {},
-            "attributes": {"format": _RECORD_FORMAT, "global_step": self.global_step, "entries": _encode(values)},
+        attributes = {
+            "format": _RECORD_FORMAT,
+            "global_step": self.global_step,
+            "entries": _encode(values),
+            "loss": loss_description(self.loss),  # compared at resume, before anything is loaded
         }
+        return {"args": {}, "attributes": attributes}
 
 
 class LossStateCallback(TrainerCallback):
@@ -471,7 +610,9 @@ def prepare_trainer(
     For every loss: a warning (once) when WEINCE's configured batch is too small for any tail fit (it would be
     InfoNCE) or the dataset has a label column that the loss ignores (:mod:`st_weince.training.setup_checks`).
 
-    Harmless for losses without parameters (WEINCELoss): only the logging is added. Call it before the optimizer is
+    For every loss, also one without parameters (WEINCELoss): each checkpoint records the loss class and configuration,
+    and ``train(resume_from_checkpoint=...)`` refuses, before it loads anything, a checkpoint written under another
+    loss, or one set aside as incomplete (:func:`check_resumable`). Call it before the optimizer is
     built (an existing optimizer's groups are fixed in place; an existing learning-rate scheduler is an error).
     Idempotent; returns the trainer.
     """
@@ -485,15 +626,17 @@ def prepare_trainer(
         log_loss_statistics(trainer)
     check_trainer_setup(trainer)  # WEINCE at a batch too small to fit; ignored label columns
 
-    if own_tensors(trainer.loss):
-        if trainer.is_world_process_zero():
-            set_aside_incomplete_checkpoints(trainer.args.output_dir)
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()  # no rank looks for the last checkpoint before the incomplete ones are set aside
-        record = LossStateRecord()
-        record.loss = trainer.loss
-        trainer.add_callback(record)
-        trainer.add_callback(LossStateCallback(trainer, allow_missing_loss_state=allow_missing_loss_state))
+    if trainer.is_world_process_zero():
+        set_aside_incomplete_checkpoints(trainer.args.output_dir)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # no rank looks for the last checkpoint before the incomplete ones are set aside
+    # For every loss, also one without parameters: the record names the loss class and configuration in each
+    # checkpoint, so that resuming under another loss is refused with that reason.
+    record = LossStateRecord()
+    record.loss = trainer.loss
+    trainer.add_callback(record)
+    trainer.add_callback(LossStateCallback(trainer, allow_missing_loss_state=allow_missing_loss_state))
+    _check_before_loading(trainer, allow_missing_loss_state)
     if rb_sigmoid_losses(trainer.loss):
         # after LossStateCallback: the cap applies to the step's averaged gradients, the carried values are those
         # of the best checkpoint when it is loaded at the end
@@ -525,6 +668,21 @@ def prepare_trainer(
 
     trainer._st_weince_prepared = True
     return trainer
+
+
+def _check_before_loading(trainer: Any, allow_missing_loss_state: bool) -> None:
+    """:func:`check_resumable` on the checkpoint the trainer resumes from, as the first thing its
+    ``_load_from_checkpoint`` does: ``train()`` calls that before it loads the optimizer (and for a regular model,
+    before the model), and after ``resume_from_checkpoint=True`` has been resolved to a folder."""
+    load_from_checkpoint = getattr(trainer, "_load_from_checkpoint", None)
+    if load_from_checkpoint is None:
+        return
+
+    def checked_load_from_checkpoint(resume_from_checkpoint: str, *args: Any, **kwargs: Any) -> Any:
+        check_resumable(trainer.loss, resume_from_checkpoint, allow_missing_loss_state)
+        return load_from_checkpoint(resume_from_checkpoint, *args, **kwargs)
+
+    trainer._load_from_checkpoint = checked_load_from_checkpoint
 
 
 def _regroup_existing_optimizer(trainer: Any, learning_rate: float | None) -> None:

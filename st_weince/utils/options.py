@@ -9,12 +9,17 @@ import numbers
 from typing import Any, TypeVar
 
 import numpy as np
+import torch
 
 T = TypeVar("T")
 
 
-def real_option(name: str, value: Any, *, positive: bool = False, optional: bool = False) -> float | None:
-    """A finite real number (Python or NumPy; not a bool), as a float; the error names the option."""
+def real_option(
+    name: str, value: Any, *, positive: bool = False, optional: bool = False, dtype: torch.dtype | None = None
+) -> float | None:
+    """A finite real number (Python or NumPy; not a bool), as a float; the error names the option. With ``dtype``
+    (the dtype the option is stored or computed in) it must also be finite there, and a positive one must stay a
+    normal positive number there (a subnormal is flushed to 0 on GPUs)."""
     if value is None and optional:
         return None
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
@@ -24,7 +29,25 @@ def real_option(name: str, value: Any, *, positive: bool = False, optional: bool
         raise ValueError(f"{name} must be finite, got {number!r}")
     if positive and not number > 0:
         raise ValueError(f"{name} must be > 0, got {number!r}")
+    if dtype is not None:
+        check_representable(name, number, dtype, positive=positive)
     return number
+
+
+def check_representable(name: str, number: float, dtype: torch.dtype, *, positive: bool = False) -> None:
+    """Refuse ``number`` if it overflows ``dtype`` (or, with ``positive``, underflows below its smallest normal
+    number), naming the option and the dtype."""
+    info = torch.finfo(dtype)
+    if abs(number) > info.max:
+        raise ValueError(
+            f"{name} = {number!r} overflows {dtype} (largest finite value {info.max:.4g}), the dtype it is "
+            "stored and computed in"
+        )
+    if positive and number < info.tiny:
+        raise ValueError(
+            f"{name} = {number!r} underflows {dtype} (smallest normal value {info.tiny:.4g}), the dtype it is "
+            "stored and computed in: it would become 0"
+        )
 
 
 def flag_option(name: str, value: Any) -> bool:
@@ -45,7 +68,9 @@ def positive_int_option(name: str, value: Any, *, optional: bool = False) -> int
 
 
 def choice_option(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in choices:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {type(value).__name__}")
+    if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
     return value
 

@@ -1,0 +1,246 @@
+"""Which term of the released WEINCE composite carries its gain? Six arms under the released SimCLR setup.
+
+The published vision figures train ``L = L_blend + 0.5 L_shortfall_topM + 0.5 L_infonce_topM`` (M = 50,
+ALGORITHMS.md 1.2b) against plain InfoNCE. The arms, each with the same seeds 0, 1, 2:
+
+1. ``infonce``: NT-Xent at temperature 0.5 (sentence-transformers' MNRL in both view orders);
+2. ``infonce-topm-infonce``: InfoNCE + 0.5 x InfoNCE over the positive and the M hardest negatives;
+3. ``infonce-topm-shortfall``: InfoNCE + 0.5 x the shortfall softmax over the positive and the M hardest negatives
+   (its tail index beta_t: the batch fit and its moving average);
+4. ``blend``: WEINCE's blended cross-entropy alone (scale 2, beta 1), what ``WEINCELoss`` implemented before;
+5. ``composite``: the released loss, the blend + both top-M terms at weight 0.5;
+6. ``infonce-tau0.2``: InfoNCE at temperature 0.2, a control: both top-M terms sharpen the loss on the hardest
+   negatives, and so does a lower temperature than 0.5.
+
+Arms 2 and 3 are WEINCELoss with ``mode="none"`` (lambda = 0: the blend IS InfoNCE, to float rounding) plus one
+top-M term; arm 1 is MNRL, the baseline of the other studies. Each arm minus InfoNCE, paired by seed, and the
+interaction ``(5 - 1) - [(2 - 1) + (3 - 1) + (4 - 1)]`` (is the composite more than the sum of its parts?) come out
+of ``--summarize``.
+
+Setting: the loop of benchmarks/simclr_study.py (identical initialisation, batches and augmentations per seed;
+resumable JSON lines; states outside the git tree) under its ``"released"`` setup: CIFAR-10 (all 50,000 training
+images), CIFAR-stem ResNet-18 of width 16 (study 1's scale), projection head Linear(128, 128, no bias) - ReLU -
+Linear(128, 64, no bias), Adam lr 3e-4 without weight decay, batch 256 pairs, temperature 0.5, colour jitter
+0.8/0.8/0.8/0.2 with p 0.8, grayscale p 0.2, no normalisation. Evaluation: the released probe protocol
+(st_weince.vision.RELEASED_PROTOCOL) on un-augmented backbone features of the training images: a stratified 80/20
+split, logistic regression on the raw features of the 80 % (Adam lr 3e-4, batch 256, 100 epochs), test accuracy
+after the last epoch; weighted k-NN (temperature 0.1, k in {1, 2, 5, 10, 20, 50}, headline k = 50) averaged over
+split seeds 1..5. The final line (``"type": "final"``) uses all 50,000 training images; the per-epoch checkpoints
+use the same fixed class-balanced subset of 10,000 for the curves.
+
+Why 5 epochs, not study 1's 10: one epoch of width-16 ResNet-18 over 50,000 images takes about 6-7 minutes on one
+quiet core of this machine (study 1: 337 s of training per epoch for InfoNCE alone, more when the machine is shared),
+so 18 runs x 10 epochs are about 18-20 core-hours, 9-10 hours on the two cores, over the six hours this ablation may
+take. At 5 epochs the 18 runs take about 4.5-5 hours with two runs side by side, one thread each. This is recorded in
+every run's header (``config.epochs``) and in the summary (``scale_note``).
+
+    # two slots side by side, one thread each (one run at a time per process; see --runs)
+    OMP_NUM_THREADS=1 setsid nohup python benchmarks/simclr_ablation.py --runs infonce-seed0 > ablation-A.log 2>&1 &
+    OMP_NUM_THREADS=1 setsid nohup python benchmarks/simclr_ablation.py --runs infonce-tau0.2-seed0 > ablation-B.log &
+    # paired differences, interaction and curves from whatever has landed
+    python benchmarks/simclr_ablation.py --summarize
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import simclr_study as study  # noqa: E402
+from st_weince.utils.provenance import provenance  # noqa: E402
+
+OUTPUT = REPO / "benchmarks" / "results" / "simclr_ablation"
+STATE = Path("/work/st-weince-ablation-state")
+SCALE_NOTE = (
+    "5 epochs of all 50,000 CIFAR-10 training images at study 1's width (ResNet-18 width 16): one epoch takes about "
+    "6-7 minutes on one core here, so 18 runs x 10 epochs would need 9-10 hours on the two cores, over the six-hour "
+    "budget; 18 runs x 5 epochs take about 4.5-5 hours, two side by side."
+)
+BASELINE = "infonce"
+# Run-name prefix -> the objective: SimCLRObjective's loss, its options, and the temperature where not the study's.
+ARMS: dict[str, dict[str, Any]] = {
+    "infonce": {"loss": "infonce"},
+    "infonce-topm-infonce": {"loss": "weince", "options": {"mode": "none", "top_m_infonce_weight": 0.5}},
+    "infonce-topm-shortfall": {"loss": "weince", "options": {"mode": "none", "top_m_shortfall_weight": 0.5}},
+    "blend": {"loss": "weince", "options": {}},
+    "composite": {"loss": "weince", "options": {"top_m_shortfall_weight": 0.5, "top_m_infonce_weight": 0.5}},
+    "infonce-tau0.2": {"loss": "infonce", "temperature": 0.2},
+}
+# The composite's parts, each measured as InfoNCE + that part (the blend replaces InfoNCE, so it is measured alone).
+PARTS = ("infonce-topm-infonce", "infonce-topm-shortfall", "blend")
+COMPOSITE = "composite"
+SEEDS = (0, 1, 2)
+# Seed 0 of every arm first; InfoNCE and the temperature control first (they need no top-M option).
+ARM_ORDER = ("infonce", "infonce-tau0.2", "blend", "composite", "infonce-topm-infonce", "infonce-topm-shortfall")
+RUN_ORDER = [(arm, seed) for seed in SEEDS for arm in ARM_ORDER]
+ABLATION: dict[str, Any] = {
+    **study.STUDY,
+    "setup": "released",
+    "hidden_dim": None,  # the head's hidden layer as wide as the features
+    "lr": 3e-4,
+    "weight_decay": 0.0,
+    "temperature": 0.5,
+    "beta": 1.0,
+    "epochs": 5,
+    "full_eval_epochs": [],  # the final line only
+    "arms": ARMS,
+}
+METRICS = ("linear_top1", "knn_top1")
+
+
+def parse_runs(names: list[str]) -> list[tuple[str, int]]:
+    """``arm-seedK`` names -> (arm, seed); ValueError naming the known arms."""
+    runs = []
+    for name in names:
+        arm, _, seed = name.rpartition("-seed")
+        if arm not in ARMS or not seed.isdigit():
+            raise ValueError(f"run names look like infonce-seed0, arms {sorted(ARMS)}; got {name!r}")
+        runs.append((arm, int(seed)))
+    return runs
+
+
+def paired(finals: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
+    """Every arm minus InfoNCE of the same seed (by seed, mean +- sample std) and the composite's interaction."""
+    out: dict[str, Any] = {}
+    differences: dict[str, dict[int, dict[str, float]]] = {}
+    for arm in ARMS:
+        if arm == BASELINE:
+            continue
+        seeds = sorted(s for a, s in finals if a == arm and (BASELINE, s) in finals)
+        per_seed = {s: {m: finals[(arm, s)][m] - finals[(BASELINE, s)][m] for m in METRICS} for s in seeds}
+        differences[arm] = per_seed
+        if seeds:
+            out[f"{arm}_minus_{BASELINE}"] = {
+                "seeds": seeds,
+                "per_seed": {str(s): d for s, d in per_seed.items()},
+                **{m: study.mean_std([d[m] for d in per_seed.values()]) for m in METRICS},
+            }
+    seeds = sorted(set.intersection(*(set(differences[arm]) for arm in (COMPOSITE, *PARTS))))
+    if seeds:
+        per_seed = {
+            s: {m: differences[COMPOSITE][s][m] - sum(differences[part][s][m] for part in PARTS) for m in METRICS}
+            for s in seeds
+        }
+        out["interaction"] = {
+            "definition": f"({COMPOSITE} - {BASELINE}) - sum over {list(PARTS)} of (part - {BASELINE})",
+            "seeds": seeds,
+            "per_seed": {str(s): d for s, d in per_seed.items()},
+            **{m: study.mean_std([d[m] for d in per_seed.values()]) for m in METRICS},
+        }
+    return out
+
+
+def summarize(output_dir: Path) -> dict[str, Any]:
+    """summary.json and summary.md from the run files in ``output_dir``."""
+    finals: dict[tuple[str, int], dict[str, Any]] = {}
+    present, headers = [], {}
+    for path in sorted(output_dir.glob("*.jsonl")):
+        records = study.read_lines(path)
+        if not records or records[0].get("type") != "header":
+            continue
+        header = records[0]
+        present.append(path.stem)
+        headers[path.stem] = {k: header.get(k) for k in ("date_utc", "git_commit", "machine", "versions", "command")}
+        final = study.final_record(records)
+        if final is not None:
+            finals[(header["loss"], header["seed"])] = final
+    per_arm = {
+        arm: {
+            "seeds": sorted(s for a, s in finals if a == arm),
+            **{m: study.mean_std([r[m] for (a, _), r in finals.items() if a == arm]) for m in METRICS},
+        }
+        for arm in ARMS
+        if any(a == arm for a, _ in finals)
+    }
+    summary = {
+        "description": (
+            "Released-setup ablation of the WEINCE composite on CIFAR-10 (JPEG copy), CPU, one thread per run; "
+            "accuracies in percent on the 10,000 test images, released probe protocol on all 50,000 training images "
+            "(linear: stratified 80 % of them, test accuracy after epoch 100; k-NN: mean over 5 split seeds, "
+            "headline k = 50); mean +- sample std over seeds; paired = same seed (same init, batches, views)."
+        ),
+        "scale_note": SCALE_NOTE,
+        "config": ABLATION,
+        "runs_present": present,
+        "runs_finished": sorted(study.run_name(a, s) for a, s in finals),
+        "runs_missing": [study.run_name(a, s) for a, s in RUN_ORDER if (a, s) not in finals],
+        "per_arm": per_arm,
+        "paired": paired(finals),
+        "finals": {
+            study.run_name(a, s): {
+                **{m: r[m] for m in (*METRICS, "linear_val_top1", "knn_top1_by_k")},
+                "loss_statistics": r["loss_statistics"],
+                "train_seconds": r["train_seconds"],
+            }
+            for (a, s), r in sorted(finals.items())
+        },
+        "provenance_of_runs": headers,
+        "summary_provenance": provenance(),
+    }
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (output_dir / "summary.md").write_text(markdown(summary) + "\n")
+    print(markdown(summary), flush=True)
+    return summary
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    lines = [summary["scale_note"], ""]
+    lines += ["| arm | seeds | linear top-1 (%) | k-NN top-1, k=50 (%) |", "| --- | --- | --- | --- |"]
+    for arm, row in summary["per_arm"].items():
+        lines.append(
+            f"| {arm} | {', '.join(map(str, row['seeds']))} | {study.format_stat(row['linear_top1'])} "
+            f"| {study.format_stat(row['knn_top1'])} |"
+        )
+    lines += ["", "Paired by seed (same initialisation, batches and augmentations), points", ""]
+    lines += study.paired_table(summary["paired"])
+    if summary["runs_missing"]:
+        lines += ["", f"Not finished yet: {', '.join(summary['runs_missing'])}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-dir", type=Path, default=study.DEFAULT_DATA, help="CIFAR-10 ImageFolder or zip")
+    parser.add_argument("--output-dir", type=Path, default=OUTPUT)
+    parser.add_argument("--state-dir", type=Path, default=STATE, help="training states (outside git)")
+    parser.add_argument("--runs", nargs="+", default=None, help="e.g. infonce-seed0 composite-seed0 (default: all)")
+    parser.add_argument("--override", default="{}", help="JSON of study keys to change (tests)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--stop-after-epoch", type=int, default=None, help="stop each run after this epoch")
+    parser.add_argument("--summarize", action="store_true", help="only write summary.json / .md")
+    args = parser.parse_args(argv)
+    if args.summarize:
+        summarize(args.output_dir)
+        return
+    try:
+        config = {**ABLATION, **study.parse_override(args.override)}
+        runs = list(RUN_ORDER) if args.runs is None else parse_runs(args.runs)
+    except ValueError as error:
+        parser.error(str(error))
+    torch.set_num_threads(args.threads)
+    data = study.load_data(config, args.data_dir)
+    full_argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+    study.run_all(
+        runs,
+        config,
+        data,
+        args.output_dir,
+        args.state_dir,
+        full_argv,
+        args.stop_after_epoch,
+        summarize_each_epoch=False,
+    )
+
+
+if __name__ == "__main__":
+    main()

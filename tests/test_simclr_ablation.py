@@ -1,0 +1,173 @@
+"""benchmarks/simclr_ablation.py on the tiny synthetic ImageFolder: the released setup reaches the model, the
+optimizer and the probes; the arms differ only in the loss; states survive arms added later; the paired summary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import load_script
+from tests.test_simclr_study import TINY, image_folder, lines, run_study, without_timing  # noqa: F401
+
+# The released probe splits its training images 80/20 per class: all 24 (12 a class) leave 2 a class to validate.
+TINY_RELEASED = {**TINY, "hidden_dim": None, "epochs": 2, "full_eval_epochs": [], "probe_subset": None}
+
+
+@pytest.fixture(scope="module")
+def ablation():
+    return load_script("benchmarks/simclr_ablation.py", "simclr_ablation")
+
+
+def run(ablation, image_folder, out, *extra, override=None):  # noqa: F811
+    run_study(ablation, image_folder, out, *extra, override={**TINY_RELEASED, **(override or {})})
+
+
+def test_infonce_and_its_temperature_control_under_the_released_setup(
+    ablation,
+    image_folder,  # noqa: F811
+    tmp_path,
+    one_torch_thread,
+):
+    run(ablation, image_folder, tmp_path, "--runs", "infonce-seed0", "infonce-tau0.2-seed0")
+    base = lines(tmp_path / "results" / "infonce-seed0.jsonl")
+    control = lines(tmp_path / "results" / "infonce-tau0.2-seed0.jsonl")
+    for records in (base, control):
+        assert [r["type"] for r in records] == ["header", "checkpoint", "checkpoint", "checkpoint", "final"]
+        header, final = records[0], records[-1]
+        config = header["config"]
+        assert (config["setup"], config["lr"], config["weight_decay"], config["hidden_dim"]) == (
+            "released",
+            3e-4,
+            0,
+            None,
+        )
+        # The released probe protocol: stratified 80/20, five k-NN split seeds, raw features.
+        assert final["probe_protocol"] == "released"
+        assert final["probe_train_images"] == 24
+        assert [split["seed"] for split in final["knn_splits"]] == [1, 2, 3, 4, 5]
+        assert final["linear_val_top1"] is not None and final["knn_val_top1_by_k"] is not None
+        assert 0.0 <= final["linear_top1"] <= 100.0
+    # Only the temperature differs: scale 1 / 0.5 against 1 / 0.2.
+    assert base[0]["objective"]["scale"] == pytest.approx(2.0)
+    assert control[0]["objective"]["scale"] == pytest.approx(5.0)
+    # Same seed: the same initial network (the epoch-0 evaluation is identical), then different training.
+    assert without_timing(base[1]) == without_timing(control[1])
+    assert base[2]["linear_top1"] != control[2]["linear_top1"] or base[2]["train_loss"] != control[2]["train_loss"]
+    # The released head: Linear(f, f, no bias) - ReLU - Linear(f, 64 here 4, no bias), no BatchNorm.
+    state = torch.load(tmp_path / "state" / "infonce-seed0" / "state.pt", weights_only=False)
+    head = {k: tuple(v.shape) for k, v in state["model"].items() if k.startswith("head.")}
+    features = 2 * 8  # ResNet-18 of width 2: 8 x width features
+    assert head == {"head.net.0.weight": (features, features), "head.net.2.weight": (TINY["projection_dim"], features)}
+    # Adam without weight decay at 3e-4.
+    assert [(g["lr"], g["weight_decay"]) for g in state["optimizer"]["param_groups"]] == [(3e-4, 0.0)]
+    # The summary pairs the control with InfoNCE of the same seed and lists what is still missing.
+    summary = ablation.summarize(tmp_path / "results")
+    difference = summary["paired"]["infonce-tau0.2_minus_infonce"]
+    assert difference["seeds"] == [0]
+    assert difference["per_seed"]["0"]["linear_top1"] == pytest.approx(
+        control[-1]["linear_top1"] - base[-1]["linear_top1"]
+    )
+    assert "interaction" not in summary["paired"] and len(summary["runs_missing"]) == 16
+    assert "infonce-tau0.2_minus_infonce" in (tmp_path / "results" / "summary.md").read_text()
+
+
+def test_a_state_resumes_when_arms_are_added_but_not_when_its_own_arm_changes(
+    ablation,
+    image_folder,  # noqa: F811
+    tmp_path,
+    one_torch_thread,
+):
+    only_infonce = {"arms": {"infonce": ablation.ARMS["infonce"]}}
+    run(ablation, image_folder, tmp_path, "--runs", "infonce-seed0", "--stop-after-epoch", "1", override=only_infonce)
+    run(ablation, image_folder, tmp_path, "--runs", "infonce-seed0")  # all six arms now
+    records = lines(tmp_path / "results" / "infonce-seed0.jsonl")
+    assert [r["type"] for r in records] == ["header", "checkpoint", "checkpoint", "resume", "checkpoint", "final"]
+    # The same run from scratch, uninterrupted, gives the same lines.
+    run(ablation, image_folder, tmp_path / "straight", "--runs", "infonce-seed0")
+    straight = lines(tmp_path / "straight" / "results" / "infonce-seed0.jsonl")
+    kept = [without_timing(r) for r in records if r["type"] in ("checkpoint", "final")]
+    assert kept == [without_timing(r) for r in straight if r["type"] in ("checkpoint", "final")]
+    # A changed arm of its own is a different configuration.
+    (tmp_path / "results" / "infonce-seed0.jsonl").unlink()
+    run(ablation, image_folder, tmp_path, "--runs", "infonce-seed0", "--stop-after-epoch", "1", override=only_infonce)
+    changed = {"arms": {"infonce": {"loss": "infonce", "temperature": 0.3}}}
+    with pytest.raises(ValueError, match=r"different configuration \(\['arms'\]\)"):
+        run(ablation, image_folder, tmp_path, "--runs", "infonce-seed0", override=changed)
+
+
+def test_unknown_arms_are_refused(ablation, capsys):
+    with pytest.raises(SystemExit) as error:
+        ablation.main(["--runs", "topm-seed0"])
+    assert error.value.code == 2
+    assert "run names look like infonce-seed0" in capsys.readouterr().err
+
+
+def test_paired_differences_and_the_interaction_by_seed(ablation):
+    values = {  # (linear, k-NN) by arm and seed
+        "infonce": {0: (50.0, 40.0), 1: (52.0, 41.0)},
+        "infonce-topm-infonce": {0: (51.0, 40.5), 1: (52.5, 41.0)},
+        "infonce-topm-shortfall": {0: (50.5, 41.0), 1: (53.0, 42.0)},
+        "blend": {0: (50.0, 39.0), 1: (51.0, 41.5)},
+        "composite": {0: (53.0, 42.0), 1: (54.0, 43.0)},
+        "infonce-tau0.2": {0: (49.0, 40.0)},
+    }
+    finals = {
+        (arm, seed): {"linear_top1": linear, "knn_top1": knn}
+        for arm, by_seed in values.items()
+        for seed, (linear, knn) in by_seed.items()
+    }
+    out = ablation.paired(finals)
+    composite = out["composite_minus_infonce"]
+    assert composite["per_seed"] == {
+        "0": {"linear_top1": 3.0, "knn_top1": 2.0},
+        "1": {"linear_top1": 2.0, "knn_top1": 2.0},
+    }
+    assert composite["linear_top1"]["mean"] == pytest.approx(2.5)
+    assert composite["linear_top1"]["std"] == pytest.approx(2**-0.5)
+    assert out["infonce-tau0.2_minus_infonce"]["seeds"] == [0]
+    # seed 0: linear 3 - (1 + 0.5 + 0) = 1.5, k-NN 2 - (0.5 + 1 - 1) = 1.5; seed 1: 2 - (0.5 + 1 - 1) = 1.5,
+    # k-NN 2 - (0 + 1 + 0.5) = 0.5
+    interaction = out["interaction"]
+    assert interaction["per_seed"]["0"] == pytest.approx({"linear_top1": 1.5, "knn_top1": 1.5})
+    assert interaction["per_seed"]["1"] == pytest.approx({"linear_top1": 1.5, "knn_top1": 0.5})
+    # No interaction without every part on the same seed.
+    del finals[("blend", 1)]
+    assert ablation.paired(finals)["interaction"]["seeds"] == [0]
+
+
+def test_the_top_m_arms_reach_the_loss_and_their_tail_index_survives_a_resume(
+    ablation,
+    image_folder,  # noqa: F811
+    tmp_path,
+    one_torch_thread,
+):
+    """Arms 2-5 build the loss options of their name; the composite's batch tail index is in the run's state, so a
+    run stopped and resumed writes the lines of an uninterrupted one."""
+    arms = ["infonce-topm-infonce", "infonce-topm-shortfall", "blend", "composite"]
+    run(ablation, image_folder, tmp_path / "straight", "--runs", *(f"{arm}-seed0" for arm in arms))
+    expected_weights = {
+        "infonce-topm-infonce": ("none", 0.0, 0.5),
+        "infonce-topm-shortfall": ("none", 0.5, 0.0),
+        "blend": ("both", 0.0, 0.0),
+        "composite": ("both", 0.5, 0.5),
+    }
+    for arm in arms:
+        records = lines(tmp_path / "straight" / "results" / f"{arm}-seed0.jsonl")
+        objective = records[0]["objective"]
+        assert (objective["mode"], objective["top_m_shortfall_weight"], objective["top_m_infonce_weight"]) == (
+            expected_weights[arm]
+        )
+        assert (objective["scale"], objective["beta"], objective["top_m"]) == (2.0, 1.0, 50)
+        statistics = records[-1]["loss_statistics"]
+        assert ("weince_batch_beta" in statistics) == (expected_weights[arm][1] > 0), arm
+        assert ("weince_share_blend" in statistics) == (arm != "blend"), arm
+    state = torch.load(tmp_path / "straight" / "state" / "composite-seed0" / "state.pt", weights_only=False)
+    assert "loss.batch_beta_ema" in state["objective"]
+    # Stopped after epoch 1 and resumed by a new process: the same lines as the uninterrupted run.
+    run(ablation, image_folder, tmp_path / "resumed", "--runs", "composite-seed0", "--stop-after-epoch", "1")
+    run(ablation, image_folder, tmp_path / "resumed", "--runs", "composite-seed0")
+    resumed = lines(tmp_path / "resumed" / "results" / "composite-seed0.jsonl")
+    straight = lines(tmp_path / "straight" / "results" / "composite-seed0.jsonl")
+    assert [r["type"] for r in resumed] == ["header", "checkpoint", "checkpoint", "resume", "checkpoint", "final"]
+    kept = [without_timing(r) for r in resumed if r["type"] in ("checkpoint", "final")]
+    assert kept == [without_timing(r) for r in straight if r["type"] in ("checkpoint", "final")]
