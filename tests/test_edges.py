@@ -53,7 +53,8 @@ def test_half_precision_embeddings_are_computed_in_float32(loss_cls, dtype, auto
     computation on the same low-precision values to float32 accuracy (1e-5 relative: float32 has 6e-8, the sums
     over a 128 x 128 matrix add a few hundred roundings at most), and the input gradients are that computation's,
     rounded to the input dtype: at most twice the error of rounding the exact gradient (norm over the column)."""
-    loss_fn = loss_cls(None, scale=scale)
+    # RB-Sigmoid's t is capped at max_scale (default 100): a start above it needs the cap raised with it
+    loss_fn = loss_cls(None, scale=scale, **({"max_scale": scale} if loss_cls.__name__ == "RBSigmoidLoss" else {}))
     inputs = columns(128, 32, dtype, seed=0)
     loss, gradients = loss_and_input_gradients(loss_fn, inputs, dtype if autocast else None)
     exact, exact_gradients = loss_and_input_gradients(loss_fn, [c.double() for c in inputs])
@@ -119,7 +120,11 @@ def test_float16_zero_row_issue_case():
         (RBSigmoidLoss, {"scale": 1e39}, "scale = 1e\\+39 overflows float32 as stored"),
         (RBSigmoidLoss, {"scale": 1e-46}, "scale = 1e-46 underflows float32 as stored"),
         (RBSigmoidLoss, {"relative_bias": 1e39}, "relative_bias = 1e\\+39 overflows torch.float32"),
-        (RBSigmoidLoss, {"parametrization": "absolute", "scale": 1e30, "relative_bias": 1e10}, "bias = .* overflows"),
+        (
+            RBSigmoidLoss,
+            {"parametrization": "absolute", "scale": 1e30, "max_scale": 1e30, "relative_bias": 1e10},
+            "bias = .* overflows",
+        ),
         (RBSigmoidLoss, {"adapter_logit": -1e40, "locked_adapter": True}, "adapter_logit = .* overflows"),
         (WEINCELoss, {"scale": 1e300}, "scale = 1e\\+300 overflows torch.float32"),
         (WEINCELoss, {"scale": 1e-300}, "scale = 1e-300 underflows torch.float32"),
@@ -135,7 +140,7 @@ def test_options_are_validated_in_the_dtype_they_are_stored_in(loss_cls, options
 
 def test_largest_storable_scales_give_finite_losses():
     inputs = columns(8, 16, torch.float32, seed=5)
-    assert torch.isfinite(RBSigmoidLoss(None, scale=1e38).compute_loss_from_embeddings(inputs, None))
+    assert torch.isfinite(RBSigmoidLoss(None, scale=1e38, max_scale=1e38).compute_loss_from_embeddings(inputs, None))
     assert torch.isfinite(WEINCELoss(None, scale=1e38).compute_loss_from_embeddings(inputs, None))
 
 
