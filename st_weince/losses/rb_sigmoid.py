@@ -199,8 +199,7 @@ def log_scale_cap(max_scale: float) -> float:
     ``c`` so that ``t = exp(log_t) <= max_scale``. ``exp`` in float32 is faithfully rounded (within one ulp), so ``c``
     is taken 2 ulp of ``max_scale`` below it in float64 and rounded down to float32."""
     target = math.log(max_scale * (1.0 - 2.0**-22))
-    # numpy, not a tensor: options are built on the host, also inside a training step's sync count
-    cap = np.float32(target)
+    cap = np.float32(target)  # NumPy, not a torch tensor: building a loss reads no device value
     if float(cap) > target:
         cap = np.nextafter(cap, np.float32(-np.inf))
     return float(cap)
