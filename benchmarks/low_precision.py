@@ -39,10 +39,13 @@ HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_loss(name: str, scale: float | None = None) -> torch.nn.Module:
-    from st_weince.losses import RBSigmoidLoss, WEINCELoss
+    from st_weince.losses import RBSigmoidLoss, RBSigmoidOptions, WEINCELoss
 
-    loss_cls = {"weince": WEINCELoss, "rb_sigmoid": RBSigmoidLoss}[name]
-    return loss_cls(None) if scale is None else loss_cls(None, scale=scale)
+    if scale is None:
+        return {"weince": WEINCELoss, "rb_sigmoid": RBSigmoidLoss}[name](None)
+    if name == "rb_sigmoid":  # t is capped at max_scale (default 100): an extreme start raises the cap with it
+        return RBSigmoidLoss(None, scale=scale, max_scale=max(scale, RBSigmoidOptions.max_scale))
+    return WEINCELoss(None, scale=scale)
 
 
 def make_columns(batch: int, dim: int, seed: int) -> list[torch.Tensor]:
