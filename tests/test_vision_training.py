@@ -16,9 +16,13 @@ from st_weince.vision import (
     SimCLRObjective,
     SimCLRTraining,
     arm_objective,
+    build_optimizer,
     build_run,
     data_order,
+    load_dataset,
+    load_encoder,
 )
+from tests.test_vision_recipe import recipe, tiny_zip  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -134,3 +138,27 @@ def test_autocast_forward_float32_loss_and_the_non_finite_error():
     training.step(images_of(8, 1))  # the weights become non-finite; the next epoch's mean says so
     with pytest.raises(ValueError, match="training loss became nan"):
         training.epoch(images_of(8), torch.arange(8), 8)
+
+
+@pytest.mark.parametrize("preset, loss", [("previous", "rb-sigmoid"), ("released", "weince")])
+def test_the_recipe_trains_with_the_same_step(recipe, tiny_zip, tmp_path, preset, loss):  # noqa: F811
+    """recipes/simclr.py's run equals SimCLRTraining over data_order bit for bit (3 steps over 2 epochs), so the
+    recipe, the studies and gpu_study train alike."""
+    argv = ["--preset", preset, "--dataset", "imagefolder", "--data-dir", str(tiny_zip), "--loss", loss, "--seed", "2"]
+    argv += ["--width", "2", "--hidden-dim", "8", "--projection-dim", "8", "--batch-size", "6", "--max-steps", "3"]
+    argv += ["--limit-train", "12", "--skip-eval", "--log-every", "1", "--output-dir", str(tmp_path)]
+    results = recipe.main(argv)
+    args = recipe.parse_args(argv)
+    torch.manual_seed(2)
+    model, objective = recipe.load_model(args), recipe.build_loss(args)
+    optimizer = build_optimizer(model, objective, args.lr, args.weight_decay)
+    augment = SimCLRAugment(SETUPS[preset].augment, generator=torch.Generator().manual_seed(2))
+    training = SimCLRTraining(model, objective, optimizer, augment)
+    images = load_dataset("imagefolder", "train", tiny_zip, limit=12).images
+    losses: list[float] = []
+    for epoch, steps in ((0, 2), (1, 1)):
+        training.epoch(images, data_order(12, 2, epoch), 6, steps=steps, on_step=lambda s, v: losses.append(float(v)))
+    assert [h["loss"] for h in results["history"]] == losses
+    saved = load_encoder(tmp_path)
+    for (name, value), expected in zip(saved.state_dict().items(), model.state_dict().values(), strict=True):
+        assert torch.equal(value, expected), name
