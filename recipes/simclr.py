@@ -25,7 +25,6 @@ provenance) and the model (model.pt + model_config.json; st_weince.vision.load_e
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -48,7 +47,6 @@ from st_weince.vision.objectives import LOSSES, SIMCLR_BETA, SIMCLR_SCALE, SimCL
 from st_weince.vision.presets import SETUPS
 from st_weince.vision.training import SimCLRTraining, build_model, build_optimizer, data_order
 
-STL10_MEAN, STL10_STD = (0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)
 FEATURE_WIDTH = "features"  # --hidden-dim value: as wide as the backbone features
 
 
@@ -202,9 +200,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model, objective = load_model(args), build_loss(args).to(accelerator.device)
     optimizer = build_optimizer(model, objective, args.lr, args.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
-    augment_config = SETUPS[args.preset].augment
-    if args.dataset == "stl10" and args.preset == "previous":  # the released setup never normalises
-        augment_config = dataclasses.replace(augment_config, mean=STL10_MEAN, std=STL10_STD)
+    augment_config = SETUPS[args.preset].augment_for(args.dataset)
     augment = SimCLRAugment(augment_config, generator=torch.Generator().manual_seed(args.seed))
     training = SimCLRTraining(model, objective, optimizer, augment, backward=accelerator.backward)
     results = {"dataset": args.dataset, "preset": args.preset, "loss": args.loss, "seed": args.seed,

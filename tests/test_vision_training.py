@@ -102,6 +102,10 @@ def test_arms_and_setups():
     assert arm_objective("infonce", config) == ("infonce", 0.25, {})
     assert SETUPS["released"].loss_options["weince"] == ARMS["composite"]["options"]
     assert (SETUPS["previous"].lr, SETUPS["previous"].weight_decay, SETUPS["previous"].hidden_dim) == (1e-3, 1e-6, 512)
+    # STL-10 is normalised with its own statistics, except under the released setup, which never normalises
+    assert SETUPS["previous"].augment_for("stl10").mean == (0.4467, 0.4398, 0.4066)
+    assert SETUPS["previous"].augment_for("cifar10") is SETUPS["previous"].augment
+    assert SETUPS["released"].augment_for("stl10") is SETUPS["released"].augment
 
 
 def test_shards_of_the_global_batch_and_the_steps_limit():
