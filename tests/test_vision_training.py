@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from st_weince.utils.hotpath import count_host_syncs
 from st_weince.vision import (
     ARMS,
     SETUPS,
@@ -166,3 +167,20 @@ def test_the_recipe_trains_with_the_same_step(recipe, tiny_zip, tmp_path, preset
     saved = load_encoder(tmp_path)
     for (name, value), expected in zip(saved.state_dict().items(), model.state_dict().values(), strict=True):
         assert torch.equal(value, expected), name
+
+
+@pytest.mark.parametrize("arm, per_step", [("infonce", 0), ("weince", 1)])  # WEINCE: its one input check
+def test_host_syncs_per_step_and_epoch(arm, per_step):
+    """No host sync in the step beyond the loss's own; one per epoch for its mean. (SGD: Adam's step counter is a
+    CPU scalar, read per parameter, which counts here but is no device sync on a GPU.)"""
+    model, objective, _ = build_run(arm, 0, TINY_SETUPS["previous"])
+    augment = SimCLRAugment(SETUPS["previous"].augment, generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    training = SimCLRTraining(model, objective, optimizer, augment, channels_last=True)
+    images = images_of(24)
+    training.step(images[:8])  # first-call set-up out of the count
+    with count_host_syncs() as step_syncs:
+        training.step(images[:8])
+    with count_host_syncs() as epoch_syncs:
+        training.epoch(images, data_order(24, 0, 0), 8)
+    assert step_syncs.total == per_step and epoch_syncs.total == 3 * per_step + 1
