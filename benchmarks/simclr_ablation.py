@@ -48,21 +48,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # benchmarks.lab
 
+from benchmarks.lab import runlog, summaries  # noqa: E402
 from benchmarks.lab import simclr_runner as runner  # noqa: E402
-from benchmarks.lab.runlog import HEADER_KEYS, final_record, parse_run_names, run_files, run_name  # noqa: E402
-from benchmarks.lab.simclr_eval import load_data  # noqa: E402
-from benchmarks.lab.summaries import (  # noqa: E402
-    format_stat,
-    mean_std,
-    paired_difference,
-    paired_table,
-    seed_stats,
-    update_docs,
-    write_summary,
-)
 from st_weince.utils.provenance import provenance  # noqa: E402
 
 OUTPUT = REPO / "benchmarks" / "results" / "simclr_ablation"
@@ -112,7 +101,9 @@ def paired(finals: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for arm in ARMS:
         difference = (
-            None if arm == BASELINE else paired_difference(by_arm.get(arm, {}), by_arm.get(BASELINE, {}), METRICS)
+            None
+            if arm == BASELINE
+            else summaries.paired_difference(by_arm.get(arm, {}), by_arm.get(BASELINE, {}), METRICS)
         )
         if difference is not None:
             out[f"{arm}_minus_{BASELINE}"] = difference
@@ -127,25 +118,25 @@ def paired(finals: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
             "definition": f"({COMPOSITE} - {BASELINE}) - sum over {list(PARTS)} of (part - {BASELINE})",
             "seeds": seeds,
             "per_seed": per_seed,
-            **seed_stats(per_seed, METRICS),
+            **summaries.seed_stats(per_seed, METRICS),
         }
     return out
 
 
 def summarize(output_dir: Path) -> dict[str, Any]:
     """summary.json and summary.md from the run files in ``output_dir``."""
-    runs = run_files(output_dir)
+    runs = runlog.run_files(output_dir)
     finals = {
         (records[0]["loss"], records[0]["seed"]): final
         for records in runs.values()
-        if (final := final_record(records)) is not None
+        if (final := runlog.final_record(records)) is not None
     }
     present = list(runs)
-    headers = {name: {k: records[0].get(k) for k in HEADER_KEYS} for name, records in runs.items()}
+    headers = {name: {k: records[0].get(k) for k in runlog.HEADER_KEYS} for name, records in runs.items()}
     per_arm = {
         arm: {
             "seeds": sorted(s for a, s in finals if a == arm),
-            **{m: mean_std([r[m] for (a, _), r in finals.items() if a == arm]) for m in METRICS},
+            **{m: summaries.mean_std([r[m] for (a, _), r in finals.items() if a == arm]) for m in METRICS},
         }
         for arm in ARMS
         if any(a == arm for a, _ in finals)
@@ -160,12 +151,12 @@ def summarize(output_dir: Path) -> dict[str, Any]:
         "scale_note": SCALE_NOTE,
         "config": ABLATION,
         "runs_present": present,
-        "runs_finished": sorted(run_name(a, s) for a, s in finals),
-        "runs_missing": [run_name(a, s) for a, s in RUN_ORDER if (a, s) not in finals],
+        "runs_finished": sorted(runlog.run_name(a, s) for a, s in finals),
+        "runs_missing": [runlog.run_name(a, s) for a, s in RUN_ORDER if (a, s) not in finals],
         "per_arm": per_arm,
         "paired": paired(finals),
         "finals": {
-            run_name(a, s): {
+            runlog.run_name(a, s): {
                 **{m: r[m] for m in (*METRICS, "linear_val_top1", "knn_top1_by_k")},
                 "loss_statistics": r["loss_statistics"],
                 "train_seconds": r["train_seconds"],
@@ -175,7 +166,7 @@ def summarize(output_dir: Path) -> dict[str, Any]:
         "provenance_of_runs": headers,
         "summary_provenance": provenance(),
     }
-    write_summary(output_dir, summary, markdown(summary))
+    summaries.write_summary(output_dir, summary, markdown(summary))
     return summary
 
 
@@ -184,33 +175,18 @@ def markdown(summary: dict[str, Any]) -> str:
     lines += ["| arm | seeds | linear top-1 (%) | k-NN top-1, k=50 (%) |", "| --- | --- | --- | --- |"]
     for arm, row in summary["per_arm"].items():
         lines.append(
-            f"| {arm} | {', '.join(map(str, row['seeds']))} | {format_stat(row['linear_top1'])} "
-            f"| {format_stat(row['knn_top1'])} |"
+            f"| {arm} | {', '.join(map(str, row['seeds']))} | {summaries.format_stat(row['linear_top1'])} "
+            f"| {summaries.format_stat(row['knn_top1'])} |"
         )
     lines += ["", "Paired by seed (same initialisation, batches and augmentations), points", ""]
-    lines += paired_table(summary["paired"])
+    lines += summaries.paired_table(summary["paired"])
     if summary["runs_missing"]:
         lines += ["", f"Not finished yet: {', '.join(summary['runs_missing'])}"]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = runner.study_parser(__doc__, OUTPUT, STATE, runs=True)
-    args = parser.parse_args(argv)
-    if args.summarize:
-        summary = summarize(args.output_dir)
-        if args.docs is not None:
-            update_docs(args.docs, markdown(summary), block="simclr_ablation")
-        return
-    config = runner.start(parser, args, ABLATION)
-    try:
-        runs = list(RUN_ORDER) if args.runs is None else parse_run_names(args.runs, list(ARMS))
-    except ValueError as error:
-        parser.error(str(error))
-    data = load_data(config, args.data_dir)
-    runner.run_all(
-        runs, config, data, args.output_dir, args.state_dir, runner.command_line(argv), args.stop_after_epoch
-    )
+    runner.main(argv, sys.modules[__name__], ABLATION, list(ARMS), block="simclr_ablation")
 
 
 if __name__ == "__main__":

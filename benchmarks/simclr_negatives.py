@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # benchmarks.lab
 
 from benchmarks.lab import simclr_runner as runner  # noqa: E402
 from benchmarks.lab.plots import figure  # noqa: E402

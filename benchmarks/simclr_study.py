@@ -48,26 +48,14 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # benchmarks.lab
 
+from benchmarks.lab import plots, runlog, summaries  # noqa: E402
 from benchmarks.lab import simclr_runner as runner  # noqa: E402
-from benchmarks.lab.plots import plot_curves  # noqa: E402
-from benchmarks.lab.runlog import HEADER_KEYS, final_record, parse_run_names, run_files, run_name  # noqa: E402
-from benchmarks.lab.simclr_eval import load_data  # noqa: E402
-from benchmarks.lab.summaries import (  # noqa: E402
-    format_stat,
-    mean_std,
-    number,
-    paired_difference,
-    paired_table,
-    update_docs,
-    write_summary,
-)
 from st_weince.utils.provenance import provenance  # noqa: E402
 
-DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "simclr_study"
-DEFAULT_STATE = Path("/work/st-weince-study-state")
+OUTPUT = REPO / "benchmarks" / "results" / "simclr_study"
+STATE = Path("/work/st-weince-study-state")
 STUDY = runner.STUDY  # study 1 is the runner's own configuration
 # Most informative first: a complete InfoNCE/WEINCE pair per seed, RB-Sigmoid last.
 RUN_ORDER = [
@@ -93,14 +81,16 @@ def compare_full(records: dict[str, dict[str, Any]], runs: dict[str, dict[str, A
     for loss, done in ((loss, by_loss[loss]) for loss in runner.LOSSES if by_loss.get(loss)):
         per_loss[loss] = {
             "seeds": sorted(done),
-            **{m: mean_std([r[m] for r in done.values()]) for m in METRICS},
-            "xi_projection": mean_std([r["pot_projection"]["xi"] for r in done.values()]),
-            "encoder_lambda_mean": mean_std([r["encoder_weince_statistics"]["lambda_mean"] for r in done.values()]),
-            "train_seconds": mean_std([r["train_seconds"] for r in done.values()]),
+            **{m: summaries.mean_std([r[m] for r in done.values()]) for m in METRICS},
+            "xi_projection": summaries.mean_std([r["pot_projection"]["xi"] for r in done.values()]),
+            "encoder_lambda_mean": summaries.mean_std(
+                [r["encoder_weince_statistics"]["lambda_mean"] for r in done.values()]
+            ),
+            "train_seconds": summaries.mean_std([r["train_seconds"] for r in done.values()]),
         }
     paired: dict[str, Any] = {}
     for loss in ("weince", "rb-sigmoid"):
-        difference = paired_difference(by_loss.get(loss, {}), by_loss.get("infonce", {}), METRICS)
+        difference = summaries.paired_difference(by_loss.get(loss, {}), by_loss.get("infonce", {}), METRICS)
         if difference is not None:
             paired[f"{loss}_minus_infonce"] = difference
     return {"per_loss": per_loss, "paired": paired}
@@ -113,13 +103,13 @@ def summarize(output_dir: Path) -> dict[str, Any]:
             "loss": records[0]["loss"],
             "seed": records[0]["seed"],
             "config": records[0]["config"],
-            "header": {k: records[0].get(k) for k in HEADER_KEYS},
+            "header": {k: records[0].get(k) for k in runlog.HEADER_KEYS},
             "checkpoints": [r for r in records if r.get("type") == "checkpoint"],
-            "final": final_record(records),
+            "final": runlog.final_record(records),
             "full": [r for r in records if r.get("type") in ("full", "final")],
             "resumes": sum(r.get("type") == "resume" for r in records),
         }
-        for name, records in run_files(output_dir).items()
+        for name, records in runlog.run_files(output_dir).items()
     }
     finals = {name: run for name, run in runs.items() if run["final"] is not None}
     full_epochs = sorted({r["epoch"] for run in runs.values() for r in run["full"]})
@@ -152,9 +142,9 @@ def summarize(output_dir: Path) -> dict[str, Any]:
         }
     paired_curves: dict[str, Any] = {}
     for run in runs.values():
-        if run["loss"] != "weince" or run_name("infonce", run["seed"]) not in runs:
+        if run["loss"] != "weince" or runlog.run_name("infonce", run["seed"]) not in runs:
             continue
-        base = {c["epoch"]: c for c in runs[run_name("infonce", run["seed"])]["checkpoints"]}
+        base = {c["epoch"]: c for c in runs[runlog.run_name("infonce", run["seed"])]["checkpoints"]}
         mine = {c["epoch"]: c for c in run["checkpoints"]}
         epochs = sorted(set(base) & set(mine))
         paired_curves[f"seed{run['seed']}"] = {
@@ -168,7 +158,7 @@ def summarize(output_dir: Path) -> dict[str, Any]:
         row: dict[str, Any] = {"epoch": epoch, "seeds": seeds}
         for m in METRICS:
             values = [paired_curves[k][f"{m}_difference"][paired_curves[k]["epoch"].index(epoch)] for k in seeds]
-            row[m] = mean_std(values)
+            row[m] = summaries.mean_std(values)
             row[f"{m}_per_seed"] = values
         paired_along_training.append(row)
     any_run = next(iter(runs.values()), None)
@@ -182,7 +172,7 @@ def summarize(output_dir: Path) -> dict[str, Any]:
         "config": any_run["config"] if any_run else STUDY,
         "runs_present": sorted(runs),
         "runs_finished": sorted(finals),
-        "runs_missing": [run_name(loss, s) for loss, s in RUN_ORDER if run_name(loss, s) not in finals],
+        "runs_missing": [runlog.run_name(loss, s) for loss, s in RUN_ORDER if runlog.run_name(loss, s) not in finals],
         "per_loss_final": per_loss,
         "paired_final": paired,
         "full_evaluations": full_evaluations,
@@ -206,12 +196,12 @@ def summarize(output_dir: Path) -> dict[str, Any]:
         "provenance_of_runs": {name: run["header"] for name, run in sorted(runs.items())},
         "summary_provenance": provenance(),
     }
-    write_summary(output_dir, summary, summary_markdown(summary))
-    plot_curves(runs, output_dir / "curves.png")
+    summaries.write_summary(output_dir, summary, markdown(summary))
+    plots.plot_curves(runs, output_dir / "curves.png")
     return summary
 
 
-def summary_markdown(summary: dict[str, Any]) -> str:
+def markdown(summary: dict[str, Any]) -> str:
     lines: list[str] = []
     if not summary["full_evaluations"]:
         lines += ["No full evaluation yet (they come at the epochs in config.full_eval_epochs and at the end).", ""]
@@ -224,12 +214,12 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         ]
         for loss, stats in block["per_loss"].items():
             lines.append(
-                f"| {loss} | {', '.join(map(str, stats['seeds']))} | {format_stat(stats['linear_top1'])} "
-                f"| {format_stat(stats['knn_top1'])} | {format_stat(stats['xi_projection'], 3)} "
-                f"| {format_stat(stats['encoder_lambda_mean'], 3)} |"
+                f"| {loss} | {', '.join(map(str, stats['seeds']))} | {summaries.format_stat(stats['linear_top1'])} "
+                f"| {summaries.format_stat(stats['knn_top1'])} | {summaries.format_stat(stats['xi_projection'], 3)} "
+                f"| {summaries.format_stat(stats['encoder_lambda_mean'], 3)} |"
             )
         lines += ["", f"Epoch {epoch}, paired by seed (same initialisation, batches and augmentations), points", ""]
-        lines += paired_table(block["paired"])
+        lines += summaries.paired_table(block["paired"])
         lines.append("")
     lines += ["WEINCE - InfoNCE along training, paired by seed (probes on the fixed subset), points", ""]
     lines += [
@@ -242,8 +232,8 @@ def summary_markdown(summary: dict[str, Any]) -> str:
             for seed, lin, knn in zip(row["seeds"], row["linear_top1_per_seed"], row["knn_top1_per_seed"])
         )
         lines.append(
-            f"| {row['epoch']} | {len(row['seeds'])} | {format_stat(row['linear_top1'], sign=True)} "
-            f"| {format_stat(row['knn_top1'], sign=True)} | {per_seed} |"
+            f"| {row['epoch']} | {len(row['seeds'])} | {summaries.format_stat(row['linear_top1'], sign=True)} "
+            f"| {summaries.format_stat(row['knn_top1'], sign=True)} | {per_seed} |"
         )
     lines += ["", "Along training, per run (probes on the fixed subset; lambda: WEINCE's statistics)", ""]
     lines += [
@@ -256,9 +246,9 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         for i, epoch in enumerate(curve["epoch"]):
             lines.append(
                 f"| {name} | {epoch} | {curve['linear_top1'][i]:.2f} | {curve['knn_top1'][i]:.2f} "
-                f"| {number(curve['xi_projection'][i], 3)} | {number(curve['xi_backbone'][i], 3)} "
-                f"| {curve['encoder_lambda_mean'][i]:.3f} | {number(curve['train_lambda_mean'][i], 3)} "
-                f"| {number(curve['train_loss'][i], 4)} | {curve['train_seconds'][i]:.0f} |"
+                f"| {summaries.number(curve['xi_projection'][i], 3)} | {summaries.number(curve['xi_backbone'][i], 3)} "
+                f"| {curve['encoder_lambda_mean'][i]:.3f} | {summaries.number(curve['train_lambda_mean'][i], 3)} "
+                f"| {summaries.number(curve['train_loss'][i], 4)} | {curve['train_seconds'][i]:.0f} |"
             )
     if summary["runs_missing"]:
         lines += ["", f"Not finished yet: {', '.join(summary['runs_missing'])}"]
@@ -266,29 +256,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = runner.study_parser(__doc__, DEFAULT_OUTPUT, DEFAULT_STATE, runs=True)
-    args = parser.parse_args(argv)
-    if args.summarize:
-        summary = summarize(args.output_dir)
-        if args.docs is not None:
-            update_docs(args.docs, summary_markdown(summary), block="simclr_study")
-        return
-    config = runner.start(parser, args, STUDY)
-    try:
-        runs = list(RUN_ORDER) if args.runs is None else parse_run_names(args.runs, runner.LOSSES)
-    except ValueError as error:
-        parser.error(str(error))
-    data = load_data(config, args.data_dir)
-    runner.run_all(
-        runs,
-        config,
-        data,
-        args.output_dir,
-        args.state_dir,
-        runner.command_line(argv),
-        args.stop_after_epoch,
-        after_epoch=lambda: summarize(args.output_dir),
-    )
+    runner.main(argv, sys.modules[__name__], STUDY, runner.LOSSES, block="simclr_study", summarize_each_epoch=True)
 
 
 if __name__ == "__main__":

@@ -37,8 +37,7 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # benchmarks.lab
 
 from benchmarks.lab.text_pairs import read_split, same_class_pairs  # noqa: E402
 from benchmarks.lab.weince_grid import SQUARES, is_default, latin_square, point_name  # noqa: E402

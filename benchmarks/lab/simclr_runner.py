@@ -32,8 +32,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from benchmarks.lab.runlog import append_line, file_sha256, read_lines, run_name, save_state, write_lines
-from benchmarks.lab.simclr_eval import SETUPS, EvalData, evaluate, to_memory_format
+from benchmarks.lab.runlog import (
+    append_line,
+    file_sha256,
+    parse_run_names,
+    read_lines,
+    run_name,
+    save_state,
+    write_lines,
+)
+from benchmarks.lab.simclr_eval import SETUPS, EvalData, evaluate, load_data, to_memory_format
+from benchmarks.lab.summaries import update_docs
 from st_weince.utils.provenance import provenance
 from st_weince.vision import SimCLRAugment, SimCLRModel, SimCLRObjective
 
@@ -360,3 +369,30 @@ def start(parser: argparse.ArgumentParser, args: argparse.Namespace, base: dict[
 def command_line(argv: list[str] | None) -> list[str]:
     """The command as the provenance records it."""
     return [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+
+
+def main(
+    argv: list[str] | None,
+    study: Any,
+    config: dict[str, Any],
+    arms: list[str] | tuple[str, ...],
+    block: str,
+    summarize_each_epoch: bool = False,
+) -> None:
+    """The command line of a study of named runs (``--runs arm-seedK``): ``study`` is the script's module with its
+    ``__doc__``, ``OUTPUT``, ``STATE``, ``RUN_ORDER``, ``summarize(output_dir)`` and ``markdown(summary)``."""
+    parser = study_parser(study.__doc__, study.OUTPUT, study.STATE, runs=True)
+    args = parser.parse_args(argv)
+    if args.summarize:
+        summary = study.summarize(args.output_dir)
+        if args.docs is not None:
+            update_docs(args.docs, study.markdown(summary), block=block)
+        return
+    config = start(parser, args, config)
+    try:
+        runs = list(study.RUN_ORDER) if args.runs is None else parse_run_names(args.runs, arms)
+    except ValueError as error:
+        parser.error(str(error))
+    data = load_data(config, args.data_dir)
+    after_epoch = (lambda: study.summarize(args.output_dir)) if summarize_each_epoch else None
+    run_all(runs, config, data, args.output_dir, args.state_dir, command_line(argv), args.stop_after_epoch, after_epoch)
