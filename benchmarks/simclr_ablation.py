@@ -53,6 +53,7 @@ sys.path.insert(0, str(REPO))  # benchmarks.lab
 from benchmarks.lab import runlog, summaries  # noqa: E402
 from benchmarks.lab import simclr_runner as runner  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
+from st_weince.vision import ARMS, SETUPS  # noqa: E402
 
 OUTPUT = REPO / "benchmarks" / "results" / "simclr_ablation"
 STATE = Path("/work/st-weince-ablation-state")
@@ -62,15 +63,8 @@ SCALE_NOTE = (
     "budget; 18 runs x 5 epochs take about 4.5-5 hours, two side by side."
 )
 BASELINE = "infonce"
-# Run-name prefix -> the objective: SimCLRObjective's loss, its options, and the temperature where not the study's.
-ARMS: dict[str, dict[str, Any]] = {
-    "infonce": {"loss": "infonce"},
-    "infonce-topm-infonce": {"loss": "weince", "options": {"mode": "none", "top_m_infonce_weight": 0.5}},
-    "infonce-topm-shortfall": {"loss": "weince", "options": {"mode": "none", "top_m_shortfall_weight": 0.5}},
-    "blend": {"loss": "weince", "options": {}},
-    "composite": {"loss": "weince", "options": {"top_m_shortfall_weight": 0.5, "top_m_infonce_weight": 0.5}},
-    "infonce-tau0.2": {"loss": "infonce", "temperature": 0.2},
-}
+RELEASED = SETUPS["released"]
+# ARMS (st_weince.vision): run-name prefix -> the objective: the loss, its options, the temperature where not 0.5.
 # The composite's parts, each measured as InfoNCE + that part (the blend replaces InfoNCE, so it is measured alone).
 PARTS = ("infonce-topm-infonce", "infonce-topm-shortfall", "blend")
 COMPOSITE = "composite"
@@ -81,9 +75,9 @@ RUN_ORDER = [(arm, seed) for seed in SEEDS for arm in ARM_ORDER]
 ABLATION: dict[str, Any] = {
     **runner.STUDY,
     "setup": "released",
-    "hidden_dim": None,  # the head's hidden layer as wide as the features
-    "lr": 3e-4,
-    "weight_decay": 0.0,
+    "hidden_dim": RELEASED.hidden_dim,  # None: the head's hidden layer as wide as the features
+    "lr": RELEASED.lr,
+    "weight_decay": RELEASED.weight_decay,
     "temperature": 0.5,
     "beta": 1.0,
     "epochs": 5,

@@ -8,7 +8,6 @@ scores of a class-balanced set of evaluation images; WEINCE's statistics of the 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +22,9 @@ from st_weince.vision import (
     KNN_KS,
     KNN_TEMPERATURE,
     PREVIOUS_PROTOCOL,
-    RELEASED_AUGMENT,
-    RELEASED_PROTOCOL,
+    SETUPS,
     ImageTensorDataset,
-    ProbeProtocol,
     SimCLRAugment,
-    SimCLRAugmentConfig,
     SimCLRModel,
     balanced_subset,
     eval_transform,
@@ -37,29 +33,11 @@ from st_weince.vision import (
     knn_evaluate,
     linear_probe,
     load_dataset,
+    to_memory_format,
 )
 
 KNN_HEADLINE_K = 20
 STATS_AUGMENT_SEED = 12345  # the fixed augmented batch for WEINCE's statistics of the encoder
-
-
-@dataclass(frozen=True)
-class Setup:
-    """What ``config["setup"]`` selects besides the optimizer settings (``lr``, ``weight_decay``, ``hidden_dim``
-    stay config keys): the augmentations (their mean/std also normalise the evaluation images), the projection
-    head's BatchNorm and output bias, and the probe protocol of st_weince.vision."""
-
-    augment: SimCLRAugmentConfig
-    head_batch_norm: bool
-    head_output_bias: bool
-    probe: ProbeProtocol
-
-
-# "released": ALGORITHMS.md 1.2b, as recipes/simclr.py --preset released (docs/vision.md's table).
-SETUPS = {
-    "previous": Setup(SimCLRAugmentConfig(), head_batch_norm=True, head_output_bias=True, probe=PREVIOUS_PROTOCOL),
-    "released": Setup(RELEASED_AUGMENT, head_batch_norm=False, head_output_bias=False, probe=RELEASED_PROTOCOL),
-}
 
 
 class EvalData:
@@ -97,10 +75,6 @@ def load_data(config: dict[str, Any], data_dir: Path) -> EvalData:
         f"data: {len(train)} train, {len(evaluation)} {split} images ({time.perf_counter() - tick:.0f} s)", flush=True
     )
     return EvalData(train, evaluation, config)
-
-
-def to_memory_format(images: Tensor, channels_last: bool) -> Tensor:
-    return images.contiguous(memory_format=torch.channels_last) if channels_last else images
 
 
 def pot_shape(embeddings: Tensor, quantile: float) -> dict[str, Any]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -30,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from benchmarks.lab.runlog import (
     append_line,
@@ -41,10 +39,10 @@ from benchmarks.lab.runlog import (
     save_state,
     write_lines,
 )
-from benchmarks.lab.simclr_eval import SETUPS, EvalData, evaluate, load_data, to_memory_format
+from benchmarks.lab.simclr_eval import EvalData, evaluate, load_data
 from benchmarks.lab.summaries import update_docs
 from st_weince.utils.provenance import provenance
-from st_weince.vision import SimCLRAugment, SimCLRModel, SimCLRObjective
+from st_weince.vision import SETUPS, SimCLRAugment, SimCLRTraining, build_run, data_order
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "cifar10" / "cifar10-jpg.zip"
@@ -53,12 +51,12 @@ STUDY: dict[str, Any] = {
     "dataset": "cifar10",
     "backbone": "resnet18",
     "width": 16,
-    "hidden_dim": 512,
+    "hidden_dim": SETUPS["previous"].hidden_dim,
     "projection_dim": 64,
     "batch_size": 256,
     "epochs": 10,
-    "lr": 1e-3,
-    "weight_decay": 1e-6,
+    "lr": SETUPS["previous"].lr,
+    "weight_decay": SETUPS["previous"].weight_decay,
     "temperature": 0.5,
     "beta": 1.0,
     "channels_last": True,
@@ -100,51 +98,12 @@ def run_groups(runs: list[tuple[str, int]]) -> list[list[tuple[str, int]]]:
     return groups
 
 
-def data_order(num_images: int, seed: int, epoch: int) -> Tensor:
-    """The permutation of epoch ``epoch`` for seed ``seed``: the same for every loss, and recomputable on resume."""
-    generator = torch.Generator().manual_seed(1_000_003 * (seed + 1) + epoch)
-    return torch.randperm(num_images, generator=generator)
-
-
-def arm_objective(arm: str, config: dict[str, Any]) -> tuple[str, float, dict[str, Any]]:
-    """(loss class name of SimCLRObjective, temperature, loss options) of the run prefix ``arm``: its entry in
-    ``config["arms"]`` when there is one, else the loss of that name with the study's temperature."""
-    entry = config["arms"].get(arm)
-    if entry is not None:
-        return entry["loss"], entry.get("temperature", config["temperature"]), dict(entry.get("options", {}))
-    return arm, config["temperature"], dict(config["weince_options"]) if arm == "weince" else {}
-
-
 def run_config(config: dict[str, Any], arm: str) -> dict[str, Any]:
     """What a saved state of run prefix ``arm`` must agree with: the configuration, with ``arms`` narrowed to
     that run's own arm (arms added to a study later do not invalidate the states of the runs already going)."""
     if not config.get("arms"):
         return config
     return {**config, "arms": {arm: config["arms"].get(arm)}}
-
-
-def build(arm: str, seed: int, config: dict[str, Any]) -> tuple[SimCLRModel, SimCLRObjective, torch.optim.Optimizer]:
-    torch.manual_seed(seed)  # the same initial network for every loss
-    setup = SETUPS[config["setup"]]
-    model = SimCLRModel(
-        config["backbone"],
-        width=config["width"],
-        hidden_dim=config["hidden_dim"],  # None: as wide as the features (the released head)
-        projection_dim=config["projection_dim"],
-        head_batch_norm=setup.head_batch_norm,
-        head_output_bias=setup.head_output_bias,
-    )
-    if config["channels_last"]:
-        model = model.to(memory_format=torch.channels_last)
-    name, temperature, loss_kwargs = arm_objective(arm, config)
-    beta = loss_kwargs.pop("beta", config["beta"])  # a grid point may set WEINCE's beta too
-    objective = SimCLRObjective(name, scale=1.0 / temperature, beta=beta, loss_kwargs=loss_kwargs)
-    groups = [{"params": list(model.parameters())}]
-    loss_parameters = [p for p in objective.parameters() if p.requires_grad]
-    if loss_parameters:
-        groups.append({"params": loss_parameters, "weight_decay": 0.0})  # no decay on RB-Sigmoid's t, b_rel
-    optimizer = torch.optim.Adam(groups, lr=config["lr"], weight_decay=config["weight_decay"])
-    return model, objective, optimizer
 
 
 def train_run(
@@ -173,9 +132,10 @@ def train_run(
         print(f"[skip] {name}: final line present", flush=True)
         return "skipped"
 
-    model, objective, optimizer = build(arm, seed, config)
+    model, objective, optimizer = build_run(arm, seed, config)  # the same initial network for every arm of a seed
     augment_generator = torch.Generator().manual_seed(seed)
     augment = SimCLRAugment(data.setup.augment, generator=augment_generator)
+    training = SimCLRTraining(model, objective, optimizer, augment, channels_last=config["channels_last"])
     start_epoch, elapsed, train_seconds = 0, 0.0, 0.0
     state = torch.load(state_path, weights_only=False) if state_path.exists() else None
     if state is not None:
@@ -245,25 +205,13 @@ def train_run(
 
     if start_epoch == 0 and config["eval_at_start"]:
         checkpoint(0, None, {})
-    model.train()
     for epoch in range(start_epoch, config["epochs"]):
         tick = time.perf_counter()
-        order = data_order(num_images, seed, epoch)
-        loss_sum = torch.zeros(())
-        for step in range(steps_per_epoch):
-            batch = order[step * batch_size : (step + 1) * batch_size]
-            view_a, view_b = augment(images[batch])
-            projections = model(to_memory_format(torch.cat([view_a, view_b]), config["channels_last"]))
-            z1, z2 = projections.chunk(2)
-            loss_value = objective(z1, z2)
-            optimizer.zero_grad(set_to_none=True)
-            loss_value.backward()
-            optimizer.step()
-            loss_sum += loss_value.detach()
+        try:
+            loss_mean = training.epoch(images, data_order(num_images, seed, epoch), batch_size)
+        except ValueError as error:
+            raise ValueError(f"{name}, epoch {epoch + 1}: {error}") from None
         train_seconds += time.perf_counter() - tick
-        loss_mean = float(loss_sum) / steps_per_epoch
-        if not math.isfinite(loss_mean):
-            raise ValueError(f"{name}: the training loss became {loss_mean} in epoch {epoch + 1}")
         checkpoint(epoch + 1, loss_mean, objective.pop_logged_statistics())
         save_state(
             state_path,
