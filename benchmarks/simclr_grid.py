@@ -342,13 +342,13 @@ def main(argv: list[str] | None = None) -> None:
         seeds = [args.seed] if args.rerun_seeds is None else args.rerun_seeds
         out, state = args.output_dir / "rerun-best", args.state_dir / "rerun-best"
         data = load_data(config, args.data_dir)
-        runner.run_all([("weince", s) for s in seeds], config, data, out, state, argv, after_epoch=summary)
+        runner.StudyRuns(config, data, out, state, argv).run_all([("weince", s) for s in seeds], after_epoch=summary)
         return
     data = load_data(config, args.data_dir)
     for loss, options in [("infonce", {}), *(("weince", options) for options in latin_square(args.square))]:
         name = "infonce" if loss == "infonce" else point_name(options)
         point = {**config, "weince_options": options}
-        runner.run_all([(loss, args.seed)], point, data, args.output_dir / name, args.state_dir / name, argv)
+        runner.StudyRuns(point, data, args.output_dir / name, args.state_dir / name, argv).run_all([(loss, args.seed)])
         summary()
 
 

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
             # The fixed batch of the encoder's WEINCE statistics has the run's batch size.
             data = EvalData(loaded.train, loaded.test, run_config)
             out, state = args.output_dir / f"batch{batch}", args.state_dir / f"batch{batch}"
-            runner.run_all([("infonce", seed), ("weince", seed)], run_config, data, out, state, argv)
+            runner.StudyRuns(run_config, data, out, state, argv).run_all([("infonce", seed), ("weince", seed)])
             summarize(args.output_dir, batch_sizes, seeds)
 
 

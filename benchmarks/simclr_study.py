@@ -5,35 +5,14 @@ this machine (timings in docs/evidence.md): CIFAR-stem ResNet-18 of width 16, ba
 50,000 training images, channels_last, the vision defaults of the losses (temperature 0.5, WEINCE beta 1, RB-Sigmoid
 from its class defaults), Adam lr 1e-3, weight decay 1e-6.
 
-Per seed, every loss sees the identical batches and augmentations: the data order of epoch ``e`` comes from a
-generator seeded with ``(seed, e)``, the augmentations from a generator seeded with ``seed`` that only the
-augmentation draws from, and the network starts from ``torch.manual_seed(seed)``; nothing depends on the loss.
-
-Runs go in the order of ``RUN_ORDER``; consecutive runs of the same seed (InfoNCE and WEINCE of seed k) advance one
-epoch at a time in turn, so the paired comparison of a seed grows epoch by epoch (the continuation from the saved
-state is exact: the tests check that interleaved, resumed and uninterrupted runs give identical lines).
-
-Checkpoints (at epoch 0, i.e. before training, and after every epoch) each append one JSON line to
-``<output-dir>/<loss>-seed<k>.jsonl``:
-
-- linear-probe top-1 and weighted k-NN top-1 (k = 20, temperature 0.1; all k kept) on frozen backbone features of
-  the 10,000 test images. At intermediate checkpoints the probes train on a fixed class-balanced subset of
-  ``probe_subset`` training images (the same for every run); the final line (``"type": "final"``) repeats the
-  evaluation with all 50,000 training images;
-- the training loss's own statistics, means over the epoch (WEINCE: mean lambda, share of lambda > 0.5, rho0, beta;
-  RB-Sigmoid: t, b_rel, b, margin);
-- WEINCE's statistics of the encoder on one fixed augmented batch (same images and views for every run and
-  checkpoint), so lambda along training is comparable between losses, InfoNCE included;
-- the POT/GPD shape xi (st_weince.diagnostics.pot_fit) of the negative cosine scores of all pairs of
-  ``pot_images`` class-balanced test images, of the projections (what the loss sees) and of the backbone features,
-  at the threshold quantile 0.999 of docs/diagnostics.md;
-- step, epoch, images seen, elapsed and training seconds.
-
-The first line of every file is a header (``"type": "header"``: configuration, run, seed, provenance with machine,
-versions, git commit and command). Resumable: after every epoch the training state (model, optimizer, loss
-parameters, augmentation RNG, epoch, clocks) goes to ``<state-dir>/<run>/state.pt`` (outside the git tree); a restart
-continues from it (lines after the saved epoch are dropped, a ``"type": "resume"`` line is added), a run whose final
-line is present is skipped, and an unfinished run without a state restarts from scratch.
+The loop, the checkpoints and the resume are those of the study runner (benchmarks/lab/simclr_runner.py): per
+seed every loss sees the identical initialisation, batches and augmentations; each checkpoint (epoch 0 and every
+epoch) appends one JSON line to ``<output-dir>/<loss>-seed<k>.jsonl`` with the probes on a fixed class-balanced
+subset of ``probe_subset`` training images (``"type": "full"`` at ``full_eval_epochs`` and ``"final"`` at the end:
+on all 50,000), weighted k-NN at k = 20, the loss's own statistics, WEINCE's statistics of the encoder on a fixed
+batch, and the POT shape xi of the test projections and backbone features at the quantile 0.999 of
+docs/diagnostics.md. Runs go in the order of ``RUN_ORDER``; consecutive runs of one seed (InfoNCE and WEINCE of seed
+k) advance one epoch at a time in turn, so the paired comparison of a seed grows epoch by epoch.
 
     # the study, in the background, one core (runs in the order of RUN_ORDER)
     OMP_NUM_THREADS=1 setsid nohup python benchmarks/simclr_study.py > /work/st-weince-study.log 2>&1 &

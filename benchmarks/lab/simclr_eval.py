@@ -36,6 +36,7 @@ from st_weince.vision import (
     to_memory_format,
 )
 
+DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "cifar10" / "cifar10-jpg.zip"
 KNN_HEADLINE_K = 20
 STATS_AUGMENT_SEED = 12345  # the fixed augmented batch for WEINCE's statistics of the encoder
 

@@ -25,27 +25,18 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.lab.runlog import (
-    append_line,
-    file_sha256,
-    parse_run_names,
-    read_lines,
-    run_name,
-    save_state,
-    write_lines,
-)
-from benchmarks.lab.simclr_eval import EvalData, evaluate, load_data
+from benchmarks.lab import runlog
+from benchmarks.lab.simclr_eval import DEFAULT_DATA, EvalData, evaluate, load_data
 from benchmarks.lab.summaries import update_docs
 from st_weince.utils.provenance import provenance
 from st_weince.vision import SETUPS, SimCLRAugment, SimCLRTraining, build_run, data_order
-
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "cifar10" / "cifar10-jpg.zip"
 
 STUDY: dict[str, Any] = {
     "dataset": "cifar10",
@@ -106,170 +97,166 @@ def run_config(config: dict[str, Any], arm: str) -> dict[str, Any]:
     return {**config, "arms": {arm: config["arms"].get(arm)}}
 
 
-def train_run(
-    arm: str,
-    seed: int,
-    config: dict[str, Any],
-    data: EvalData,
-    output_dir: Path,
-    state_dir: Path,
-    argv: list[str],
-    stop_after_epoch: int | None = None,
-    until_epoch: int | None = None,
-    announce_resume: bool = True,
-) -> str:
-    """Train (or continue) one run; returns "skipped", "finished", "stopped" (``stop_after_epoch`` reached) or
-    "paused" (epoch ``until_epoch`` reached; the next call continues from the saved state) or "waiting" (the saved
-    state is at ``until_epoch`` or beyond already; nothing is done).
+@dataclass
+class StudyRuns:
+    """The runs of one study configuration: their data, where their lines and states go, and the command that
+    started them (recorded in the headers and resume lines)."""
 
-    ``announce_resume``: a continuation by a new process adds a ``"type": "resume"`` line; one by the same process
-    (interleaved runs) adds nothing, as the state it continues from is exact."""
-    name = run_name(arm, seed)
-    path = output_dir / f"{name}.jsonl"
-    state_path = state_dir / name / "state.pt"
-    records = read_lines(path)
-    if any(r.get("type") == "final" for r in records):
-        print(f"[skip] {name}: final line present", flush=True)
-        return "skipped"
+    config: dict[str, Any]
+    data: EvalData
+    output_dir: Path
+    state_dir: Path
+    argv: list[str]
 
-    model, objective, optimizer = build_run(arm, seed, config)  # the same initial network for every arm of a seed
-    augment_generator = torch.Generator().manual_seed(seed)
-    augment = SimCLRAugment(data.setup.augment, generator=augment_generator)
-    training = SimCLRTraining(model, objective, optimizer, augment, channels_last=config["channels_last"])
-    start_epoch, elapsed, train_seconds = 0, 0.0, 0.0
-    state = torch.load(state_path, weights_only=False) if state_path.exists() else None
-    if state is not None:
-        saved = run_config({**{k: v for k, v in LATER_KEYS.items() if k in config}, **state["config"]}, arm)
-        mine = run_config(config, arm)
-        if saved != mine:
-            changed = sorted(k for k in set(mine) | set(saved) if mine.get(k) != saved.get(k))
-            raise ValueError(f"{state_path} was written with a different configuration ({changed}); move it away")
-        if until_epoch is not None and state["epoch"] >= until_epoch and records:
-            return "waiting"  # already there: nothing done, nothing written
-    script_sha256 = file_sha256(Path(__file__))
-    if state is not None and records and records[0].get("type") == "header":
-        model.load_state_dict(state["model"])
-        objective.load_state_dict(state["objective"])
-        optimizer.load_state_dict(state["optimizer"])
-        augment_generator.set_state(state["augment_rng"])
-        start_epoch, elapsed, train_seconds = state["epoch"], state["elapsed"], state["train_seconds"]
-        kept = [r for r in records if r.get("type") not in ("checkpoint", "full") or r["epoch"] <= start_epoch]
-        if announce_resume:
-            kept.append(
-                {"type": "resume", "from_epoch": start_epoch, "script_sha256": script_sha256, **provenance(argv)}
-            )
-            print(f"[resume] {name} from epoch {start_epoch}", flush=True)
-        write_lines(path, kept)
-    else:
-        header = {"type": "header", "run": name, "loss": arm, "seed": seed, "config": config}
-        header.update({"objective": objective.get_config_dict(), "script_sha256": script_sha256, **provenance(argv)})
-        write_lines(path, [header])
-        print(f"[start] {name}", flush=True)
+    def run_all(
+        self,
+        runs: list[tuple[str, int]],
+        stop_after_epoch: int | None = None,
+        after_epoch: Callable[[], Any] | None = None,
+    ) -> None:
+        """Train the runs in order; consecutive runs of one seed in lockstep (every run of the group reaches epoch
+        e before any goes on to e + 1); ``after_epoch()`` (a summary) after every round."""
+        for group in run_groups(runs):
+            active = list(group)
+            announced: set[tuple[str, int]] = set()
+            for target in range(1, self.config["epochs"] + 1) if len(group) > 1 else [None]:
+                for run in list(active):
+                    status = self.train(
+                        *run, stop_after_epoch, until_epoch=target, announce_resume=run not in announced
+                    )
+                    if status != "waiting":
+                        announced.add(run)
+                    if status not in ("paused", "waiting"):
+                        active.remove(run)
+                if after_epoch is not None:
+                    after_epoch()
 
-    images = data.train.images
-    num_images, batch_size = images.shape[0], config["batch_size"]
-    steps_per_epoch = num_images // batch_size
-    if steps_per_epoch < 1:
-        raise ValueError(f"batch_size {batch_size} needs at least that many training images, got {num_images}")
-    session_start = time.perf_counter() - elapsed
+    def train(
+        self,
+        arm: str,
+        seed: int,
+        stop_after_epoch: int | None = None,
+        until_epoch: int | None = None,
+        announce_resume: bool = True,
+    ) -> str:
+        """Train (or continue) one run; returns "skipped", "finished", "stopped" (``stop_after_epoch`` reached) or
+        "paused" (epoch ``until_epoch`` reached; the next call continues from the saved state) or "waiting" (the
+        saved state is at ``until_epoch`` or beyond already; nothing is done).
 
-    def checkpoint(epoch: int, loss_mean: float | None, loss_statistics: dict[str, float]) -> None:
-        final = epoch == config["epochs"]
-        full = final or epoch in config["full_eval_epochs"]
-        evaluation = evaluate(model, data, config, seed, full=full)
-        base = {
-            "epoch": epoch,
-            "step": epoch * steps_per_epoch,
-            "images_seen": epoch * steps_per_epoch * batch_size,
-            "train_loss": loss_mean,
-            "loss_statistics": loss_statistics,
-            "pot_projection": evaluation["pot_projection"],
-            "pot_backbone": evaluation["pot_backbone"],
-            "encoder_weince_statistics": evaluation["encoder_weince_statistics"],
-            "loss_parameters": {n: float(p.detach().reshape(-1)[0]) for n, p in objective.named_parameters()},
-            "train_seconds": train_seconds,
-            "eval_seconds": evaluation["eval_seconds"],
-            "elapsed_seconds": time.perf_counter() - session_start,
-            "load_average": list(os.getloadavg()),  # the machine is shared: read timings next to it
-        }
-        append_line(path, {"type": "checkpoint", **evaluation["subset"], **base})
-        if full:  # "final" at the last epoch, "full" at the milestones before it
-            append_line(path, {"type": "final" if final else "full", **evaluation["full"], **base})
-        print(
-            f"[{name}] epoch {epoch}: linear {evaluation['subset']['linear_top1']:.2f} "
-            f"k-NN {evaluation['subset']['knn_top1']:.2f} xi {evaluation['pot_projection']['xi']} "
-            f"lambda {evaluation['encoder_weince_statistics']['lambda_mean']:.3f} "
-            f"({time.perf_counter() - session_start:.0f} s)",
-            flush=True,
-        )
+        ``announce_resume``: a continuation by a new process adds a ``"type": "resume"`` line; one by the same
+        process (interleaved runs) adds nothing, as the state it continues from is exact."""
+        config, data, argv = self.config, self.data, self.argv
+        name = runlog.run_name(arm, seed)
+        path = self.output_dir / f"{name}.jsonl"
+        state_path = self.state_dir / name / "state.pt"
+        records = runlog.read_lines(path)
+        if any(r.get("type") == "final" for r in records):
+            print(f"[skip] {name}: final line present", flush=True)
+            return "skipped"
 
-    if start_epoch == 0 and config["eval_at_start"]:
-        checkpoint(0, None, {})
-    for epoch in range(start_epoch, config["epochs"]):
-        tick = time.perf_counter()
-        try:
-            loss_mean = training.epoch(images, data_order(num_images, seed, epoch), batch_size)
-        except ValueError as error:
-            raise ValueError(f"{name}, epoch {epoch + 1}: {error}") from None
-        train_seconds += time.perf_counter() - tick
-        checkpoint(epoch + 1, loss_mean, objective.pop_logged_statistics())
-        save_state(
-            state_path,
-            {
-                "config": config,
-                "epoch": epoch + 1,
-                "model": model.state_dict(),
-                "objective": objective.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "augment_rng": augment_generator.get_state(),
-                "elapsed": time.perf_counter() - session_start,
-                "train_seconds": train_seconds,
-            },
-        )
-        if stop_after_epoch is not None and epoch + 1 >= stop_after_epoch and epoch + 1 < config["epochs"]:
-            print(f"[stop] {name} after epoch {epoch + 1} (--stop-after-epoch)", flush=True)
-            return "stopped"
-        if until_epoch is not None and epoch + 1 >= until_epoch and epoch + 1 < config["epochs"]:
-            return "paused"
-    print(f"[done] {name}", flush=True)
-    return "finished"
-
-
-def run_all(
-    runs: list[tuple[str, int]],
-    config: dict[str, Any],
-    data: EvalData,
-    output_dir: Path,
-    state_dir: Path,
-    argv: list[str],
-    stop_after_epoch: int | None = None,
-    after_epoch: Any = None,
-) -> None:
-    """Train the runs in order; consecutive runs of one seed in lockstep (every run of the group reaches epoch e
-    before any goes on to e + 1); ``after_epoch()`` (a summary) after every round."""
-    for group in run_groups(runs):
-        active = list(group)
-        announced: set[tuple[str, int]] = set()
-        targets = range(1, config["epochs"] + 1) if len(group) > 1 else [None]
-        for target in targets:
-            for run in list(active):
-                status = train_run(
-                    *run,
-                    config,
-                    data,
-                    output_dir,
-                    state_dir,
-                    argv,
-                    stop_after_epoch=stop_after_epoch,
-                    until_epoch=target,
-                    announce_resume=run not in announced,
+        model, objective, optimizer = build_run(arm, seed, config)  # the same initial network for every arm of a seed
+        augment_generator = torch.Generator().manual_seed(seed)
+        augment = SimCLRAugment(data.setup.augment, generator=augment_generator)
+        training = SimCLRTraining(model, objective, optimizer, augment, channels_last=config["channels_last"])
+        start_epoch, elapsed, train_seconds = 0, 0.0, 0.0
+        state = torch.load(state_path, weights_only=False) if state_path.exists() else None
+        if state is not None:
+            saved = run_config({**{k: v for k, v in LATER_KEYS.items() if k in config}, **state["config"]}, arm)
+            mine = run_config(config, arm)
+            if saved != mine:
+                changed = sorted(k for k in set(mine) | set(saved) if mine.get(k) != saved.get(k))
+                raise ValueError(f"{state_path} was written with a different configuration ({changed}); move it away")
+            if until_epoch is not None and state["epoch"] >= until_epoch and records:
+                return "waiting"  # already there: nothing done, nothing written
+        script_sha256 = runlog.file_sha256(Path(__file__))
+        if state is not None and records and records[0].get("type") == "header":
+            model.load_state_dict(state["model"])
+            objective.load_state_dict(state["objective"])
+            optimizer.load_state_dict(state["optimizer"])
+            augment_generator.set_state(state["augment_rng"])
+            start_epoch, elapsed, train_seconds = state["epoch"], state["elapsed"], state["train_seconds"]
+            kept = [r for r in records if r.get("type") not in ("checkpoint", "full") or r["epoch"] <= start_epoch]
+            if announce_resume:
+                kept.append(
+                    {"type": "resume", "from_epoch": start_epoch, "script_sha256": script_sha256, **provenance(argv)}
                 )
-                if status != "waiting":
-                    announced.add(run)
-                if status not in ("paused", "waiting"):
-                    active.remove(run)
-            if after_epoch is not None:
-                after_epoch()
+                print(f"[resume] {name} from epoch {start_epoch}", flush=True)
+            runlog.write_lines(path, kept)
+        else:
+            header = {"type": "header", "run": name, "loss": arm, "seed": seed, "config": config}
+            header.update(
+                {"objective": objective.get_config_dict(), "script_sha256": script_sha256, **provenance(argv)}
+            )
+            runlog.write_lines(path, [header])
+            print(f"[start] {name}", flush=True)
+
+        images = data.train.images
+        num_images, batch_size = images.shape[0], config["batch_size"]
+        steps_per_epoch = num_images // batch_size
+        if steps_per_epoch < 1:
+            raise ValueError(f"batch_size {batch_size} needs at least that many training images, got {num_images}")
+        session_start = time.perf_counter() - elapsed
+
+        def checkpoint(epoch: int, loss_mean: float | None, loss_statistics: dict[str, float]) -> None:
+            final = epoch == config["epochs"]
+            full = final or epoch in config["full_eval_epochs"]
+            evaluation = evaluate(model, data, config, seed, full=full)
+            base = {
+                "epoch": epoch,
+                "step": epoch * steps_per_epoch,
+                "images_seen": epoch * steps_per_epoch * batch_size,
+                "train_loss": loss_mean,
+                "loss_statistics": loss_statistics,
+                "pot_projection": evaluation["pot_projection"],
+                "pot_backbone": evaluation["pot_backbone"],
+                "encoder_weince_statistics": evaluation["encoder_weince_statistics"],
+                "loss_parameters": {n: float(p.detach().reshape(-1)[0]) for n, p in objective.named_parameters()},
+                "train_seconds": train_seconds,
+                "eval_seconds": evaluation["eval_seconds"],
+                "elapsed_seconds": time.perf_counter() - session_start,
+                "load_average": list(os.getloadavg()),  # the machine is shared: read timings next to it
+            }
+            runlog.append_line(path, {"type": "checkpoint", **evaluation["subset"], **base})
+            if full:  # "final" at the last epoch, "full" at the milestones before it
+                runlog.append_line(path, {"type": "final" if final else "full", **evaluation["full"], **base})
+            print(
+                f"[{name}] epoch {epoch}: linear {evaluation['subset']['linear_top1']:.2f} "
+                f"k-NN {evaluation['subset']['knn_top1']:.2f} xi {evaluation['pot_projection']['xi']} "
+                f"lambda {evaluation['encoder_weince_statistics']['lambda_mean']:.3f} "
+                f"({time.perf_counter() - session_start:.0f} s)",
+                flush=True,
+            )
+
+        if start_epoch == 0 and config["eval_at_start"]:
+            checkpoint(0, None, {})
+        for epoch in range(start_epoch, config["epochs"]):
+            tick = time.perf_counter()
+            try:
+                loss_mean = training.epoch(images, data_order(num_images, seed, epoch), batch_size)
+            except ValueError as error:
+                raise ValueError(f"{name}, epoch {epoch + 1}: {error}") from None
+            train_seconds += time.perf_counter() - tick
+            checkpoint(epoch + 1, loss_mean, objective.pop_logged_statistics())
+            runlog.save_state(
+                state_path,
+                {
+                    "config": config,
+                    "epoch": epoch + 1,
+                    "model": model.state_dict(),
+                    "objective": objective.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "augment_rng": augment_generator.get_state(),
+                    "elapsed": time.perf_counter() - session_start,
+                    "train_seconds": train_seconds,
+                },
+            )
+            if stop_after_epoch is not None and epoch + 1 >= stop_after_epoch and epoch + 1 < config["epochs"]:
+                print(f"[stop] {name} after epoch {epoch + 1} (--stop-after-epoch)", flush=True)
+                return "stopped"
+            if until_epoch is not None and epoch + 1 >= until_epoch and epoch + 1 < config["epochs"]:
+                return "paused"
+        print(f"[done] {name}", flush=True)
+        return "finished"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -338,9 +325,10 @@ def main(
         return
     config = start(parser, args, config)
     try:
-        runs = list(study.RUN_ORDER) if args.runs is None else parse_run_names(args.runs, arms)
+        runs = list(study.RUN_ORDER) if args.runs is None else runlog.parse_run_names(args.runs, arms)
     except ValueError as error:
         parser.error(str(error))
     data = load_data(config, args.data_dir)
     after_epoch = (lambda: study.summarize(args.output_dir)) if summarize_each_epoch else None
-    run_all(runs, config, data, args.output_dir, args.state_dir, command_line(argv), args.stop_after_epoch, after_epoch)
+    study_runs = StudyRuns(config, data, args.output_dir, args.state_dir, command_line(argv))
+    study_runs.run_all(runs, args.stop_after_epoch, after_epoch)
