@@ -170,7 +170,8 @@ def plot_rerun(rerun: dict[str, Any], path: Path) -> None:
             ax.set_title(f"{name} top-1 minus InfoNCE of the same seed (points, subset probe)", fontsize=9)
             ax.set_xlabel("epoch")
             ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=6)
+        if axes[0].get_legend_handles_labels()[0]:  # no seed has a paired epoch yet early in the rerun
+            axes[0].legend(fontsize=6)
 
 
 def summarize(
