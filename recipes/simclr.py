@@ -1,36 +1,27 @@
 """SimCLR-style image pre-training with InfoNCE, WEINCE or RB-Sigmoid, then frozen-feature evaluation.
 
-Only the loss changes between runs, and it is the SAME class as on the text side (st_weince/vision/objectives.py):
-``--loss infonce`` (sentence-transformers' MultipleNegativesRankingLoss in both view orders = NT-Xent), ``weince``
-(WEINCELoss on the NT-Xent 2N layout, beta 1) or ``rb-sigmoid`` (RBSigmoidLoss; its t and b_rel are trained).
-``--loss-option KEY=VALUE`` (repeatable, as in recipes/simcse.py) goes to the loss class, which validates it;
-``--scale`` is 1 / temperature (default 2), or RB-Sigmoid's starting t.
-
-``--preset`` (st_weince.vision.SETUPS; docs/vision.md has every setting side by side): ``previous`` (the default; head
-with BatchNorm, Adam lr 1e-3 and weight decay 1e-6, jitter 0.4/0.4/0.4/0.1, normalised inputs, probe on standardised
-features) or ``released`` (docs/algorithms.md 1.2b for both arms: head without BatchNorm or biases, Adam lr 3e-4,
-jitter 0.8/0.8/0.8/0.2, no normalisation, the released probe protocol; ``--loss weince`` is the released composite,
-top_m_shortfall_weight = top_m_infonce_weight = 0.5, which ``--no-preset-loss-options`` drops). ``--lr``,
-``--weight-decay`` and ``--hidden-dim`` override the preset. The training step is st_weince.vision.SimCLRTraining.
+Only the loss changes between runs; it is the SAME class as on the text side (st_weince/vision/objectives.py).
+``--loss-option KEY=VALUE`` (repeatable) goes to the loss class, which validates it; ``--scale`` is 1 / temperature
+(default 2), or RB-Sigmoid's starting t. ``--preset`` (st_weince.vision.SETUPS; docs/vision.md compares them):
+``previous`` (the default; BatchNorm head, Adam lr 1e-3 with weight decay 1e-6, jitter 0.4/0.4/0.4/0.1, normalised
+inputs) or ``released`` (docs/algorithms.md 1.2b for both arms: head without BatchNorm or biases, Adam lr 3e-4,
+jitter 0.8/0.8/0.8/0.2, no normalisation, the released probe protocol; ``--loss weince`` is the released composite
+unless ``--no-preset-loss-options``). ``--lr``, ``--weight-decay`` and ``--hidden-dim`` override the preset.
 
     python recipes/simclr.py --dataset cifar10 --data-dir ../shared/data/cifar10/cifar10-jpg.zip --loss weince \
         --width 16 --batch-size 64 --max-steps 200 --limit-train 10000 --limit-eval 2000 --output-dir runs/demo
     accelerate launch recipes/simclr.py --preset released --dataset cifar100 --data-dir data --loss weince
 
-Under several processes each computes the loss on its own share of the batch (``--batch-size`` is per process).
-``--output-dir`` gets results.json (linear_top1, knn_top1 in percent, the loss curve, throughput, configuration,
-provenance) and the model (model.pt + model_config.json; st_weince.vision.load_encoder loads it).
+``--batch-size`` is per process. ``--output-dir`` gets results.json, training_curves.png and the model (load_encoder).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import math
 import os
 import time
-from pathlib import Path
+from functools import partial
 from typing import Any
 
 import torch
@@ -39,16 +30,15 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from st_weince.utils.cli import parse_key_values, positive_float, quiet_known_warnings, user_errors_exit
-from st_weince.utils.provenance import provenance
-from st_weince.vision.augment import SimCLRAugment, eval_transform
-from st_weince.vision.data import DEFAULT_SPLITS, load_dataset
+from st_weince.utils.run_outputs import write_run_outputs
+from st_weince.vision.augment import SimCLRAugment, SimCLRAugmentConfig, eval_transform
+from st_weince.vision.data import DEFAULT_SPLITS, ImageTensorDataset, load_dataset
 from st_weince.vision.evaluation import evaluate_frozen_features, extract_features
 from st_weince.vision.models import BACKBONES, SimCLRModel, save_encoder
 from st_weince.vision.objectives import LOSSES, SIMCLR_BETA, SIMCLR_SCALE, SimCLRObjective
 from st_weince.vision.presets import SETUPS
 from st_weince.vision.training import SimCLRTraining, build_model, build_optimizer, data_order
 
-STL10_MEAN, STL10_STD = (0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)
 FEATURE_WIDTH = "features"  # --hidden-dim value: as wide as the backbone features
 
 
@@ -109,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def load_split(args: argparse.Namespace, split: str, limit: int | None) -> Any:
+def load_split(args: argparse.Namespace, split: str, limit: int | None) -> ImageTensorDataset:
     """``split``: "pretrain", "train" or "test", the dataset's split for it (DEFAULT_SPLITS)."""
     return load_dataset(args.dataset, DEFAULT_SPLITS[args.dataset][split], args.data_dir, limit=limit,
                         subset_seed=args.subset_seed, download=not args.no_download)  # fmt: skip
@@ -165,22 +155,19 @@ def train(args: argparse.Namespace, accelerator: Accelerator, training: SimCLRTr
             "throughput": throughput, "final_loss": final_loss, "history": history}  # fmt: skip
 
 
-def evaluate(args: argparse.Namespace, encoder: torch.nn.Module, pretrain: Any, augment_config: Any, device) -> dict:
+def evaluate(args: argparse.Namespace, encoder: torch.nn.Module, pretrain: ImageTensorDataset,
+             augment_config: SimCLRAugmentConfig, device: torch.device) -> dict[str, Any]:  # fmt: skip
     """The preset's probe protocol on frozen, un-augmented backbone features."""
     splits, tick = DEFAULT_SPLITS[args.dataset], time.perf_counter()
     probe_limit = args.limit_probe_train if args.limit_probe_train is not None else args.limit_train
     same = splits["train"] == splits["pretrain"] and probe_limit == args.limit_train
     probe_train = pretrain if same else load_split(args, "train", probe_limit)
     test = load_split(args, "test", args.limit_eval)
-
-    def transform(images: torch.Tensor) -> torch.Tensor:
-        return eval_transform(images, augment_config.mean, augment_config.std)
-
-    def features(images: torch.Tensor) -> torch.Tensor:
-        return extract_features(encoder, images, transform, args.eval_batch_size, device)
-
-    result = evaluate_frozen_features(features(probe_train.images), probe_train.labels, features(test.images),
-                                      test.labels, SETUPS[args.preset].probe, epochs=args.probe_epochs,
+    transform = partial(eval_transform, mean=augment_config.mean, std=augment_config.std)
+    train_features, test_features = (extract_features(encoder, split.images, transform, args.eval_batch_size, device)
+                                     for split in (probe_train, test))  # fmt: skip
+    result = evaluate_frozen_features(train_features, probe_train.labels, test_features, test.labels,
+                                      SETUPS[args.preset].probe, epochs=args.probe_epochs,
                                       num_classes=len(probe_train.classes), seed=args.seed)  # fmt: skip
     print(f"linear top-1 {result['linear_top1']:.2f} %  k-NN top-1 (k={result['knn_headline_k']}) "
           f"{result['knn_top1']:.2f} %")  # fmt: skip
@@ -189,8 +176,7 @@ def evaluate(args: argparse.Namespace, encoder: torch.nn.Module, pretrain: Any, 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or torch.get_num_threads())
     # Several processes without CUDA (torchrun on a CPU machine): accelerate sets up gloo only when told cpu=True.
     accelerator = Accelerator(cpu=int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available())
     set_seed(args.seed)
@@ -202,9 +188,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model, objective = load_model(args), build_loss(args).to(accelerator.device)
     optimizer = build_optimizer(model, objective, args.lr, args.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
-    augment_config = SETUPS[args.preset].augment
-    if args.dataset == "stl10" and args.preset == "previous":  # the released setup never normalises
-        augment_config = dataclasses.replace(augment_config, mean=STL10_MEAN, std=STL10_STD)
+    augment_config = SETUPS[args.preset].augment_for(args.dataset)
     augment = SimCLRAugment(augment_config, generator=torch.Generator().manual_seed(args.seed))
     training = SimCLRTraining(model, objective, optimizer, augment, backward=accelerator.backward)
     results = {"dataset": args.dataset, "preset": args.preset, "loss": args.loss, "seed": args.seed,
@@ -214,18 +198,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results["objective"] = objective.get_config_dict()
 
     unwrapped = accelerator.unwrap_model(model)
-    if accelerator.is_main_process:
-        if not args.skip_eval:
-            results.update(evaluate(args, unwrapped.encoder, pretrain, augment_config, accelerator.device))
-        config = {k: v for k, v in vars(args).items()}
-        results.update({"config": config, "num_processes": accelerator.num_processes, "environment": provenance()})
-        output_dir = Path(args.output_dir)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        if not args.no_save_model:
-            save_encoder(unwrapped, output_dir, {"loss": args.loss, "seed": args.seed, "steps": results["steps"]})
-        (output_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    if accelerator.is_main_process and not args.skip_eval:
+        results.update(evaluate(args, unwrapped.encoder, pretrain, augment_config, accelerator.device))
+    if accelerator.is_main_process and not args.no_save_model:
+        save_encoder(unwrapped, args.output_dir, {"loss": args.loss, "seed": args.seed, "steps": results["steps"]})
+    results["num_processes"] = accelerator.num_processes
+    record = write_run_outputs(args.output_dir, results, args, log_history=results["history"],
+                               title=f"SimCLR {args.loss}", write=accelerator.is_main_process)  # fmt: skip
     accelerator.wait_for_everyone()
-    return results
+    return record
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

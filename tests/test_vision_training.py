@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from st_weince.utils.hotpath import count_host_syncs
 from st_weince.vision import (
     ARMS,
     SETUPS,
@@ -16,9 +17,13 @@ from st_weince.vision import (
     SimCLRObjective,
     SimCLRTraining,
     arm_objective,
+    build_optimizer,
     build_run,
     data_order,
+    load_dataset,
+    load_encoder,
 )
+from tests.test_vision_recipe import recipe, tiny_zip  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -98,6 +103,10 @@ def test_arms_and_setups():
     assert arm_objective("infonce", config) == ("infonce", 0.25, {})
     assert SETUPS["released"].loss_options["weince"] == ARMS["composite"]["options"]
     assert (SETUPS["previous"].lr, SETUPS["previous"].weight_decay, SETUPS["previous"].hidden_dim) == (1e-3, 1e-6, 512)
+    # STL-10 is normalised with its own statistics, except under the released setup, which never normalises
+    assert SETUPS["previous"].augment_for("stl10").mean == (0.4467, 0.4398, 0.4066)
+    assert SETUPS["previous"].augment_for("cifar10") is SETUPS["previous"].augment
+    assert SETUPS["released"].augment_for("stl10") is SETUPS["released"].augment
 
 
 def test_shards_of_the_global_batch_and_the_steps_limit():
@@ -134,3 +143,44 @@ def test_autocast_forward_float32_loss_and_the_non_finite_error():
     training.step(images_of(8, 1))  # the weights become non-finite; the next epoch's mean says so
     with pytest.raises(ValueError, match="training loss became nan"):
         training.epoch(images_of(8), torch.arange(8), 8)
+
+
+@pytest.mark.parametrize("preset, loss", [("previous", "rb-sigmoid"), ("released", "weince")])
+def test_the_recipe_trains_with_the_same_step(recipe, tiny_zip, tmp_path, preset, loss):  # noqa: F811
+    """recipes/simclr.py's run equals SimCLRTraining over data_order bit for bit (3 steps over 2 epochs), so the
+    recipe, the studies and gpu_study train alike."""
+    argv = ["--preset", preset, "--dataset", "imagefolder", "--data-dir", str(tiny_zip), "--loss", loss, "--seed", "2"]
+    argv += ["--width", "2", "--hidden-dim", "8", "--projection-dim", "8", "--batch-size", "6", "--max-steps", "3"]
+    argv += ["--limit-train", "12", "--skip-eval", "--log-every", "1", "--output-dir", str(tmp_path)]
+    results = recipe.main(argv)
+    args = recipe.parse_args(argv)
+    torch.manual_seed(2)
+    model, objective = recipe.load_model(args), recipe.build_loss(args)
+    optimizer = build_optimizer(model, objective, args.lr, args.weight_decay)
+    augment = SimCLRAugment(SETUPS[preset].augment, generator=torch.Generator().manual_seed(2))
+    training = SimCLRTraining(model, objective, optimizer, augment)
+    images = load_dataset("imagefolder", "train", tiny_zip, limit=12).images
+    losses: list[float] = []
+    for epoch, steps in ((0, 2), (1, 1)):
+        training.epoch(images, data_order(12, 2, epoch), 6, steps=steps, on_step=lambda s, v: losses.append(float(v)))
+    assert [h["loss"] for h in results["history"]] == losses
+    saved = load_encoder(tmp_path)
+    for (name, value), expected in zip(saved.state_dict().items(), model.state_dict().values(), strict=True):
+        assert torch.equal(value, expected), name
+
+
+@pytest.mark.parametrize("arm, per_step", [("infonce", 0), ("weince", 1)])  # WEINCE: its one input check
+def test_host_syncs_per_step_and_epoch(arm, per_step):
+    """No host sync in the step beyond the loss's own; one per epoch for its mean. (SGD: Adam's step counter is a
+    CPU scalar, read per parameter, which counts here but is no device sync on a GPU.)"""
+    model, objective, _ = build_run(arm, 0, TINY_SETUPS["previous"])
+    augment = SimCLRAugment(SETUPS["previous"].augment, generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    training = SimCLRTraining(model, objective, optimizer, augment, channels_last=True)
+    images = images_of(24)
+    training.step(images[:8])  # first-call set-up out of the count
+    with count_host_syncs() as step_syncs:
+        training.step(images[:8])
+    with count_host_syncs() as epoch_syncs:
+        training.epoch(images, data_order(24, 0, 0), 8)
+    assert step_syncs.total == per_step and epoch_syncs.total == 3 * per_step + 1

@@ -13,13 +13,15 @@ temperature 0.5, WEINCE beta 1, 64-d projections, 100 epochs) is in :mod:`.objec
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from st_weince.losses.weince import RELEASED_COMPOSITE
 from st_weince.vision.augment import RELEASED_AUGMENT, SimCLRAugmentConfig
 from st_weince.vision.evaluation import PREVIOUS_PROTOCOL, RELEASED_PROTOCOL, ProbeProtocol
 from st_weince.vision.objectives import SIMCLR_BETA, SIMCLR_SCALE, SimCLRObjective
+
+STL10_MEAN, STL10_STD = (0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,12 @@ class Setup:
     weight_decay: float
     hidden_dim: int | None
     loss_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def augment_for(self, dataset: str) -> SimCLRAugmentConfig:
+        """The augmentations on ``dataset``: a setup that normalises uses STL-10's own mean and std there."""
+        if dataset == "stl10" and self.augment.std != (1.0, 1.0, 1.0):
+            return replace(self.augment, mean=STL10_MEAN, std=STL10_STD)
+        return self.augment
 
 
 # The released composite's top-M terms (M: the loss's default 50); its scale and beta are the vision defaults.
