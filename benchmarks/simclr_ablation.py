@@ -93,12 +93,8 @@ def paired(finals: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
     for (arm, seed), record in finals.items():
         by_arm.setdefault(arm, {})[seed] = record
     out: dict[str, Any] = {}
-    for arm in ARMS:
-        difference = (
-            None
-            if arm == BASELINE
-            else summaries.paired_difference(by_arm.get(arm, {}), by_arm.get(BASELINE, {}), METRICS)
-        )
+    for arm in (arm for arm in ARMS if arm != BASELINE):
+        difference = summaries.paired_difference(by_arm.get(arm, {}), by_arm.get(BASELINE, {}), METRICS)
         if difference is not None:
             out[f"{arm}_minus_{BASELINE}"] = difference
     differences = [out.get(f"{arm}_minus_{BASELINE}", {"per_seed": {}})["per_seed"] for arm in (COMPOSITE, *PARTS)]
