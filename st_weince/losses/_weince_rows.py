@@ -111,9 +111,7 @@ def top_m_units(layout: MNRLLayout) -> list[Unit]:
     return [(torch.cat([g.scores for g in groups], dim=1), groups[0].positive_index, valid_mask)]
 
 
-def top_m_rows(
-    units: list[Unit], beta_t: Tensor | None, options: TopMOptions, scale: float
-) -> tuple[Tensor, Tensor]:
+def top_m_rows(units: list[Unit], beta_t: Tensor | None, options: TopMOptions, scale: float) -> tuple[Tensor, Tensor]:
     """Per-row [R] top-M shortfall and top-M InfoNCE terms (the mean over the units of a row)."""
     beta = beta_t if beta_t is not None else 1.0  # only the shortfall term reads it, and it is off then
     terms = [top_m_cross_entropies(s, index, mask, options, beta=beta, scale=scale) for s, index, mask in units]

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -10,24 +9,20 @@ from torch import Tensor, nn
 
 from st_weince.functional.checks import full_precision
 from st_weince.functional.composite import (
-    TOP_M_DEFAULTS,
     BatchTail,
     BatchTailFit,
-    TopMOptions,
     batch_tail_fit,
     composite_loss,
     initial_beta_ema,
     update_beta_ema,
 )
 from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
-from st_weince.functional.layouts import Direction, MNRLLayout, PartitionMode, check_directions, mnrl_layout
+from st_weince.functional.layouts import Direction, MNRLLayout, PartitionMode, mnrl_layout
 from st_weince.functional.weince import (
     DEFAULTS,
     TailFit,
     WeinceMode,
-    WeinceOptions,
     WeinceStatistics,
-    check_scale,
     statistics_from_fit,
     weince_cross_entropy,
     weince_statistics,
@@ -45,7 +40,8 @@ from st_weince.losses._weince_rows import (
     top_m_rows,
     top_m_units,
 )
-from st_weince.utils.options import flag_option, options_from_arguments
+from st_weince.losses.options import WEINCELossOptions
+from st_weince.utils.options import options_from_arguments
 
 WEINCE_CITATION = """
 @inproceedings{erol2026weince,
@@ -57,71 +53,6 @@ WEINCE_CITATION = """
     archivePrefix={arXiv},
 }
 """
-
-
-@dataclass(frozen=True)
-class WEINCELossOptions:
-    """The options of :class:`WEINCELoss` (and :class:`~st_weince.losses.CachedWEINCELoss`): the one place of their
-    defaults and their validation; the loss signatures read their defaults from here, ``get_config_dict`` writes
-    them out. The nine options of the math default to the released implementation's
-    (:class:`~st_weince.functional.WeinceOptions`), except ``beta``: "auto" here, because the released 1.0 was tuned
-    at temperature 0.5 and is 10-20x too soft at SimCSE's 0.05 (``docs/weince.md``). The scale is MNRL's
-    (temperature 0.05)."""
-
-    scale: float = 20.0
-    gather_across_devices: bool = False
-    directions: tuple[Direction, ...] = ("query_to_doc",)
-    partition_mode: PartitionMode = "joint"
-    beta: float | str = "auto"
-    mode: WeinceMode = DEFAULTS.mode
-    q: float = DEFAULTS.q
-    kappa_rho: float = DEFAULTS.kappa_rho
-    kappa_aic: float = DEFAULTS.kappa_aic
-    aic_margin: float = DEFAULTS.aic_margin
-    tail_frac: float = DEFAULTS.tail_frac
-    min_tail_points: int = DEFAULTS.min_tail_points
-    eps: float = DEFAULTS.eps
-    false_negative_filter: FalseNegativeFilter | None = None
-    check_inputs: bool = True
-    # The released vision composite's two top-M terms and the batch tail index of the shortfall term: off by default
-    # (weights 0); the other defaults are the released implementation's (TopMOptions).
-    top_m: int = TOP_M_DEFAULTS.top_m
-    top_m_shortfall_weight: float = TOP_M_DEFAULTS.top_m_shortfall_weight
-    top_m_infonce_weight: float = TOP_M_DEFAULTS.top_m_infonce_weight
-    beta_ema_start: float = TOP_M_DEFAULTS.beta_ema_start
-    beta_ema_momentum: float = TOP_M_DEFAULTS.beta_ema_momentum
-    beta_min_r_squared: float = TOP_M_DEFAULTS.beta_min_r_squared
-    beta_min: float = TOP_M_DEFAULTS.beta_min
-    beta_max: float = TOP_M_DEFAULTS.beta_max
-    beta_tail_min_points: int = TOP_M_DEFAULTS.beta_tail_min_points
-    beta_tail_frac: float = TOP_M_DEFAULTS.beta_tail_frac
-    # The options of the statistics (:mod:`st_weince.functional.weince`), derived from the fields above.
-    math: WeinceOptions = field(init=False, repr=False, compare=False)
-    # The options of the top-M terms (:mod:`st_weince.functional.composite`), derived from the fields above.
-    top_m_options: TopMOptions = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        def put(name: str, value: Any) -> None:
-            object.__setattr__(self, name, value)
-
-        put("scale", check_scale(self.scale))
-        for name in ("gather_across_devices", "check_inputs"):
-            put(name, flag_option(name, getattr(self, name)))
-        check_directions(self.directions, self.partition_mode)
-        put("directions", tuple(self.directions))
-        put("math", WeinceOptions(**{f.name: getattr(self, f.name) for f in fields(WeinceOptions)}))
-        for name in self.math.as_dict():  # validated and normalised there (NumPy numbers -> Python numbers)
-            put(name, getattr(self.math, name))
-        put("false_negative_filter", FalseNegativeFilter.parse(self.false_negative_filter))
-        # validated and normalised there; eps is the blend's (one floor of the shortfall for every term)
-        put("top_m_options", TopMOptions(**{f.name: getattr(self, f.name) for f in fields(TopMOptions)}))
-        for name in self.top_m_options.as_dict():
-            put(name, getattr(self.top_m_options, name))
-
-    @property
-    def has_top_m_terms(self) -> bool:
-        """Whether either top-M term is on (a weight > 0)."""
-        return self.top_m_shortfall_weight > 0 or self.top_m_infonce_weight > 0
 
 
 #: The released vision composite (docs/algorithms.md, "the released recipe"): temperature 0.5 (scale 2), beta 1 in the
