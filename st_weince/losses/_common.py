@@ -47,10 +47,8 @@ def guard_share_values(prefix: str, counts: FilterCounts | None) -> dict[str, Te
 
 class ColumnsLoss(nn.Module):
     """A loss on the columns of a sentence-transformers batch (``[anchor, positive, *negatives]``) with one frozen
-    options object (``options.check_inputs``, ``options.false_negative_filter``), a ``citation`` and statistics
-    logged by name. A subclass computes ``_loss_from_embeddings(embeddings, row_keys)``."""
-
-    citation_text: str
+    options object (``options.check_inputs``, ``options.false_negative_filter``) and statistics logged by name. A
+    subclass computes ``_loss_from_embeddings(embeddings, row_keys)`` and gives its ``citation``."""
 
     def __init__(self, model: nn.Module | None, options: Any) -> None:
         super().__init__()
@@ -141,7 +139,3 @@ class ColumnsLoss(nn.Module):
         """The options as configured (JSON-able): ``type(loss)(model, **loss.get_config_dict())`` rebuilds the loss
         as it was built."""
         return options_config(self.options)
-
-    @property
-    def citation(self) -> str:
-        return self.citation_text

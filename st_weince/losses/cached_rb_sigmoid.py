@@ -39,15 +39,10 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
         (tested to 1e-5); the parameters have the same names (``log_t``, ``b_rel`` or ``bias``, ``adapter_logit``),
         so checkpoints, ``learning_rate_mapping`` and :func:`st_weince.training.prepare_trainer` carry over.
 
-        **Gradients of the loss's own parameters.** The mixin runs step (2), the loss's backward, inside
-        ``forward``: a parameter that took part in it would receive its gradient there, before and outside the
-        trainer's backward, so without the loss scaling of fp16 training (a GradScaler's factor) and without the
-        division by the gradient-accumulation steps; the gradient would be off by exactly those factors (the model's
-        gradients are fine: the mixin's backward hook multiplies them by the outer gradient). Here step (2) runs on
-        detached stand-ins of ``log_t`` and ``b_rel``; their gradients ``g`` are handed to the outer backward through
-        a term ``sum_p (p - p.detach()) g_p`` that is zero in value and added to the returned loss, so the
-        parameters receive ``g`` times whatever the outer backward passes (scaling, accumulation, the weights of
-        ``MatryoshkaLoss``, which wraps the loss computation), exactly as in the uncached loss.
+        The loss parameters are trained as in the uncached loss: step (2) runs on detached stand-ins of them, and
+        their gradients reach the parameters through the trainer's backward, so fp16 loss scaling, gradient
+        accumulation and the weights of ``MatryoshkaLoss`` apply to them as to the model's (the mechanism is
+        described in ``st_weince/losses/_gradcache.py``).
 
         Args:
             model: SentenceTransformer model.
@@ -74,29 +69,27 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
                StaticEmbedding).
 
         Inputs:
-            +-------------------------------------------------+--------+
-            | Texts                                           | Labels |
-            +=================================================+========+
-            | (anchor, positive) pairs                        | none   |
-            +-------------------------------------------------+--------+
-            | (anchor, positive, negative_1, ..., negative_n) | none   |
-            +-------------------------------------------------+--------+
-            | (modality_1, ..., modality_k), columns=         | none   |
-            | "modalities"                                    |        |
-            +-------------------------------------------------+--------+
+            As :class:`RBSigmoidLoss`: (anchor, positive) pairs or (anchor, positive, negative_1, ..., negative_n)
+            tuples of texts, or with ``columns="modalities"`` (modality_1, ..., modality_k); no labels.
 
         Example:
             ::
 
+                from datasets import Dataset
                 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
                 from sentence_transformers import SentenceTransformerTrainingArguments
                 from st_weince.losses import CachedRBSigmoidLoss
                 from st_weince.training import prepare_trainer
 
                 model = SentenceTransformer("all-MiniLM-L6-v2")
-                loss = CachedRBSigmoidLoss(model, mini_batch_size=64)
+                train_dataset = Dataset.from_dict({"anchor": questions, "positive": answers})  # lists of texts
                 args = SentenceTransformerTrainingArguments(output_dir="out", per_device_train_batch_size=4096)
-                trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train_dataset, loss=loss)
+                trainer = SentenceTransformerTrainer(
+                    model=model,
+                    args=args,
+                    train_dataset=train_dataset,
+                    loss=CachedRBSigmoidLoss(model, mini_batch_size=64, symmetric=True),
+                )
                 prepare_trainer(trainer)
                 trainer.train()
         """

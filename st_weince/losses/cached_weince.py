@@ -65,7 +65,7 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
                 ``partition_mode``, ``beta``, ``mode``, ``q``, ..., ``false_negative_filter``, ``check_inputs``, the
                 top-M terms ``top_m``, ``top_m_shortfall_weight``, ``top_m_infonce_weight`` and the batch tail
                 index's ``beta_*``), with its defaults and validation
-                (:class:`~st_weince.losses.weince.WEINCELossOptions`). The guard is applied to every row chunk
+                (:class:`~st_weince.losses.WEINCELossOptions`). The guard is applied to every row chunk
                 before the statistics, so the statistics and the loss equal the uncached ones. The top-M terms need
                 only a row's own candidates, so they are computed chunk by chunk; the batch tail index is fitted on
                 the negatives of all chunks (and processes) first, in the statistics pass.
@@ -82,15 +82,8 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
                when that batch does not fit in memory otherwise.
 
         Inputs:
-            +-------------------------------------------------+--------+
-            | Texts                                           | Labels |
-            +=================================================+========+
-            | (anchor, positive) pairs                        | none   |
-            +-------------------------------------------------+--------+
-            | (anchor, positive, negative) triplets           | none   |
-            +-------------------------------------------------+--------+
-            | (anchor, positive, negative_1, ..., negative_n) | none   |
-            +-------------------------------------------------+--------+
+            As :class:`WEINCELoss`: (anchor, positive) pairs, (anchor, positive, negative) triplets or (anchor,
+            positive, negative_1, ..., negative_n) tuples of texts; no labels.
 
         Relations:
             - Equal to :class:`WEINCELoss` (loss, statistics, gradients) at every ``mini_batch_size``, to rounding.
@@ -99,18 +92,17 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
         Example:
             ::
 
-                from datasets import Dataset
+                from datasets import load_dataset
                 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+                from sentence_transformers import SentenceTransformerTrainingArguments
                 from st_weince.losses import CachedWEINCELoss
                 from st_weince.training import prepare_trainer
 
                 model = SentenceTransformer("all-MiniLM-L6-v2")
-                train_dataset = Dataset.from_dict({
-                    "anchor": ["It's nice weather outside today.", "He drove to work."],
-                    "positive": ["It's so sunny.", "He took the car to the office."],
-                })
-                loss = CachedWEINCELoss(model, mini_batch_size=64)
-                trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
+                train_dataset = load_dataset("sentence-transformers/all-nli", "pair", split="train")
+                loss = CachedWEINCELoss(model, mini_batch_size=64)  # 4096 anchors, 64 at a time
+                args = SentenceTransformerTrainingArguments(output_dir="out", per_device_train_batch_size=4096)
+                trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train_dataset, loss=loss)
                 prepare_trainer(trainer)
                 trainer.train()
         """

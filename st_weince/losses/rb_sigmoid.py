@@ -59,8 +59,6 @@ RB_SIGMOID_CITATION = """
 
 
 class RBSigmoidLoss(ColumnsLoss):
-    citation_text = RB_SIGMOID_CITATION
-
     def __init__(
         self,
         model: nn.Module | None,
@@ -424,3 +422,7 @@ class RBSigmoidLoss(ColumnsLoss):
         locked adapter. Not for the hot path. :meth:`get_config_dict` gives the configured starts instead; the model
         carries these after training (:class:`st_weince.MatchProbability`) and its model card shows them."""
         return {name: float(value) for name, value in self._scalars(self.loss_parameters(), torch.float64).items()}
+
+    @property
+    def citation(self) -> str:
+        return RB_SIGMOID_CITATION

@@ -76,8 +76,6 @@ _MNRL_REASONS["hardness_strength"] = _MNRL_REASONS["hardness_mode"]
 
 
 class WEINCELoss(ColumnsLoss):
-    citation_text = WEINCE_CITATION
-
     def __init__(
         self,
         model: nn.Module | None,
@@ -182,7 +180,7 @@ class WEINCELoss(ColumnsLoss):
         (:meth:`loss_from_scores` with :func:`st_weince.functional.nt_xent_layout`). With both top-M weights 0 (the
         default) the loss is the blend alone; with either on, the logs add ``weince_batch_beta``,
         ``weince_batch_beta_r2`` and each term's share (``weince_share_blend``, ``weince_share_top_m_shortfall``,
-        ``weince_share_top_m_infonce``). :class:`~st_weince.losses.weince.WEINCELossOptions` holds the defaults and
+        ``weince_share_top_m_infonce``). :class:`~st_weince.losses.WEINCELossOptions` holds the defaults and
         validates every option at construction; the loss reads them as ``loss.options.<name>``.
 
         References:
@@ -375,3 +373,7 @@ class WEINCELoss(ColumnsLoss):
         if not torch.compiler.is_compiling():
             self.last_statistics = stats
         self.logged_statistics.add(logged_values(stats, guard_counts, composite))
+
+    @property
+    def citation(self) -> str:
+        return WEINCE_CITATION
