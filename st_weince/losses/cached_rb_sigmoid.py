@@ -42,7 +42,7 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
         The loss parameters are trained as in the uncached loss: step (2) runs on detached stand-ins of them, and
         their gradients reach the parameters through the trainer's backward, so fp16 loss scaling, gradient
         accumulation and the weights of ``MatryoshkaLoss`` apply to them as to the model's (the mechanism is
-        described in ``st_weince/losses/_gradcache.py``).
+        described in :class:`~st_weince.losses._gradcache.GradCachedLoss`).
 
         Args:
             model: SentenceTransformer model.
