@@ -19,8 +19,7 @@ from st_weince.functional.sigmoid import (
     sigmoid_contrastive_loss,
     targets_from_positive_index,
 )
-from st_weince.losses._columns import check_embedding_columns
-from st_weince.losses._common import ColumnsLoss, guard_share_values, refuse_mnrl_arguments
+from st_weince.losses._common import ColumnsLoss, check_embedding_columns, guard_share_values, refuse_mnrl_arguments
 from st_weince.losses._sigmoid_blocks import (
     candidate_columns,
     directional_blocks,

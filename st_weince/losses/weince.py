@@ -28,8 +28,7 @@ from st_weince.functional.weince import (
     weince_statistics,
     weince_tail_fit,
 )
-from st_weince.losses._columns import check_embedding_columns
-from st_weince.losses._common import ColumnsLoss, refuse_mnrl_arguments
+from st_weince.losses._common import ColumnsLoss, check_embedding_columns, refuse_mnrl_arguments
 from st_weince.losses._weince_rows import (
     Unit,
     batch_tail,
