@@ -111,9 +111,6 @@ class ColumnsLoss(nn.Module):
 
     # -- input checks ------------------------------------------------------------------------------------------
 
-    def _new_checks(self) -> DeferredChecks | None:
-        return DeferredChecks() if self.options.check_inputs else None
-
     def _require_valid_state(self, checks: DeferredChecks) -> None:
         """Add checks of the loss's own state (its parameters) to the step's ``checks``; none by default."""
 
@@ -121,20 +118,29 @@ class ColumnsLoss(nn.Module):
         """The checks of ``loss_from_scores``: shapes (free), then the values, in the step's one host sync."""
         self._checked_row_keys(None, 0)  # a score matrix carries no inputs to compare ("identical" is refused)
         check_score_shapes(scores, positive_index, valid_mask)
-        checks = self._new_checks()
-        if checks is not None:
+        if self.options.check_inputs:
+            checks = DeferredChecks()
             require_valid_scores(checks, scores, positive_index, valid_mask, **rules)
             self._require_valid_state(checks)
             checks.raise_if_failed()
 
-    def _unit_columns(self, columns: list[Tensor], checks: DeferredChecks | None) -> list[Tensor]:
-        """Unit-length rows in the computation dtype (float64 stays float64, half precision becomes float32); with
-        ``checks``, rows with NaN/Inf or an overflowing norm are refused (they would normalise to zero vectors)."""
+    def _checked_columns(
+        self, embeddings: list[Tensor], gather: Callable[[Tensor], Tensor] | None = None
+    ) -> list[Tensor]:
+        """The columns (gathered across processes with ``gather``) with unit-length rows in the computation dtype
+        (float64 stays float64, half precision becomes float32), after the step's one host sync: with
+        ``check_inputs``, rows with NaN/Inf or an overflowing norm (they would normalise to zero vectors) and an
+        invalid loss state are refused there, all read at once."""
+        check_embedding_columns(embeddings, type(self).__name__)  # shapes, free
+        columns = embeddings if gather is None else [gather(column) for column in embeddings]
         dtype = compute_dtype(*columns)
+        checks = DeferredChecks() if self.options.check_inputs else None
         name = type(self).__name__
-        return [
-            normalize_rows(column, checks, f"{name}: column {index}", dtype) for index, column in enumerate(columns)
-        ]
+        columns = [normalize_rows(column, checks, f"{name}: column {i}", dtype) for i, column in enumerate(columns)]
+        if checks is not None:
+            self._require_valid_state(checks)
+            checks.raise_if_failed()  # the one host sync of the step, where the loss receives its inputs
+        return columns
 
     # -- the false-negative guard's input keys ----------------------------------------------------------------
 

@@ -101,7 +101,7 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
         back-propagated to the embeddings at once, and the loss parameters' gradients are returned as the
         zero-valued term ``sum_p (p - p.detach()) g_p`` added to the detached loss (see the class docstring)."""
         params = self.loss_parameters()
-        normalized = self._checked_columns(embeddings, self._new_checks())
+        normalized = self._checked_columns(embeddings)
         if not with_backward:
             total, extremes, guard_counts = self._row_chunk_losses(normalized, params, row_keys, backward=False)
         else:

@@ -19,7 +19,7 @@ from st_weince.functional.sigmoid import (
     sigmoid_contrastive_loss,
     targets_from_positive_index,
 )
-from st_weince.losses._common import ColumnsLoss, check_embedding_columns, guard_share_values, refuse_mnrl_arguments
+from st_weince.losses._common import ColumnsLoss, guard_share_values, refuse_mnrl_arguments
 from st_weince.losses._sigmoid_blocks import (
     candidate_columns,
     directional_blocks,
@@ -331,8 +331,7 @@ class RBSigmoidLoss(ColumnsLoss):
             return loss
 
     def _loss_from_embeddings(self, embeddings: list[Tensor], row_keys: list[Tensor] | None) -> Tensor:
-        checks = self._new_checks()
-        columns = self._checked_columns(embeddings, checks)
+        columns = self._checked_columns(embeddings)
         candidates, positive_index = candidate_columns(columns, self.options)
         params = self.loss_parameters()
         loss = columns[0].new_zeros(())
@@ -347,16 +346,6 @@ class RBSigmoidLoss(ColumnsLoss):
         return loss
 
     # ----- the pieces, shared with CachedRBSigmoidLoss -----
-    def _checked_columns(self, embeddings: list[Tensor], checks: DeferredChecks | None) -> list[Tensor]:
-        """The unit-length columns in the computation dtype, after the step's one host sync (the embeddings' and
-        the loss parameters' checks, read at once)."""
-        check_embedding_columns(embeddings, type(self).__name__)  # shapes; the values by normalize_rows' check
-        columns = self._unit_columns(embeddings, checks)
-        if checks is not None:
-            self._require_valid_state(checks)
-            checks.raise_if_failed()  # the one host sync of the step, where the loss receives its inputs
-        return columns
-
     def _block_loss(
         self,
         anchors: Tensor,

@@ -28,7 +28,7 @@ from st_weince.functional.weince import (
     weince_statistics,
     weince_tail_fit,
 )
-from st_weince.losses._common import ColumnsLoss, check_embedding_columns, refuse_mnrl_arguments
+from st_weince.losses._common import ColumnsLoss, refuse_mnrl_arguments
 from st_weince.losses._weince_rows import (
     Unit,
     batch_tail,
@@ -268,15 +268,9 @@ class WEINCELoss(ColumnsLoss):
         """Checked, (gathered,) unit-length query and document columns, the global row of this process's first
         anchor, and the columns' input keys of the global batch (for the guard's "identical" rule, else None)."""
         keys = None if row_keys is None else [self._gather(keys) for keys in row_keys]
-        check_embedding_columns(embeddings, type(self).__name__)  # shapes; the values by normalize_rows' check
-        columns, offset = embeddings, 0
-        if self.options.gather_across_devices:
-            offset = get_rank() * embeddings[0].shape[0]
-            columns = [all_gather_with_grad(column) for column in embeddings]
-        checks = self._new_checks()
-        queries, *docs = self._unit_columns(columns, checks)
-        if checks is not None:
-            checks.raise_if_failed()  # the one host sync of the step, where the loss receives its inputs
+        gather = all_gather_with_grad if self.options.gather_across_devices else None
+        queries, *docs = self._checked_columns(embeddings, gather)
+        offset = get_rank() * embeddings[0].shape[0] if gather else 0
         return queries, docs, offset, keys
 
     def _layout(
