@@ -10,6 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
+from benchmarks.lab.simclr_runner import run_groups
+from benchmarks.lab.summaries import update_docs
 from tests.conftest import load_script
 
 TINY = {
@@ -135,7 +137,7 @@ def test_losses_share_initialisation_and_summary_pairs_by_seed(study, image_fold
     alone = lines(tmp_path / "alone" / "results" / "weince-seed0.jsonl")
     assert [r["type"] for r in weince] == FULL_RUN
     assert [without_timing(r) for r in weince[1:]] == [without_timing(r) for r in alone[1:]]
-    assert study.run_groups(study.RUN_ORDER) == [
+    assert run_groups(study.RUN_ORDER) == [
         [("infonce", 0), ("weince", 0)],
         [("infonce", 1), ("weince", 1)],
         [("infonce", 2), ("weince", 2)],
@@ -181,17 +183,17 @@ def test_resume_refuses_a_changed_configuration(study, image_folder, tmp_path, o
         )
 
 
-def test_update_docs_replaces_only_the_marked_block(study, tmp_path):
+def test_update_docs_replaces_only_the_marked_block(tmp_path):
     start, end = "<!-- simclr_study summary: start -->", "<!-- simclr_study summary: end -->"
     other = "<!-- simclr_grid summary: start -->\ngrid\n<!-- simclr_grid summary: end -->"
     doc = tmp_path / "evidence.md"
     doc.write_text(f"intro\n{start}\nold table\n{end}\n{other}\noutro\n")
-    study.update_docs(doc, "| new | table |")
+    update_docs(doc, "| new | table |", block="simclr_study")
     assert doc.read_text() == f"intro\n{start}\n| new | table |\n{end}\n{other}\noutro\n"
-    study.update_docs(doc, "new grid", block="simclr_grid")
+    update_docs(doc, "new grid", block="simclr_grid")
     assert doc.read_text().endswith(
         "<!-- simclr_grid summary: start -->\nnew grid\n<!-- simclr_grid summary: end -->\noutro\n"
     )
     doc.write_text("no markers\n")
     with pytest.raises(ValueError, match="needs exactly one"):
-        study.update_docs(doc, "x")
+        update_docs(doc, "x", block="simclr_study")

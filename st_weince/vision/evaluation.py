@@ -213,16 +213,10 @@ def linear_probe(
 
 
 def knn_evaluate_splits(
-    train_features: Tensor,
-    train_labels: Tensor,
-    test_features: Tensor,
-    test_labels: Tensor,
-    split_seeds: Sequence[int] = RELEASED_KNN_SPLIT_SEEDS,
-    val_fraction: float = RELEASED_VAL_FRACTION,
-    ks: Sequence[int] = KNN_KS,
-    temperature: float = KNN_TEMPERATURE,
-    num_classes: int | None = None,
-) -> dict[str, Any]:
+    train_features: Tensor, train_labels: Tensor, test_features: Tensor, test_labels: Tensor, *,
+    split_seeds: Sequence[int] = RELEASED_KNN_SPLIT_SEEDS, val_fraction: float = RELEASED_VAL_FRACTION,
+    ks: Sequence[int] = KNN_KS, temperature: float = KNN_TEMPERATURE, num_classes: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """The released k-NN protocol: for each split seed, a stratified split of the train features; the train part is
     the bank for the validation part and for the test features. Returns the mean over seeds of top-1 and recall@k
     (``"test"``, ``"val"``, each ``{"top1": {k: %}, "recall": {k: %}}``) and every seed's results (``"splits"``)."""
@@ -335,11 +329,9 @@ def evaluate_frozen_features(
             train_labels,
             test_features,
             test_labels,
-            protocol.knn_split_seeds,
-            protocol.val_fraction,
-            KNN_KS,
-            KNN_TEMPERATURE,
-            num_classes,
+            split_seeds=protocol.knn_split_seeds,
+            val_fraction=protocol.val_fraction,
+            num_classes=num_classes,
         )
         knn_test = knn["test"]
         results.update({"linear_val_top1": linear["val_top1"], "knn_val": knn["val"], "knn_splits": knn["splits"]})

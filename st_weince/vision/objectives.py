@@ -66,8 +66,10 @@ class SimCLRObjective(nn.Module):
             self.loss = RBSigmoidLoss(None, **kwargs)
 
     def forward(self, z1: Tensor, z2: Tensor) -> Tensor:
-        if z1.shape != z2.shape or z1.dim() != 2:
-            raise ValueError(f"both views must be [N, D] with the same shape, got {tuple(z1.shape)}, {tuple(z2.shape)}")
+        if z1.shape != z2.shape or z1.dim() != 2 or z1.shape[0] < 2:  # one pair: InfoNCE would give 0 silently
+            raise ValueError(
+                f"both views must be [N, D] with the same shape and N >= 2, got {tuple(z1.shape)}, {tuple(z2.shape)}"
+            )
         if self.name == "infonce":
             return 0.5 * (
                 self.loss.compute_loss_from_embeddings([z1, z2], None)
