@@ -272,6 +272,11 @@ def markdown(summary: dict[str, Any]) -> str:
     def cells(stats: dict[str, Any]) -> str:
         return " | ".join("-" if stats.get(m) is None else format_stat(stats[m], digits=4) for m in METRICS)
 
+    def paired_cells(stats: dict[str, Any]) -> str:  # mean +- std (each seed's difference, in seed order)
+        rows = stats["per_seed"].values()
+        per_seed = {m: " / ".join(f"{row[m]:+.4f}" for row in rows) for m in METRICS if m in stats}
+        return " | ".join(f"{format_stat(stats[m], 4)} ({per_seed[m]})" if m in stats else "-" for m in METRICS)
+
     # "after": the share with the run's own guard; a run without the guard is diagnosed with --diagnostic-filter.
     lines = [f"| loss | guard | {' | '.join(METRICS)} | blended FN-hardest before | after | after with | s/run |"]
     lines.append("|" + "---|" * (len(METRICS) + 6))
@@ -286,10 +291,11 @@ def markdown(summary: dict[str, Any]) -> str:
                 + " | {} {} | {:.0f} |".format(*diagnostic["guard_after"], data["seconds_per_run"]["mean"])
             )
         if result["paired"]:
-            lines.append(f"| {loss_name} | paired diff | {cells(result['paired'])} | | | | |")
+            lines.append(f"| {loss_name} | paired diff | {paired_cells(result['paired'])} | | | | |")
     if summary.get("between_losses"):
-        lines += ["", f"| comparison (paired by seed) | {' | '.join(METRICS)} |", "|" + "---|" * (len(METRICS) + 1)]
-        lines += [f"| {name} | {cells(stats)} |" for name, stats in summary["between_losses"].items()]
+        header = f"| comparison, paired by seed: mean +- std (per seed) | {' | '.join(METRICS)} |"
+        lines += ["", header, "|" + "---|" * (len(METRICS) + 1)]
+        lines += [f"| {name} | {paired_cells(stats)} |" for name, stats in summary["between_losses"].items()]
     return "\n".join(lines)
 
 
