@@ -25,14 +25,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks.lab.timing import (  # noqa: E402
-    Clock,
-    build_encoder,
-    losses_cached,
-    losses_uncached,
-    time_optimizer_steps,
-    token_features,
-)
+from benchmarks.lab import timing  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
 
 
@@ -49,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    clock = Clock("cpu")
+    clock = timing.Clock("cpu")
     autocast = torch.autocast(device_type="cpu", enabled=False)
     report: dict = {
         "encoder": args.encoder,
@@ -68,11 +61,11 @@ def main(argv: list[str] | None = None) -> dict:
         load_before = os.getloadavg()
         started = time.monotonic()
         torch.manual_seed(0)
-        model = build_encoder(args.encoder, "cpu")
+        model = timing.build_encoder(args.encoder, "cpu")
         model.train()  # dropout on, as in training
-        named = losses_uncached(model) if label == "uncached" else losses_cached(model, args.mini_batch)
-        features = token_features(batch, 2, 32, model[0].auto_model.config.vocab_size, "cpu", seed=1)
-        medians = time_optimizer_steps(model, named, features, autocast, clock, args.repeats)
+        named = timing.losses_uncached(model) if label == "uncached" else timing.losses_cached(model, args.mini_batch)
+        features = timing.token_features(batch, 2, 32, model[0].auto_model.config.vocab_size, "cpu", seed=1)
+        medians = timing.time_optimizer_steps(model, named, features, autocast, clock, args.repeats)
         baseline = "mnrl" if label == "uncached" else "cmnrl"
         report["rows"].append(
             {
