@@ -25,14 +25,16 @@ import argparse
 import json
 import os
 import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from st_weince.utils.profiling import cpu_peak_bytes
-from st_weince.utils.provenance import provenance
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.lab.timing import Clock  # noqa: E402
+from st_weince.utils.profiling import cpu_peak_bytes  # noqa: E402
+from st_weince.utils.provenance import provenance  # noqa: E402
 
 LOSSES = ("mnrl", "weince", "weince_beta1", "weince_unchecked", "rb_sigmoid")
 
@@ -72,25 +74,16 @@ def run_once(loss, embeddings: list[torch.Tensor]) -> None:
     loss.compute_loss_from_embeddings(embeddings, None).backward()
 
 
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def time_losses(names, batch_size, num_columns, dim, device, repeats, seed) -> dict[str, list[float]]:
     embeddings = make_embeddings(batch_size, num_columns, dim, device, seed)
     losses = {name: build_loss(name).to(device) for name in names}
     for loss in losses.values():  # warm-up
         run_once(loss, embeddings)
-    clock = time.perf_counter if device.startswith("cuda") else time.process_time
+    clock = Clock(device)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(repeats):
         for name, loss in losses.items():
-            synchronize(device)
-            start = clock()
-            run_once(loss, embeddings)
-            synchronize(device)
-            samples[name].append(clock() - start)
+            samples[name].append(clock(lambda loss=loss: run_once(loss, embeddings)))
     return samples
 
 

@@ -22,17 +22,18 @@ import argparse
 import csv
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from st_weince.data.sts import read_stsb_splits
-from st_weince.evaluation.sts import STSEvaluator
-from st_weince.utils.pretrained import minilm_path
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from benchmarks.lab.summaries import format_stat, mean_std  # noqa: E402
+from st_weince.data.sts import read_stsb_splits  # noqa: E402
+from st_weince.evaluation.sts import STSEvaluator  # noqa: E402
+from st_weince.utils.pretrained import minilm_path  # noqa: E402
+
 RECIPE = REPO / "recipes" / "simcse.py"
 RESULTS = REPO / "benchmarks" / "results" / "simcse"
 STSB_DIR = REPO / "eval" / "data" / "stsb"
@@ -157,13 +158,6 @@ def summarize(runs_dir: Path, configs: list[str], seeds: list[int], base: dict[s
         writer.writeheader()
         writer.writerows(rows)
 
-    def mean_std(values: list[float]) -> dict[str, float | int | None]:
-        return {
-            "mean": round(statistics.mean(values), 3),
-            "std": round(statistics.stdev(values), 3) if len(values) > 1 else None,
-            "n": len(values),
-        }
-
     summary = {}
     for config in configs:
         mine = [row for row in rows if row["config"] == config]
@@ -211,27 +205,25 @@ def summarize(runs_dir: Path, configs: list[str], seeds: list[int], base: dict[s
     }
     (RESULTS / "summary.json").write_text(json.dumps(payload, indent=2) + "\n")
 
-    def fmt(stat: dict) -> str:
-        return f"{stat['mean']:.2f} ± {stat['std']:.2f}" if stat["std"] is not None else f"{stat['mean']:.2f}"
-
     lines = [
         f"Starting model (all-MiniLM-L6-v2): STS-B test {base['stsb_test']:.2f}, dev first 500 pairs "
         f"{base['stsb_dev']:.2f}, dev all pairs {base.get('stsb_dev_full', float('nan')):.2f}",
         "",
-        "Mean ± sample std over seeds, cosine Spearman x100; dev: the one evaluation, after the last step.",
+        "Mean +- sample std over seeds, cosine Spearman x100; dev: the one evaluation, after the last step.",
         "",
         "| config | seeds | STS-B test | STS-B dev, first 500 pairs | STS-B dev, all 1,500 pairs (seeds) |",
         "| --- | --- | --- | --- | --- |",
     ]
     for name, s in summary.items():
-        dev_full = f"{fmt(s['stsb_dev_full'])} ({s['stsb_dev_full']['n']})" if s["stsb_dev_full"] else "-"
-        lines.append(f"| {name} | {len(s['seeds'])} | {fmt(s['stsb_test'])} | {fmt(s['stsb_dev_best'])} | {dev_full} |")
+        dev_full = f"{format_stat(s['stsb_dev_full'])} ({s['stsb_dev_full']['n']})" if s["stsb_dev_full"] else "-"
+        test, dev = format_stat(s["stsb_test"]), format_stat(s["stsb_dev_best"])
+        lines.append(f"| {name} | {len(s['seeds'])} | {test} | {dev} | {dev_full} |")
     if paired:
-        lines += ["", "STS-B test minus InfoNCE's on the same seed (same batches): mean ± std (per seed)", ""]
+        lines += ["", "STS-B test minus InfoNCE's on the same seed (same batches): mean +- std (per seed)", ""]
         lines += ["| config | difference | per seed |", "| --- | --- | --- |"]
         for name, p in paired.items():
             per_seed = ", ".join(f"{d:+.2f}" for d in p["per_seed"])
-            lines.append(f"| {name} | {fmt(p['stsb_test_minus_infonce'])} | {per_seed} |")
+            lines.append(f"| {name} | {format_stat(p['stsb_test_minus_infonce'])} | {per_seed} |")
     (RESULTS / "summary.md").write_text("\n".join(lines) + "\n")
 
 

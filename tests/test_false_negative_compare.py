@@ -76,6 +76,17 @@ def test_blending_diagnostic_counts(compare):
     assert 0 <= counts["blended_before"] <= 64
 
 
+def test_knn_accuracy_majority_vote_and_ties(compare):
+    """k = 3: a 2-1 vote wins; with k = 2 a 1-1 tie goes to the nearer neighbour's class."""
+    reference = F.normalize(torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.8, 0.3], [0.0, 1.0]]), dim=-1)
+    labels = ["a", "b", "b", "c"]
+    query = F.normalize(torch.tensor([[1.0, 0.02]]), dim=-1)  # nearest: a, then b, b, then c
+    assert compare.knn_accuracy(reference, labels, query, ["b"], k=3) == 1.0
+    assert compare.knn_accuracy(reference, labels, query, ["a"], k=2) == 1.0
+    assert compare.knn_accuracy(reference, labels, query, ["a"], k=1) == 1.0
+    assert compare.knn_accuracy(reference, labels, torch.cat([query, query]), ["b", "c"], k=3) == 0.5
+
+
 def write_split(path: Path, rows: list[tuple[str, str]]) -> None:
     with path.open("w", encoding="utf-8", newline="") as handle:
         writer = csv.writer(handle)
@@ -113,12 +124,14 @@ def test_tiny_comparison_writes_lines_and_resumes(compare, tiny_model_dir, tmp_p
             by_name[f"{loss_name}-{tag}-seed{s}"]["test_knn"] - by_name[f"{loss_name}-off-seed{s}"]["test_knn"]
             for s in (0, 1)
         ]
-        assert result["paired"]["test_knn"]["values"] == pytest.approx(expected)
+        assert [result["paired"]["per_seed"][str(s)]["test_knn"] for s in (0, 1)] == pytest.approx(expected)
+        assert result["paired"]["test_knn"]["mean"] == pytest.approx(sum(expected) / 2)
         assert 0.0 <= result["arms"]["guard"]["test_linear_probe"]["mean"] <= 1.0
         assert "mteb_banking77" not in result["paired"]
     # Between losses, paired by seed: RB-Sigmoid - MNRL without the guard, from the run lines.
     runs = {line["name"]: line for line in lines}
-    between = summary["between_losses"]["rb_sigmoid_minus_mnrl_off"]["test_linear_probe"]["values"]
+    between_losses = summary["between_losses"]["rb_sigmoid_minus_mnrl_off"]
+    between = [between_losses["per_seed"][str(s)]["test_linear_probe"] for s in (0, 1)]
     expected = [
         runs[f"rb_sigmoid-off-seed{s}"]["test_linear_probe"] - runs[f"mnrl-off-seed{s}"]["test_linear_probe"]
         for s in (0, 1)
@@ -126,6 +139,11 @@ def test_tiny_comparison_writes_lines_and_resumes(compare, tiny_model_dir, tmp_p
     assert between == pytest.approx(expected)
     assert "mteb_banking77" not in summary["between_losses"]["rb_sigmoid_minus_mnrl_guard"]
     assert all(line["logged"] for line in lines)
+    # Trained through the trainer on the planned batches: every step logged, and every arm of a seed saw the same
+    # batches (the false negatives per anchor depend on the batches' classes only).
+    assert all(len(line["train_losses"]) == 2 for line in lines)
+    for seed in (0, 1):
+        assert len({line["diagnostic"]["false_negatives_per_anchor"] for line in lines if line["seed"] == seed}) == 1
     guarded = [line for line in lines if line["filter"] is not None]
     key = "weince_fn_masked_share" if guarded[0]["loss"] == "mnrl" else "rb_sigmoid_fn_masked_share"
     assert key in guarded[0]["logged"]
