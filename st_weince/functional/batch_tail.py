@@ -61,10 +61,7 @@ class BatchTail:
 
 @torch.no_grad()
 def batch_negative_tail(
-    scores: Tensor,
-    positive_index: Tensor,
-    valid_mask: Tensor | None = None,
-    options: TopMOptions | None = None,
+    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopMOptions | None = None,
     *,
     global_entries: int | None = None,
     **overrides: Any,

@@ -95,10 +95,7 @@ def _infonce_term(selection: tuple[Tensor, Tensor, Tensor], scale: float) -> Ten
 
 
 def top_m_cross_entropies(
-    scores: Tensor,
-    positive_index: Tensor,
-    valid_mask: Tensor | None = None,
-    options: TopMOptions | None = None,
+    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopMOptions | None = None,
     *,
     beta: Tensor | float,
     scale: float,
@@ -115,10 +112,7 @@ def top_m_cross_entropies(
 
 
 def top_m_shortfall_cross_entropy(
-    scores: Tensor,
-    positive_index: Tensor,
-    valid_mask: Tensor | None = None,
-    options: TopMOptions | None = None,
+    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopMOptions | None = None,
     *,
     beta: Tensor | float,
     **overrides: Any,
@@ -130,10 +124,7 @@ def top_m_shortfall_cross_entropy(
 
 
 def top_m_infonce_cross_entropy(
-    scores: Tensor,
-    positive_index: Tensor,
-    valid_mask: Tensor | None = None,
-    options: TopMOptions | None = None,
+    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopMOptions | None = None,
     *,
     scale: float,
     **overrides: Any,
@@ -216,12 +207,7 @@ class CompositeStep:
 
 
 def composite_cross_entropy(
-    scores: Tensor,
-    positive_index: Tensor,
-    valid_mask: Tensor | None,
-    beta_ema: Tensor,
-    *,
-    scale: float,
+    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None, beta_ema: Tensor, *, scale: float,
     weince_options: WeinceOptions | None = None,
     top_m_options: TopMOptions | None = None,
     statistics: WeinceStatistics | None = None,

@@ -126,9 +126,7 @@ def max_tail_size(num_candidates: int, options: WeinceOptions) -> int:
 
 @torch.no_grad()
 def weince_tail_fit(
-    scores: Tensor,
-    positive_index: Tensor | None,
-    valid_mask: Tensor | None = None,
+    scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None = None,
     options: WeinceOptions | None = None,
     **overrides: Any,
 ) -> TailFit:
@@ -249,9 +247,7 @@ def statistics_from_fit(
 
 @torch.no_grad()
 def weince_statistics(
-    scores: Tensor,
-    positive_index: Tensor | None,
-    valid_mask: Tensor | None = None,
+    scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None = None,
     options: WeinceOptions | None = None,
     *,
     rho0: Tensor | float | None = None,
@@ -305,12 +301,7 @@ class _BlendedLogit(torch.autograd.Function):
 
 
 def weince_logits(
-    scores: Tensor,
-    lam: Tensor,
-    beta: Tensor,
-    valid_mask: Tensor | None = None,
-    *,
-    scale: float,
+    scores: Tensor, lam: Tensor, beta: Tensor, valid_mask: Tensor | None = None, *, scale: float,
     eps: float = DEFAULTS.eps,
 ) -> Tensor:
     """Blended logits (1 - lam) s / tau + lam (-beta log(1 - min(s, 1 - eps))), -inf at invalid entries, with
@@ -388,10 +379,7 @@ def blended_cross_entropy(
 
 
 def weince_cross_entropy(
-    scores: Tensor,
-    positive_index: Tensor,
-    valid_mask: Tensor | None = None,
-    options: WeinceOptions | None = None,
+    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: WeinceOptions | None = None,
     *,
     scale: float,
     reduction: str = "mean",
