@@ -1,7 +1,7 @@
 """The options of the WEINCE functions (:class:`WeinceOptions`) and of the released composite's top-M terms and batch
 tail index (:class:`TopMOptions`): the one source of their defaults and of their validation.
 
-Each field declares its default and its range with :func:`option`; construction checks every field, with an error
+Each field declares its default and its range (:class:`Within`); construction checks every field, with an error
 naming it. Numbers may be any real (Python or NumPy) number and are stored as Python ``float`` / ``int``; bools,
 strings and non-finite values are refused.
 """
@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import Field, asdict, dataclass, field, fields
-from typing import Any, ClassVar, Literal, TypeVar
+import typing
+from dataclasses import asdict, dataclass, fields
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import torch
 
@@ -26,11 +27,16 @@ BETA_AUTO_RANGE = (0.5, 16.0)
 OptionsT = TypeVar("OptionsT", bound="_Options")
 
 
-def option(default: Any, interval: str = "", *, positive: bool = False, note: str = "") -> Any:
-    """A validated field: ``default``, and the ``interval`` its value must lie in, written as in the error message
-    ("[0, 1)"; "[0, inf)" reads "must be >= 0"); ``positive``: a number > 0. An ``int`` default makes an integer
-    option whose interval gives its minimum; ``note`` follows the range in the error message."""
-    return field(default=default, metadata={"interval": interval, "positive": positive, "note": note})
+@dataclass(frozen=True)
+class Within:
+    """The range of a numeric option (``Annotated[float, Within(...)]``), written as in its error message:
+    ``interval`` "[0, 1)" (either end open or closed; "[0, inf)" reads "must be >= 0"), ``positive`` a number > 0;
+    ``note`` follows the range in the message. For an option whose default is an ``int``, the interval's low end is
+    its minimum."""
+
+    interval: str = ""
+    positive: bool = False
+    note: str = ""
 
 
 def integer_option(name: str, value: Any, minimum: int) -> int:
@@ -42,33 +48,46 @@ def integer_option(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
-def _checked(spec: Field, value: Any, dtype: torch.dtype | None) -> float | int:
-    """``value`` of the field ``spec`` validated and converted, or an error naming the field."""
-    name, interval, note = spec.name, spec.metadata["interval"], spec.metadata["note"]
+def _checked(name: str, value: Any, default: Any, spec: Within, dtype: torch.dtype | None) -> float | int:
+    """``value`` of the option ``name`` validated and converted, or an error naming the option."""
+    interval = spec.interval
     low_text, high_text = (part.strip(" [()]") for part in interval.split(",")) if interval else ("-inf", "inf")
     low, high = float(low_text), float(high_text)
-    if type(spec.default) is int:
+    if type(default) is int:
         return integer_option(name, value, int(low))
-    number = real_option(name, value, positive=spec.metadata["positive"], dtype=dtype)
+    number = real_option(name, value, positive=spec.positive, dtype=dtype)
     above = number >= low if interval.startswith("[") else number > low
     below = number <= high if interval.endswith("]") else number < high
     if interval and not (above and below):
         expected = f"be >= {low_text}" if math.isinf(high) else f"lie in {interval}"
-        raise ValueError(f"{name} must {expected}{note}, got {number}")
+        raise ValueError(f"{name} must {expected}{spec.note}, got {number}")
     return number
 
 
+def _options(cls: type) -> type:
+    """A frozen dataclass whose ``Annotated[..., Within(...)]`` fields are checked at construction."""
+    cls = dataclass(frozen=True)(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
+    cls._ranges = {
+        spec.name: (spec.default, meta)
+        for spec in fields(cls)
+        for meta in getattr(hints[spec.name], "__metadata__", ())
+        if isinstance(meta, Within)
+    }
+    return cls
+
+
 class _Options:
-    """Validation, ``as_dict``, ``replace`` and ``resolve`` of a frozen options dataclass made of :func:`option`
-    fields (others are checked by the subclass's ``_check_other_fields``)."""
+    """Validation, ``as_dict``, ``replace`` and ``resolve`` of an options dataclass built by :func:`_options`
+    (fields without a :class:`Within` are checked by the subclass's ``_check_other_fields``)."""
 
     label: ClassVar[str]
     dtype: ClassVar[torch.dtype | None] = None  # each number must also be finite in this dtype
+    _ranges: ClassVar[dict[str, tuple[Any, Within]]]
 
     def __post_init__(self) -> None:
-        for spec in fields(self):
-            if "interval" in spec.metadata:
-                self._store(spec.name, _checked(spec, getattr(self, spec.name), self.dtype))
+        for name, (default, spec) in self._ranges.items():
+            self._store(name, _checked(name, getattr(self, name), default, spec, self.dtype))
         self._check_other_fields()
 
     def _store(self, name: str, value: Any) -> None:
@@ -97,7 +116,7 @@ class _Options:
         return options.replace(**overrides) if overrides else options
 
 
-@dataclass(frozen=True)
+@_options
 class WeinceOptions(_Options):
     """The nine WEINCE options: the one source of their defaults (the released implementation's) and validation.
 
@@ -121,13 +140,13 @@ class WeinceOptions(_Options):
     label: ClassVar[str] = "WEINCE"
     dtype: ClassVar[torch.dtype | None] = torch.float32
 
-    q: float = option(0.2, "[0, 1]")
-    kappa_rho: float = option(10.0, "[0, inf)")
-    kappa_aic: float = option(1.0, "[0, inf)")
-    aic_margin: float = option(2.0)
-    tail_frac: float = option(0.10, "(0, 1]")
-    min_tail_points: int = option(32, "[1, inf)")
-    eps: float = option(1e-6, "(0, 0.5)")
+    q: Annotated[float, Within("[0, 1]")] = 0.2
+    kappa_rho: Annotated[float, Within("[0, inf)")] = 10.0
+    kappa_aic: Annotated[float, Within("[0, inf)")] = 1.0
+    aic_margin: Annotated[float, Within()] = 2.0
+    tail_frac: Annotated[float, Within("(0, 1]")] = 0.10
+    min_tail_points: Annotated[int, Within("[1, inf)")] = 32
+    eps: Annotated[float, Within("(0, 0.5)")] = 1e-6
     mode: WeinceMode = "both"
     beta: float | str = 1.0
 
@@ -151,7 +170,7 @@ class WeinceOptions(_Options):
         self._store("beta", beta)
 
 
-@dataclass(frozen=True)
+@_options
 class TopMOptions(_Options):
     """The options of the two top-M terms and of the batch tail index: the one source of their defaults (the
     released implementation's, docs/algorithms.md 1.2b) and of their validation, with errors naming the option.
@@ -172,17 +191,17 @@ class TopMOptions(_Options):
 
     label: ClassVar[str] = "top-M"
 
-    top_m: int = option(50, "[1, inf)")
-    top_m_shortfall_weight: float = option(0.0, "[0, inf)", note=" (0 turns the term off)")
-    top_m_infonce_weight: float = option(0.0, "[0, inf)", note=" (0 turns the term off)")
-    beta_ema_start: float = option(4.0, positive=True)
-    beta_ema_momentum: float = option(0.9, "[0, 1)")
-    beta_min_r_squared: float = option(0.85, "[0, 1]")
-    beta_min: float = option(BETA_AUTO_RANGE[0], positive=True)
-    beta_max: float = option(BETA_AUTO_RANGE[1], positive=True)
-    beta_tail_min_points: int = option(1024, "[1, inf)")
-    beta_tail_frac: float = option(0.05, "(0, 1]")
-    eps: float = option(WeinceOptions.eps, "(0, 0.5)")
+    top_m: Annotated[int, Within("[1, inf)")] = 50
+    top_m_shortfall_weight: Annotated[float, Within("[0, inf)", note=" (0 turns the term off)")] = 0.0
+    top_m_infonce_weight: Annotated[float, Within("[0, inf)", note=" (0 turns the term off)")] = 0.0
+    beta_ema_start: Annotated[float, Within(positive=True)] = 4.0
+    beta_ema_momentum: Annotated[float, Within("[0, 1)")] = 0.9
+    beta_min_r_squared: Annotated[float, Within("[0, 1]")] = 0.85
+    beta_min: Annotated[float, Within(positive=True)] = BETA_AUTO_RANGE[0]
+    beta_max: Annotated[float, Within(positive=True)] = BETA_AUTO_RANGE[1]
+    beta_tail_min_points: Annotated[int, Within("[1, inf)")] = 1024
+    beta_tail_frac: Annotated[float, Within("(0, 1]")] = 0.05
+    eps: Annotated[float, Within("(0, 0.5)")] = WeinceOptions.eps
 
     def _check_other_fields(self) -> None:
         if self.beta_min > self.beta_max:
