@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from st_weince.training.loss_tensors import losses_by_prefix, own_tensors
+from st_weince.training.loss_tensors import check_finite_loss_state, loss_state_dict, losses_by_prefix, own_tensors
 from st_weince.utils.options import options_config
 
 logger = logging.getLogger(__name__)
@@ -27,11 +27,11 @@ logger = logging.getLogger(__name__)
 TRAINER_STATE_FILE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
 LOSS_STATE_RECORD = "LossStateRecord"  # the key of the loss state in trainer_state.json's "stateful_callbacks"
 INCOMPLETE_PREFIX = "incomplete-"
-RECORD_FORMAT = 1
+_RECORD_FORMAT = 1
 _CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")  # as transformers.trainer_utils._re_checkpoint
 
 
-def encode_loss_state(state: dict[str, Tensor]) -> dict[str, dict[str, Any]]:
+def _encode(state: dict[str, Tensor]) -> dict[str, dict[str, Any]]:
     """JSON-able form: float32 / float64 values become Python floats, which JSON stores exactly."""
     return {
         name: {
@@ -61,10 +61,23 @@ def _decode(entries: Any, source: str) -> dict[str, Tensor]:
     return state
 
 
+def loss_state_record(loss: nn.Module | dict[str, nn.Module], global_step: int) -> dict[str, Any]:
+    """The loss state of ``global_step`` as the record kept in ``trainer_state.json`` (read by
+    :func:`record_loss_state`), with the loss description that a resume is compared with; refuses non-finite values."""
+    values = loss_state_dict(loss)
+    check_finite_loss_state(values, f"checkpoint at step {global_step}")
+    return {
+        "format": _RECORD_FORMAT,
+        "global_step": global_step,
+        "entries": _encode(values),
+        "loss": loss_description(loss),  # compared at resume, before anything is loaded
+    }
+
+
 def record_loss_state(record: Any, source: str) -> tuple[int, dict[str, Tensor]]:
     """(global step, state) of a LossStateRecord's exported state read from trainer_state.json."""
     attributes = record.get("attributes") if isinstance(record, dict) else None
-    if not isinstance(attributes, dict) or attributes.get("format") != RECORD_FORMAT:
+    if not isinstance(attributes, dict) or attributes.get("format") != _RECORD_FORMAT:
         raise ValueError(
             f"{source}: the entry stateful_callbacks[{LOSS_STATE_RECORD!r}] is corrupt or of an unknown format"
         )

@@ -43,11 +43,9 @@ from transformers.trainer_callback import ExportableState
 
 from st_weince.training.checkpoints import (
     LOSS_STATE_RECORD,
-    RECORD_FORMAT,
     TRAINER_STATE_FILE,
     check_resumable,
-    encode_loss_state,
-    loss_description,
+    loss_state_record,
     missing_loss_state_error,
     read_checkpoint_loss_state,
     record_loss_state,
@@ -95,15 +93,7 @@ class LossStateRecord(TrainerCallback, ExportableState):
     def state(self) -> dict[str, Any]:
         if self.loss is None:
             raise RuntimeError("LossStateRecord is not linked to a loss: call st_weince.training.prepare_trainer")
-        values = loss_state_dict(self.loss)
-        check_finite_loss_state(values, f"checkpoint at step {self.global_step}")
-        attributes = {
-            "format": RECORD_FORMAT,
-            "global_step": self.global_step,
-            "entries": encode_loss_state(values),
-            "loss": loss_description(self.loss),  # compared at resume, before anything is loaded
-        }
-        return {"args": {}, "attributes": attributes}
+        return {"args": {}, "attributes": loss_state_record(self.loss, self.global_step)}
 
 
 class LossStateCallback(TrainerCallback):
