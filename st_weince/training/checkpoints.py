@@ -1,9 +1,11 @@
-"""What a checkpoint holds of the loss, and whether a loss can resume from it.
+"""The loss's record in a checkpoint (``trainer_state.json``, see :mod:`st_weince.training.loss_state`), and whether a
+loss can resume from a checkpoint.
 
-The loss state is recorded in ``trainer_state.json`` (``stateful_callbacks``, see :mod:`st_weince.training.loss_state`)
-with the class and configuration of every loss module; this module encodes and reads that record, sets aside the
-checkpoints whose save was interrupted, and refuses (:func:`check_resumable`) a checkpoint of another loss or a
-set-aside one, naming the reason.
+A checkpoint whose ``trainer_state.json`` is missing, empty or unreadable (a run killed while saving) can never be
+resumed from; ``prepare_trainer`` renames such folders in ``output_dir`` to ``incomplete-checkpoint-N`` so that
+``resume_from_checkpoint=True`` picks the last complete one. The record also names the loss class and configuration;
+the trainer's ``_load_from_checkpoint``, which ``train()`` calls before it loads the optimizer, first runs
+:func:`check_resumable`, which refuses a checkpoint of another loss (or a set-aside one) with that reason.
 """
 
 from __future__ import annotations

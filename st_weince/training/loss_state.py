@@ -19,12 +19,8 @@ such a callback: its ``state()``, called by the trainer while it writes ``traine
 So the loss state is inside the one file without which the trainer cannot resume from a checkpoint at all: there is
 no moment at which a checkpoint has ``trainer_state.json`` but not the loss state. On resume the trainer loads that
 file into ``trainer.state`` before ``on_train_begin``, where :class:`LossStateCallback` copies the loss state back
-(nothing patches ``trainer.train``; the resume path need not be known). A checkpoint whose ``trainer_state.json``
-is missing, empty or unreadable (a run killed while saving) can never be resumed from; ``prepare_trainer`` renames
-such folders in ``output_dir`` to ``incomplete-checkpoint-N`` so that ``resume_from_checkpoint=True`` picks the
-last complete one. The record also names the loss class and configuration; the trainer's ``_load_from_checkpoint``,
-which ``train()`` calls before it loads the optimizer, first runs :func:`check_resumable`, which refuses a checkpoint
-of another loss (or a set-aside one) with that reason (:mod:`st_weince.training.checkpoints`).
+(nothing patches ``trainer.train``; the resume path need not be known). Reading the record, interrupted saves and
+the refusal of a checkpoint of another loss: :mod:`st_weince.training.checkpoints`.
 """
 
 from __future__ import annotations

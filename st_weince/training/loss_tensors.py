@@ -1,9 +1,5 @@
-"""The tensors that belong to a loss (its parameters and buffers, not its model's), as the trainer names them: the
-loss state as plain data, as a file for custom training loops, and their gradients averaged across processes.
-
-Through wrappers too (``MatryoshkaLoss``, ``Matryoshka2dLoss``, ``AdaptiveLayerLoss``): the loss's "own" tensors are
-every parameter and buffer in the loss's module tree that is not a tensor of a ``model`` child, whatever the prefix.
-"""
+"""The loss's own tensors (its parameters and buffers, not its model's; inside wrappers too), by the trainer's names:
+as plain data, as a file for custom training loops, and their gradients averaged across processes."""
 
 from __future__ import annotations
 
