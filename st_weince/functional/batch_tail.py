@@ -62,9 +62,7 @@ class BatchTail:
 @torch.no_grad()
 def batch_negative_tail(
     scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopMOptions | None = None,
-    *,
-    global_entries: int | None = None,
-    **overrides: Any,
+    *, global_entries: int | None = None, **overrides: Any,
 ) -> BatchTail:
     """The smallest shortfalls ``max(1 - s, eps)`` over ALL negative scores of these rows (self-pairs, positives and
     masked entries excluded), as many as the tail of the global batch can need.

@@ -26,9 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from st_weince.functional.batch_tail import (  # BatchTail, initial_beta_ema: also imported from here
-    BatchTail as BatchTail,
-)
+from st_weince.functional.batch_tail import BatchTail as BatchTail  # the loss classes import it from here
 from st_weince.functional.batch_tail import (
     BatchTailFit,
     batch_negative_tail,
@@ -36,12 +34,10 @@ from st_weince.functional.batch_tail import (
     negative_mask,
     update_beta_ema,
 )
-from st_weince.functional.batch_tail import initial_beta_ema as initial_beta_ema
+from st_weince.functional.batch_tail import initial_beta_ema as initial_beta_ema  # as BatchTail
 from st_weince.functional.checks import check_score_shapes, compute_dtype
 from st_weince.functional.options import TOP_M_DEFAULTS, TopMOptions, WeinceOptions, check_scale, integer_option
 from st_weince.functional.weince import WeinceStatistics, weince_cross_entropy
-
-# --------------------------------------------------------------------------------------------- top-M terms
 
 
 def top_m_negatives(
@@ -96,10 +92,7 @@ def _infonce_term(selection: tuple[Tensor, Tensor, Tensor], scale: float) -> Ten
 
 def top_m_cross_entropies(
     scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopMOptions | None = None,
-    *,
-    beta: Tensor | float,
-    scale: float,
-    **overrides: Any,
+    *, beta: Tensor | float, scale: float, **overrides: Any,
 ) -> tuple[Tensor, Tensor]:
     """Both top-M terms per row, ``(shortfall [A], infonce [A])``, from one selection of the hardest negatives.
 
@@ -113,9 +106,7 @@ def top_m_cross_entropies(
 
 def top_m_shortfall_cross_entropy(
     scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopMOptions | None = None,
-    *,
-    beta: Tensor | float,
-    **overrides: Any,
+    *, beta: Tensor | float, **overrides: Any,
 ) -> Tensor:
     """Per-row [A] cross-entropy of the shortfall logits over [positive] + the M hardest negatives, target the
     positive (``L_weibit_topM`` of docs/algorithms.md 1.2b)."""
@@ -125,9 +116,7 @@ def top_m_shortfall_cross_entropy(
 
 def top_m_infonce_cross_entropy(
     scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopMOptions | None = None,
-    *,
-    scale: float,
-    **overrides: Any,
+    *, scale: float, **overrides: Any,
 ) -> Tensor:
     """Per-row [A] InfoNCE over [positive] + the M hardest negatives, logits ``scale * s``, target the positive
     (``L_infonce_topM`` of docs/algorithms.md 1.2b)."""

@@ -218,11 +218,8 @@ def tail_index(fit: TailFit, beta: float | str = DEFAULTS.beta) -> Tensor:
 
 @torch.no_grad()
 def statistics_from_fit(
-    fit: TailFit,
-    options: WeinceOptions | None = None,
-    *,
-    rho0: Tensor | float | None = None,
-    gather: Callable[[Tensor], Tensor] | None = None,
+    fit: TailFit, options: WeinceOptions | None = None,
+    *, rho0: Tensor | float | None = None, gather: Callable[[Tensor], Tensor] | None = None,
 ) -> WeinceStatistics:
     """Steps 5-7 of docs/algorithms.md 1.1 on given tail fits: the pivot (over ``gather``'s global batch unless ``rho0``
     is given), the blend weights and the tail index."""
@@ -249,10 +246,7 @@ def statistics_from_fit(
 def weince_statistics(
     scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None = None,
     options: WeinceOptions | None = None,
-    *,
-    rho0: Tensor | float | None = None,
-    gather: Callable[[Tensor], Tensor] | None = None,
-    **overrides: Any,
+    *, rho0: Tensor | float | None = None, gather: Callable[[Tensor], Tensor] | None = None, **overrides: Any,
 ) -> WeinceStatistics:
     """Per-anchor WEINCE statistics (no gradient), in the scores' dtype (float16/bfloat16: float32).
 
@@ -353,14 +347,8 @@ class _BlendedCrossEntropy(torch.autograd.Function):
 
 
 def blended_cross_entropy(
-    scores: Tensor,
-    lam: Tensor,
-    beta: Tensor,
-    positive_index: Tensor,
-    valid_mask: Tensor | None = None,
-    *,
-    scale: float,
-    eps: float = DEFAULTS.eps,
+    scores: Tensor, lam: Tensor, beta: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None,
+    *, scale: float, eps: float = DEFAULTS.eps,
 ) -> Tensor:
     """Per-row cross-entropy [A] of :func:`weince_logits` with ``positive_index`` as the target, fused (fewer passes
     over the matrix in backward). Same dtypes and gradient as the unfused logits + ``F.cross_entropy``."""
