@@ -65,7 +65,7 @@ from st_weince.functional.false_negatives import FalseNegativeFilter, false_nega
 from st_weince.functional.weince import DEFAULTS, weince_statistics  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "false_negatives"
-LOSSES = ("mnrl", "weince", "rb_sigmoid")
+LOSSES = ("mnrl", "weince", "rb_sigmoid", "composite")
 # Measured on the starting model (--diagnostic-only, docs/false-negatives.md): absolute 0.1 already removes about
 # 8 candidates per anchor on BANKING77, most of them real negatives of neighbouring intents, so the grid is tight.
 DEFAULT_GRID = ("absolute:0.0", "absolute:0.05", "absolute:0.1", "relative:0.95")
@@ -198,6 +198,8 @@ def build_loss(name: str, model, spec: FalseNegativeFilter | None):
         return WEINCELoss(model, false_negative_filter=spec)
     if name == "rb_sigmoid":
         return RBSigmoidLoss(model, false_negative_filter=spec)
+    if name == "composite":  # the released composite's two top-M terms on top of the text defaults
+        return WEINCELoss(model, top_m_shortfall_weight=0.5, top_m_infonce_weight=0.5, false_negative_filter=spec)
     raise ValueError(f"unknown loss {name!r}; choose from {LOSSES}")
 
 
@@ -404,7 +406,7 @@ def summarize(loss_name: str, chosen: list, validation: dict, runs: dict[str, li
         arm_summary["diagnostic"]["guard_after"] = records[0]["diagnostic"]["diagnostic_filter"]
         arm_summary["seconds_per_run"] = mean_std([r["seconds"]["total"] for r in records])
         summary["arms"][arm] = arm_summary
-    off, on = runs["off"], runs["guard"]
+    off, on = runs["off"], runs.get("guard", [])
     for metric in METRICS:
         if all(metric in r for r in off + on):
             by_seed_off = {r["seed"]: r[metric] for r in off}
@@ -415,18 +417,20 @@ def summarize(loss_name: str, chosen: list, validation: dict, runs: dict[str, li
 
 
 def between_losses(runs: dict[str, dict[str, list[dict]]]) -> dict[str, Any]:
-    """WEINCE - MNRL and RB-Sigmoid - MNRL per arm, paired by seed (the same pairs and batches)."""
+    """Each loss minus MNRL, and the composite minus WEINCE (the blend), per arm, paired by seed (the same pairs and
+    batches)."""
     out: dict[str, Any] = {}
-    if "mnrl" not in runs:
-        return out
-    for loss_name in ("weince", "rb_sigmoid"):
-        if loss_name not in runs:
+    comparisons = [(name, "mnrl") for name in ("weince", "rb_sigmoid", "composite")] + [("composite", "weince")]
+    for loss_name, base_name in comparisons:
+        if loss_name not in runs or base_name not in runs:
             continue
-        for arm in ("off", "guard"):
-            base = {r["seed"]: r for r in runs["mnrl"][arm]}
+        for arm in runs[loss_name]:
+            if arm not in runs[base_name]:
+                continue
+            base = {r["seed"]: r for r in runs[base_name][arm]}
             mine = [r for r in runs[loss_name][arm] if r["seed"] in base]
             present = [m for m in METRICS if mine and all(m in r and m in base[r["seed"]] for r in mine)]
-            out[f"{loss_name}_minus_mnrl_{arm}"] = {
+            out[f"{loss_name}_minus_{base_name}_{arm}"] = {
                 m: mean_std([r[m] - base[r["seed"]][m] for r in mine]) for m in present
             }
     return out
@@ -444,8 +448,7 @@ def markdown(summary: dict[str, Any]) -> str:
         return f"{stat['mean']:.4f}{std}"
 
     for loss_name, result in summary["losses"].items():
-        for arm in ("off", "guard"):
-            data = result["arms"][arm]
+        for arm, data in result["arms"].items():
             guard = "off" if arm == "off" else f"{result['chosen_filter'][0]} {result['chosen_filter'][1]}"
             diagnostic = data["diagnostic"]
             lines.append(
@@ -456,11 +459,12 @@ def markdown(summary: dict[str, Any]) -> str:
                 + " | {} {}".format(*diagnostic["guard_after"])
                 + f" | {data['seconds_per_run']['mean']:.0f} |"
             )
-        lines.append(
-            f"| {loss_name} | paired diff | "
-            + " | ".join(cell(result["paired"].get(m)) for m in METRICS)
-            + " | | | | |"
-        )
+        if result["paired"]:
+            lines.append(
+                f"| {loss_name} | paired diff | "
+                + " | ".join(cell(result["paired"].get(m)) for m in METRICS)
+                + " | | | | |"
+            )
     if summary.get("between_losses"):
         lines += [
             "",
@@ -494,6 +498,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-mteb", dest="mteb", action="store_false", help="skip MTEB Banking77Classification")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
+        "--no-guard",
+        nargs="*",
+        choices=LOSSES,
+        metavar="LOSS",
+        help="only the arm without the guard, for these losses (all of --losses when none is named)",
+    )
+    parser.add_argument(
         "--diagnostic-only",
         type=int,
         default=0,
@@ -502,6 +513,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "threshold of the grid (writes diagnostic_start.json)",
     )
     args = parser.parse_args(argv)
+    if args.no_guard == []:
+        args.no_guard = args.losses
     args.diagnostic_filter = [args.diagnostic_filter[0], float(args.diagnostic_filter[1])]
     FalseNegativeFilter.parse(tuple(args.diagnostic_filter))
     parse_grid(args.grid)
@@ -592,10 +605,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     summary: dict[str, Any] = {"losses": {}, "scale": {k: getattr(args, k) for k in SCALE}, "seeds": args.seeds}
     all_runs: dict[str, dict[str, list[dict]]] = {}
     for loss_name in args.losses:
-        chosen, val_scores = choose_threshold(loss_name, args, data, finished, path)
-        runs: dict[str, list[dict]] = {"off": [], "guard": []}
+        guard = loss_name not in (args.no_guard or ())
+        chosen, val_scores = choose_threshold(loss_name, args, data, finished, path) if guard else (None, {})
+        runs: dict[str, list[dict]] = {"off": [], "guard": []} if guard else {"off": []}
         for seed in args.seeds:
-            for arm, spec in (("off", None), ("guard", chosen)):
+            for arm, spec in (("off", None), ("guard", chosen))[: len(runs)]:
                 key = {"loss": loss_name, "filter": spec, "seed": seed}
                 runs[arm].append(run_or_reuse(key, args, data, finished, path))
         summary["losses"][loss_name] = summarize(loss_name, chosen, val_scores, runs)

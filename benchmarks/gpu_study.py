@@ -1,16 +1,17 @@
 """InfoNCE against WEINCE on CIFAR-10 with a full-width ResNet-18, on one GPU in about 8 minutes.
 
-Two setups (``--setup``; the loop of benchmarks/simclr_study.py selects the same ones):
+Two setups (``--setup``; st_weince.vision.SETUPS, as the studies and recipes/simclr.py --preset):
 
 - ``released`` (default): ALGORITHMS.md 1.2b's training setup for both arms (projection head without BatchNorm or
   biases, hidden width = feature width; Adam lr 3e-4 without weight decay; colour jitter 0.8/0.8/0.8/0.2; no
   normalisation), InfoNCE against the released composite (the blend + 0.5 x top-M shortfall + 0.5 x top-M InfoNCE,
-  M = 50: the arms ``infonce`` and ``composite`` of benchmarks/simclr_ablation.py), evaluated with the released
+  M = 50: the arms ``infonce`` and ``composite`` of st_weince.vision.ARMS), evaluated with the released
   probe protocol too (stratified 80/20 split, linear probe on raw features, Adam lr 3e-4, 100 epochs; k-NN over 5
   split seeds) besides the k-NN on the whole train split;
 - ``previous``: this project's earlier setup, InfoNCE against the blend alone (``weince``).
 
-Both losses start from the same seed (same initial network, data order and augmentations). The first loss (InfoNCE)
+Both losses start from the same seed (same initial network, data order and augmentations) and train with
+st_weince.vision.SimCLRTraining, the step of the recipe and the studies. The first loss (InfoNCE)
 trains whole epochs while they fit its share of the time budget; the second (WEINCE) then trains the same number of
 epochs, so the comparison is at equal images seen. Augmentations run on the GPU (st_weince.vision.SimCLRAugment does
 the pixel work on the images' device; only the per-image random parameters are drawn on the CPU), the forward pass
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -40,33 +40,34 @@ from st_weince.diagnostics import pot_fit
 from st_weince.diagnostics.collect import negative_pool
 from st_weince.utils.provenance import provenance
 from st_weince.vision import (
+    ARMS,
     KNN_KS,
     KNN_TEMPERATURE,
     PREVIOUS_PROTOCOL,
+    SETUPS,
+    SIMCLR_BETA,
+    SIMCLR_SCALE,
     SimCLRAugment,
     SimCLRModel,
-    SimCLRObjective,
+    SimCLRTraining,
     balanced_subset,
+    build_model,
+    build_objective,
+    build_optimizer,
+    data_order,
     eval_transform,
     evaluate_frozen_features,
     extract_features,
     knn_evaluate,
     load_dataset,
+    to_memory_format,
 )
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from benchmarks.simclr_ablation import ARMS  # noqa: E402
-from benchmarks.simclr_study import SETUPS, arm_objective  # noqa: E402
-
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "cifar10" / "cifar10-jpg.zip"
 DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "gpu_study" / "gpu_study.json"
-# The two arms of each setup, baseline first; their objectives: benchmarks/simclr_ablation.py's ARMS.
+# The two arms of each setup, baseline first; their objectives: st_weince.vision.ARMS.
 SETUP_ARMS = {"released": ("infonce", "composite"), "previous": ("infonce", "blend")}
-# Optimizer settings of each setup (--lr / --weight-decay override them).
-SETUP_OPTIMIZER = {"released": {"lr": 3e-4, "weight_decay": 0.0}, "previous": {"lr": 1e-3, "weight_decay": 1e-6}}
 KNN_HEADLINE_K = 20
 # Share of the budget for each loss's training; the rest covers data loading, the first epoch's warm-up and evaluation.
 TRAIN_SHARE_PER_LOSS = 0.40
@@ -86,15 +87,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--setup", choices=sorted(SETUP_ARMS), default="released", help="see above")
     parser.add_argument("--lr", type=float, default=None, help="the setup's by default")
     parser.add_argument("--weight-decay", type=float, default=None, help="the setup's by default")
-    parser.add_argument("--temperature", type=float, default=0.5)
+    parser.add_argument("--temperature", type=float, default=1.0 / SIMCLR_SCALE)
     parser.add_argument("--quick", action="store_true", help="tiny data and network (CPU smoke run)")
     parser.add_argument("--no-bf16", action="store_true", help="float32 forward instead of bf16 autocast")
     parser.add_argument("--probe-epochs", type=int, default=100, help="the released protocol's linear probe")
     args = parser.parse_args(argv)
     args.scale = QUICK if args.quick else FULL
-    for name, value in SETUP_OPTIMIZER[args.setup].items():
+    for name in ("lr", "weight_decay"):
         if getattr(args, name) is None:
-            setattr(args, name, value)
+            setattr(args, name, getattr(SETUPS[args.setup], name))
     if args.epochs is not None and args.epochs < 1:
         parser.error(f"--epochs must be at least 1, got {args.epochs}")
     if not args.budget_seconds > 0:
@@ -120,47 +121,22 @@ def train_one(
     """Train ``epochs`` epochs, or (``epochs`` None) whole epochs while the next one is expected to fit the budget."""
     setup = SETUPS[args.setup]
     torch.manual_seed(args.seed)
-    model = SimCLRModel(
-        "resnet18",
-        width=args.scale["width"],
-        hidden_dim=None if args.setup == "released" else 512,  # released: as wide as the features
-        head_batch_norm=setup.head_batch_norm,
-        head_output_bias=setup.head_output_bias,
-    ).to(device, memory_format=torch.channels_last)
-    name, temperature, options = arm_objective(
-        loss, {"arms": ARMS, "temperature": args.temperature, "weince_options": {}}
-    )
-    objective = SimCLRObjective(name, scale=1.0 / temperature, loss_kwargs=options).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    model = build_model(setup, width=args.scale["width"], hidden_dim=setup.hidden_dim, channels_last=True).to(device)
+    objective = build_objective(loss, {"arms": ARMS, "temperature": args.temperature}).to(device)
+    optimizer = build_optimizer(model, objective, args.lr, args.weight_decay)
     augment = SimCLRAugment(setup.augment, generator=torch.Generator().manual_seed(args.seed))
-    data_generator = torch.Generator().manual_seed(args.seed + 1)
+    autocast_dtype = None if args.no_bf16 else torch.bfloat16  # the loss stays in float32
+    training = SimCLRTraining(model, objective, optimizer, augment, channels_last=True, autocast_dtype=autocast_dtype)
     batch_size = args.scale["batch_size"]
     steps_per_epoch = images.shape[0] // batch_size
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=not args.no_bf16)
     losses: list[float] = []
     epoch_seconds: list[float] = []
-    model.train()
     synchronize(device)
     started = time.perf_counter()
     while epochs is None or len(epoch_seconds) < epochs:
         tick = time.perf_counter()
-        order = torch.randperm(images.shape[0], generator=data_generator).to(device)
-        loss_sum = torch.zeros((), device=device)
-        for step in range(steps_per_epoch):
-            view_a, view_b = augment(images[order[step * batch_size : (step + 1) * batch_size]])
-            views = torch.cat([view_a, view_b]).contiguous(memory_format=torch.channels_last)
-            with autocast:
-                projections = model(views)
-            z1, z2 = projections.float().chunk(2)  # the loss in float32
-            loss_value = objective(z1, z2)
-            optimizer.zero_grad(set_to_none=True)
-            loss_value.backward()
-            optimizer.step()
-            loss_sum += loss_value.detach()
-        losses.append(float(loss_sum) / steps_per_epoch)  # one host sync per epoch
+        losses.append(training.epoch(images, data_order(images.shape[0], args.seed, len(losses)), batch_size))
         epoch_seconds.append(time.perf_counter() - tick)
-        if not torch.isfinite(torch.tensor(losses[-1])):
-            raise ValueError(f"{loss}: the training loss became {losses[-1]} in epoch {len(losses)}")
         spent = time.perf_counter() - started
         # The next epoch costs about as much as the last one (the first includes warm-up).
         if epochs is None and spent + epoch_seconds[-1] > train_budget:
@@ -185,8 +161,7 @@ def evaluate(model: SimCLRModel, train: Any, test: Any, args: argparse.Namespace
     setup = SETUPS[args.setup]
 
     def transform(images: Tensor) -> Tensor:
-        normalized = eval_transform(images, setup.augment.mean, setup.augment.std)
-        return normalized.contiguous(memory_format=torch.channels_last)
+        return to_memory_format(eval_transform(images, setup.augment.mean, setup.augment.std), True)
 
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=not args.no_bf16)
     with autocast:
@@ -270,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "lr": args.lr,
             "weight_decay": args.weight_decay,
             "temperature": args.temperature,
-            "beta": 1.0,
+            "beta": SIMCLR_BETA,
             "bf16": not args.no_bf16,
             "channels_last": True,
             "train_images": len(train),

@@ -17,7 +17,7 @@ top-M term; arm 1 is MNRL, the baseline of the other studies. Each arm minus Inf
 interaction ``(5 - 1) - [(2 - 1) + (3 - 1) + (4 - 1)]`` (is the composite more than the sum of its parts?) come out
 of ``--summarize``.
 
-Setting: the loop of benchmarks/simclr_study.py (identical initialisation, batches and augmentations per seed;
+Setting: the study runner benchmarks/lab/simclr_runner.py (identical initialisation, batches and augmentations per seed;
 resumable JSON lines; states outside the git tree) under its ``"released"`` setup: CIFAR-10 (all 50,000 training
 images), CIFAR-stem ResNet-18 of width 16 (study 1's scale), projection head Linear(128, 128, no bias) - ReLU -
 Linear(128, 64, no bias), Adam lr 3e-4 without weight decay, batch 256 pairs, temperature 0.5, colour jitter
@@ -43,20 +43,17 @@ every run's header (``config.epochs``) and in the summary (``scale_note``).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # benchmarks.lab
 
-from benchmarks import simclr_study as study  # noqa: E402
+from benchmarks.lab import runlog, summaries  # noqa: E402
+from benchmarks.lab import simclr_runner as runner  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
+from st_weince.vision import ARMS, SETUPS  # noqa: E402
 
 OUTPUT = REPO / "benchmarks" / "results" / "simclr_ablation"
 STATE = Path("/work/st-weince-ablation-state")
@@ -66,15 +63,8 @@ SCALE_NOTE = (
     "budget; 18 runs x 5 epochs take about 4.5-5 hours, two side by side."
 )
 BASELINE = "infonce"
-# Run-name prefix -> the objective: SimCLRObjective's loss, its options, and the temperature where not the study's.
-ARMS: dict[str, dict[str, Any]] = {
-    "infonce": {"loss": "infonce"},
-    "infonce-topm-infonce": {"loss": "weince", "options": {"mode": "none", "top_m_infonce_weight": 0.5}},
-    "infonce-topm-shortfall": {"loss": "weince", "options": {"mode": "none", "top_m_shortfall_weight": 0.5}},
-    "blend": {"loss": "weince", "options": {}},
-    "composite": {"loss": "weince", "options": {"top_m_shortfall_weight": 0.5, "top_m_infonce_weight": 0.5}},
-    "infonce-tau0.2": {"loss": "infonce", "temperature": 0.2},
-}
+RELEASED = SETUPS["released"]
+# ARMS (st_weince.vision): run-name prefix -> the objective: the loss, its options, the temperature where not 0.5.
 # The composite's parts, each measured as InfoNCE + that part (the blend replaces InfoNCE, so it is measured alone).
 PARTS = ("infonce-topm-infonce", "infonce-topm-shortfall", "blend")
 COMPOSITE = "composite"
@@ -83,11 +73,11 @@ SEEDS = (0, 1, 2)
 ARM_ORDER = ("infonce", "infonce-tau0.2", "blend", "composite", "infonce-topm-infonce", "infonce-topm-shortfall")
 RUN_ORDER = [(arm, seed) for seed in SEEDS for arm in ARM_ORDER]
 ABLATION: dict[str, Any] = {
-    **study.STUDY,
+    **runner.STUDY,
     "setup": "released",
-    "hidden_dim": None,  # the head's hidden layer as wide as the features
-    "lr": 3e-4,
-    "weight_decay": 0.0,
+    "hidden_dim": RELEASED.hidden_dim,  # None: the head's hidden layer as wide as the features
+    "lr": RELEASED.lr,
+    "weight_decay": RELEASED.weight_decay,
     "temperature": 0.5,
     "beta": 1.0,
     "epochs": 5,
@@ -97,66 +87,46 @@ ABLATION: dict[str, Any] = {
 METRICS = ("linear_top1", "knn_top1")
 
 
-def parse_runs(names: list[str]) -> list[tuple[str, int]]:
-    """``arm-seedK`` names -> (arm, seed); ValueError naming the known arms."""
-    runs = []
-    for name in names:
-        arm, _, seed = name.rpartition("-seed")
-        if arm not in ARMS or not seed.isdigit():
-            raise ValueError(f"run names look like infonce-seed0, arms {sorted(ARMS)}; got {name!r}")
-        runs.append((arm, int(seed)))
-    return runs
-
-
 def paired(finals: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
     """Every arm minus InfoNCE of the same seed (by seed, mean +- sample std) and the composite's interaction."""
+    by_arm: dict[str, dict[int, dict[str, Any]]] = {}
+    for (arm, seed), record in finals.items():
+        by_arm.setdefault(arm, {})[seed] = record
     out: dict[str, Any] = {}
-    differences: dict[str, dict[int, dict[str, float]]] = {}
-    for arm in ARMS:
-        if arm == BASELINE:
-            continue
-        seeds = sorted(s for a, s in finals if a == arm and (BASELINE, s) in finals)
-        per_seed = {s: {m: finals[(arm, s)][m] - finals[(BASELINE, s)][m] for m in METRICS} for s in seeds}
-        differences[arm] = per_seed
-        if seeds:
-            out[f"{arm}_minus_{BASELINE}"] = {
-                "seeds": seeds,
-                "per_seed": {str(s): d for s, d in per_seed.items()},
-                **{m: study.mean_std([d[m] for d in per_seed.values()]) for m in METRICS},
-            }
-    seeds = sorted(set.intersection(*(set(differences[arm]) for arm in (COMPOSITE, *PARTS))))
+    for arm in (arm for arm in ARMS if arm != BASELINE):
+        difference = summaries.paired_difference(by_arm.get(arm, {}), by_arm.get(BASELINE, {}), METRICS)
+        if difference is not None:
+            out[f"{arm}_minus_{BASELINE}"] = difference
+    differences = [out.get(f"{arm}_minus_{BASELINE}", {"per_seed": {}})["per_seed"] for arm in (COMPOSITE, *PARTS)]
+    seeds = sorted(set.intersection(*(set(map(int, d)) for d in differences)))
     if seeds:
+        composite, *parts = differences
         per_seed = {
-            s: {m: differences[COMPOSITE][s][m] - sum(differences[part][s][m] for part in PARTS) for m in METRICS}
-            for s in seeds
+            str(s): {m: composite[str(s)][m] - sum(part[str(s)][m] for part in parts) for m in METRICS} for s in seeds
         }
         out["interaction"] = {
             "definition": f"({COMPOSITE} - {BASELINE}) - sum over {list(PARTS)} of (part - {BASELINE})",
             "seeds": seeds,
-            "per_seed": {str(s): d for s, d in per_seed.items()},
-            **{m: study.mean_std([d[m] for d in per_seed.values()]) for m in METRICS},
+            "per_seed": per_seed,
+            **summaries.seed_stats(per_seed, METRICS),
         }
     return out
 
 
 def summarize(output_dir: Path) -> dict[str, Any]:
     """summary.json and summary.md from the run files in ``output_dir``."""
-    finals: dict[tuple[str, int], dict[str, Any]] = {}
-    present, headers = [], {}
-    for path in sorted(output_dir.glob("*.jsonl")):
-        records = study.read_lines(path)
-        if not records or records[0].get("type") != "header":
-            continue
-        header = records[0]
-        present.append(path.stem)
-        headers[path.stem] = {k: header.get(k) for k in ("date_utc", "git_commit", "machine", "versions", "command")}
-        final = study.final_record(records)
-        if final is not None:
-            finals[(header["loss"], header["seed"])] = final
+    runs = runlog.run_files(output_dir)
+    finals = {
+        (records[0]["loss"], records[0]["seed"]): final
+        for records in runs.values()
+        if (final := runlog.final_record(records)) is not None
+    }
+    present = list(runs)
+    headers = {name: {k: records[0].get(k) for k in runlog.HEADER_KEYS} for name, records in runs.items()}
     per_arm = {
         arm: {
             "seeds": sorted(s for a, s in finals if a == arm),
-            **{m: study.mean_std([r[m] for (a, _), r in finals.items() if a == arm]) for m in METRICS},
+            **{m: summaries.mean_std([r[m] for (a, _), r in finals.items() if a == arm]) for m in METRICS},
         }
         for arm in ARMS
         if any(a == arm for a, _ in finals)
@@ -171,12 +141,12 @@ def summarize(output_dir: Path) -> dict[str, Any]:
         "scale_note": SCALE_NOTE,
         "config": ABLATION,
         "runs_present": present,
-        "runs_finished": sorted(study.run_name(a, s) for a, s in finals),
-        "runs_missing": [study.run_name(a, s) for a, s in RUN_ORDER if (a, s) not in finals],
+        "runs_finished": sorted(runlog.run_name(a, s) for a, s in finals),
+        "runs_missing": [runlog.run_name(a, s) for a, s in RUN_ORDER if (a, s) not in finals],
         "per_arm": per_arm,
         "paired": paired(finals),
         "finals": {
-            study.run_name(a, s): {
+            runlog.run_name(a, s): {
                 **{m: r[m] for m in (*METRICS, "linear_val_top1", "knn_top1_by_k")},
                 "loss_statistics": r["loss_statistics"],
                 "train_seconds": r["train_seconds"],
@@ -186,10 +156,7 @@ def summarize(output_dir: Path) -> dict[str, Any]:
         "provenance_of_runs": headers,
         "summary_provenance": provenance(),
     }
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (output_dir / "summary.md").write_text(markdown(summary) + "\n")
-    print(markdown(summary), flush=True)
+    summaries.write_summary(output_dir, summary, markdown(summary))
     return summary
 
 
@@ -198,48 +165,18 @@ def markdown(summary: dict[str, Any]) -> str:
     lines += ["| arm | seeds | linear top-1 (%) | k-NN top-1, k=50 (%) |", "| --- | --- | --- | --- |"]
     for arm, row in summary["per_arm"].items():
         lines.append(
-            f"| {arm} | {', '.join(map(str, row['seeds']))} | {study.format_stat(row['linear_top1'])} "
-            f"| {study.format_stat(row['knn_top1'])} |"
+            f"| {arm} | {', '.join(map(str, row['seeds']))} | {summaries.format_stat(row['linear_top1'])} "
+            f"| {summaries.format_stat(row['knn_top1'])} |"
         )
     lines += ["", "Paired by seed (same initialisation, batches and augmentations), points", ""]
-    lines += study.paired_table(summary["paired"])
+    lines += summaries.paired_table(summary["paired"])
     if summary["runs_missing"]:
         lines += ["", f"Not finished yet: {', '.join(summary['runs_missing'])}"]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data-dir", type=Path, default=study.DEFAULT_DATA, help="CIFAR-10 ImageFolder or zip")
-    parser.add_argument("--output-dir", type=Path, default=OUTPUT)
-    parser.add_argument("--state-dir", type=Path, default=STATE, help="training states (outside git)")
-    parser.add_argument("--runs", nargs="+", default=None, help="e.g. infonce-seed0 composite-seed0 (default: all)")
-    parser.add_argument("--override", default="{}", help="JSON of study keys to change (tests)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--stop-after-epoch", type=int, default=None, help="stop each run after this epoch")
-    parser.add_argument("--summarize", action="store_true", help="only write summary.json / .md")
-    args = parser.parse_args(argv)
-    if args.summarize:
-        summarize(args.output_dir)
-        return
-    try:
-        config = {**ABLATION, **study.parse_override(args.override)}
-        runs = list(RUN_ORDER) if args.runs is None else parse_runs(args.runs)
-    except ValueError as error:
-        parser.error(str(error))
-    torch.set_num_threads(args.threads)
-    data = study.load_data(config, args.data_dir)
-    full_argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
-    study.run_all(
-        runs,
-        config,
-        data,
-        args.output_dir,
-        args.state_dir,
-        full_argv,
-        args.stop_after_epoch,
-        summarize_each_epoch=False,
-    )
+    runner.main(argv, sys.modules[__name__], ABLATION, list(ARMS), block="simclr_ablation")
 
 
 if __name__ == "__main__":

@@ -20,16 +20,18 @@ import csv
 import json
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from st_weince.utils.provenance import provenance
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # benchmarks.lab
+
+from benchmarks.lab.summaries import mean_std  # noqa: E402
+from st_weince.utils.provenance import provenance  # noqa: E402
+
 RESULTS_DIR = REPO / "benchmarks" / "results" / "simclr"
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "cifar10" / "cifar10-jpg.zip"
 LOSSES = ("infonce", "weince", "rb-sigmoid")
@@ -50,6 +52,15 @@ SCALE: dict[str, Any] = {
     "limit_train": 10000,
     "limit_eval": 2000,
     "probe_epochs": 100,
+}
+
+
+# summary name -> the recipe's throughput key
+THROUGHPUT = {
+    "data_pipeline_source_images_per_second": "source_images_per_second_data_pipeline",
+    "augmented_views_per_second": "augmented_views_per_second",
+    "train_pairs_per_second": "train_pairs_per_second",
+    "seconds_per_step": "seconds_per_step",
 }
 
 
@@ -83,14 +94,6 @@ def run_one(loss: str, seed: int, runs_dir: Path, data_dir: Path, scale: dict[st
     return process.returncode == 0
 
 
-def mean_std(values: list[float]) -> dict[str, float | int]:
-    return {
-        "mean": statistics.fmean(values) if values else float("nan"),
-        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-        "n": len(values),
-    }
-
-
 def summarize(runs_dir: Path, seeds: list[int], command: str, missing: list[str]) -> dict[str, Any]:
     runs: dict[str, dict[int, dict[str, Any]]] = {}
     (RESULTS_DIR / "runs").mkdir(parents=True, exist_ok=True)
@@ -112,12 +115,11 @@ def summarize(runs_dir: Path, seeds: list[int], command: str, missing: list[str]
             "knn_top1_by_k": {k: mean_std([r["knn"]["top1"][k] for r in results]) for k in ks},
             "knn_recall_by_k": {k: mean_std([r["knn"]["recall"][k] for r in results]) for k in ks},
             "final_loss": mean_std([r["final_loss"] for r in results]),
-            "data_pipeline_source_images_per_second": mean_std(
-                [r["throughput"]["source_images_per_second_data_pipeline"] for r in results]
-            ),
-            "augmented_views_per_second": mean_std([r["throughput"]["augmented_views_per_second"] for r in results]),
-            "train_pairs_per_second": mean_std([r["throughput"]["train_pairs_per_second"] for r in results]),
-            "seconds_per_step": mean_std([r["throughput"]["seconds_per_step"] for r in results]),
+            **{
+                name: mean_std([r["throughput"][key] for r in results])
+                for name, key in THROUGHPUT.items()
+                if all(key in r["throughput"] for r in results)  # earlier recipe runs also timed the views
+            },
         }
     # Paired by seed: same initialisation seed and same augmentation stream seed, different loss.
     differences: dict[str, Any] = {}

@@ -9,10 +9,10 @@ pivot of the hardness gate, is the q-quantile of the batch's shortfalls: it sets
 blended), kappa_rho {5, 10, 20} (that gate's sharpness) and beta {0.5, 1, 2} (the slope of the shortfall logit, 1 in
 the reference code). ``--square released`` trains the released factors instead.
 
-Short configuration of the study loop (benchmarks/simclr_study.py): CIFAR-stem ResNet-18 of width 8, batch 256 pairs,
-1 epoch, temperature 0.5. The settings are chosen on a held-out part of the training images: ``holdout``
-class-balanced training images are never trained on and stand in for the test set; the probes train on the
-remaining 45,000. InfoNCE at the same seed (identical batches and augmentations) is the reference. The test set is
+Short configuration of the study runner (benchmarks/lab/simclr_runner.py): CIFAR-stem ResNet-18 of width 8,
+batch 256 pairs, 1 epoch, temperature 0.5. The settings are chosen on a held-out part of the training images:
+``holdout`` class-balanced training images are never trained on and stand in for the test set; the probes train on
+the remaining 45,000. InfoNCE at the same seed (identical batches and augmentations) is the reference. The test set is
 not touched here; the best point is then rerun at the full length of study 1 with ``--rerun-best`` (test set,
 ``--rerun-seeds`` as many seeds as study 1, each paired with study 1's InfoNCE and default WEINCE of that seed).
 
@@ -30,24 +30,24 @@ rerun's paired differences to study 1 (final, every full evaluation, the subset-
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # benchmarks.lab
 
-from benchmarks import simclr_study as study  # noqa: E402
-from st_weince.functional.weince import DEFAULTS  # noqa: E402
+from benchmarks.lab import simclr_runner as runner  # noqa: E402
+from benchmarks.lab.plots import figure  # noqa: E402
+from benchmarks.lab.runlog import final_line, final_record, read_lines, run_name  # noqa: E402
+from benchmarks.lab.simclr_eval import load_data  # noqa: E402
+from benchmarks.lab.summaries import format_stat, mean_std, number, update_docs, write_summary  # noqa: E402
+from benchmarks.lab.weince_grid import SQUARES, TRAINED_SQUARE, is_default, latin_square, point_name  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
 
 OUTPUT = REPO / "benchmarks" / "results" / "simclr_grid"
 STATE = Path("/work/st-weince-grid-state")
+STUDY_OUTPUT = REPO / "benchmarks" / "results" / "simclr_study"  # study 1's run files, the rerun's reference
 SHORT: dict[str, Any] = {
     "width": 8,
     "epochs": 1,
@@ -56,34 +56,6 @@ SHORT: dict[str, Any] = {
     "full_eval_epochs": [],
     "pot_images": 2000,
 }
-# Two 3x3x3 grids, each with the defaults at the middle level of every factor. "released": the factors the released
-# code tuned. "blend": the factors that set which anchors are blended (q: rho0 is the q-quantile of the shortfalls,
-# kappa_rho: the sharpness of that gate) and how strongly (beta: the slope of the shortfall logit).
-SQUARES: dict[str, dict[str, tuple[float, float, float]]] = {
-    "released": {"aic_margin": (0.0, 2.0, 6.0), "kappa_rho": (5.0, 10.0, 20.0), "kappa_aic": (0.5, 1.0, 2.0)},
-    "blend": {"q": (0.1, 0.2, 0.4), "kappa_rho": (5.0, 10.0, 20.0), "beta": (0.5, 1.0, 2.0)},
-}
-TRAINED_SQUARE = "blend"  # why: benchmarks/results/simclr_grid/lambda_statistics.json (docs/evidence.md, study 3)
-SHORT_NAMES = {"aic_margin": "margin", "kappa_rho": "krho", "kappa_aic": "kaic", "q": "q", "beta": "beta"}
-
-
-def latin_square(square: str = TRAINED_SQUARE) -> list[dict[str, float]]:
-    """9 of the 27 points of ``SQUARES[square]``: the third factor's level is (i + j + 2) mod 3 for levels i and j
-    of the first two, so each level of each factor appears three times, every pair of factors meets each
-    combination of levels once, and (i, j) = (1, 1) gives the defaults."""
-    (first, a), (second, b), (third, c) = SQUARES[square].items()
-    return [{first: x, second: y, third: c[(i + j + 2) % 3]} for i, x in enumerate(a) for j, y in enumerate(b)]
-
-
-def point_name(options: dict[str, float]) -> str:
-    return "-".join(f"{SHORT_NAMES[key]}{value:g}" for key, value in options.items())
-
-
-def is_default(options: dict[str, float]) -> bool:
-    """The vision defaults (WeinceOptions(), beta 1 as in the reference code)."""
-    return all(getattr(DEFAULTS, key) == value for key, value in options.items())
-
-
 METRICS = ("linear_top1", "knn_top1")
 REFERENCES = ("infonce", "weince")  # study 1's runs the rerun is paired with: InfoNCE and WEINCE at its defaults
 
@@ -107,11 +79,11 @@ def paired_rows(
 def aggregate(per_seed: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Mean +- sample std over seeds of the accuracies and of each paired difference."""
     out: dict[str, Any] = {"seeds": sorted(int(s) for s in per_seed), "per_seed": per_seed}
-    out.update({m: study.mean_std([row[m] for row in per_seed.values()]) for m in METRICS})
+    out.update({m: mean_std([row[m] for row in per_seed.values()]) for m in METRICS})
     for loss in REFERENCES:
         diffs = [row[f"minus_study_{loss}"] for row in per_seed.values() if f"minus_study_{loss}" in row]
         if diffs:
-            out[f"minus_study_{loss}"] = {m: study.mean_std([d[m] for d in diffs]) for m in METRICS}
+            out[f"minus_study_{loss}"] = {m: mean_std([d[m] for d in diffs]) for m in METRICS}
     return out
 
 
@@ -121,15 +93,13 @@ def rerun_comparison(output_dir: Path, study_output: Path) -> dict[str, Any] | N
     sample std (top level), every full evaluation (probes on all training images) and the subset-probe curve."""
     runs: dict[int, list[dict[str, Any]]] = {}
     for path in sorted((output_dir / "rerun-best").glob("weince-seed*.jsonl")):
-        records = study.read_lines(path)
+        records = read_lines(path)
         if records and records[0].get("type") == "header":
             runs[records[0]["seed"]] = records
     if not runs:
         return None
     study_records = {
-        (loss, seed): study.read_lines(study_output / f"{study.run_name(loss, seed)}.jsonl")
-        for loss in REFERENCES
-        for seed in runs
+        (loss, seed): read_lines(study_output / f"{run_name(loss, seed)}.jsonl") for loss in REFERENCES for seed in runs
     }
     full = {key: by_epoch(records, ("full", "final")) for key, records in study_records.items()}
     curve = {key: by_epoch(records, ("checkpoint",)) for key, records in study_records.items()}
@@ -155,7 +125,7 @@ def rerun_comparison(output_dir: Path, study_output: Path) -> dict[str, Any] | N
         }
         for epoch in sorted({e for checkpoints in mine_curve.values() for e in checkpoints})
     ]
-    finals = {seed: study.final_record(records) for seed, records in runs.items()}
+    finals = {seed: final_record(records) for seed, records in runs.items()}
     final_epochs = {record["epoch"] for record in finals.values() if record is not None}
     final = full_evaluations[str(max(final_epochs))] if final_epochs else {"seeds": [], "per_seed": {}}
     return {
@@ -170,54 +140,47 @@ def rerun_comparison(output_dir: Path, study_output: Path) -> dict[str, Any] | N
 def plot_rerun(rerun: dict[str, Any], path: Path) -> None:
     """The paired differences along training (subset probes), per seed: the chosen point and study 1's default
     WEINCE, each minus study 1's InfoNCE of the same seed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharex=True)
     styles = {
         "chosen": ("tab:purple", f"WEINCE {point_name(rerun['options'])}"),
         "weince": ("tab:red", "WEINCE defaults"),
     }
-    for ax, metric in zip(axes, METRICS):
-        for index, seed in enumerate(rerun["seeds_started"]):
-            rows = [r for r in rerun["along_training"] if str(seed) in r["per_seed"]]
-            chosen = [(r["epoch"], r["per_seed"][str(seed)].get("minus_study_infonce")) for r in rows]
-            chosen = [(e, d[metric]) for e, d in chosen if d is not None]
-            # the default WEINCE's difference at the same epoch: (chosen - InfoNCE) - (chosen - default WEINCE)
-            default = [
-                (
-                    r["epoch"],
-                    r["per_seed"][str(seed)]["minus_study_infonce"][metric]
-                    - r["per_seed"][str(seed)]["minus_study_weince"][metric],
-                )
-                for r in rows
-                if {"minus_study_infonce", "minus_study_weince"} <= set(r["per_seed"][str(seed)])
-            ]
-            for key, points in (("chosen", chosen), ("weince", default)):
-                if points:
-                    color, label = styles[key]
-                    style = ("-", "--", ":", "-.")[index % 4]  # colour: the loss, line style: the seed
-                    ax.plot(*zip(*points), color=color, linestyle=style, marker=".", label=f"{label}, seed {seed}")
-        ax.axhline(0.0, color="black", linewidth=0.8)
-        name = {"linear_top1": "linear", "knn_top1": "k-NN"}[metric]
-        ax.set_title(f"{name} top-1 minus InfoNCE of the same seed (points, subset probe)", fontsize=9)
-        ax.set_xlabel("epoch")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 2, (9, 3.4), sharex=True) as axes:
+        for ax, metric in zip(axes, METRICS):
+            for index, seed in enumerate(rerun["seeds_started"]):
+                rows = [r for r in rerun["along_training"] if str(seed) in r["per_seed"]]
+                chosen = [(r["epoch"], r["per_seed"][str(seed)].get("minus_study_infonce")) for r in rows]
+                chosen = [(e, d[metric]) for e, d in chosen if d is not None]
+                # the default WEINCE's difference at the same epoch: (chosen - InfoNCE) - (chosen - default WEINCE)
+                default = [
+                    (
+                        r["epoch"],
+                        r["per_seed"][str(seed)]["minus_study_infonce"][metric]
+                        - r["per_seed"][str(seed)]["minus_study_weince"][metric],
+                    )
+                    for r in rows
+                    if {"minus_study_infonce", "minus_study_weince"} <= set(r["per_seed"][str(seed)])
+                ]
+                for key, points in (("chosen", chosen), ("weince", default)):
+                    if points:
+                        color, label = styles[key]
+                        style = ("-", "--", ":", "-.")[index % 4]  # colour: the loss, line style: the seed
+                        ax.plot(*zip(*points), color=color, linestyle=style, marker=".", label=f"{label}, seed {seed}")
+            ax.axhline(0.0, color="black", linewidth=0.8)
+            name = {"linear_top1": "linear", "knn_top1": "k-NN"}[metric]
+            ax.set_title(f"{name} top-1 minus InfoNCE of the same seed (points, subset probe)", fontsize=9)
+            ax.set_xlabel("epoch")
+            ax.grid(alpha=0.3)
+        if axes[0].get_legend_handles_labels()[0]:  # no seed has a paired epoch yet early in the rerun
+            axes[0].legend(fontsize=6)
 
 
 def summarize(
-    output_dir: Path, seed: int, study_output: Path = study.DEFAULT_OUTPUT, square: str = TRAINED_SQUARE
+    output_dir: Path, seed: int, study_output: Path = STUDY_OUTPUT, square: str = TRAINED_SQUARE
 ) -> dict[str, Any]:
-    reference = study.final_line(output_dir / "infonce" / f"{study.run_name('infonce', seed)}.jsonl")
+    reference = final_line(output_dir / "infonce" / f"{run_name('infonce', seed)}.jsonl")
     rows = []
     for options in latin_square(square):
-        record = study.final_line(output_dir / point_name(options) / f"{study.run_name('weince', seed)}.jsonl")
+        record = final_line(output_dir / point_name(options) / f"{run_name('weince', seed)}.jsonl")
         if record is None:
             continue
         row = {
@@ -244,7 +207,7 @@ def summarize(
             f"{seed} for every point (identical batches and augmentations); one seed, so differences below the "
             "seed spread of study 1 (docs/evidence.md) are not evidence"
         ),
-        "config": {**study.STUDY, **SHORT},
+        "config": {**runner.STUDY, **SHORT},
         "seed": seed,
         "square": square,
         "infonce": None
@@ -261,21 +224,13 @@ def summarize(
         "rerun_best": rerun_comparison(output_dir, study_output),
         "provenance": provenance(),
     }
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (output_dir / "summary.md").write_text(markdown(summary) + "\n")
+    write_summary(output_dir, summary, markdown(summary))
     if summary["rerun_best"] is not None:
         plot_rerun(summary["rerun_best"], output_dir / "rerun-best" / "difference.png")
-    print(markdown(summary), flush=True)
     return summary
 
 
 def markdown(summary: dict[str, Any]) -> str:
-    def number(value: float | None, digits: int = 2, sign: bool = False) -> str:
-        if value is None:
-            return "-"
-        return f"{value:+.{digits}f}" if sign else f"{value:.{digits}f}"
-
     reference = summary["infonce"]
     keys = list(SQUARES[summary["square"]])
     lines = [
@@ -302,7 +257,7 @@ def markdown(summary: dict[str, Any]) -> str:
             lines[-1] += f" (best - default: linear {diff['linear_top1']:+.2f}, k-NN {diff['knn_top1']:+.2f})"
     rerun = summary["rerun_best"]
     if rerun is not None:
-        fmt = study.format_stat
+        fmt = format_stat
         lines += [
             "",
             f"Rerun of the chosen point ({point_name(rerun['options'])}) at study 1's full length, test set, paired "
@@ -351,21 +306,10 @@ def markdown(summary: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data-dir", type=Path, default=study.DEFAULT_DATA)
-    parser.add_argument("--output-dir", type=Path, default=OUTPUT)
-    parser.add_argument("--state-dir", type=Path, default=STATE)
-    parser.add_argument("--override", default="{}", help="JSON of study keys to change on top of the short setup")
+    parser = runner.study_parser(__doc__, OUTPUT, STATE)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--square", choices=sorted(SQUARES), default=TRAINED_SQUARE, help="the factors of the grid")
-    parser.add_argument(
-        "--study-output", type=Path, default=study.DEFAULT_OUTPUT, help="study 1's run files (the rerun's reference)"
-    )
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--summarize", action="store_true")
-    parser.add_argument(
-        "--docs", type=Path, default=None, help="with --summarize: also put summary.md between this file's markers"
-    )
+    parser.add_argument("--study-output", type=Path, default=STUDY_OUTPUT, help="study 1's run files (the reference)")
     parser.add_argument(
         "--rerun-best",
         action="store_true",
@@ -379,43 +323,34 @@ def main(argv: list[str] | None = None) -> None:
         help="seeds of the rerun (default: --seed); the point is always the one chosen at --seed",
     )
     args = parser.parse_args(argv)
-    full_argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
-    try:
-        override = study.parse_override(args.override)
-    except ValueError as error:
-        parser.error(str(error))
-    torch.set_num_threads(args.threads)
+    config = runner.start(parser, args, {**runner.STUDY, **({} if args.rerun_best else SHORT)})
+    argv = runner.command_line(argv)
+
+    def summary() -> dict[str, Any]:
+        return summarize(args.output_dir, args.seed, args.study_output, args.square)
+
     if args.summarize:
-        summary = summarize(args.output_dir, args.seed, args.study_output, args.square)
         if args.docs is not None:
-            study.update_docs(args.docs, markdown(summary), block="simclr_grid")
+            update_docs(args.docs, markdown(summary()), block="simclr_grid")
+        else:
+            summary()
         return
     if args.rerun_best:
-        best = summarize(args.output_dir, args.seed, args.study_output, args.square)["best"]
+        best = summary()["best"]
         if best is None:
             parser.error("no grid point has finished yet")
-        config = {**study.STUDY, **override, "weince_options": best["options"]}
-        data = study.load_data(config, args.data_dir)
-        out = args.output_dir / "rerun-best"
+        config["weince_options"] = best["options"]
         seeds = [args.seed] if args.rerun_seeds is None else args.rerun_seeds
-        study.run_all([("weince", s) for s in seeds], config, data, out, args.state_dir / "rerun-best", full_argv)
+        out, state = args.output_dir / "rerun-best", args.state_dir / "rerun-best"
+        data = load_data(config, args.data_dir)
+        runner.StudyRuns(config, data, out, state, argv).run_all([("weince", s) for s in seeds], after_epoch=summary)
         return
-    config = {**study.STUDY, **SHORT, **override}
-    data = study.load_data(config, args.data_dir)
-    plan = [("infonce", {}), *(("weince", options) for options in latin_square(args.square))]
-    for loss, options in plan:
+    data = load_data(config, args.data_dir)
+    for loss, options in [("infonce", {}), *(("weince", options) for options in latin_square(args.square))]:
         name = "infonce" if loss == "infonce" else point_name(options)
-        run_config = {**config, "weince_options": options}
-        study.run_all(
-            [(loss, args.seed)],
-            run_config,
-            data,
-            args.output_dir / name,
-            args.state_dir / name,
-            full_argv,
-            summarize_each_epoch=False,
-        )
-        summarize(args.output_dir, args.seed, args.study_output, args.square)
+        point = {**config, "weince_options": options}
+        runner.StudyRuns(point, data, args.output_dir / name, args.state_dir / name, argv).run_all([(loss, args.seed)])
+        summary()
 
 
 if __name__ == "__main__":

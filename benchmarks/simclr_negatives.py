@@ -2,7 +2,7 @@
 
 WEINCE against InfoNCE at 128, 512 and 2,048 pairs per step (254 to 4,094 negatives per anchor in the NT-Xent
 layout) with the same number of images seen: one epoch of all 50,000 CIFAR-10 training images, so the larger
-batches take fewer steps (390, 97, 24). The study loop of benchmarks/simclr_study.py at a reduced setting:
+batches take fewer steps (390, 97, 24). The study runner (benchmarks/lab/simclr_runner.py) at a reduced setting:
 CIFAR-stem ResNet-18 of width 8, Adam lr 1e-3 for every batch size (no learning-rate scaling with the batch),
 temperature 0.5, beta 1, evaluated on the 10,000 test images with probes on all training images. The uncached loss
 at every size: 2 x 2,048 views of 32x32 images fit in this machine's memory, and the cached variants give the same
@@ -19,19 +19,18 @@ WEINCE - InfoNCE (linear and k-NN top-1), its mean and spread, WEINCE's mean lam
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # benchmarks.lab
 
-from benchmarks import simclr_study as study  # noqa: E402
+from benchmarks.lab import simclr_runner as runner  # noqa: E402
+from benchmarks.lab.plots import figure  # noqa: E402
+from benchmarks.lab.runlog import final_line, run_name  # noqa: E402
+from benchmarks.lab.simclr_eval import EvalData, load_data  # noqa: E402
+from benchmarks.lab.summaries import format_stat, mean_std, update_docs, write_summary  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
 
 OUTPUT = REPO / "benchmarks" / "results" / "simclr_negatives"
@@ -54,7 +53,7 @@ def summarize(output_dir: Path, batch_sizes: tuple[int, ...], seeds: tuple[int, 
         per_seed = {}
         for seed in seeds:
             finals = {
-                loss: study.final_line(output_dir / f"batch{batch}" / f"{study.run_name(loss, seed)}.jsonl")
+                loss: final_line(output_dir / f"batch{batch}" / f"{run_name(loss, seed)}.jsonl")
                 for loss in ("infonce", "weince")
             }
             if None in finals.values():
@@ -78,12 +77,9 @@ def summarize(output_dir: Path, batch_sizes: tuple[int, ...], seeds: tuple[int, 
                     "negatives_per_anchor": 2 * batch - 2,
                     "seeds": sorted(int(s) for s in per_seed),
                     "per_seed": per_seed,
+                    **{f"{m}_difference": mean_std([d[f"{m}_difference"] for d in per_seed.values()]) for m in METRICS},
                     **{
-                        f"{m}_difference": study.mean_std([d[f"{m}_difference"] for d in per_seed.values()])
-                        for m in METRICS
-                    },
-                    **{
-                        f"{loss}_{m}": study.mean_std([d[f"{loss}_{m}"] for d in per_seed.values()])
+                        f"{loss}_{m}": mean_std([d[f"{loss}_{m}"] for d in per_seed.values()])
                         for loss in ("infonce", "weince")
                         for m in METRICS
                     },
@@ -96,22 +92,19 @@ def summarize(output_dir: Path, batch_sizes: tuple[int, ...], seeds: tuple[int, 
             "probes on all training images; paired = same seed (same initialisation, batches, augmentations); "
             "mean +- sample std over seeds"
         ),
-        "config": {**study.STUDY, **REDUCED},
+        "config": {**runner.STUDY, **REDUCED},
         "batch_sizes": list(batch_sizes),
         "seeds": list(seeds),
         "rows": rows,
         "provenance": provenance(),
     }
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (output_dir / "summary.md").write_text(markdown(summary) + "\n")
+    write_summary(output_dir, summary, markdown(summary))
     plot(summary, output_dir / "difference.png")
-    print(markdown(summary), flush=True)
     return summary
 
 
 def markdown(summary: dict[str, Any]) -> str:
-    fmt = study.format_stat
+    fmt = format_stat
     lines = [
         "| pairs per step | steps | seeds | InfoNCE linear | WEINCE linear | linear WEINCE - InfoNCE "
         "| k-NN WEINCE - InfoNCE | per seed (linear / k-NN) | WEINCE lambda in training |",
@@ -137,73 +130,42 @@ def markdown(summary: dict[str, Any]) -> str:
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.4))
-    for ax, metric in zip(axes, METRICS):
-        for row in summary["rows"]:
-            values = [d[f"{metric}_difference"] for d in row["per_seed"].values()]
-            ax.scatter([row["batch_pairs"]] * len(values), values, color="tab:red", alpha=0.6)
-        if summary["rows"]:
-            ax.plot(
-                [row["batch_pairs"] for row in summary["rows"]],
-                [row[f"{metric}_difference"]["mean"] for row in summary["rows"]],
-                color="tab:red",
-            )
-        ax.axhline(0.0, color="gray", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("pairs per step (same images seen)")
-        ax.set_title(f"WEINCE - InfoNCE, {metric.replace('_', ' ')} (points)", fontsize=9)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 2, (8.4, 3.4)) as axes:
+        for ax, metric in zip(axes, METRICS):
+            for row in summary["rows"]:
+                values = [d[f"{metric}_difference"] for d in row["per_seed"].values()]
+                ax.scatter([row["batch_pairs"]] * len(values), values, color="tab:red", alpha=0.6)
+            if summary["rows"]:
+                means = [row[f"{metric}_difference"]["mean"] for row in summary["rows"]]
+                ax.plot([row["batch_pairs"] for row in summary["rows"]], means, color="tab:red")
+            ax.axhline(0.0, color="gray", lw=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("pairs per step (same images seen)")
+            ax.set_title(f"WEINCE - InfoNCE, {metric.replace('_', ' ')} (points)", fontsize=9)
+            ax.grid(alpha=0.3)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data-dir", type=Path, default=study.DEFAULT_DATA)
-    parser.add_argument("--output-dir", type=Path, default=OUTPUT)
-    parser.add_argument("--state-dir", type=Path, default=STATE)
-    parser.add_argument("--override", default="{}", help="JSON of study keys to change on top of the reduced setup")
+    parser = runner.study_parser(__doc__, OUTPUT, STATE)
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=list(BATCH_SIZES))
     parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--summarize", action="store_true")
-    parser.add_argument(
-        "--docs", type=Path, default=None, help="with --summarize: also put summary.md between this file's markers"
-    )
     args = parser.parse_args(argv)
     batch_sizes, seeds = tuple(args.batch_sizes), tuple(args.seeds)
+    config = runner.start(parser, args, {**runner.STUDY, **REDUCED})
     if args.summarize:
         summary = summarize(args.output_dir, batch_sizes, seeds)
         if args.docs is not None:
-            study.update_docs(args.docs, markdown(summary), block="simclr_negatives")
+            update_docs(args.docs, markdown(summary), block="simclr_negatives")
         return
-    try:
-        override = study.parse_override(args.override)
-    except ValueError as error:
-        parser.error(str(error))
-    full_argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
-    torch.set_num_threads(args.threads)
-    config = {**study.STUDY, **REDUCED, **override}
-    loaded = study.load_data(config, args.data_dir)  # the same images for every batch size
+    argv = runner.command_line(argv)
+    loaded = load_data(config, args.data_dir)  # the same images for every batch size
     for seed in seeds:  # a complete seed (every batch size) before the next
         for batch in batch_sizes:
             run_config = {**config, "batch_size": batch}
             # The fixed batch of the encoder's WEINCE statistics has the run's batch size.
-            study.run_all(
-                [("infonce", seed), ("weince", seed)],
-                run_config,
-                study.EvalData(loaded.train, loaded.test, run_config),
-                args.output_dir / f"batch{batch}",
-                args.state_dir / f"batch{batch}",
-                full_argv,
-                summarize_each_epoch=False,
-            )
+            data = EvalData(loaded.train, loaded.test, run_config)
+            out, state = args.output_dir / f"batch{batch}", args.state_dir / f"batch{batch}"
+            runner.StudyRuns(run_config, data, out, state, argv).run_all([("infonce", seed), ("weince", seed)])
             summarize(args.output_dir, batch_sizes, seeds)
 
 

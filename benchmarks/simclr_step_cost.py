@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from st_weince.utils.provenance import provenance
-from st_weince.vision import SimCLRAugment, SimCLRModel, SimCLRObjective
+from st_weince.vision import SimCLRAugment, SimCLRModel, SimCLRObjective, SimCLRTraining, build_optimizer
 
 OUTPUT = Path(__file__).resolve().parent / "results" / "simclr_study" / "step_cost.json"
 CANDIDATES = [  # (width, batch pairs, channels_last, loss)
@@ -37,20 +37,16 @@ def step_cost(width: int, batch: int, channels_last: bool, loss: str, steps: int
     torch.manual_seed(0)
     images = torch.randint(0, 256, (batch, 3, 32, 32), dtype=torch.uint8)
     model = SimCLRModel("resnet18", width=width)
-    memory_format = torch.channels_last if channels_last else torch.contiguous_format
-    model = model.to(memory_format=memory_format)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
     objective = SimCLRObjective(loss)  # SimCLR's scale 2 (temperature 0.5)
-    optimizer = torch.optim.Adam([*model.parameters(), *objective.parameters()], lr=1e-3)
+    optimizer = build_optimizer(model, objective, lr=1e-3, weight_decay=0.0)
     augment = SimCLRAugment(generator=torch.Generator().manual_seed(0))
+    training = SimCLRTraining(model, objective, optimizer, augment, channels_last=channels_last)
     seconds = []
     for _ in range(steps + 1):  # the first step is a warm-up
         tick = time.perf_counter()
-        view_a, view_b = augment(images)
-        z1, z2 = model(torch.cat([view_a, view_b]).contiguous(memory_format=memory_format)).chunk(2)
-        value = objective(z1, z2)
-        optimizer.zero_grad()
-        value.backward()
-        optimizer.step()
+        float(training.step(images))  # the step's loss on the host: the step is done
         seconds.append(time.perf_counter() - tick)
     per_step = sum(seconds[1:]) / steps
     return {

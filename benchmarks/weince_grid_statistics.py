@@ -3,7 +3,7 @@
 The released code tuned (aic_margin, kappa_rho, kappa_aic) on a 27-point grid. Training a network per point is
 expensive here, so this script first measures what each setting changes on real batches, without training. WEINCE's
 per-anchor lambda (docs/algorithms.md 1.1) is computed on the same batches under each point of two 9-point
-Latin squares (benchmarks/simclr_grid.py):
+Latin squares (benchmarks/lab/weince_grid.py, trained by benchmarks/simclr_grid.py):
 
 - the released factors (aic_margin {0, 2, 6} x kappa_rho {5, 10, 20} x kappa_aic {0.5, 1, 2});
 - the factors that set how many anchors are blended and how strongly (q {0.1, 0.2, 0.4} x kappa_rho x beta
@@ -37,19 +37,16 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # benchmarks.lab
 
-from benchmarks.false_negative_compare import read_split, same_class_pairs  # noqa: E402
-from benchmarks.simclr_grid import SQUARES, is_default, latin_square, point_name  # noqa: E402
-from benchmarks.weince_float32_fidelity import DATA as WIKI_SAMPLE  # noqa: E402
+from benchmarks.lab.text_pairs import read_split, same_class_pairs  # noqa: E402
+from benchmarks.lab.weince_grid import SQUARES, is_default, latin_square, point_name  # noqa: E402
 from st_weince.functional import WeinceOptions, weince_statistics  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
 
 OUTPUT = REPO / "benchmarks" / "results" / "simclr_grid" / "lambda_statistics.json"
 BANKING77 = REPO.parent / "shared" / "data" / "banking77" / "train.csv"
-
-
+WIKI_SAMPLE = REPO.parent / "shared" / "data" / "wiki" / "wiki1m_sample.txt"
 STUDY_STATE = Path("/work/st-weince-study-state")
 CIFAR = REPO.parent / "shared" / "data" / "cifar10" / "cifar10-jpg.zip"
 
@@ -86,7 +83,6 @@ def text_batches(batch_size: int, batches: int, seed: int) -> dict[str, list[tor
 @torch.no_grad()
 def image_batches(state_dir: Path, batch_size: int, batches: int, seed: int) -> dict[str, list[torch.Tensor]]:
     """Score matrices (view 1 x view 2, projections) of SimCLR batches through study 1's saved encoders."""
-    from benchmarks import simclr_study as study
     from st_weince.vision import SimCLRAugment, SimCLRModel, load_dataset
 
     states = sorted(state_dir.glob("*/state.pt")) if state_dir.is_dir() else []
@@ -111,7 +107,7 @@ def image_batches(state_dir: Path, batch_size: int, batches: int, seed: int) -> 
         name = f"simclr-{path.parent.name}-epoch{state['epoch']}"
         out[name] = []
         for view_a, view_b in views:
-            z1, z2 = model(study.to_memory_format(torch.cat([view_a, view_b]), False)).float().chunk(2)
+            z1, z2 = model(torch.cat([view_a, view_b])).float().chunk(2)
             z1, z2 = torch.nn.functional.normalize(z1, dim=1), torch.nn.functional.normalize(z2, dim=1)
             out[name].append(z1 @ z2.T)
     return out

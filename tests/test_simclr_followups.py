@@ -10,6 +10,8 @@ from collections import Counter
 import pytest
 import torch
 
+from benchmarks.lab.simclr_eval import load_data
+from benchmarks.lab.simclr_runner import STUDY
 from tests.conftest import load_script
 from tests.test_simclr_study import TINY, image_folder, lines  # noqa: F401  (image_folder is a fixture)
 
@@ -66,20 +68,19 @@ def test_lambda_statistics_by_point_follow_q_and_ignore_a_saturated_geometry_gat
         assert row["lambda_gt_half"] == pytest.approx(row["options"]["q"], abs=2 / 256)
 
 
-def test_holdout_is_class_balanced_and_never_trained_on(grid, image_folder):  # noqa: F811
-    study = grid.study
-    config = {**study.STUDY, **TINY, "holdout": 4}
-    data = study.load_data(config, image_folder)
+def test_holdout_is_class_balanced_and_never_trained_on(image_folder):  # noqa: F811
+    config = {**STUDY, **TINY, "holdout": 4}
+    data = load_data(config, image_folder)
     assert len(data.train) == 20 and len(data.test) == 4
     assert Counter(data.test.labels.tolist()) == {0: 2, 1: 2}
     train_images = {bytes(image.numpy()) for image in data.train.images}
     assert not any(bytes(image.numpy()) in train_images for image in data.test.images)
     # The held-out images come from the training split, not from the test split.
-    everything = study.load_data({**config, "holdout": None}, image_folder)
+    everything = load_data({**config, "holdout": None}, image_folder)
     assert {bytes(i.numpy()) for i in data.test.images} <= {bytes(i.numpy()) for i in everything.train.images}
     for bad in (0, 24, 2.5, True):
         with pytest.raises(ValueError, match="holdout must be a number of images"):
-            study.load_data({**config, "holdout": bad}, image_folder)
+            load_data({**config, "holdout": bad}, image_folder)
 
 
 def test_grid_runs_every_point_with_its_options_and_reruns_the_best(grid, image_folder, tmp_path, one_torch_thread):  # noqa: F811

@@ -41,9 +41,9 @@ def test_released_preset_settings(recipe):  # noqa: F811
         100,
     )
     assert args.loss_kwargs == {"top_m_shortfall_weight": 0.5, "top_m_infonce_weight": 0.5}  # M: the default 50
-    preset = recipe.PRESETS["released"]
-    assert preset["augment"] is RELEASED_AUGMENT and preset["probe"] is RELEASED_PROTOCOL
-    assert not preset["head_batch_norm"] and not preset["head_output_bias"]
+    preset = recipe.SETUPS["released"]
+    assert preset.augment is RELEASED_AUGMENT and preset.probe is RELEASED_PROTOCOL
+    assert not preset.head_batch_norm and not preset.head_output_bias
     # the baseline arm gets no loss options; explicit values override the preset's, one by one
     assert recipe.parse_args(["--preset", "released", "--loss", "infonce"]).loss_kwargs == {}
     overridden = recipe.parse_args(
@@ -59,8 +59,8 @@ def test_previous_preset_is_the_earlier_default(recipe):  # noqa: F811
     args = recipe.parse_args([])
     assert args.preset == "previous"
     assert (args.lr, args.weight_decay, args.hidden_dim, args.loss_kwargs) == (1e-3, 1e-6, 512, {})
-    preset = recipe.PRESETS["previous"]
-    assert preset["augment"] == SimCLRAugmentConfig() and preset["probe"] is PREVIOUS_PROTOCOL
+    preset = recipe.SETUPS["previous"]
+    assert preset.augment == SimCLRAugmentConfig() and preset.probe is PREVIOUS_PROTOCOL
     with pytest.raises(SystemExit):
         recipe.parse_args(["--hidden-dim", "wide"])
 

@@ -10,6 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
+from benchmarks.lab.simclr_runner import run_groups
+from benchmarks.lab.summaries import format_stat, mean_std, paired_difference, update_docs
 from tests.conftest import load_script
 
 TINY = {
@@ -135,7 +137,7 @@ def test_losses_share_initialisation_and_summary_pairs_by_seed(study, image_fold
     alone = lines(tmp_path / "alone" / "results" / "weince-seed0.jsonl")
     assert [r["type"] for r in weince] == FULL_RUN
     assert [without_timing(r) for r in weince[1:]] == [without_timing(r) for r in alone[1:]]
-    assert study.run_groups(study.RUN_ORDER) == [
+    assert run_groups(study.RUN_ORDER) == [
         [("infonce", 0), ("weince", 0)],
         [("infonce", 1), ("weince", 1)],
         [("infonce", 2), ("weince", 2)],
@@ -181,17 +183,36 @@ def test_resume_refuses_a_changed_configuration(study, image_folder, tmp_path, o
         )
 
 
-def test_update_docs_replaces_only_the_marked_block(study, tmp_path):
+def test_update_docs_replaces_only_the_marked_block(tmp_path):
     start, end = "<!-- simclr_study summary: start -->", "<!-- simclr_study summary: end -->"
     other = "<!-- simclr_grid summary: start -->\ngrid\n<!-- simclr_grid summary: end -->"
     doc = tmp_path / "evidence.md"
     doc.write_text(f"intro\n{start}\nold table\n{end}\n{other}\noutro\n")
-    study.update_docs(doc, "| new | table |")
+    update_docs(doc, "| new | table |", block="simclr_study")
     assert doc.read_text() == f"intro\n{start}\n| new | table |\n{end}\n{other}\noutro\n"
-    study.update_docs(doc, "new grid", block="simclr_grid")
+    update_docs(doc, "new grid", block="simclr_grid")
     assert doc.read_text().endswith(
         "<!-- simclr_grid summary: start -->\nnew grid\n<!-- simclr_grid summary: end -->\noutro\n"
     )
     doc.write_text("no markers\n")
     with pytest.raises(ValueError, match="needs exactly one"):
-        study.update_docs(doc, "x")
+        update_docs(doc, "x", block="simclr_study")
+
+
+def test_mean_std_and_paired_differences_of_the_summaries():
+    """One value has a mean and no spread (NaN, shown as the mean alone); a paired difference covers the seeds both
+    sides have."""
+    single = mean_std([2.5])
+    assert single["mean"] == 2.5 and single["n"] == 1 and np.isnan(single["std"])
+    assert format_stat(single) == "2.50" and format_stat(single, sign=True) == "+2.50"
+    pair = mean_std([1.0, 4.0])
+    assert pair["std"] == pytest.approx(np.std([1.0, 4.0], ddof=1))
+    assert format_stat(pair, digits=1) == "2.5 +- 2.1"
+    assert format_stat(mean_std([])) == "-"
+    mine = {0: {"linear_top1": 50.0}, 1: {"linear_top1": 53.0}, 2: {"linear_top1": 40.0}}
+    base = {0: {"linear_top1": 49.0}, 1: {"linear_top1": 50.0}}
+    difference = paired_difference(mine, base, ["linear_top1"])
+    assert difference["seeds"] == [0, 1]
+    assert difference["per_seed"] == {"0": {"linear_top1": 1.0}, "1": {"linear_top1": 3.0}}
+    assert difference["linear_top1"]["mean"] == 2.0 and difference["linear_top1"]["n"] == 2
+    assert paired_difference(mine, {3: {"linear_top1": 1.0}}, ["linear_top1"]) is None

@@ -96,7 +96,7 @@ def weince_run(recipe, tiny_model_dir, small_stsb, train_file, tmp_path_factory)
         base_args(tiny_model_dir, small_stsb, train_file, out, "--loss", "weince", "--pooling", "mean", "--mlp-head",
                   "--save-optimizer-state")
     )  # fmt: skip
-    results = recipe.run(args)
+    results = recipe.train(args)
     return out, results
 
 
@@ -139,7 +139,7 @@ def test_resume_reproduces_the_uninterrupted_run(recipe, weince_run, tiny_model_
     resume_flags = ["--loss", "weince", "--pooling", "mean", "--mlp-head", "--save-optimizer-state"]
     resume_flags += ["--resume-from-checkpoint", "latest"]
     args = recipe.parse_args(base_args(tiny_model_dir, small_stsb, train_file, resumed_dir, *resume_flags))
-    resumed = recipe.run(args)
+    resumed = recipe.train(args)
     assert resumed["steps"] == 4
     full, again = losses_by_step(results), losses_by_step(resumed)
     assert sorted(again) == [1, 2, 3, 4]  # steps 1-2 come from the checkpoint's history
@@ -155,13 +155,17 @@ def test_error_paths(recipe, tiny_model_dir, small_stsb, train_file, tmp_path, c
     with pytest.raises(ValueError, match=r"model path .*does not exist.*--model"):
         recipe.load_model(args_with(model=tmp_path / "no-such-model"))
     with pytest.raises(ValueError, match=r"training file .*not found.*--train-file"):
-        recipe.run(args_with(train=tmp_path / "missing.txt"))
+        recipe.train(args_with(train=tmp_path / "missing.txt"))
     with pytest.raises(ValueError, match=r"STS-B dev file .*not found.*--stsb-dir"):
-        recipe.run(args_with(stsb=tmp_path))
-    with pytest.raises(ValueError, match=r"global batch and must be divisible by the 3 processes"):
-        recipe.check_args(args_with("--batch-size", "8"), world_size=3)
+        recipe.train(args_with(stsb=tmp_path))
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        pytest.raises(ValueError, match=r"global batch and must be divisible by the 3 processes"),
+    ):
+        patch.setenv("WORLD_SIZE", "3")
+        recipe.train(args_with("--batch-size", "8"))
     with pytest.raises(ValueError, match=r"fewer than one batch"):
-        recipe.run(args_with("--batch-size", "128"))
+        recipe.train(args_with("--batch-size", "128"))
     with pytest.raises(ValueError, match=r"--loss-option expects KEY=VALUE"):
         parse_key_values(["beta"])
     # A hub name cannot be fetched offline: the message says how to supply the model instead.
@@ -210,7 +214,7 @@ def test_paper_preset_truncates_training_only(recipe, tiny_model_dir, tmp_path):
 def test_no_optimizer_state_unless_asked(recipe, tiny_model_dir, small_stsb, train_file, tmp_path):
     out = tmp_path / "lean"
     flags = ["--loss", "infonce", "--max-steps", "2", "--eval-steps", "2"]
-    recipe.run(recipe.parse_args(base_args(tiny_model_dir, small_stsb, train_file, out, *flags)))
+    recipe.train(recipe.parse_args(base_args(tiny_model_dir, small_stsb, train_file, out, *flags)))
     checkpoint = out / "checkpoint-2"
     assert (checkpoint / "model.safetensors").is_file() and (out / "final" / "model.safetensors").is_file()
     assert not any(checkpoint.glob("optimizer*")) and not any(checkpoint.glob("scheduler*"))
@@ -218,7 +222,7 @@ def test_no_optimizer_state_unless_asked(recipe, tiny_model_dir, small_stsb, tra
                                          "--resume-from-checkpoint", "latest"))  # fmt: skip
     expected = r"checkpoint-2' is not a checkpoint with optimizer state.*--save-optimizer-state"
     with pytest.raises(ValueError, match=expected):
-        recipe.run(resume)
+        recipe.train(resume)
 
 
 def test_demo_defaults_and_loss_options(recipe, tiny_model_dir):
@@ -259,7 +263,7 @@ def test_results_record_the_loss_that_ran(
     monkeypatch.setattr(recipe, "NEAR_ZERO_LOSS", float("inf"))  # the note whatever this tiny run's loss
     out = tmp_path / loss_name
     flags = ["--loss", loss_name, "--scale", "5", "--max-steps", "2", "--eval-steps", "2"]
-    recipe.run(recipe.parse_args(base_args(tiny_model_dir, small_stsb, train_file, out, *flags)))
+    recipe.train(recipe.parse_args(base_args(tiny_model_dir, small_stsb, train_file, out, *flags)))
     saved = json.loads((out / "results.json").read_text())
     (loss,) = built
     assert saved["loss_config"] == json.loads(json.dumps(loss.get_config_dict(), default=str))

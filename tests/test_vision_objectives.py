@@ -105,6 +105,8 @@ def test_objective_input_errors():
         SimCLRObjective("infonce", scale=0.0)
     with pytest.raises(ValueError, match="same shape"):
         SimCLRObjective("infonce")(torch.randn(4, 3), torch.randn(5, 3))
+    with pytest.raises(ValueError, match="N >= 2"):  # one pair has no negative; InfoNCE alone would not say so
+        SimCLRObjective("infonce")(torch.randn(1, 3), torch.randn(1, 3))
     with pytest.raises(ValueError, match="NaN"):
         SimCLRObjective("weince")(torch.full((4, 3), float("nan")), torch.randn(4, 3))
 

@@ -4,7 +4,6 @@
   ``EmbeddingSimilarityEvaluator`` (cosine, Spearman), each distinct sentence encoded once, STS12-16 aggregated as
   SentEval does (``all`` / ``mean`` / ``wmean``). Used by ``eval/sts.py``, ``recipes/simcse.py`` and the benchmarks,
   so that a recipe's printed score is the one ``eval/sts.py`` gives on the saved model.
-- :mod:`st_weince.evaluation.curves`: the training-curve figure of the recipes.
 
 The data files are read by :mod:`st_weince.data`.
 """

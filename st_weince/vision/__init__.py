@@ -1,7 +1,8 @@
 """Vision adapter: SimCLR-style training of image encoders with the same loss classes as the text side.
 
 Data (:mod:`.data`), batched tensor augmentations (:mod:`.augment`), CIFAR-stem ResNets and the projection head
-(:mod:`.models`), the NT-Xent objectives over the shared loss classes (:mod:`.objectives`) and frozen-feature
+(:mod:`.models`), the NT-Xent objectives over the shared loss classes (:mod:`.objectives`), the released and previous
+setups and the ablation arms (:mod:`.presets`), the training step and epoch (:mod:`.training`) and frozen-feature
 evaluation (:mod:`.evaluation`). The recipe is ``recipes/simclr.py``; see docs/vision.md.
 """
 
@@ -23,8 +24,29 @@ from st_weince.vision.evaluation import (
 )
 from st_weince.vision.models import CifarResNet, ProjectionHead, SimCLRModel, load_encoder, save_encoder
 from st_weince.vision.objectives import LOSSES, SIMCLR_BETA, SIMCLR_SCALE, SimCLRObjective
+from st_weince.vision.presets import ARMS, RELEASED_TOP_M, SETUPS, Setup, arm_objective, build_objective
+from st_weince.vision.training import (
+    SimCLRTraining,
+    build_model,
+    build_optimizer,
+    build_run,
+    data_order,
+    to_memory_format,
+)
 
 __all__ = [
+    "ARMS",
+    "RELEASED_TOP_M",
+    "SETUPS",
+    "Setup",
+    "SimCLRTraining",
+    "arm_objective",
+    "build_model",
+    "build_objective",
+    "build_optimizer",
+    "build_run",
+    "data_order",
+    "to_memory_format",
     "KNN_KS",
     "KNN_TEMPERATURE",
     "LOSSES",

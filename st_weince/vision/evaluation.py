@@ -213,16 +213,10 @@ def linear_probe(
 
 
 def knn_evaluate_splits(
-    train_features: Tensor,
-    train_labels: Tensor,
-    test_features: Tensor,
-    test_labels: Tensor,
-    split_seeds: Sequence[int] = RELEASED_KNN_SPLIT_SEEDS,
-    val_fraction: float = RELEASED_VAL_FRACTION,
-    ks: Sequence[int] = KNN_KS,
-    temperature: float = KNN_TEMPERATURE,
-    num_classes: int | None = None,
-) -> dict[str, Any]:
+    train_features: Tensor, train_labels: Tensor, test_features: Tensor, test_labels: Tensor, *,
+    split_seeds: Sequence[int] = RELEASED_KNN_SPLIT_SEEDS, val_fraction: float = RELEASED_VAL_FRACTION,
+    ks: Sequence[int] = KNN_KS, temperature: float = KNN_TEMPERATURE, num_classes: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """The released k-NN protocol: for each split seed, a stratified split of the train features; the train part is
     the bank for the validation part and for the test features. Returns the mean over seeds of top-1 and recall@k
     (``"test"``, ``"val"``, each ``{"top1": {k: %}, "recall": {k: %}}``) and every seed's results (``"splits"``)."""
@@ -303,43 +297,39 @@ def evaluate_frozen_features(
     ``knn_val`` are their means).
     """
     num_classes = num_classes or int(max(train_labels.max(), test_labels.max())) + 1
-    probe = {
-        "epochs": epochs,
-        "batch_size": protocol.batch_size,
-        "lr": protocol.lr,
-        "weight_decay": protocol.weight_decay,
-        "num_classes": num_classes,
-        "seed": seed if protocol.probe_seed is None else protocol.probe_seed,
-        "standardize": protocol.standardize,
-    }
     results: dict[str, Any] = {"protocol": protocol.name, "knn_temperature": KNN_TEMPERATURE}
+    probe_index, validation = torch.arange(len(train_labels)), {}
+    if protocol.val_fraction is not None:  # the probe trains on a stratified part, validated on the rest
+        probe_index, val_index = stratified_split(train_labels, protocol.val_fraction, protocol.probe_split_seed)
+        validation = {"val_features": train_features[val_index], "val_labels": train_labels[val_index]}
+    linear = linear_probe(
+        train_features[probe_index],
+        train_labels[probe_index],
+        test_features,
+        test_labels,
+        epochs=epochs,
+        batch_size=protocol.batch_size,
+        lr=protocol.lr,
+        weight_decay=protocol.weight_decay,
+        num_classes=num_classes,
+        seed=seed if protocol.probe_seed is None else protocol.probe_seed,
+        standardize=protocol.standardize,
+        **validation,
+    )
     if protocol.val_fraction is None:
-        linear = linear_probe(train_features, train_labels, test_features, test_labels, **probe)
         ks = [k for k in KNN_KS if k <= train_features.shape[0]]
         knn_test = knn_evaluate(
             train_features, train_labels, test_features, test_labels, ks, KNN_TEMPERATURE, num_classes
         ).as_dict()
     else:
-        train_index, val_index = stratified_split(train_labels, protocol.val_fraction, protocol.probe_split_seed)
-        linear = linear_probe(
-            train_features[train_index],
-            train_labels[train_index],
-            test_features,
-            test_labels,
-            val_features=train_features[val_index],
-            val_labels=train_labels[val_index],
-            **probe,
-        )
         knn = knn_evaluate_splits(
             train_features,
             train_labels,
             test_features,
             test_labels,
-            protocol.knn_split_seeds,
-            protocol.val_fraction,
-            KNN_KS,
-            KNN_TEMPERATURE,
-            num_classes,
+            split_seeds=protocol.knn_split_seeds,
+            val_fraction=protocol.val_fraction,
+            num_classes=num_classes,
         )
         knn_test = knn["test"]
         results.update({"linear_val_top1": linear["val_top1"], "knn_val": knn["val"], "knn_splits": knn["splits"]})

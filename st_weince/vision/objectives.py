@@ -20,12 +20,14 @@ from typing import Any
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 from torch import Tensor, nn
 
-from st_weince.functional import WeinceOptions, nt_xent_layout
+from st_weince.functional import nt_xent_layout
 from st_weince.losses import RBSigmoidLoss, WEINCELoss
+from st_weince.losses.weince import RELEASED_COMPOSITE
 
 LOSSES = ("infonce", "weince", "rb-sigmoid")
-SIMCLR_SCALE = 2.0  # SimCLR's temperature 0.5 on images
-SIMCLR_BETA = WeinceOptions().beta  # the released implementation's tail index, the vision reference setting
+# SimCLR's temperature 0.5 on images and the released implementation's tail index: the released composite's values
+SIMCLR_SCALE = RELEASED_COMPOSITE["scale"]
+SIMCLR_BETA = RELEASED_COMPOSITE["beta"]
 
 
 class SimCLRObjective(nn.Module):
@@ -37,7 +39,7 @@ class SimCLRObjective(nn.Module):
             temperature 0.5). Not used by RB-Sigmoid, whose scale ``t`` is its own trainable parameter (its start
             value goes in ``loss_kwargs``).
         beta: WEINCE's tail index in the shortfall logit; the vision setting is the released implementation's
-            (:class:`st_weince.functional.WeinceOptions`), not the text loss class's "auto".
+            (``RELEASED_COMPOSITE``), not the text loss class's "auto".
         loss_kwargs: extra keyword arguments for the loss class, validated by it (e.g. RB-Sigmoid's start values).
     """
 
@@ -66,8 +68,10 @@ class SimCLRObjective(nn.Module):
             self.loss = RBSigmoidLoss(None, **kwargs)
 
     def forward(self, z1: Tensor, z2: Tensor) -> Tensor:
-        if z1.shape != z2.shape or z1.dim() != 2:
-            raise ValueError(f"both views must be [N, D] with the same shape, got {tuple(z1.shape)}, {tuple(z2.shape)}")
+        if z1.shape != z2.shape or z1.dim() != 2 or z1.shape[0] < 2:  # one pair: InfoNCE would give 0 silently
+            raise ValueError(
+                f"both views must be [N, D] with the same shape and N >= 2, got {tuple(z1.shape)}, {tuple(z2.shape)}"
+            )
         if self.name == "infonce":
             return 0.5 * (
                 self.loss.compute_loss_from_embeddings([z1, z2], None)
