@@ -1,8 +1,11 @@
 """What the two cached losses share on top of sentence-transformers' ``CachedLossMixin``: the mini-batch options
-(validated once, the one home of their defaults) and the check that the model can be split into mini-batches."""
+(validated once, the one home of their defaults), the check that the model can be split into mini-batches, the
+forward pass and the loss stage's entry point; each loss computes ``_cached_loss`` on the whole batch's
+embeddings."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +13,20 @@ import torch
 from sentence_transformers.base.losses.gradcache import CachedLossMixin, has_static_embedding_input
 from torch import Tensor, nn
 
+from st_weince.functional.checks import full_precision
+from st_weince.losses._labels import warn_unused_labels
 from st_weince.utils.options import flag_option, options_config, positive_int_option
+
+GRADCACHE_CITATION = """
+@misc{gao2021scaling,
+    title={Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup},
+    author={Luyu Gao and Yunyi Zhang and Jiawei Han and Jamie Callan},
+    year={2021},
+    eprint={2101.06983},
+    archivePrefix={arXiv},
+    primaryClass={cs.LG}
+}
+"""
 
 
 @dataclass(frozen=True)
@@ -33,9 +49,22 @@ class GradCacheOptions:
 
 
 class GradCachedLoss(CachedLossMixin):
-    """``CachedLossMixin`` reading its mini-batch settings from one :class:`GradCacheOptions`."""
+    """``CachedLossMixin`` reading its mini-batch settings from one :class:`GradCacheOptions`, in front of an uncached
+    loss class (``class CachedX(GradCachedLoss, X)``).
+
+    The loss's own parameters (RB-Sigmoid's ``t`` and bias) get their gradients through the outer backward: the
+    mixin runs the loss stage, with its backward, inside ``forward`` and returns the loss detached, so a parameter
+    that took part in that backward would get its gradient there, without the loss scaling of fp16 training and the
+    division by the gradient-accumulation steps. The loss stage therefore returns the detached loss plus a
+    zero-valued term ``sum_p (p - p.detach()) g_p`` carrying them, ``forward`` keeps that term of the outermost call
+    of ``calculate_loss`` (a wrapper such as MatryoshkaLoss's, which assigns its own ``calculate_loss`` to the
+    loss and weights each call, included) and adds it to the mixin's loss."""
 
     cache_options: GradCacheOptions
+    # The parameter terms of the loss stage's calls during one forward; None outside forward.
+    _parameter_terms: list[Tensor] | None = None
+    # The whole batch's input keys for the guard's "identical" rule, taken before the batch is split into mini-batches.
+    _pending_row_keys: list[Tensor] | None = None
 
     def _set_cache_options(self, model: nn.Module | None, options: GradCacheOptions) -> None:
         if model is not None and has_static_embedding_input(model):
@@ -71,5 +100,60 @@ class GradCachedLoss(CachedLossMixin):
                 raise ValueError(f"{name}: the batch is empty (column {index} has no rows)")
         return [torch.cat(column) for column in reps]
 
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
+        sentence_features = list(sentence_features)
+        if len(sentence_features) < 2:
+            raise ValueError(
+                f"{type(self).__name__} needs at least 2 input columns (anchor, positive[, negative_1, ...]), "
+                f"got {len(sentence_features)}"
+            )
+        self._pending_row_keys = self._row_keys(sentence_features)
+        self._parameter_terms = []
+        try:
+            loss = self.forward_cached(sentence_features, labels)
+            terms = self._parameter_terms
+        finally:
+            self._pending_row_keys = self._parameter_terms = None
+        # the outermost call returns last: its term is the weighted sum of the inner ones
+        return loss + terms[-1] if terms and terms[-1].requires_grad else loss
+
+    @property
+    def calculate_loss(self) -> Callable[..., Tensor]:
+        """The loss stage as the mixin calls it: ``(reps, labels=None, *, with_backward=False) -> loss``, this
+        class's own, or the wrapper assigned to ``calculate_loss`` (MatryoshkaLoss's); its parameter term is kept
+        for ``forward`` (see the class docstring)."""
+        stage = self.__dict__.get("calculate_loss", self._loss_stage)
+
+        def keep_parameter_term(*args: Any, **kwargs: Any) -> Tensor:
+            total = stage(*args, **kwargs)
+            if self._parameter_terms is not None:
+                self._parameter_terms.append(total - total.detach())
+            return total
+
+        return keep_parameter_term
+
+    @calculate_loss.setter
+    def calculate_loss(self, wrapper: Callable[..., Tensor]) -> None:
+        self.__dict__["calculate_loss"] = wrapper
+
+    def _loss_stage(
+        self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
+    ) -> Tensor:
+        """The loss of the whole batch from the per-mini-batch embeddings, in row chunks of ``mini_batch_size``.
+        With ``with_backward`` each chunk is back-propagated to ``reps`` at once and the loss returned detached (plus
+        the zero-valued term carrying the loss parameters' gradients)."""
+        warn_unused_labels(self, labels)  # no sync: a host-side check
+        embeddings = self._concatenated_columns(reps)
+        row_keys = self._checked_row_keys(self._pending_row_keys, len(embeddings))
+        with full_precision(*embeddings):
+            return self._cached_loss(embeddings, row_keys, with_backward)
+
+    def _cached_loss(self, embeddings: list[Tensor], row_keys: list[Tensor] | None, with_backward: bool) -> Tensor:
+        raise NotImplementedError
+
     def get_config_dict(self) -> dict[str, Any]:
         return {**super().get_config_dict(), **options_config(self.cache_options)}
+
+    @property
+    def citation(self) -> str:
+        return super().citation + GRADCACHE_CITATION

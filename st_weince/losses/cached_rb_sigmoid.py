@@ -1,16 +1,13 @@
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from st_weince.functional.checks import full_precision
 from st_weince.functional.false_negatives import FilterCounts
-from st_weince.losses._columns import check_embedding_columns
 from st_weince.losses._gradcache import GradCachedLoss, GradCacheOptions
-from st_weince.losses._labels import warn_unused_labels
+from st_weince.losses._sigmoid_blocks import all_gathers, candidate_columns, directional_blocks, key_blocks
 from st_weince.losses.rb_sigmoid import RBSigmoidLoss, RBSigmoidOptions
 from st_weince.utils.options import options_from_arguments
 
@@ -42,15 +39,10 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
         (tested to 1e-5); the parameters have the same names (``log_t``, ``b_rel`` or ``bias``, ``adapter_logit``),
         so checkpoints, ``learning_rate_mapping`` and :func:`st_weince.training.prepare_trainer` carry over.
 
-        **Gradients of the loss's own parameters.** The mixin runs step (2), the loss's backward, inside
-        ``forward``: a parameter that took part in it would receive its gradient there, before and outside the
-        trainer's backward, so without the loss scaling of fp16 training (a GradScaler's factor) and without the
-        division by the gradient-accumulation steps; the gradient would be off by exactly those factors (the model's
-        gradients are fine: the mixin's backward hook multiplies them by the outer gradient). Here step (2) runs on
-        detached stand-ins of ``log_t`` and ``b_rel``; their gradients ``g`` are handed to the outer backward through
-        a term ``sum_p (p - p.detach()) g_p`` that is zero in value and added to the returned loss, so the
-        parameters receive ``g`` times whatever the outer backward passes (scaling, accumulation, the weights of
-        ``MatryoshkaLoss``, which wraps the loss computation), exactly as in the uncached loss.
+        The loss parameters are trained as in the uncached loss: step (2) runs on detached stand-ins of them, and
+        their gradients reach the parameters through the trainer's backward, so fp16 loss scaling, gradient
+        accumulation and the weights of ``MatryoshkaLoss`` apply to them as to the model's (the mechanism is
+        described in :class:`~st_weince.losses._gradcache.GradCachedLoss`).
 
         Args:
             model: SentenceTransformer model.
@@ -77,92 +69,39 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
                StaticEmbedding).
 
         Inputs:
-            +-------------------------------------------------+--------+
-            | Texts                                           | Labels |
-            +=================================================+========+
-            | (anchor, positive) pairs                        | none   |
-            +-------------------------------------------------+--------+
-            | (anchor, positive, negative_1, ..., negative_n) | none   |
-            +-------------------------------------------------+--------+
-            | (modality_1, ..., modality_k), columns=         | none   |
-            | "modalities"                                    |        |
-            +-------------------------------------------------+--------+
+            As :class:`RBSigmoidLoss`: (anchor, positive) pairs or (anchor, positive, negative_1, ..., negative_n)
+            tuples of texts, or with ``columns="modalities"`` (modality_1, ..., modality_k); no labels.
 
         Example:
             ::
 
+                from datasets import Dataset
                 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
                 from sentence_transformers import SentenceTransformerTrainingArguments
                 from st_weince.losses import CachedRBSigmoidLoss
                 from st_weince.training import prepare_trainer
 
                 model = SentenceTransformer("all-MiniLM-L6-v2")
-                loss = CachedRBSigmoidLoss(model, mini_batch_size=64)
+                train_dataset = Dataset.from_dict({"anchor": questions, "positive": answers})  # lists of texts
                 args = SentenceTransformerTrainingArguments(output_dir="out", per_device_train_batch_size=4096)
-                trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train_dataset, loss=loss)
+                trainer = SentenceTransformerTrainer(
+                    model=model,
+                    args=args,
+                    train_dataset=train_dataset,
+                    loss=CachedRBSigmoidLoss(model, mini_batch_size=64, symmetric=True),
+                )
                 prepare_trainer(trainer)
                 trainer.train()
         """
         RBSigmoidLoss.__init__(self, model, scale, **options)
         self._set_cache_options(model, options_from_arguments(GradCacheOptions, locals()))
 
-    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
-        sentence_features = list(sentence_features)
-        # the inputs' keys for the guard's "identical" rule, from the whole batch before it is split into mini-batches
-        self._pending_row_keys = self._row_keys(sentence_features)
-        try:
-            return self._forward(sentence_features, labels)
-        finally:
-            self._pending_row_keys = None
-
-    def _forward(self, sentence_features: list[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
-        if not torch.is_grad_enabled():
-            return self.forward_cached(sentence_features, labels)
-        # The loss computation returns a term carrying the loss parameters' gradients (see the class docstring).
-        # The mixin detaches whatever the computation returns, so the term is taken here, from around the whole
-        # computation, including a wrapper such as MatryoshkaLoss's, which replaces ``calculate_loss`` on this
-        # instance and weights each of its calls.
-        computation = self.calculate_loss
-        replaced_on_instance = "calculate_loss" in self.__dict__
-        parameter_terms: list[Tensor] = []
-
-        def capture_parameter_term(reps: list[list[Tensor]], labels: Tensor | None = None, **kwargs: Any) -> Tensor:
-            total = computation(reps, labels, **kwargs)
-            parameter_terms.append(total - total.detach())
-            return total.detach()
-
-        self.calculate_loss = capture_parameter_term
-        try:
-            loss = self.forward_cached(sentence_features, labels)
-        finally:
-            if replaced_on_instance:
-                self.calculate_loss = computation
-            else:
-                del self.calculate_loss
-        return loss + sum(parameter_terms) if parameter_terms else loss
-
-    def calculate_loss(
-        self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
-    ) -> Tensor:
-        """The RB-Sigmoid loss of the whole batch from the per-mini-batch embeddings, over row chunks of
-        ``mini_batch_size`` anchors. With ``with_backward`` each chunk is back-propagated to the embeddings at once;
-        the loss parameters' gradients are returned as the zero-valued term ``sum_p (p - p.detach()) g_p`` added to
-        the detached loss (see the class docstring)."""
-        warn_unused_labels(self, labels)  # no sync: a host-side check
-        embeddings = self._concatenated_columns(reps)
-        row_keys = getattr(self, "_pending_row_keys", None)
-        self._require_row_keys(row_keys, len(embeddings))
-        with full_precision(*embeddings):
-            return self._cached_loss(embeddings, with_backward, row_keys)
-
-    def _cached_loss(self, embeddings: list[Tensor], with_backward: bool, row_keys: list[Tensor] | None) -> Tensor:
-        checks = self._new_checks()
-        check_embedding_columns(embeddings, type(self).__name__)  # values: by normalize_rows' check
+    def _cached_loss(self, embeddings: list[Tensor], row_keys: list[Tensor] | None, with_backward: bool) -> Tensor:
+        """The loss over row chunks of ``mini_batch_size`` anchors; with ``with_backward`` each chunk is
+        back-propagated to the embeddings at once, and the loss parameters' gradients are returned as the
+        zero-valued term ``sum_p (p - p.detach()) g_p`` added to the detached loss (see the class docstring)."""
         params = self.loss_parameters()
-        self._require_finite_parameters(params, checks)
-        normalized = self._normalized(embeddings, checks)
-        if checks is not None:
-            checks.raise_if_failed()  # the one host sync of the step, where the loss receives its inputs
+        normalized = self._checked_columns(embeddings)
         if not with_backward:
             total, extremes, guard_counts = self._row_chunk_losses(normalized, params, row_keys, backward=False)
         else:
@@ -183,55 +122,48 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
         With ``backward``, normalization and gathering run once on leaves: each chunk's backward stops at the
         normalized (and gathered) columns, and one backward per column then carries the accumulated gradients
         through the gather and the normalization to the embeddings."""
+        options = self.options
         columns = [column.detach().requires_grad_() for column in normalized] if backward else normalized
-        gathered, positive_index = self._candidates(columns)
+        gathered, positive_index = candidate_columns(columns, options)
         # Without gathering the candidates are the columns themselves; gathered ones become leaves of their own.
         candidates = gathered
-        if self._all_gathers and backward:
+        if all_gathers(options) and backward:
             candidates = [column.detach().requires_grad_() for column in gathered]
         batch_size = columns[0].shape[0]
-        key_blocks = self._key_blocks(columns, row_keys)
 
         total = columns[0].new_zeros(())
         extremes: tuple[Tensor, Tensor] | None = None
         guard_counts: list[FilterCounts] = []
-        blocks = self._directional_blocks(columns, candidates)
-        for block_index, ((anchor_column, block, weight), keys) in enumerate(zip(blocks, key_blocks)):
-            if self._exchanges_with_neighbours:
+        blocks = zip(directional_blocks(columns, candidates, options), key_blocks(columns, row_keys, options))
+        for block_index, ((anchor_column, block, weight), keys) in enumerate(blocks):
+            if options.gather_across_devices and options.exchange == "neighbour":
                 # Each process block arrives once; the row chunks go through it before the next one is received.
-                value, low, high, counts = self._exchanged_block_loss(
-                    columns[anchor_column],
-                    block,
-                    positive_index,
-                    params,
-                    weight=weight,
-                    anchor_chunk=self.mini_batch_size,
-                    backward=backward,
-                    candidate_keys=keys,
-                )
-                total = total + value
-                if block_index == 0:
-                    extremes = (low, high)
-                    if counts is not None:
-                        guard_counts.append(counts)
-                continue
-            for begin in range(0, batch_size, self.mini_batch_size):
-                end = min(begin + self.mini_batch_size, batch_size)
+                ring = {"weight": weight, "anchor_chunk": self.mini_batch_size, "backward": backward}
                 value, low, high, counts = self._block_loss(
-                    columns[anchor_column][begin:end], block, positive_index[begin:end], params, keys
+                    columns[anchor_column], block, positive_index, params, keys, **ring
                 )
-                # The block loss is the mean over the chunk's anchors; the loss is the mean over all anchors.
-                value = value * (weight * (end - begin) / batch_size)
-                if backward:
-                    value.backward()
-                    value = value.detach()
+                chunk_results = [(value, low, high, counts)]
+            else:
+                chunk_results = []
+                for begin in range(0, batch_size, self.mini_batch_size):
+                    end = min(begin + self.mini_batch_size, batch_size)
+                    value, low, high, counts = self._block_loss(
+                        columns[anchor_column][begin:end], block, positive_index[begin:end], params, keys
+                    )
+                    # The block loss is the mean over the chunk's anchors; the loss is the mean over all anchors.
+                    value = value * (weight * (end - begin) / batch_size)
+                    if backward:
+                        value.backward()
+                        value = value.detach()
+                    chunk_results.append((value, low, high, counts))
+            for value, low, high, counts in chunk_results:
                 total = total + value
                 if block_index == 0:  # the logged margin is the first block's, as in RBSigmoidLoss
                     extremes = (low, high) if extremes is None else _merge(extremes, low, high)
                     if counts is not None:
                         guard_counts.append(counts)
         if backward:
-            if self._all_gathers:
+            if all_gathers(options):
                 _backward_where_used(gathered, candidates)
             _backward_where_used(normalized, columns)
         # per-anchor counts of the row chunks, in row order

@@ -50,6 +50,40 @@ def check_representable(name: str, number: float, dtype: torch.dtype, *, positiv
         )
 
 
+def stored_scale_option(name: str, value: Any) -> float:
+    """A scale ``t > 0`` validated as it is stored, a float32 ``log_t`` whose ``exp`` is ``t``: refused, naming it,
+    when that ``t`` overflows or underflows float32 (1e39 has a finite float32 log, whose exp is Inf; 1e-46 gives
+    t = 0)."""
+    number = real_option(name, value, positive=True)
+    # t from the float32 log_t, in float64 on the host (no tensor), with a margin of 1e-6 relative for the rounding of
+    # float32 exp implementations at the range's ends
+    log_t = float(np.float32(math.log(number)))
+    t = math.exp(log_t) if log_t < 710.0 else math.inf
+    info = torch.finfo(torch.float32)
+    if not t <= info.max * (1.0 - 1e-6):
+        raise ValueError(
+            f"{name} = {number!r} overflows float32 as stored (t = exp(log_t) with a float32 log_t is {t:.4g}; "
+            f"largest finite value {info.max:.4g})"
+        )
+    if t < info.tiny * (1.0 + 1e-6):
+        raise ValueError(
+            f"{name} = {number!r} underflows float32 as stored (t = exp(log_t) with a float32 log_t is {t:.4g}, "
+            f"below the smallest normal value {info.tiny:.4g})"
+        )
+    return number
+
+
+def log_scale_cap(max_scale: float) -> float:
+    """The largest float32 ``c`` whose ``exp`` stays within ``max_scale`` on any CPU or GPU: ``log_t`` is clamped to
+    ``c`` so that ``t = exp(log_t) <= max_scale``. ``exp`` in float32 is faithfully rounded (within one ulp), so ``c``
+    is taken 2 ulp of ``max_scale`` below it in float64 and rounded down to float32."""
+    target = math.log(max_scale * (1.0 - 2.0**-22))
+    cap = np.float32(target)  # NumPy, not a torch tensor: building a loss reads no device value
+    if float(cap) > target:
+        cap = np.nextafter(cap, np.float32(-np.inf))
+    return float(cap)
+
+
 def flag_option(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")

@@ -1,0 +1,179 @@
+"""What WEINCELoss and RBSigmoidLoss share: the entry points (``forward``, ``compute_loss_from_embeddings``, the
+input checks of ``loss_from_scores``), the false-negative guard's input keys, the checked unit-length columns, the
+logged statistics, the configuration, and the handling of MultipleNegativesRankingLoss's arguments.
+
+The embeddings' shapes are checked for free (no device value is read); their values (NaN, Inf, overflowing norms)
+by :func:`st_weince.functional.normalize_rows`, in the loss's one host sync."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from sentence_transformers.base.losses.merged_forward import embed_columns
+from sentence_transformers.util import cos_sim
+from torch import Tensor, nn
+
+from st_weince.functional.checks import check_score_shapes, compute_dtype, full_precision, require_valid_scores
+from st_weince.functional.false_negatives import FilterCounts, feature_keys
+from st_weince.functional.layouts import normalize_rows
+from st_weince.losses._labels import warn_unused_labels
+from st_weince.utils.hotpath import DeferredChecks
+from st_weince.utils.logged_statistics import RunningMeans
+from st_weince.utils.options import options_config
+
+# MultipleNegativesRankingLoss's arguments that a loss may have no use for: the value at which each is a no-op.
+_MNRL_NO_OPS: dict[str, Callable[[Any], bool]] = {
+    "similarity_fct": lambda value: value is cos_sim,
+    "hardness_mode": lambda value: value is None,
+    "hardness_strength": lambda value: isinstance(value, numbers.Real) and not isinstance(value, bool) and value == 0,
+    "partition_mode": lambda value: value is None,
+}
+
+
+def refuse_mnrl_arguments(owner: str, reasons: dict[str, str], **arguments: Any) -> None:
+    """MultipleNegativesRankingLoss's arguments are accepted at their no-op value and refused otherwise, with the
+    loss's ``reasons``."""
+    for name, value in arguments.items():
+        if not _MNRL_NO_OPS[name](value):
+            shown = getattr(value, "__name__", None) if callable(value) else None
+            raise ValueError(f"{owner} does not support {name}={shown or repr(value)}: {reasons[name]}")
+
+
+def check_embedding_columns(
+    embeddings: list[Tensor],
+    loss_name: str,
+    min_columns: int = 2,
+) -> None:
+    """Raise a clear ValueError for too few columns, wrong shapes, and mismatched batch sizes or dimensions."""
+    if len(embeddings) < min_columns:
+        raise ValueError(
+            f"{loss_name} needs at least {min_columns} input columns (anchor, positive[, negative_1, ...]), "
+            f"got {len(embeddings)}. Check the columns of your dataset: a single text column is not enough."
+        )
+    for index, embedding in enumerate(embeddings):
+        if not isinstance(embedding, Tensor) or embedding.dim() != 2:
+            shape = tuple(embedding.shape) if isinstance(embedding, Tensor) else type(embedding).__name__
+            raise ValueError(
+                f"{loss_name}: column {index} must be a 2-D [batch, dimension] embedding matrix, got shape {shape}"
+            )
+        if not embedding.is_floating_point():
+            raise ValueError(f"{loss_name}: column {index} must hold floating-point embeddings, got {embedding.dtype}")
+    sizes = [e.shape[0] for e in embeddings]
+    if any(size != sizes[0] for size in sizes):
+        raise ValueError(f"{loss_name}: all columns must have the same batch size, got {sizes}")
+    if sizes[0] < 1:
+        raise ValueError(f"{loss_name}: the batch is empty")
+    dims = [e.shape[1] for e in embeddings]
+    if any(dim != dims[0] for dim in dims):
+        raise ValueError(f"{loss_name}: all columns must have the same embedding dimension, got {dims}")
+
+
+def guard_share_values(prefix: str, counts: FilterCounts | None) -> dict[str, Tensor]:
+    """The false-negative guard's logged shares: of the candidates removed and of the anchors that lost any."""
+    if counts is None:
+        return {}
+    return {f"{prefix}_fn_masked_share": counts.masked_share, f"{prefix}_fn_anchors_share": counts.anchors_share}
+
+
+class ColumnsLoss(nn.Module):
+    """A loss on the columns of a sentence-transformers batch (``[anchor, positive, *negatives]``) with one frozen
+    options object (``options.check_inputs``, ``options.false_negative_filter``) and statistics logged by name. A
+    subclass computes ``_loss_from_embeddings(embeddings, row_keys)`` and gives its ``citation``."""
+
+    def __init__(self, model: nn.Module | None, options: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.options = options
+        self.logged_statistics = RunningMeans()
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
+        sentence_features = list(sentence_features)
+        row_keys = self._row_keys(sentence_features)
+        embeddings = embed_columns(self.model, sentence_features)
+        return self.compute_loss_from_embeddings(embeddings, labels, row_keys=row_keys)
+
+    def compute_loss_from_embeddings(
+        self, embeddings: list[Tensor], labels: Tensor | None = None, *, row_keys: list[Tensor] | None = None
+    ) -> Tensor:
+        """The loss on already computed column embeddings, in float32 for half-precision embeddings (also under
+        autocast) and in float64 for float64 ones. ``row_keys``: each column's
+        :func:`~st_weince.functional.input_keys`, needed by the guard's ``"identical"`` rule only (``forward``
+        computes them from the token ids)."""
+        row_keys = self._checked_row_keys(row_keys, len(embeddings))
+        warn_unused_labels(self, labels)  # no sync: a host-side check
+        with full_precision(*embeddings):
+            return self._loss_from_embeddings(embeddings, row_keys)
+
+    def _loss_from_embeddings(self, embeddings: list[Tensor], row_keys: list[Tensor] | None) -> Tensor:
+        raise NotImplementedError
+
+    # -- input checks ------------------------------------------------------------------------------------------
+
+    def _require_valid_state(self, checks: DeferredChecks) -> None:
+        """Add checks of the loss's own state (its parameters) to the step's ``checks``; none by default."""
+
+    def _check_scores(self, scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None, **rules: Any) -> None:
+        """The checks of ``loss_from_scores``: shapes (free), then the values, in the step's one host sync."""
+        self._checked_row_keys(None, 0)  # a score matrix carries no inputs to compare ("identical" is refused)
+        check_score_shapes(scores, positive_index, valid_mask)
+        if self.options.check_inputs:
+            checks = DeferredChecks()
+            require_valid_scores(checks, scores, positive_index, valid_mask, **rules)
+            self._require_valid_state(checks)
+            checks.raise_if_failed()
+
+    def _checked_columns(
+        self, embeddings: list[Tensor], gather: Callable[[Tensor], Tensor] | None = None
+    ) -> list[Tensor]:
+        """The columns (gathered across processes with ``gather``) with unit-length rows in the computation dtype
+        (float64 stays float64, half precision becomes float32), after the step's one host sync: with
+        ``check_inputs``, rows with NaN/Inf or an overflowing norm (they would normalise to zero vectors) and an
+        invalid loss state are refused there, all read at once."""
+        check_embedding_columns(embeddings, type(self).__name__)  # shapes, free
+        columns = embeddings if gather is None else [gather(column) for column in embeddings]
+        dtype = compute_dtype(*columns)
+        checks = DeferredChecks() if self.options.check_inputs else None
+        name = type(self).__name__
+        columns = [normalize_rows(column, checks, f"{name}: column {i}", dtype) for i, column in enumerate(columns)]
+        if checks is not None:
+            self._require_valid_state(checks)
+            checks.raise_if_failed()  # the one host sync of the step, where the loss receives its inputs
+        return columns
+
+    # -- the false-negative guard's input keys ----------------------------------------------------------------
+
+    def _compares_inputs(self) -> bool:
+        spec = self.options.false_negative_filter
+        return spec is not None and spec.needs_keys
+
+    def _row_keys(self, sentence_features: list[dict[str, Tensor]]) -> list[Tensor] | None:
+        """The input keys of every column's rows when the guard compares inputs (``"identical"``), else None."""
+        if not self._compares_inputs():
+            return None
+        return [feature_keys(features, type(self).__name__) for features in sentence_features]
+
+    def _checked_row_keys(self, row_keys: list[Tensor] | None, num_columns: int) -> list[Tensor] | None:
+        """``row_keys`` when the guard compares inputs (refused when missing), else None."""
+        if not self._compares_inputs():
+            return None
+        if row_keys is None or len(row_keys) != num_columns:
+            raise ValueError(
+                f"{type(self).__name__}: false_negative_filter='identical' compares the inputs' token ids: call the "
+                "loss on tokenized features (forward), or pass row_keys=[st_weince.functional.input_keys(input_ids, "
+                f"attention_mask) of each of the {num_columns} columns] to compute_loss_from_embeddings"
+            )
+        return row_keys
+
+    # -- statistics and configuration -------------------------------------------------------------------------
+
+    def pop_logged_statistics(self) -> dict[str, float]:
+        """Means of the logged statistics since the last call (used by :func:`st_weince.training.log_loss_statistics`);
+        the one place they are read on the host."""
+        return self.logged_statistics.pop()
+
+    def get_config_dict(self) -> dict[str, Any]:
+        """The options as configured (JSON-able): ``type(loss)(model, **loss.get_config_dict())`` rebuilds the loss
+        as it was built."""
+        return options_config(self.options)

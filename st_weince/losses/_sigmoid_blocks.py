@@ -1,0 +1,78 @@
+"""How RBSigmoidLoss and CachedRBSigmoidLoss lay a batch out: which anchors are scored against which candidates
+(the directional blocks), the candidates gathered across processes, their input keys, and MNRL's ``directions`` in
+these terms."""
+
+from __future__ import annotations
+
+from itertools import combinations
+from typing import Any
+
+import torch
+from sentence_transformers.util import all_gather, all_gather_with_grad, get_rank
+from torch import Tensor
+
+_ONE_DIRECTION = frozenset({"query_to_doc"})
+_BOTH_DIRECTIONS = frozenset({"query_to_doc", "doc_to_query"})
+
+
+def symmetric_from_directions(directions: tuple[str, ...] | None, symmetric: bool, owner: str) -> bool:
+    """MultipleNegativesRankingLoss's ``directions`` in RB-Sigmoid's terms: ``("query_to_doc",)`` or
+    ``("query_to_doc", "doc_to_query")`` (= ``symmetric=True``); None keeps ``symmetric``."""
+    if directions is None:
+        return symmetric
+    if isinstance(directions, str) or not isinstance(directions, (tuple, list)):
+        raise TypeError(f"directions must be a tuple of direction names, got {directions!r}")
+    chosen = frozenset(directions)
+    if chosen not in (_ONE_DIRECTION, _BOTH_DIRECTIONS) or len(chosen) != len(directions):
+        raise ValueError(
+            f"{owner} supports directions ('query_to_doc',) and ('query_to_doc', 'doc_to_query') "
+            f"(= symmetric=True), got {tuple(directions)!r}: query_to_query and doc_to_doc would score "
+            "anchors against anchors and documents against documents, which hold no positive pair here "
+            "(for every column pair use columns='modalities')"
+        )
+    if symmetric is True and chosen != _BOTH_DIRECTIONS:
+        raise ValueError(f"symmetric=True contradicts directions={tuple(directions)!r}")
+    return chosen == _BOTH_DIRECTIONS
+
+
+def all_gathers(options: Any) -> bool:
+    """Whether the candidates are all-gathered into one global matrix (else they stay local, and with the
+    neighbour exchange every block loss passes them around the ring of processes)."""
+    return options.gather_across_devices and options.exchange == "all_gather"
+
+
+def candidate_columns(columns: list[Tensor], options: Any) -> tuple[list[Tensor], Tensor]:
+    """The candidate columns (the local ones, or all-gathered with gradient) and the row of each local anchor's
+    positive among them."""
+    batch_size = columns[0].shape[0]
+    if not all_gathers(options):
+        return columns, torch.arange(batch_size, device=columns[0].device)
+    offset = get_rank() * batch_size
+    gathered = [all_gather_with_grad(column) for column in columns]
+    return gathered, torch.arange(offset, offset + batch_size, device=columns[0].device)
+
+
+def directional_blocks(columns: list[Tensor], candidates: list[Any], options: Any) -> list[tuple[int, Any, float]]:
+    """``(anchor column, candidates, weight)`` of every anchors-against-candidates block whose weighted sum is the
+    loss (``candidates``: the candidate columns, or their input keys). The first block's margin is the one
+    logged."""
+    if options.columns == "negatives":
+        documents = candidates[1] if len(candidates) == 2 else torch.cat(candidates[1:], dim=0)
+        pairs, reverse = [(0, documents)], [(1, candidates[0])]
+    else:
+        index_pairs = list(combinations(range(len(columns)), 2))
+        pairs = [(i, candidates[j]) for i, j in index_pairs]
+        reverse = [(j, candidates[i]) for i, j in index_pairs]
+    if not options.symmetric:
+        return [(column, block, 1.0) for column, block in pairs]
+    # Each direction of a pair gets half the weight: the symmetric loss is the mean of both directions.
+    return [(column, block, 0.5) for column, block in pairs + reverse]
+
+
+def key_blocks(columns: list[Tensor], row_keys: list[Tensor] | None, options: Any) -> list[Tensor | None]:
+    """The candidates' input keys of every directional block (gathered like the candidates), or Nones."""
+    if row_keys is None:
+        return [None] * len(directional_blocks(columns, columns, options))
+    if all_gathers(options):  # with the neighbour exchange they travel with their candidate blocks instead
+        row_keys = [all_gather(keys) for keys in row_keys]  # integers: no gradient
+    return [keys for _, keys, _ in directional_blocks(columns, row_keys, options)]
