@@ -21,8 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from datasets import Dataset
-from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
@@ -30,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 
 from st_weince.losses import RBSigmoidLoss, WEINCELoss  # noqa: E402
 from st_weince.training import prepare_trainer  # noqa: E402
-from tests.conftest import TINY_SENTENCES  # noqa: E402
+from tests.conftest import SHORT_RUN  # noqa: E402
+from tests.conftest import build_trainer as tiny_trainer  # noqa: E402
 
 MAX_STEPS = 6
 SAVE_STEPS = 2
@@ -44,31 +44,10 @@ LOSSES = {
 
 def build_trainer(model_dir, output_dir, callbacks=(), loss="rb-sigmoid", **overrides) -> SentenceTransformerTrainer:
     model = SentenceTransformer(str(model_dir), device="cpu")
-    settings = {
-        "output_dir": str(output_dir),
-        "per_device_train_batch_size": LOSSES[loss][1],
-        "max_steps": MAX_STEPS,
-        "learning_rate": 5e-2,
-        "lr_scheduler_type": "constant",
-        "save_strategy": "steps",
-        "save_steps": SAVE_STEPS,
-        "logging_steps": 1,
-        "report_to": [],
-        "seed": 0,
-        "use_cpu": True,
-        "disable_tqdm": True,
-        "dataloader_num_workers": 0,
-    }
-    settings.update(overrides)
-    dataset = Dataset.from_dict({"anchor": TINY_SENTENCES, "positive": TINY_SENTENCES[1:] + TINY_SENTENCES[:1]})
-    trainer = SentenceTransformerTrainer(
-        model=model,
-        args=SentenceTransformerTrainingArguments(**settings),
-        train_dataset=dataset,
-        loss=LOSSES[loss][0](model),
-        callbacks=list(callbacks),
-    )
-    return trainer
+    loss_class, batch_size = LOSSES[loss]
+    settings = {**SHORT_RUN, "per_device_train_batch_size": batch_size, "max_steps": MAX_STEPS}
+    settings.update(save_strategy="steps", save_steps=SAVE_STEPS)
+    return tiny_trainer(model, loss_class(model), output_dir, callbacks=callbacks, **{**settings, **overrides})
 
 
 def block_forever(ready: str) -> None:

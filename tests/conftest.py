@@ -39,6 +39,53 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return path
 
 
+# Training arguments of the short trainer runs: on the CPU, nothing reported, no progress bar.
+QUIET_CPU = {"report_to": [], "use_cpu": True, "disable_tqdm": True}
+# ... and reproducible: a constant learning rate, seed 0, no dataloader workers, a log line every step.
+SHORT_RUN = {
+    **QUIET_CPU,
+    "learning_rate": 5e-2,
+    "lr_scheduler_type": "constant",
+    "logging_steps": 1,
+    "seed": 0,
+    "dataloader_num_workers": 0,
+}
+
+
+def pairs_dataset(sentences: list[str] = TINY_SENTENCES, shift: int = 1):
+    """(anchor, positive) pairs: each sentence with the one ``shift`` places further."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"anchor": sentences, "positive": sentences[shift:] + sentences[:shift]})
+
+
+def build_trainer(model, loss, output_dir, *, dataset=None, eval_dataset=None, callbacks=(), **arguments):
+    """A SentenceTransformerTrainer of ``model`` and ``loss`` on ``dataset`` (default: :func:`pairs_dataset`), with
+    the training ``arguments`` added to :data:`QUIET_CPU`."""
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+
+    return SentenceTransformerTrainer(
+        model=model,
+        args=SentenceTransformerTrainingArguments(output_dir=str(output_dir), **{**QUIET_CPU, **arguments}),
+        train_dataset=pairs_dataset() if dataset is None else dataset,
+        eval_dataset=eval_dataset,
+        loss=loss,
+        callbacks=list(callbacks),
+    )
+
+
+def stop_at(step: int):
+    """A trainer callback that ends training after ``step`` steps (an interrupted run)."""
+    from transformers import TrainerCallback
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step >= step:
+                control.should_training_stop = True
+
+    return StopAt()
+
+
 @pytest.fixture()
 def tiny_model(tiny_model_dir):
     from sentence_transformers import SentenceTransformer

@@ -14,7 +14,7 @@ from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss
 from st_weince.functional import weince_statistics
 from st_weince.losses import CachedWEINCELoss, WEINCELoss
 from st_weince.utils.hotpath import count_host_syncs
-from tests.conftest import TINY_SENTENCES
+from tests.conftest import TINY_SENTENCES, build_trainer
 from tests.float32_tolerance import (
     assert_statistics_close,
     query_group,
@@ -245,8 +245,6 @@ def test_loss_stage_never_allocates_the_full_score_matrix():
 @pytest.mark.slow
 def test_trainer_with_prepare_trainer_logs_and_trains(tiny_model, tmp_path, one_torch_thread):
     from datasets import Dataset
-    from sentence_transformers import SentenceTransformerTrainer
-    from sentence_transformers.sentence_transformer.training_args import SentenceTransformerTrainingArguments
 
     from st_weince.training import prepare_trainer
 
@@ -255,19 +253,10 @@ def test_trainer_with_prepare_trainer_logs_and_trains(tiny_model, tmp_path, one_
         {"anchor": sentences, "positive": sentences[::-1], "negative": sentences[1:] + sentences[:1]}
     )
     loss = CachedWEINCELoss(tiny_model, mini_batch_size=5)
-    args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=24,
-        max_steps=2,
-        logging_steps=1,
-        learning_rate=1e-3,
-        report_to=[],
-        save_strategy="steps",
-        save_steps=2,
-        use_cpu=True,
-        disable_tqdm=True,
+    trainer = build_trainer(
+        tiny_model, loss, tmp_path / "out", dataset=dataset, per_device_train_batch_size=24, max_steps=2,
+        logging_steps=1, learning_rate=1e-3, save_strategy="steps", save_steps=2,
     )
-    trainer = SentenceTransformerTrainer(model=tiny_model, args=args, train_dataset=dataset, loss=loss)
     prepare_trainer(trainer)
     before = [p.detach().clone() for p in tiny_model.parameters()]
     trainer.train()

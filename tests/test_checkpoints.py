@@ -30,7 +30,7 @@ from st_weince.training import (
     save_loss_state,
 )
 from tests.checkpoint_worker import MAX_STEPS, build_trainer
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, stop_at
 
 pytestmark = pytest.mark.slow
 WORKER = REPO_ROOT / "tests" / "checkpoint_worker.py"
@@ -166,12 +166,8 @@ def test_killed_at_a_random_moment_resumes_like_an_uninterrupted_run(
 
 
 def test_checkpoint_without_loss_state_is_refused_and_corrupt_state_named(tiny_model_dir, tmp_path, one_torch_thread):
-    class StopAt(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            control.should_training_stop = state.global_step >= 2
-
     output = tmp_path / "run"
-    prepare_trainer(build_trainer(tiny_model_dir, output, callbacks=[StopAt()])).train()
+    prepare_trainer(build_trainer(tiny_model_dir, output, callbacks=[stop_at(2)])).train()
     trainer_state_file = output / "checkpoint-2" / "trainer_state.json"
     content = json.loads(trainer_state_file.read_text())
 
@@ -244,12 +240,8 @@ def test_resume_with_restore_callback_states_from_checkpoint(tiny_model_dir, tmp
     """With the trainer's own callback-state restore switched on, it re-creates LossStateRecord from the checkpoint;
     the re-created record is linked to the loss again and the run still ends like the uninterrupted one."""
 
-    class StopAt(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            control.should_training_stop = state.global_step >= 2
-
     output = tmp_path / "run"
-    prepare_trainer(build_trainer(tiny_model_dir, output, callbacks=[StopAt()])).train()
+    prepare_trainer(build_trainer(tiny_model_dir, output, callbacks=[stop_at(2)])).train()
     trainer = prepare_trainer(build_trainer(tiny_model_dir, output, restore_callback_states_from_checkpoint=True))
     trainer.train(resume_from_checkpoint=True)
     assert_same_run(outcome(trainer), uninterrupted)

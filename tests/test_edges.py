@@ -15,7 +15,8 @@ from sentence_transformers.util import cos_sim
 from st_weince.functional import check_scores, nt_xent_layout, weince_cross_entropy, weince_statistics
 from st_weince.losses import CachedRBSigmoidLoss, CachedWEINCELoss, RBSigmoidLoss, WEINCELoss
 from st_weince.training import LOSS_STATE_RECORD, prepare_trainer
-from tests.test_rb_sigmoid_trainer import StopAt, make_trainer
+from tests.conftest import stop_at
+from tests.test_rb_sigmoid_trainer import make_trainer
 
 LOSSES = (WEINCELoss, RBSigmoidLoss)
 ALL_LOSSES = (WEINCELoss, CachedWEINCELoss, RBSigmoidLoss, CachedRBSigmoidLoss)
@@ -235,7 +236,7 @@ def test_cached_losses_refuse_empty_batches_in_their_own_words(loss_cls):
 @pytest.mark.filterwarnings("ignore:WEINCELoss at a batch of 4")
 def test_resume_names_a_changed_loss_and_a_set_aside_checkpoint(tiny_model_dir, tmp_path, one_torch_thread):
     output = tmp_path / "run"
-    make_trainer(tiny_model_dir, output, callbacks=[StopAt(3)]).train()
+    make_trainer(tiny_model_dir, output, callbacks=[stop_at(3)]).train()
     checkpoint = output / "checkpoint-3"
     attributes = json.loads((checkpoint / "trainer_state.json").read_text())["stateful_callbacks"][LOSS_STATE_RECORD]
     assert attributes["attributes"]["loss"]["loss"]["class"] == "RBSigmoidLoss"
@@ -261,7 +262,7 @@ def test_resume_names_a_changed_loss_and_a_set_aside_checkpoint(tiny_model_dir, 
 @pytest.mark.filterwarnings("ignore:WEINCELoss at a batch of 4")  # the tiny trainer's batch: InfoNCE, as intended
 def test_a_loss_without_parameters_records_its_class_too(tiny_model_dir, tmp_path, one_torch_thread):
     output = tmp_path / "weince"
-    trainer = make_trainer(tiny_model_dir, output, loss_cls=WEINCELoss, callbacks=[StopAt(3)])
+    trainer = make_trainer(tiny_model_dir, output, loss_cls=WEINCELoss, callbacks=[stop_at(3)])
     trainer.train()
     with pytest.raises(ValueError, match="WEINCELoss in the checkpoint, RBSigmoidLoss now"):
         make_trainer(tiny_model_dir, output).train(resume_from_checkpoint=str(output / "checkpoint-3"))

@@ -188,6 +188,18 @@ def test_rows_without_their_own_positive_use_the_query_to_doc_pair_score():
 
 
 # ----- cached equals uncached with the guard on -----
+def assert_cached_equals_uncached(cached, uncached, columns, prefix: str) -> None:
+    """The cached loss gives the uncached one's value, gradients and logged statistics, with pairs masked."""
+    expected, expected_grads = value_and_grads(uncached, columns)
+    value, grads = cached_value_and_grads(cached, columns)
+    torch.testing.assert_close(value, expected, rtol=1e-10, atol=1e-12)
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-8, atol=1e-12)
+    logged, expected_logged = cached.pop_logged_statistics(), uncached.pop_logged_statistics()
+    assert logged[f"{prefix}_fn_masked_share"] > 0
+    assert logged == pytest.approx(expected_logged, rel=1e-9)
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -198,32 +210,17 @@ def test_rows_without_their_own_positive_use_the_query_to_doc_pair_score():
 )
 def test_cached_weince_equals_uncached_with_the_guard(options):
     columns = pairs(planted=True, negatives=1)[:2] if "directions" in options else pairs(planted=True, negatives=1)
-    uncached = WEINCELoss(None, **options)
-    expected, expected_grads = value_and_grads(uncached, columns)
-    cached = CachedWEINCELoss(None, mini_batch_size=5, **options)
-    value, grads = cached_value_and_grads(cached, columns)
-    torch.testing.assert_close(value, expected, rtol=1e-10, atol=1e-12)
-    for grad, expected_grad in zip(grads, expected_grads):
-        torch.testing.assert_close(grad, expected_grad, rtol=1e-8, atol=1e-12)
-    logged, expected_logged = cached.pop_logged_statistics(), uncached.pop_logged_statistics()
-    assert logged["weince_fn_masked_share"] > 0
-    assert logged == pytest.approx(expected_logged, rel=1e-9)
+    assert_cached_equals_uncached(
+        CachedWEINCELoss(None, mini_batch_size=5, **options), WEINCELoss(None, **options), columns, "weince"
+    )
 
 
 @pytest.mark.parametrize("options", [{}, {"symmetric": True, "chunk_size": 7}])
 @pytest.mark.parametrize("guard", [("absolute", 0.05), ("relative", 0.95)])
 def test_cached_rb_sigmoid_equals_uncached_with_the_guard(options, guard):
-    columns = pairs(planted=True, negatives=1)
     uncached = RBSigmoidLoss(None, false_negative_filter=guard, **options)
-    expected, expected_grads = value_and_grads(uncached, columns)
     cached = CachedRBSigmoidLoss(None, false_negative_filter=guard, mini_batch_size=5, **options)
-    value, grads = cached_value_and_grads(cached, columns)
-    torch.testing.assert_close(value, expected, rtol=1e-10, atol=1e-12)
-    for grad, expected_grad in zip(grads, expected_grads):
-        torch.testing.assert_close(grad, expected_grad, rtol=1e-8, atol=1e-12)
-    logged, expected_logged = cached.pop_logged_statistics(), uncached.pop_logged_statistics()
-    assert logged["rb_sigmoid_fn_masked_share"] > 0
-    assert logged == pytest.approx(expected_logged, rel=1e-9)
+    assert_cached_equals_uncached(cached, uncached, pairs(planted=True, negatives=1), "rb_sigmoid")
 
 
 # ----- the hot path -----

@@ -9,8 +9,7 @@ import json
 
 import pytest
 import torch
-from datasets import Dataset
-from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+from sentence_transformers import SentenceTransformer
 from transformers import TrainerCallback
 
 import st_weince
@@ -19,7 +18,7 @@ from st_weince.calibration import CONFIG_KEY, carried_match_probability
 from st_weince.losses import CachedRBSigmoidLoss, RBSigmoidLoss, WEINCELoss
 from st_weince.training import prepare_trainer
 from st_weince.training.trained_values import rb_sigmoid_losses
-from tests.conftest import TINY_SENTENCES
+from tests.conftest import SHORT_RUN, TINY_SENTENCES, build_trainer, stop_at
 
 pytestmark = pytest.mark.slow
 
@@ -32,27 +31,11 @@ class PushScaleUp(TrainerCallback):
             loss.log_t.grad = torch.full_like(loss.log_t, -1.0)
 
 
-class StopAt(TrainerCallback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
-
-
 def train(model_dir, output_dir, loss_cls=RBSigmoidLoss, callbacks=(), resume=None, **loss_options):
     model = SentenceTransformer(str(model_dir), device="cpu")
     loss = loss_cls(model, **loss_options)
-    args = SentenceTransformerTrainingArguments(
-        output_dir=str(output_dir), per_device_train_batch_size=4, max_steps=5, learning_rate=5e-2,
-        lr_scheduler_type="constant", save_strategy="steps", save_steps=2, logging_steps=1, report_to=[], seed=0,
-        use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
-    )
-    dataset = Dataset.from_dict({"anchor": TINY_SENTENCES, "positive": TINY_SENTENCES[1:] + TINY_SENTENCES[:1]})
-    trainer = SentenceTransformerTrainer(
-        model=model, args=args, train_dataset=dataset, loss=loss, callbacks=list(callbacks)
-    )
+    settings = {**SHORT_RUN, "per_device_train_batch_size": 4, "max_steps": 5, "save_strategy": "steps"}
+    trainer = build_trainer(model, loss, output_dir, callbacks=callbacks, **settings, save_steps=2)
     for callback in callbacks:
         callback.loss = loss
     prepare_trainer(trainer)
@@ -113,7 +96,7 @@ def test_a_resumed_run_at_the_cap_ends_like_an_uninterrupted_one(tiny_model_dir,
     """The checkpoint holds the clamped log_t and its optimizer state: resuming at step 2 under the cap gives the
     uninterrupted run's t and b_rel (and the carried values)."""
     full = train(tiny_model_dir, tmp_path / "full", RBSigmoidLoss, [PushScaleUp()], max_scale=10.2)
-    train(tiny_model_dir, tmp_path / "cut", RBSigmoidLoss, [PushScaleUp(), StopAt(2)], max_scale=10.2)
+    train(tiny_model_dir, tmp_path / "cut", RBSigmoidLoss, [PushScaleUp(), stop_at(2)], max_scale=10.2)
     resumed = train(tiny_model_dir, tmp_path / "cut", RBSigmoidLoss, [PushScaleUp()], resume=True, max_scale=10.2)
     assert resumed.state.global_step == 5
     assert resumed.loss.trained_values() == pytest.approx(full.loss.trained_values(), rel=1e-6, abs=1e-7)

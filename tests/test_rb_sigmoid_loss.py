@@ -192,15 +192,20 @@ def test_logged_statistics_are_t_b_rel_b_and_the_margin():
     assert loss.pop_logged_statistics() == {}
 
 
-def test_forward_with_a_tiny_model(tiny_model):
-    loss = RBSigmoidLoss(tiny_model)
+def forward_backward(tiny_model, loss) -> torch.Tensor:
+    """The loss of three (anchor, positive) pairs through the tiny model, after its backward pass."""
     features = [
         tiny_model.tokenize(["the cat sat", "a dog runs", "rain falls"]),
         tiny_model.tokenize(["on the mat", "in the park", "on the city"]),
     ]
     value = loss(features, None)
     value.backward()
-    assert torch.isfinite(value)
+    return value
+
+
+def test_forward_with_a_tiny_model(tiny_model):
+    loss = RBSigmoidLoss(tiny_model)
+    assert torch.isfinite(forward_backward(tiny_model, loss))
     assert any(p.grad is not None for p in tiny_model.parameters())
     assert loss.log_t.grad is not None
 
@@ -215,16 +220,15 @@ def test_config_and_citation():
 
 
 def test_clear_errors_for_bad_inputs():
-    with pytest.raises(ValueError, match="parametrization"):
-        RBSigmoidLoss(None, parametrization="siglip")
-    with pytest.raises(ValueError, match="scale"):
-        RBSigmoidLoss(None, scale=0.0)
-    with pytest.raises(ValueError, match="bias is the start of the absolute"):
-        RBSigmoidLoss(None, bias=1.0)
-    with pytest.raises(ValueError, match="chunk_size"):
-        RBSigmoidLoss(None, chunk_size=0)
-    with pytest.raises(ValueError, match="columns"):
-        RBSigmoidLoss(None, columns="pairs")
+    for option, value, message in [
+        ("parametrization", "siglip", "parametrization"),
+        ("scale", 0.0, "scale"),
+        ("bias", 1.0, "bias is the start of the absolute"),
+        ("chunk_size", 0, "chunk_size"),
+        ("columns", "pairs", "columns"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            RBSigmoidLoss(None, **{option: value})
     loss = RBSigmoidLoss(None)
     a, p = embeddings(4, 4)
     with pytest.raises(ValueError, match="at least 2 input columns"):
@@ -248,13 +252,7 @@ def test_works_inside_sentence_transformers_wrappers(tiny_model, wrapper):
         loss = losses.AdaptiveLayerLoss(tiny_model, inner)
     else:
         loss = getattr(losses, wrapper)(tiny_model, inner, [32, 16])
-    features = [
-        tiny_model.tokenize(["the cat sat", "a dog runs", "rain falls"]),
-        tiny_model.tokenize(["on the mat", "in the park", "on the city"]),
-    ]
-    value = loss(features, None)
-    value.backward()
-    assert torch.isfinite(value)
+    assert torch.isfinite(forward_backward(tiny_model, loss))
     own = {name for name, _ in loss.named_parameters() if "model." not in name}
     # The prefix a learning_rate_mapping pattern must allow for (Matryoshka2dLoss nests two wrappers).
     prefix = "loss.loss." if wrapper == "Matryoshka2dLoss" else "loss."

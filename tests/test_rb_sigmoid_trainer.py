@@ -11,9 +11,7 @@ from functools import partial
 
 import pytest
 import torch
-from datasets import Dataset
-from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
-from transformers import TrainerCallback
+from sentence_transformers import SentenceTransformer
 
 from st_weince.losses import CachedRBSigmoidLoss, RBSigmoidLoss, WEINCELoss
 from st_weince.training import (
@@ -23,17 +21,13 @@ from st_weince.training import (
     prepare_trainer,
     read_checkpoint_loss_state,
 )
-from tests.conftest import TINY_SENTENCES
+from tests.conftest import SHORT_RUN, build_trainer, pairs_dataset, stop_at
 
 pytestmark = pytest.mark.slow
 
 
-def pairs_dataset() -> Dataset:
-    return Dataset.from_dict({"anchor": TINY_SENTENCES, "positive": TINY_SENTENCES[1:] + TINY_SENTENCES[:1]})
-
-
 def make_trainer(
-    model_dir, output_dir, *, loss_cls=RBSigmoidLoss, prepare=True, callbacks=None, allow_missing_loss_state=False,
+    model_dir, output_dir, *, loss_cls=RBSigmoidLoss, prepare=True, callbacks=(), allow_missing_loss_state=False,
     eval_dataset=None, dropout=True, **overrides,
 ):
     model = SentenceTransformer(str(model_dir), device="cpu")
@@ -41,41 +35,14 @@ def make_trainer(
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
-    loss = loss_cls(model)
-    settings = {
-        "output_dir": str(output_dir),
-        "per_device_train_batch_size": 4,
-        "max_steps": 6,
-        "learning_rate": 5e-2,
-        "weight_decay": 0.5,
-        "lr_scheduler_type": "constant",
-        "save_strategy": "steps",
-        "save_steps": 3,
-        "logging_steps": 1,
-        "report_to": [],
-        "seed": 0,
-        "use_cpu": True,
-        "disable_tqdm": True,
-        "dataloader_num_workers": 0,
-    }
-    settings.update(overrides)
-    args = SentenceTransformerTrainingArguments(**settings)
-    trainer = SentenceTransformerTrainer(
-        model=model, args=args, train_dataset=pairs_dataset(), eval_dataset=eval_dataset, loss=loss,
-        callbacks=callbacks or [],
+    settings = {**SHORT_RUN, "per_device_train_batch_size": 4, "max_steps": 6, "weight_decay": 0.5}
+    settings.update(save_strategy="steps", save_steps=3)
+    trainer = build_trainer(
+        model, loss_cls(model), output_dir, eval_dataset=eval_dataset, callbacks=callbacks, **{**settings, **overrides}
     )
     if prepare:
         prepare_trainer(trainer, allow_missing_loss_state=allow_missing_loss_state)
     return trainer
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
 
 
 def final_parameters(trainer) -> tuple[float, float]:
@@ -91,7 +58,7 @@ def test_interrupted_and_resumed_run_ends_like_an_uninterrupted_one(tiny_model_d
     assert saved["log_t"].item() != pytest.approx(torch.tensor(10.0).log().item())  # it moved in 3 steps
     assert not os.path.exists(tmp_path / "full" / "checkpoint-3" / LOSS_STATE_FILE)  # inside trainer_state.json
 
-    interrupted = make_trainer(tiny_model_dir, tmp_path / "split", callbacks=[StopAt(3)])
+    interrupted = make_trainer(tiny_model_dir, tmp_path / "split", callbacks=[stop_at(3)])
     interrupted.train()
     assert interrupted.state.global_step == 3
     resumed = make_trainer(tiny_model_dir, tmp_path / "split")

@@ -8,15 +8,13 @@ import warnings
 import pytest
 import torch
 from datasets import Dataset
-from sentence_transformers import SentenceTransformerTrainer
-from sentence_transformers.sentence_transformer.training_args import SentenceTransformerTrainingArguments
 
 from st_weince.functional import WeinceOptions
 from st_weince.losses import CachedRBSigmoidLoss, CachedWEINCELoss, RBSigmoidLoss, WEINCELoss
 from st_weince.training import prepare_trainer
 from st_weince.training.setup_checks import negatives_needed, small_batch_message
 from st_weince.utils.hotpath import count_host_syncs
-from tests.conftest import TINY_SENTENCES
+from tests.conftest import TINY_SENTENCES, build_trainer
 
 
 def pairs(batch_size: int, columns: int = 2, seed: int = 0) -> list[torch.Tensor]:
@@ -58,16 +56,10 @@ def test_small_batch_message_names_the_batch_that_fits(options, columns, batch, 
 def make_trainer(model, tmp_path, rows: int, loss, extra_columns: dict | None = None, batch_size: int = 8):
     sentences = (TINY_SENTENCES * 2)[:rows]
     data = {"anchor": sentences, "positive": sentences[::-1], **(extra_columns or {})}
-    args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=batch_size,
-        max_steps=1,
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        dataloader_pin_memory=False,
+    return build_trainer(
+        model, loss, tmp_path / "out", dataset=Dataset.from_dict(data), per_device_train_batch_size=batch_size,
+        max_steps=1, dataloader_pin_memory=False,
     )
-    return SentenceTransformerTrainer(model=model, args=args, train_dataset=Dataset.from_dict(data), loss=loss)
 
 
 def test_prepare_trainer_warns_once_about_a_batch_that_fits_no_tail(tiny_model, tmp_path):

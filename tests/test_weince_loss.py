@@ -155,27 +155,16 @@ def test_config_and_citation_are_json_ready():
 @pytest.mark.slow
 def test_trainer_trains_logs_saves_reloads(tiny_model, tmp_path):
     from datasets import Dataset
-    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
-    from sentence_transformers.sentence_transformer.training_args import SentenceTransformerTrainingArguments
+    from sentence_transformers import SentenceTransformer
 
     from st_weince.training import log_loss_statistics
-    from tests.conftest import TINY_SENTENCES
+    from tests.conftest import TINY_SENTENCES, build_trainer
 
-    sentences = TINY_SENTENCES * 2
-    dataset = Dataset.from_dict({"anchor": sentences, "positive": sentences[::-1]})
-    loss = WEINCELoss(tiny_model)
-    args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=12,
-        max_steps=3,
-        logging_steps=1,
-        learning_rate=1e-3,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
+    dataset = Dataset.from_dict({"anchor": TINY_SENTENCES * 2, "positive": (TINY_SENTENCES * 2)[::-1]})
+    trainer = build_trainer(
+        tiny_model, WEINCELoss(tiny_model), tmp_path / "out", dataset=dataset, per_device_train_batch_size=12,
+        max_steps=3, logging_steps=1, learning_rate=1e-3, save_strategy="no",
     )
-    trainer = SentenceTransformerTrainer(model=tiny_model, args=args, train_dataset=dataset, loss=loss)
     log_loss_statistics(trainer)
     before = tiny_model.encode(["the cat sat on the mat"], convert_to_tensor=True)
     trainer.train()

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 from sentence_transformers.sentence_transformer.losses import AdaptiveLayerLoss, Matryoshka2dLoss, MatryoshkaLoss
-from transformers import TrainerCallback
 
 from st_weince.losses import RBSigmoidLoss
 from st_weince.training import DEFAULT_LOSS_LEARNING_RATE, own_tensors, prepare_trainer, read_checkpoint_loss_state
 from tests.checkpoint_worker import build_trainer
+from tests.conftest import stop_at
 
 pytestmark = pytest.mark.slow
 
@@ -27,11 +27,6 @@ def wrapped_trainer(model_dir, output_dir, wrapper: str, **overrides):
     inner = trainer.loss
     trainer.loss = WRAPPERS[wrapper][0](trainer.model, inner)
     return trainer, inner
-
-
-class StopAt(TrainerCallback):
-    def on_step_end(self, args, state, control, **kwargs):
-        control.should_training_stop = state.global_step >= 2
 
 
 @pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
@@ -58,7 +53,7 @@ def test_wrapped_rb_sigmoid_with_prepare_trainer(wrapper, tiny_model_dir, tmp_pa
     assert sorted(saved) == [prefix + "b_rel", prefix + "log_t"]  # no copies of the model's tensors
 
     # Interrupted at step 2, resumed: the same end as the uninterrupted run.
-    split, _ = wrapped_trainer(tiny_model_dir, tmp_path / "split", wrapper, callbacks=[StopAt()])
+    split, _ = wrapped_trainer(tiny_model_dir, tmp_path / "split", wrapper, callbacks=[stop_at(2)])
     prepare_trainer(split).train()
     resumed, resumed_inner = wrapped_trainer(tiny_model_dir, tmp_path / "split", wrapper)
     prepare_trainer(resumed).train(resume_from_checkpoint=True)

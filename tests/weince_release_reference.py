@@ -9,6 +9,7 @@ code with st_weince.functional, so tests comparing the two check the vectorised 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -83,33 +84,21 @@ def _top_m_terms(
     return sum(shortfall_losses) / len(shortfall_losses), sum(infonce_losses) / len(infonce_losses)
 
 
+@dataclass(kw_only=True)
 class ReleasedCompositeReference:
     """The released composite with its state: ``step(...)`` per batch, ``beta_ema`` carried across steps."""
 
-    def __init__(
-        self,
-        *,
-        top_m: int = 50,
-        shortfall_weight: float = 0.5,
-        infonce_weight: float = 0.5,
-        beta_ema: float = 4.0,
-        momentum: float = 0.9,
-        min_r_squared: float = 0.85,
-        beta_range: tuple[float, float] = (0.5, 16.0),
-        tail_min_points: int = 1024,
-        tail_frac: float = 0.05,
-        eps: float = 1e-6,
-    ) -> None:
-        self.top_m = top_m
-        self.shortfall_weight = shortfall_weight
-        self.infonce_weight = infonce_weight
-        self.beta_ema = beta_ema
-        self.momentum = momentum
-        self.min_r_squared = min_r_squared
-        self.beta_range = beta_range
-        self.tail_min_points = tail_min_points
-        self.tail_frac = tail_frac
-        self.eps = eps
+    top_m: int = 50
+    shortfall_weight: float = 0.5
+    infonce_weight: float = 0.5
+    # the batch tail index: its moving average (start, momentum, clamp of a slope), the trust in a fit, the tail
+    beta_ema: float = 4.0
+    momentum: float = 0.9
+    beta_range: tuple[float, float] = (0.5, 16.0)
+    min_r_squared: float = 0.85
+    tail_min_points: int = 1024
+    tail_frac: float = 0.05
+    eps: float = 1e-6
 
     def step(
         self,

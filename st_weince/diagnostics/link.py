@@ -184,9 +184,7 @@ def _crossing(gap: Callable[[float], float], inside: float, bound: float) -> flo
     """Where ``gap`` (negative at the MLE ``inside``) crosses 0 between ``inside`` and ``bound``; ``bound`` if never."""
     if gap(bound) <= 0:
         return bound
-    if (
-        gap(inside) >= 0
-    ):  # numerical corner: the profile at the MLE fell short of the maximum; the interval is the point
+    if gap(inside) >= 0:  # numerical corner: the profile at the MLE fell short of the maximum; a one-point interval
         return inside
     low, high = sorted((inside, bound))
     return float(optimize.brentq(gap, low, high, xtol=1e-5))

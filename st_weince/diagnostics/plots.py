@@ -19,6 +19,13 @@ PAPER_XI = -0.39
 PAPER_LAMBDA = (0.33, 0.50)
 
 
+def _label(ax: plt.Axes, xlabel: str, ylabel: str, title: str, legend_size: int = 8) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=legend_size)
+
+
 def _save(fig: plt.Figure, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -41,24 +48,18 @@ def plot_exceedance_density(values: np.ndarray, fit: PotFit, path: str | Path, t
         keep = dens > 0
         ax.plot(fit.threshold + centers[keep], dens[keep], "o", ms=3, color="black", label="empirical")
         ax.plot(fit.threshold + grid, gpd_density(grid, fit.xi, fit.sigma), label=f"GPD fit, xi = {fit.xi:.3f}")
-        ax.plot(
-            fit.threshold + grid,
-            gpd_density(grid, 0.0, fit.sigma_exponential),
-            "--",
-            label="xi = 0 fit (Gumbel domain)",
-        )
+        exponential = gpd_density(grid, 0.0, fit.sigma_exponential)
+        ax.plot(fit.threshold + grid, exponential, "--", label="xi = 0 fit (Gumbel domain)")
         if fit.endpoint is not None:
             ax.axvline(fit.endpoint, color="C0", lw=0.8, ls=":", label=f"fitted endpoint {fit.endpoint:.3f}")
         if fit.threshold + grid[-1] >= 1.0:
             ax.axvline(1.0, color="grey", lw=0.8, label="cap s = 1")
-        ax.set_xlabel("score s (above the threshold)")
-        ax.set_ylabel("density of exceedances")
         if log:
             ax.set_yscale("log")
             positive = dens[dens > 0]
             ax.set_ylim(positive.min() / 5, dens.max() * 3)
-        ax.set_title(("log" if log else "linear") + " axis")
-        ax.legend(fontsize=7)
+        axis = ("log" if log else "linear") + " axis"
+        _label(ax, "score s (above the threshold)", "density of exceedances", axis, legend_size=7)
     fig.suptitle(f"{title} POT: u = {fit.threshold:.4f} (q = {fit.threshold_quantile}), n = {fit.num_exceedances}")
     return _save(fig, path)
 
@@ -72,10 +73,7 @@ def plot_qq(values: np.ndarray, fit: PotFit, path: str | Path, title: str = "") 
     ax.plot(gpd_quantile(p, 0.0, fit.sigma_exponential), y, ".", ms=2, label="xi = 0 (exponential)")
     top = max(y.max(), gpd_quantile(p[-1:], 0.0, fit.sigma_exponential)[0])
     ax.plot([0, top], [0, top], color="grey", lw=0.8)
-    ax.set_xlabel("model quantile of the exceedance")
-    ax.set_ylabel("empirical exceedance")
-    ax.set_title(f"{title} QQ plot (u = {fit.threshold:.4f})")
-    ax.legend(fontsize=8)
+    _label(ax, "model quantile of the exceedance", "empirical exceedance", f"{title} QQ plot (u = {fit.threshold:.4f})")
     return _save(fig, path)
 
 
@@ -91,10 +89,7 @@ def plot_shape_stability(fits: Sequence[PotFit], path: str | Path, title: str = 
     ax.axhline(0.0, color="grey", lw=0.8, label="xi = 0 (Gumbel domain)")
     ax.axhline(PAPER_XI, color="C3", lw=0.8, ls="--", label=f"paper: {PAPER_XI}")
     ax.set_xticks(x, [f"{v:g}\n(n={f.num_exceedances})" for v, f in zip(q, fits)], fontsize=7)
-    ax.set_xlabel("threshold quantile (number of exceedances)")
-    ax.set_ylabel("GPD shape xi")
-    ax.set_title(f"{title} shape vs threshold")
-    ax.legend(fontsize=8)
+    _label(ax, "threshold quantile (number of exceedances)", "GPD shape xi", f"{title} shape vs threshold")
     return _save(fig, path)
 
 
@@ -114,10 +109,8 @@ def plot_link_profile(fits: dict[str, LinkFit], path: str | Path, title: str = "
     ax.axhline(-0.5 * stats.chi2.ppf(level, df=1), color="grey", lw=0.8, ls=":", label=f"{level:.0%} CI cut-off")
     ax.axvspan(*PAPER_LAMBDA, color="C3", alpha=0.12, label="paper: 0.33-0.50")
     ax.set_ylim(max(lowest, -200.0) * 1.05 - 1.0, 5.0)
-    ax.set_xlabel("lambda (weight of the shortfall logit)")
-    ax.set_ylabel("profile log-likelihood - maximum")
-    ax.set_title(f"{title} link selection")
-    ax.legend(fontsize=7)
+    ylabel = "profile log-likelihood - maximum"
+    _label(ax, "lambda (weight of the shortfall logit)", ylabel, f"{title} link selection", legend_size=7)
     return _save(fig, path)
 
 
@@ -129,8 +122,5 @@ def plot_row_shapes(xi: Sequence[float], path: str | Path, title: str = "", pool
     ax.axvline(PAPER_XI, color="C3", lw=0.8, ls="--", label=f"paper: {PAPER_XI}")
     if pooled_xi is not None:
         ax.axvline(pooled_xi, color="C1", lw=1.0, label=f"pooled fit: {pooled_xi:.3f}")
-    ax.set_xlabel("per-anchor GPD shape xi")
-    ax.set_ylabel("anchors")
-    ax.set_title(f"{title} per-anchor tails (n = {len(xi)})")
-    ax.legend(fontsize=8)
+    _label(ax, "per-anchor GPD shape xi", "anchors", f"{title} per-anchor tails (n = {len(xi)})")
     return _save(fig, path)

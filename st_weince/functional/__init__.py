@@ -1,25 +1,25 @@
 """Pure tensor functions on score matrices: the math every loss adapter (text and vision) calls."""
 
-from st_weince.functional.checks import check_scores, compute_dtype
-from st_weince.functional.composite import (
-    TOP_M_DEFAULTS,
+from st_weince.functional.batch_tail import (
     BatchTail,
     BatchTailFit,
-    CompositeLoss,
-    CompositeStep,
-    TopMOptions,
     batch_negative_tail,
     batch_tail_fit,
     batch_tail_size,
+    initial_beta_ema,
+    update_beta_ema,
+)
+from st_weince.functional.checks import check_scores, compute_dtype
+from st_weince.functional.composite import (
+    CompositeLoss,
+    CompositeStep,
     composite_cross_entropy,
     composite_loss,
-    initial_beta_ema,
     shortfall_logits,
     top_m_cross_entropies,
     top_m_infonce_cross_entropy,
     top_m_negatives,
     top_m_shortfall_cross_entropy,
-    update_beta_ema,
 )
 from st_weince.functional.false_negatives import (
     FalseNegativeFilter,
@@ -36,6 +36,7 @@ from st_weince.functional.layouts import (
     normalize_rows,
     nt_xent_layout,
 )
+from st_weince.functional.options import DEFAULTS, TOP_M_DEFAULTS, TopMOptions, WeinceOptions, check_scale
 from st_weince.functional.sigmoid import (
     chunked_sigmoid_contrastive_loss,
     constellation_margin,
@@ -48,14 +49,11 @@ from st_weince.functional.sigmoid import (
     targets_from_positive_index,
 )
 from st_weince.functional.weince import (
-    DEFAULTS,
     TailFit,
-    WeinceOptions,
     WeinceStatistics,
     batch_pivot,
     blend_weights,
     blended_cross_entropy,
-    check_scale,
     statistics_from_fit,
     tail_index,
     tail_sizes,

@@ -65,7 +65,9 @@ def full_precision(*tensors: Any) -> AbstractContextManager:
     return nullcontext()
 
 
-def check_score_shapes(scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None) -> None:
+def check_score_shapes(
+    scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None, targets: Tensor | None = None
+) -> None:
     """The shapes and dtypes of a score matrix and its labels (free: no device value is read); the errors name the
     argument. ``positive_index`` may have any integer dtype, as the targets of torch's losses."""
     if not isinstance(scores, Tensor) or scores.dim() != 2:
@@ -81,6 +83,9 @@ def check_score_shapes(scores: Tensor, positive_index: Tensor | None, valid_mask
     ):
         got = f"{valid_mask.dtype} {tuple(valid_mask.shape)}" if isinstance(valid_mask, Tensor) else repr(valid_mask)
         raise ValueError(f"valid_mask must be a bool tensor of the scores' shape {tuple(scores.shape)}, got {got}")
+    if targets is not None and (not isinstance(targets, Tensor) or targets.shape != scores.shape):
+        shape = tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__
+        raise ValueError(f"targets must have the scores' shape {tuple(scores.shape)}, got {shape}")
     if positive_index is not None:
         if not isinstance(positive_index, Tensor):
             raise TypeError(f"positive_index must be an integer tensor, got {type(positive_index).__name__}")
@@ -140,11 +145,7 @@ def check_scores(
     values; ``requirements`` (``targets=``, ``every_row_has_positive=``) and the checks as in
     :func:`require_valid_scores`; one host-device sync. The loss classes make these checks themselves
     (``check_inputs=True``); call this when you use the math directly on data you do not trust."""
-    check_score_shapes(scores, positive_index, valid_mask)
-    targets = requirements.get("targets")
-    if targets is not None and (not isinstance(targets, Tensor) or targets.shape != scores.shape):
-        shape = tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__
-        raise ValueError(f"targets must have the scores' shape {tuple(scores.shape)}, got {shape}")
+    check_score_shapes(scores, positive_index, valid_mask, requirements.get("targets"))
     checks = DeferredChecks()
     require_valid_scores(checks, scores, positive_index, valid_mask, **requirements)
     checks.raise_if_failed()

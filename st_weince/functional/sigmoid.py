@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from st_weince.functional.checks import compute_dtype
+from st_weince.functional.checks import check_score_shapes, compute_dtype
 from st_weince.functional.false_negatives import (
     FalseNegativeFilter,
     FilterCounts,
@@ -112,22 +112,6 @@ def _block_extremes(scores: Tensor, positive_mask: Tensor, valid_mask: Tensor | 
     return min_positive, max_negative
 
 
-def _check_score_shapes(scores: Tensor, targets: Tensor, valid_mask: Tensor | None) -> None:
-    if scores.dim() != 2:
-        raise ValueError(f"scores must be a 2-D [anchors, candidates] matrix, got shape {tuple(scores.shape)}")
-    if scores.numel() == 0:
-        raise ValueError(f"scores is empty (shape {tuple(scores.shape)})")
-    if not scores.is_floating_point():
-        raise ValueError(f"scores must be a floating-point tensor, got {scores.dtype}")
-    if targets.shape != scores.shape:
-        raise ValueError(f"targets must have the scores' shape {tuple(scores.shape)}, got {tuple(targets.shape)}")
-    if valid_mask is not None and (valid_mask.shape != scores.shape or valid_mask.dtype != torch.bool):
-        raise ValueError(
-            f"valid_mask must be a bool tensor of the scores' shape {tuple(scores.shape)}, "
-            f"got {valid_mask.dtype} {tuple(valid_mask.shape)}"
-        )
-
-
 def sigmoid_logits(
     scores: Tensor,
     *,
@@ -164,7 +148,7 @@ def sigmoid_contrastive_loss(
         bias: ``b`` of the absolute (SigLIP) parametrization ``z = t s - b``.
         valid_mask: [A, C] bool, False entries are left out of the sum.
     """
-    _check_score_shapes(scores, targets, valid_mask)
+    check_score_shapes(scores, None, valid_mask, targets=targets)
     dtype = compute_dtype(scores)
     t = _scalar(scale, "scale", dtype, positive=True)
     bias_value, relative = _bias_argument(relative_bias, bias, dtype)
@@ -188,20 +172,16 @@ def constellation_margin_from_extremes(min_positive: Tensor, max_negative: Tenso
     return (min_positive - max_negative) / 2.0, (min_positive + max_negative) / 2.0
 
 
-def score_extremes(
-    scores: Tensor, targets: Tensor, valid_mask: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
+def score_extremes(scores: Tensor, targets: Tensor, valid_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Smallest matching (positive) and largest valid non-matching score, without gradient.
 
     An empty set gives ``+inf`` (no matching pair) / ``-inf`` (no non-matching pair)."""
-    _check_score_shapes(scores, targets, valid_mask)
+    check_score_shapes(scores, None, valid_mask, targets=targets)
     min_positive, max_negative = _block_extremes(scores.to(compute_dtype(scores)), targets == 1, valid_mask)
     return min_positive, max_negative
 
 
-def constellation_margin(
-    scores: Tensor, targets: Tensor, valid_mask: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
+def constellation_margin(scores: Tensor, targets: Tensor, valid_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(margin, centre)`` of a score matrix: see :func:`constellation_margin_from_extremes`."""
     return constellation_margin_from_extremes(*score_extremes(scores, targets, valid_mask))
 

@@ -1,22 +1,26 @@
 """Trainer integration: logging of loss statistics (and, for losses with parameters, their state handling)."""
 
+from st_weince.training.checkpoints import (
+    LOSS_STATE_RECORD,
+    check_resumable,
+    read_checkpoint_loss_state,
+    set_aside_incomplete_checkpoints,
+)
 from st_weince.training.loss_state import (
     DEFAULT_LOSS_LEARNING_RATE,
-    LOSS_STATE_FILE,
-    LOSS_STATE_RECORD,
     LossStateCallback,
     LossStateRecord,
+    prepare_trainer,
+)
+from st_weince.training.loss_tensors import (
+    LOSS_STATE_FILE,
     average_loss_gradients,
-    check_resumable,
     load_loss_state,
     load_loss_state_dict,
     loss_state_dict,
     no_weight_decay_names,
     own_tensors,
-    prepare_trainer,
-    read_checkpoint_loss_state,
     save_loss_state,
-    set_aside_incomplete_checkpoints,
 )
 from st_weince.training.statistics import LossStatisticsCallback, RunningMeans, log_loss_statistics
 

@@ -8,7 +8,6 @@ from the trainer's configuration, so that no training step pays for them (no hos
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -74,14 +73,6 @@ def small_batch_message(loss: Any, batch_size: int, num_columns: int) -> str | N
     )
 
 
-def _loss_modules(loss: nn.Module) -> Iterator[nn.Module]:
-    seen: set[int] = set()
-    for module in loss.modules():
-        if id(module) not in seen:
-            seen.add(id(module))
-            yield module
-
-
 def _datasets_and_losses(trainer: Any) -> list[tuple[Any, nn.Module]]:
     datasets = trainer.train_dataset
     losses = trainer.loss
@@ -100,7 +91,7 @@ def check_trainer_setup(trainer: Any) -> None:
         names = list(getattr(dataset, "column_names", None) or [])
         labels = [name for name in names if name in label_columns]
         num_columns = len(names) - len(labels)
-        for module in _loss_modules(loss):
+        for module in loss.modules():  # each module once
             if not isinstance(module, (WEINCELoss, RBSigmoidLoss)):
                 continue
             if labels:

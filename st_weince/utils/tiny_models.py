@@ -24,10 +24,8 @@ def build_tiny_bert(
     vocab: list[str] | None = None,
     vocab_file: str | Path | None = None,
     sentences: list[str] | None = None,
-    hidden_size: int = 32,
-    num_layers: int = 2,
-    num_heads: int = 2,
-    intermediate_size: int = 64,
+    # the architecture (BertConfig)
+    hidden_size: int = 32, num_layers: int = 2, num_heads: int = 2, intermediate_size: int = 64,
     max_position_embeddings: int = 128,
     seed: int = 0,
 ):

@@ -1,0 +1,145 @@
+"""The released composite's batch tail index ``beta_t`` (docs/algorithms.md 1.2b) as pure functions.
+
+``beta_t`` is one scalar per batch: an exponential moving average of the slope of a Weibull line fitted to the
+smallest shortfalls of ALL the batch's negative scores, updated only when the fit is trusted. It is state carried
+across steps (a tensor the caller keeps, e.g. a buffer, and saves with its checkpoints). The moving average is updated
+with ``torch.where``: no device value is read on the host.
+
+Under data parallelism the batch tail index is taken over the global batch: each process computes
+:func:`batch_negative_tail` on its rows (``global_entries`` = the score entries of all processes), the processes
+exchange the results, and :func:`batch_tail_fit` fits ``BatchTail.cat`` of them, which equals the single-process fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from st_weince.functional.checks import check_score_shapes, compute_dtype
+from st_weince.functional.line_fit import fit_design, fit_lines
+from st_weince.functional.options import TopMOptions, integer_option
+
+# Fewer negatives than this in the whole batch: no fit, the moving average keeps its value.
+MIN_BATCH_TAIL_POINTS = 10
+_MIN_SUM_OF_SQUARES = 1e-12
+
+
+def negative_mask(scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None) -> Tensor:
+    """[A, C] bool: valid entries other than the row's positive (a row with positive -1 keeps all valid entries)."""
+    columns = torch.arange(scores.shape[1], device=scores.device)
+    negative = columns[None, :] != positive_index[:, None]
+    return negative if valid_mask is None else negative & valid_mask
+
+
+def batch_tail_size(num_negatives: Tensor | int, options: TopMOptions | None = None) -> Tensor | int:
+    """``k = min(K_all, max(beta_tail_min_points, floor(beta_tail_frac * K_all)))`` for an int or a long tensor."""
+    options = TopMOptions.resolve(options, {})
+    if isinstance(num_negatives, Tensor):
+        share = torch.floor(options.beta_tail_frac * num_negatives.double()).long()
+        return torch.minimum(num_negatives, share.clamp_min(options.beta_tail_min_points))
+    return min(num_negatives, max(options.beta_tail_min_points, int(options.beta_tail_frac * num_negatives)))
+
+
+@dataclass(frozen=True)
+class BatchTail:
+    """The smallest shortfalls of a batch's negative scores (no gradient) and how many negatives there were."""
+
+    shortfalls: Tensor  # [L] ascending, max(1 - s, eps); +inf beyond the last negative
+    num_negatives: Tensor  # scalar long: K_all
+
+    @staticmethod
+    def cat(parts: list[BatchTail]) -> BatchTail:
+        """Several processes' (or candidate groups') tails as one: the fit of the union of their rows."""
+        return BatchTail(
+            shortfalls=torch.cat([p.shortfalls for p in parts]),
+            num_negatives=torch.stack([p.num_negatives for p in parts]).sum(),
+        )
+
+
+@torch.no_grad()
+def batch_negative_tail(
+    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopMOptions | None = None,
+    *, global_entries: int | None = None, **overrides: Any,
+) -> BatchTail:
+    """The smallest shortfalls ``max(1 - s, eps)`` over ALL negative scores of these rows (self-pairs, positives and
+    masked entries excluded), as many as the tail of the global batch can need.
+
+    ``global_entries``: the number of score entries of the global batch (default: this matrix's), so that under data
+    parallelism each process keeps enough of its shortfalls for the global fit. A row with positive -1 contributes
+    all its valid entries.
+    """
+    options = TopMOptions.resolve(options, overrides)
+    check_score_shapes(scores, positive_index, valid_mask)
+    positive_index = positive_index.long()  # any integer dtype, as in torch's losses
+    entries = scores.numel()
+    global_entries = entries if global_entries is None else integer_option("global_entries", global_entries, entries)
+    keep = min(entries, batch_tail_size(global_entries, options))
+    s = scores.detach().to(compute_dtype(scores))
+    negative = negative_mask(s, positive_index, valid_mask)
+    shortfall = torch.rsub(s, 1.0).clamp_min_(options.eps).masked_fill_(~negative, float("inf"))
+    smallest = shortfall.reshape(-1).topk(keep, largest=False, sorted=True).values
+    return BatchTail(shortfalls=smallest, num_negatives=negative.sum())
+
+
+@dataclass(frozen=True)
+class BatchTailFit:
+    """The batch's Weibull line fit (no gradient): slope (clamped at >= 0), R^2, points, and the verdict."""
+
+    slope: Tensor  # scalar: least-squares slope of log F_r on log d_r, clamped at >= 0; 0 when there is no fit
+    r_squared: Tensor  # scalar in [0, 1]; 0 when there is no fit
+    tail_size: Tensor  # scalar long: k
+    fitted: Tensor  # scalar bool: at least MIN_BATCH_TAIL_POINTS negatives
+    trusted: Tensor  # scalar bool: fitted, R^2 >= beta_min_r_squared and slope > 0
+
+
+@torch.no_grad()
+def batch_tail_fit(tail: BatchTail, options: TopMOptions | None = None, **overrides: Any) -> BatchTailFit:
+    """Fit ``log F_r ~ a + slope * log d_r`` on the k smallest shortfalls (sorted ascending, ``F_r = r / (k + 1)``,
+    the first ``max(1, floor(k / 20))`` dropped) and its R^2 (docs/algorithms.md 1.2b). Shortfalls whose log spreads by
+    no more than rounding give slope 0 (no tail shape), hence an untrusted fit."""
+    options = TopMOptions.resolve(options, overrides)
+    shortfalls = torch.sort(tail.shortfalls).values  # the parts of a concatenated tail are each sorted only
+    length = shortfalls.shape[0]
+    if length == 0:
+        zero = shortfalls.new_zeros(())
+        no = torch.zeros((), dtype=torch.bool, device=shortfalls.device)
+        return BatchTailFit(zero, zero, tail.num_negatives.clamp_max(0), no, no)
+    dtype = shortfalls.dtype
+    k = batch_tail_size(tail.num_negatives, options).clamp_max(length)
+    burn_in, weight, (log_cdf, _) = fit_design(k[None], length, dtype)
+    n = weight.sum(1, keepdim=True).clamp_min(1.0)
+    x = torch.log(torch.where(weight[0] > 0, shortfalls, torch.ones_like(shortfalls)))[None]
+    ((slope, sse),), degenerate = fit_lines(x, (log_cdf,), weight, n, burn_in.clamp_max(length - 1)[:, None])
+    total = (log_cdf * log_cdf).sum(1).clamp_min(_MIN_SUM_OF_SQUARES)
+    fitted = k >= MIN_BATCH_TAIL_POINTS
+    shaped = fitted & ~degenerate[0]
+    slope = torch.where(shaped, slope[0].clamp_min(0.0), torch.zeros_like(slope[0]))
+    r_squared = torch.where(shaped, (1.0 - sse[0] / total[0]).clamp(0.0, 1.0), torch.zeros_like(slope))
+    trusted = shaped & (r_squared >= options.beta_min_r_squared) & (slope > 0)
+    return BatchTailFit(slope=slope, r_squared=r_squared, tail_size=k, fitted=fitted, trusted=trusted)
+
+
+@torch.no_grad()
+def update_beta_ema(
+    beta_ema: Tensor, fit: BatchTailFit, options: TopMOptions | None = None, **overrides: Any
+) -> Tensor:
+    """The new moving average (a tensor in ``beta_ema``'s dtype, no host sync):
+    ``momentum * beta_ema + (1 - momentum) * clamp(slope, beta_min, beta_max)`` when the fit is trusted, else
+    ``beta_ema`` unchanged. The batch's ``beta_t`` is the returned value."""
+    options = TopMOptions.resolve(options, overrides)
+    if not isinstance(beta_ema, Tensor):
+        raise TypeError(f"beta_ema must be a tensor (the state the caller keeps), got {type(beta_ema).__name__}")
+    momentum = options.beta_ema_momentum
+    clamped = fit.slope.to(beta_ema.dtype).clamp(options.beta_min, options.beta_max)
+    updated = beta_ema * momentum + clamped * (1.0 - momentum)
+    return torch.where(fit.trusted, updated, beta_ema)
+
+
+def initial_beta_ema(
+    options: TopMOptions | None = None, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """The moving average's start value as a scalar tensor (a buffer's initial value)."""
+    return torch.tensor(TopMOptions.resolve(options, {}).beta_ema_start, device=device, dtype=dtype)
