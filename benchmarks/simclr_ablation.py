@@ -58,9 +58,11 @@ from st_weince.vision import ARMS, SETUPS  # noqa: E402
 OUTPUT = REPO / "benchmarks" / "results" / "simclr_ablation"
 STATE = Path("/work/st-weince-ablation-state")
 SCALE_NOTE = (
-    "5 epochs of all 50,000 CIFAR-10 training images at study 1's width (ResNet-18 width 16): one epoch takes about "
-    "6-7 minutes on one core here, so 18 runs x 10 epochs would need 9-10 hours on the two cores, over the six-hour "
-    "budget; 18 runs x 5 epochs take about 4.5-5 hours, two side by side."
+    "5 epochs of all 50,000 CIFAR-10 training images at study 1's width (ResNet-18 width 16), not study 1's 10: with "
+    "two runs side by side, one thread each, an epoch takes about 8 minutes of training plus about a minute of probes "
+    "when nothing else runs (blend-seed0, epochs 1-2: 469 s and 468 s of training) and 15-25 minutes when the machine "
+    "is shared, so a run takes about 50 minutes at best and 18 runs x 10 epochs would need some 15 hours; 18 runs x 5 "
+    "epochs need about 7.5 hours, more than one working session, so the runs resume from their state across sessions."
 )
 BASELINE = "infonce"
 RELEASED = SETUPS["released"]
