@@ -34,6 +34,7 @@ import io
 import json
 import math
 import re
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,14 +66,12 @@ class GroupStats:
 
     @property
     def mean(self) -> float:
-        return math.fsum(self.values) / len(self.values)
+        return statistics.fmean(self.values)
 
     @property
     def std(self) -> float | None:
-        if len(self.values) < 2:
-            return None
-        mean = self.mean
-        return math.sqrt(math.fsum((v - mean) ** 2 for v in self.values) / (len(self.values) - 1))
+        """The sample standard deviation (``statistics.stdev``, as the benchmarks' summaries); None for one run."""
+        return statistics.stdev(self.values) if len(self.values) > 1 else None
 
 
 def _number(value: Any) -> float | None:
