@@ -50,7 +50,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # benchmarks.lab
 
-from benchmarks.lab import runlog, summaries  # noqa: E402
+from benchmarks.lab import plots, runlog, summaries  # noqa: E402
 from benchmarks.lab import simclr_runner as runner  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
 from st_weince.vision import ARMS, SETUPS  # noqa: E402
@@ -159,6 +159,8 @@ def summarize(output_dir: Path) -> dict[str, Any]:
         "summary_provenance": provenance(),
     }
     summaries.write_summary(output_dir, summary, markdown(summary))
+    if summary["paired"]:
+        plots.plot_paired(summary["paired"], output_dir / "paired.png", "arm minus InfoNCE, by seed")
     return summary
 
 

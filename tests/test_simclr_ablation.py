@@ -69,6 +69,8 @@ def test_infonce_and_its_temperature_control_under_the_released_setup(
     )
     assert "interaction" not in summary["paired"] and len(summary["runs_missing"]) == 16
     assert "infonce-tau0.2_minus_infonce" in (tmp_path / "results" / "summary.md").read_text()
+    figure = tmp_path / "results" / "paired.png"  # the paired differences as a figure beside the table
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figure.stat().st_size > 5_000
 
 
 def test_a_state_resumes_when_arms_are_added_but_not_when_its_own_arm_changes(

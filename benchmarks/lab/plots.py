@@ -48,3 +48,25 @@ def plot_curves(runs: dict[str, dict[str, Any]], path: Path) -> None:
             ax.set_xlabel("epoch")
             ax.grid(alpha=0.3)
         axes[0].legend(fontsize=7)
+
+
+PAIRED_PANELS = [("linear_top1", "linear top-1"), ("knn_top1", "k-NN top-1")]
+
+
+def plot_paired(paired: dict[str, Any], path: Path, title: str) -> None:
+    """Paired differences (``paired_difference`` results by name), one panel a metric: every seed's value as a dot,
+    the mean as a bar with the sample std as its error bar (none for one seed); zero is "no difference"."""
+    names = list(paired)
+    with figure(path, len(PAIRED_PANELS), (5.2 * len(PAIRED_PANELS), 0.5 * len(names) + 1.6), sharey=True) as axes:
+        for ax, (metric, label) in zip(axes, PAIRED_PANELS):
+            for row, name in enumerate(names):
+                stat = paired[name][metric]
+                spread = stat["std"] if stat["n"] > 1 else None
+                ax.barh(row, stat["mean"], xerr=spread, color="tab:gray", alpha=0.45, capsize=3)
+                values = [seed_values[metric] for seed_values in paired[name]["per_seed"].values()]
+                ax.plot(values, [row] * len(values), "o", color="tab:red", markersize=4)
+            ax.axvline(0.0, color="black", linewidth=0.8)
+            ax.set_title(f"{title}: {label}, points", fontsize=9)
+            ax.set_yticks(range(len(names)), names, fontsize=8)
+            ax.grid(axis="x", alpha=0.3)
+        axes[0].invert_yaxis()  # the first name on top (the y axis is shared: once inverts both)
