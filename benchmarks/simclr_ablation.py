@@ -28,11 +28,11 @@ after the last epoch; weighted k-NN (temperature 0.1, k in {1, 2, 5, 10, 20, 50}
 split seeds 1..5. The final line (``"type": "final"``) uses all 50,000 training images; the per-epoch checkpoints
 use the same fixed class-balanced subset of 10,000 for the curves.
 
-Why 5 epochs, not study 1's 10: one epoch of width-16 ResNet-18 over 50,000 images takes about 6-7 minutes on one
-quiet core of this machine (study 1: 337 s of training per epoch for InfoNCE alone, more when the machine is shared),
-so 18 runs x 10 epochs are about 18-20 core-hours, 9-10 hours on the two cores, over the six hours this ablation may
-take. At 5 epochs the 18 runs take about 4.5-5 hours with two runs side by side, one thread each. This is recorded in
-every run's header (``config.epochs``) and in the summary (``scale_note``).
+Why 5 epochs, not study 1's 10: one epoch of width-16 ResNet-18 over 50,000 images takes 5.5-8 minutes of
+training on one quiet core of this machine (two runs side by side; more when the machine is shared), so 18 runs x 10
+epochs, two at a time, need 9-13 hours, over the six hours this ablation may take; at 5 epochs they need 5-7 hours
+(``SCALE_NOTE`` gives the measurements). This is recorded in every run's header (``config.epochs``) and in the
+summary (``scale_note``).
 
     # two slots side by side, one thread each (one run at a time per process; see --runs)
     OMP_NUM_THREADS=1 setsid nohup python benchmarks/simclr_ablation.py --runs infonce-seed0 > ablation-A.log 2>&1 &
@@ -59,10 +59,11 @@ OUTPUT = REPO / "benchmarks" / "results" / "simclr_ablation"
 STATE = Path("/work/st-weince-ablation-state")
 SCALE_NOTE = (
     "5 epochs of all 50,000 CIFAR-10 training images at study 1's width (ResNet-18 width 16), not study 1's 10: with "
-    "two runs side by side, one thread each, an epoch takes about 8 minutes of training plus about a minute of probes "
-    "when nothing else runs (blend-seed0, epochs 1-2: 469 s and 468 s of training) and 15-25 minutes when the machine "
-    "is shared, so a run takes about 50 minutes at best and 18 runs x 10 epochs would need some 15 hours; 18 runs x 5 "
-    "epochs need about 7.5 hours, more than one working session, so the runs resume from their state across sessions."
+    "two runs side by side, one thread each, an epoch takes 5.5-8 minutes of training when nothing else runs "
+    "(blend-seed1: 1,610 s for its 5 epochs; blend-seed0: 469 s an epoch) plus about 35 s of checkpoint probes, "
+    "and 15-25 minutes when the machine is shared. 18 runs x 10 epochs, two at a time, would need 9-13 hours on "
+    "the quiet machine, beyond the six this ablation may take; 18 runs x 5 epochs need 5-7 hours, more than one "
+    "working session, so the runs resume from their state across sessions."
 )
 BASELINE = "infonce"
 RELEASED = SETUPS["released"]
@@ -70,6 +71,8 @@ RELEASED = SETUPS["released"]
 # The composite's parts, each measured as InfoNCE + that part (the blend replaces InfoNCE, so it is measured alone).
 PARTS = ("infonce-topm-infonce", "infonce-topm-shortfall", "blend")
 COMPOSITE = "composite"
+# The temperature control; the composite is also compared with it directly: is its gain more than a lower temperature's?
+CONTROL = "infonce-tau0.2"
 SEEDS = (0, 1, 2)
 # Seed 0 of every arm first; InfoNCE and the temperature control first (they need no top-M option).
 ARM_ORDER = ("infonce", "infonce-tau0.2", "blend", "composite", "infonce-topm-infonce", "infonce-topm-shortfall")
@@ -90,7 +93,8 @@ METRICS = ("linear_top1", "knn_top1")
 
 
 def paired(finals: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
-    """Every arm minus InfoNCE of the same seed (by seed, mean +- sample std) and the composite's interaction."""
+    """Every arm minus InfoNCE of the same seed (by seed, mean +- sample std), the composite minus the temperature
+    control, and the composite's interaction."""
     by_arm: dict[str, dict[int, dict[str, Any]]] = {}
     for (arm, seed), record in finals.items():
         by_arm.setdefault(arm, {})[seed] = record
@@ -99,6 +103,9 @@ def paired(finals: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
         difference = summaries.paired_difference(by_arm.get(arm, {}), by_arm.get(BASELINE, {}), METRICS)
         if difference is not None:
             out[f"{arm}_minus_{BASELINE}"] = difference
+    against_control = summaries.paired_difference(by_arm.get(COMPOSITE, {}), by_arm.get(CONTROL, {}), METRICS)
+    if against_control is not None:
+        out[f"{COMPOSITE}_minus_{CONTROL}"] = against_control
     differences = [out.get(f"{arm}_minus_{BASELINE}", {"per_seed": {}})["per_seed"] for arm in (COMPOSITE, *PARTS)]
     seeds = sorted(set.intersection(*(set(map(int, d)) for d in differences)))
     if seeds:

@@ -173,3 +173,36 @@ def test_the_top_m_arms_reach_the_loss_and_their_tail_index_survives_a_resume(
     assert [r["type"] for r in resumed] == ["header", "checkpoint", "checkpoint", "resume", "checkpoint", "final"]
     kept = [without_timing(r) for r in resumed if r["type"] in ("checkpoint", "final")]
     assert kept == [without_timing(r) for r in straight if r["type"] in ("checkpoint", "final")]
+
+
+def test_paired_comparisons_and_interaction_against_hand_arithmetic(ablation):
+    """Each arm minus InfoNCE, the composite minus the temperature control and the interaction, per seed and as mean
+    +- sample std, from made-up finals whose differences are worked out by hand (exact in binary: multiples of 1/4)."""
+    accuracy = {  # arm -> (linear, k-NN) of seed 0; seed 1 adds 1.0 to every linear and 0.5 to every k-NN of InfoNCE
+        "infonce": (40.0, 40.0),
+        "infonce-topm-infonce": (41.0, 41.5),
+        "infonce-topm-shortfall": (40.25, 43.0),
+        "blend": (39.75, 40.0),
+        "composite": (40.5, 43.25),
+        "infonce-tau0.2": (42.0, 43.0),
+    }
+    finals = {
+        (arm, seed): {"linear_top1": linear + seed, "knn_top1": knn + (0.5 * seed if arm == "infonce" else 0.0)}
+        for arm, (linear, knn) in accuracy.items()
+        for seed in (0, 1)
+    }
+    paired = ablation.paired(finals)
+    composite = paired["composite_minus_infonce"]
+    assert composite["per_seed"] == {"0": {"linear_top1": 0.5, "knn_top1": 3.25}, "1": {"linear_top1": 0.5,
+                                                                                       "knn_top1": 2.75}}  # fmt: skip
+    assert composite["knn_top1"]["mean"] == 3.0 and composite["knn_top1"]["std"] == pytest.approx(0.5 ** 0.5 / 2)
+    assert paired["composite_minus_infonce-tau0.2"]["per_seed"]["0"] == {"linear_top1": -1.5, "knn_top1": 0.25}
+    # interaction, seed 0: composite 0.5 - (1.0 + 0.25 - 0.25) linear; 3.25 - (1.5 + 3.0 + 0.0) k-NN
+    assert paired["interaction"]["per_seed"]["0"] == {"linear_top1": -0.5, "knn_top1": -1.25}
+    # seed 1: InfoNCE's k-NN is 0.5 higher, so each of the four differences loses 0.5: -1.25 - 0.5 + 3 x 0.5
+    assert paired["interaction"]["per_seed"]["1"] == {"linear_top1": -0.5, "knn_top1": -0.25}
+    assert paired["interaction"]["seeds"] == [0, 1]
+    # Without the control's runs there is no comparison with it (and no error).
+    assert "composite_minus_infonce-tau0.2" not in ablation.paired(
+        {key: value for key, value in finals.items() if key[0] != "infonce-tau0.2"}
+    )
