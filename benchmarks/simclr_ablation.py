@@ -167,7 +167,7 @@ def summarize(output_dir: Path) -> dict[str, Any]:
     }
     summaries.write_summary(output_dir, summary, markdown(summary))
     if summary["paired"]:
-        plots.plot_paired(summary["paired"], output_dir / "paired.png", "arm minus InfoNCE, by seed")
+        plots.plot_paired(summary["paired"], output_dir / "paired.png", "paired differences by seed")
     return summary
 
 
