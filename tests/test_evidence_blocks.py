@@ -4,18 +4,16 @@ docs/evidence.md`` writes), so a page never shows a figure its committed run fil
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
+from benchmarks.lab.summaries import docs_blocks
 from tests.conftest import REPO_ROOT
 
 EVIDENCE = REPO_ROOT / "docs" / "evidence.md"
-BLOCK = re.compile(r"^<!-- (\w+) summary: start -->\n(.*?)\n<!-- \1 summary: end -->$", flags=re.S | re.M)
 
 
 def generated_blocks() -> dict[str, str]:
-    return {name: text for name, text in BLOCK.findall(EVIDENCE.read_text(encoding="utf-8"))}
+    return docs_blocks(EVIDENCE)
 
 
 def test_evidence_has_the_studies_blocks():

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from benchmarks.lab.simclr_runner import run_groups
-from benchmarks.lab.summaries import format_stat, mean_std, paired_difference, update_docs
+from benchmarks.lab.summaries import docs_blocks, format_stat, mean_std, paired_difference, update_docs
 from tests.conftest import load_script
 
 TINY = {
@@ -197,6 +197,18 @@ def test_update_docs_replaces_only_the_marked_block(tmp_path):
     doc.write_text("no markers\n")
     with pytest.raises(ValueError, match="needs exactly one"):
         update_docs(doc, "x", block="simclr_study")
+
+
+def test_docs_blocks_reads_back_what_update_docs_wrote(tmp_path):
+    doc = tmp_path / "evidence.md"
+    doc.write_text(
+        "intro\n<!-- simclr_study summary: start -->\nold\n<!-- simclr_study summary: end -->\n"
+        "<!-- simclr_grid summary: start -->\ngrid\n<!-- simclr_grid summary: end -->\n"
+        "<!-- orphan summary: start -->\nno end of its own\n<!-- other summary: end -->\noutro\n"
+    )
+    update_docs(doc, "| a | b |\n| - | - |\n| 1 | 2 |", block="simclr_study")
+    # A start without its own end is not a block: the names of the two markers must agree.
+    assert docs_blocks(doc) == {"simclr_study": "| a | b |\n| - | - |\n| 1 | 2 |", "simclr_grid": "grid"}
 
 
 def test_mean_std_and_paired_differences_of_the_summaries():

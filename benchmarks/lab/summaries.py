@@ -4,6 +4,7 @@ generated blocks of docs/evidence.md. The one statistics helper of benchmarks/ (
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from collections.abc import Iterable
 from pathlib import Path
@@ -71,10 +72,23 @@ def number(value: float | None, digits: int = 2, sign: bool = False) -> str:
     return f"{value:+.{digits}f}" if sign else f"{value:.{digits}f}"
 
 
+def block_markers(block: str) -> tuple[str, str]:
+    """The two comment lines that enclose the generated ``block`` of a Markdown page."""
+    return f"<!-- {block} summary: start -->", f"<!-- {block} summary: end -->"
+
+
+def docs_blocks(path: Path) -> dict[str, str]:
+    """Every generated block of the Markdown page ``path``, by name, as the text between its markers."""
+    start, end = (re.escape(marker) for marker in block_markers("NAME"))
+    pattern = start.replace("NAME", r"(?P<name>\w+)") + r"\n(?P<body>.*?)\n" + end.replace("NAME", "(?P=name)")
+    text = path.read_text(encoding="utf-8")
+    return {match["name"]: match["body"] for match in re.finditer(rf"^{pattern}$", text, flags=re.S | re.M)}
+
+
 def update_docs(path: Path, markdown: str, block: str) -> None:
     """Replace the text between the two markers of ``block`` in ``path`` by ``markdown`` (generated, never edited
     by hand)."""
-    start, end = f"<!-- {block} summary: start -->", f"<!-- {block} summary: end -->"
+    start, end = block_markers(block)
     text = path.read_text()
     if text.count(start) != 1 or text.count(end) != 1:
         raise ValueError(f"{path} needs exactly one {start!r} and one {end!r} line")
