@@ -36,7 +36,8 @@ from benchmarks.lab.timing import Clock  # noqa: E402
 from st_weince.utils.profiling import cpu_peak_bytes  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
 
-LOSSES = ("mnrl", "weince", "weince_beta1", "weince_unchecked", "rb_sigmoid")
+#: ``weince_composite`` is the released vision composite (``WEINCELoss.released``: the blend + both top-M terms).
+LOSSES = ("mnrl", "weince", "weince_beta1", "weince_unchecked", "weince_composite", "rb_sigmoid")
 
 
 def build_loss(name: str):
@@ -52,6 +53,8 @@ def build_loss(name: str):
         return WEINCELoss(None, beta=1.0)
     if name == "weince_unchecked":
         return WEINCELoss(None, check_inputs=False)
+    if name == "weince_composite":
+        return WEINCELoss.released(None)
     if name == "rb_sigmoid":
         from st_weince.losses import RBSigmoidLoss
 
