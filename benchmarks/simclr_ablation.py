@@ -1,4 +1,4 @@
-"""Which term of the released WEINCE composite carries its gain? Six arms under the released SimCLR setup.
+"""Which term of the released WEINCE composite carries its gain? Seven arms under the released SimCLR setup.
 
 The published vision figures train ``L = L_blend + 0.5 L_shortfall_topM + 0.5 L_infonce_topM`` (M = 50,
 ALGORITHMS.md 1.2b) against plain InfoNCE. The arms, each with the same seeds 0, 1, 2:
@@ -10,12 +10,14 @@ ALGORITHMS.md 1.2b) against plain InfoNCE. The arms, each with the same seeds 0,
 4. ``blend``: WEINCE's blended cross-entropy alone (scale 2, beta 1), what ``WEINCELoss`` implemented before;
 5. ``composite``: the released loss, the blend + both top-M terms at weight 0.5;
 6. ``infonce-tau0.2``: InfoNCE at temperature 0.2, a control: both top-M terms sharpen the loss on the hardest
-   negatives, and so does a lower temperature than 0.5.
+   negatives, and so does a lower temperature than 0.5;
+7. ``composite-tau0.2``: the composite at the control's temperature (added after the six had run): against arm 6,
+   does the composite add anything once InfoNCE's temperature is lowered too?
 
 Arms 2 and 3 are WEINCELoss with ``mode="none"`` (lambda = 0: the blend IS InfoNCE, to float rounding) plus one
 top-M term; arm 1 is MNRL, the baseline of the other studies. Each arm minus InfoNCE, paired by seed, and the
-interaction ``(5 - 1) - [(2 - 1) + (3 - 1) + (4 - 1)]`` (is the composite more than the sum of its parts?) come out
-of ``--summarize``.
+interaction ``(5 - 1) - [(2 - 1) + (3 - 1) + (4 - 1)]`` (is the composite more than the sum of its parts?) and arms 5
+and 7 minus arm 6 come out of ``--summarize``.
 
 Setting: the study runner benchmarks/lab/simclr_runner.py (identical initialisation, batches and augmentations per seed;
 resumable JSON lines; states outside the git tree) under its ``"released"`` setup: CIFAR-10 (all 50,000 training
@@ -71,11 +73,22 @@ RELEASED = SETUPS["released"]
 # The composite's parts, each measured as InfoNCE + that part (the blend replaces InfoNCE, so it is measured alone).
 PARTS = ("infonce-topm-infonce", "infonce-topm-shortfall", "blend")
 COMPOSITE = "composite"
-# The temperature control; the composite is also compared with it directly: is its gain more than a lower temperature's?
+# The temperature control. The composite is also compared with it directly (is its gain more than a lower
+# temperature's?), and so is the composite at the control's temperature (does it add anything at that temperature?).
 CONTROL = "infonce-tau0.2"
+AGAINST_CONTROL = (COMPOSITE, "composite-tau0.2")
 SEEDS = (0, 1, 2)
 # Seed 0 of every arm first; InfoNCE and the temperature control first (they need no top-M option).
-ARM_ORDER = ("infonce", "infonce-tau0.2", "blend", "composite", "infonce-topm-infonce", "infonce-topm-shortfall")
+# The seventh arm, the composite at temperature 0.2, was added once the six had run.
+ARM_ORDER = (
+    "infonce",
+    "infonce-tau0.2",
+    "blend",
+    "composite",
+    "infonce-topm-infonce",
+    "infonce-topm-shortfall",
+    "composite-tau0.2",
+)
 RUN_ORDER = [(arm, seed) for seed in SEEDS for arm in ARM_ORDER]
 ABLATION: dict[str, Any] = {
     **runner.STUDY,
@@ -93,8 +106,8 @@ METRICS = ("linear_top1", "knn_top1")
 
 
 def paired(finals: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
-    """Every arm minus InfoNCE of the same seed (by seed, mean +- sample std), the composite minus the temperature
-    control, and the composite's interaction."""
+    """Every arm minus InfoNCE of the same seed (by seed, mean +- sample std), the composite at either temperature
+    minus the temperature control, and the composite's interaction."""
     by_arm: dict[str, dict[int, dict[str, Any]]] = {}
     for (arm, seed), record in finals.items():
         by_arm.setdefault(arm, {})[seed] = record
@@ -103,9 +116,10 @@ def paired(finals: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
         difference = summaries.paired_difference(by_arm.get(arm, {}), by_arm.get(BASELINE, {}), METRICS)
         if difference is not None:
             out[f"{arm}_minus_{BASELINE}"] = difference
-    against_control = summaries.paired_difference(by_arm.get(COMPOSITE, {}), by_arm.get(CONTROL, {}), METRICS)
-    if against_control is not None:
-        out[f"{COMPOSITE}_minus_{CONTROL}"] = against_control
+    for arm in AGAINST_CONTROL:
+        against_control = summaries.paired_difference(by_arm.get(arm, {}), by_arm.get(CONTROL, {}), METRICS)
+        if against_control is not None:
+            out[f"{arm}_minus_{CONTROL}"] = against_control
     differences = [out.get(f"{arm}_minus_{BASELINE}", {"per_seed": {}})["per_seed"] for arm in (COMPOSITE, *PARTS)]
     seeds = sorted(set.intersection(*(set(map(int, d)) for d in differences)))
     if seeds:

@@ -67,7 +67,7 @@ def test_infonce_and_its_temperature_control_under_the_released_setup(
     assert difference["per_seed"]["0"]["linear_top1"] == pytest.approx(
         control[-1]["linear_top1"] - base[-1]["linear_top1"]
     )
-    assert "interaction" not in summary["paired"] and len(summary["runs_missing"]) == 16
+    assert "interaction" not in summary["paired"] and len(summary["runs_missing"]) == 19
     assert "infonce-tau0.2_minus_infonce" in (tmp_path / "results" / "summary.md").read_text()
     figure = tmp_path / "results" / "paired.png"  # the paired differences as a figure beside the table
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figure.stat().st_size > 5_000
@@ -81,7 +81,7 @@ def test_a_state_resumes_when_arms_are_added_but_not_when_its_own_arm_changes(
 ):
     only_infonce = {"arms": {"infonce": ablation.ARMS["infonce"]}}
     run(ablation, image_folder, tmp_path, "--runs", "infonce-seed0", "--stop-after-epoch", "1", override=only_infonce)
-    run(ablation, image_folder, tmp_path, "--runs", "infonce-seed0")  # all six arms now
+    run(ablation, image_folder, tmp_path, "--runs", "infonce-seed0")  # all seven arms now
     records = lines(tmp_path / "results" / "infonce-seed0.jsonl")
     assert [r["type"] for r in records] == ["header", "checkpoint", "checkpoint", "resume", "checkpoint", "final"]
     # The same run from scratch, uninterrupted, gives the same lines.
@@ -185,6 +185,7 @@ def test_paired_comparisons_and_interaction_against_hand_arithmetic(ablation):
         "blend": (39.75, 40.0),
         "composite": (40.5, 43.25),
         "infonce-tau0.2": (42.0, 43.0),
+        "composite-tau0.2": (41.75, 43.5),
     }
     finals = {
         (arm, seed): {"linear_top1": linear + seed, "knn_top1": knn + (0.5 * seed if arm == "infonce" else 0.0)}
@@ -197,12 +198,17 @@ def test_paired_comparisons_and_interaction_against_hand_arithmetic(ablation):
                                                                                        "knn_top1": 2.75}}  # fmt: skip
     assert composite["knn_top1"]["mean"] == 3.0 and composite["knn_top1"]["std"] == pytest.approx(0.5 ** 0.5 / 2)
     assert paired["composite_minus_infonce-tau0.2"]["per_seed"]["0"] == {"linear_top1": -1.5, "knn_top1": 0.25}
+    # Both temperatures of the composite against the control, paired (the control's k-NN does not move with the seed).
+    assert paired["composite-tau0.2_minus_infonce-tau0.2"]["per_seed"] == {
+        "0": {"linear_top1": -0.25, "knn_top1": 0.5},
+        "1": {"linear_top1": -0.25, "knn_top1": 0.5},
+    }
+    assert paired["composite-tau0.2_minus_infonce"]["per_seed"]["1"] == {"linear_top1": 1.75, "knn_top1": 3.0}
     # interaction, seed 0: composite 0.5 - (1.0 + 0.25 - 0.25) linear; 3.25 - (1.5 + 3.0 + 0.0) k-NN
     assert paired["interaction"]["per_seed"]["0"] == {"linear_top1": -0.5, "knn_top1": -1.25}
     # seed 1: InfoNCE's k-NN is 0.5 higher, so each of the four differences loses 0.5: -1.25 - 0.5 + 3 x 0.5
     assert paired["interaction"]["per_seed"]["1"] == {"linear_top1": -0.5, "knn_top1": -0.25}
     assert paired["interaction"]["seeds"] == [0, 1]
     # Without the control's runs there is no comparison with it (and no error).
-    assert "composite_minus_infonce-tau0.2" not in ablation.paired(
-        {key: value for key, value in finals.items() if key[0] != "infonce-tau0.2"}
-    )
+    without_control = ablation.paired({key: value for key, value in finals.items() if key[0] != "infonce-tau0.2"})
+    assert not any(name.endswith("_minus_infonce-tau0.2") for name in without_control)

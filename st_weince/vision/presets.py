@@ -87,6 +87,9 @@ ARMS: dict[str, dict[str, Any]] = {
     "blend": {"loss": "weince", "options": {}},
     "composite": {"loss": "weince", "options": dict(RELEASED_TOP_M)},
     "infonce-tau0.2": {"loss": "infonce", "temperature": 0.2},
+    # Added after the six above: the composite at the control's temperature. Against the control it asks whether the
+    # composite's terms add anything once InfoNCE's temperature is lowered as well.
+    "composite-tau0.2": {"loss": "weince", "options": dict(RELEASED_TOP_M), "temperature": 0.2},
 }
 
 
