@@ -111,15 +111,12 @@ def paired(finals: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
     by_arm: dict[str, dict[int, dict[str, Any]]] = {}
     for (arm, seed), record in finals.items():
         by_arm.setdefault(arm, {})[seed] = record
+    comparisons = [(arm, BASELINE) for arm in ARMS if arm != BASELINE] + [(arm, CONTROL) for arm in AGAINST_CONTROL]
     out: dict[str, Any] = {}
-    for arm in (arm for arm in ARMS if arm != BASELINE):
-        difference = summaries.paired_difference(by_arm.get(arm, {}), by_arm.get(BASELINE, {}), METRICS)
+    for arm, reference in comparisons:
+        difference = summaries.paired_difference(by_arm.get(arm, {}), by_arm.get(reference, {}), METRICS)
         if difference is not None:
-            out[f"{arm}_minus_{BASELINE}"] = difference
-    for arm in AGAINST_CONTROL:
-        against_control = summaries.paired_difference(by_arm.get(arm, {}), by_arm.get(CONTROL, {}), METRICS)
-        if against_control is not None:
-            out[f"{arm}_minus_{CONTROL}"] = against_control
+            out[f"{arm}_minus_{reference}"] = difference
     differences = [out.get(f"{arm}_minus_{BASELINE}", {"per_seed": {}})["per_seed"] for arm in (COMPOSITE, *PARTS)]
     seeds = sorted(set.intersection(*(set(map(int, d)) for d in differences)))
     if seeds:
