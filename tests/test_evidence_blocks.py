@@ -12,18 +12,14 @@ from tests.conftest import REPO_ROOT
 EVIDENCE = REPO_ROOT / "docs" / "evidence.md"
 
 
-def generated_blocks() -> dict[str, str]:
-    return docs_blocks(EVIDENCE)
-
-
 def test_evidence_has_the_studies_blocks():
-    assert {"simclr_study", "simclr_grid", "simclr_negatives", "simclr_ablation"} <= set(generated_blocks())
+    assert {"simclr_study", "simclr_grid", "simclr_negatives", "simclr_ablation"} <= set(docs_blocks(EVIDENCE))
 
 
-@pytest.mark.parametrize("name", sorted(generated_blocks()))
+@pytest.mark.parametrize("name", sorted(docs_blocks(EVIDENCE)))
 def test_generated_block_equals_the_committed_summary(name):
     summary = REPO_ROOT / "benchmarks" / "results" / name / "summary.md"
     assert summary.is_file(), f"docs/evidence.md has a {name} block but {summary} is not committed"
-    assert generated_blocks()[name] == summary.read_text(encoding="utf-8").rstrip("\n"), (
+    assert docs_blocks(EVIDENCE)[name] == summary.read_text(encoding="utf-8").rstrip("\n"), (
         f"the {name} block of docs/evidence.md is stale: run benchmarks/{name}.py --summarize --docs docs/evidence.md"
     )
