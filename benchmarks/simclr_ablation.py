@@ -88,6 +88,7 @@ ARM_ORDER = (
     "infonce-topm-infonce",
     "infonce-topm-shortfall",
     "composite-tau0.2",
+    "infonce-topm-both",
 )
 RUN_ORDER = [(arm, seed) for seed in SEEDS for arm in ARM_ORDER]
 ABLATION: dict[str, Any] = {

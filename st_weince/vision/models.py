@@ -22,6 +22,35 @@ BACKBONES: dict[str, tuple[type[BasicBlock] | type[Bottleneck], list[int]]] = {
 }
 
 
+# oneDNN 3.12 (torch 2.14.1) corrupts the heap in the weight gradient of a 1x1 convolution with stride > 1 on
+# channels_last CPU tensors with few input channels (its jit_1x1:avx2 backward_weights kernel; measured on an AVX2 AMD EPYC:
+# 2-7 input channels crash at 16x16, 1 and 8-24 do not; docs/known-issues.md, benchmarks/onednn_strided_1x1.py).
+# Below this many input channels such a convolution runs in NCHW on the CPU (same values, another kernel); 16 rather
+# than 8 leaves a margin for AVX-512's 16-wide channel blocks, where the bound was not measured.
+NARROW_STRIDED_1X1_CHANNELS = 16
+
+
+class StridedPointwiseConv2d(nn.Conv2d):
+    """``nn.Conv2d`` for the ResNet downsample path (1x1, stride 2) that avoids oneDNN's channels_last kernel on the
+    CPU when it has fewer than :data:`NARROW_STRIDED_1X1_CHANNELS` input channels (see the note above): the input
+    and the weight are made NCHW-contiguous for that call. Everywhere else (GPUs, wider or unit-stride layers) it is
+    ``nn.Conv2d`` unchanged; its parameters and state-dict keys are ``nn.Conv2d``'s. The choice reads only tensor
+    metadata (device, layout), so it adds no host sync and no graph break."""
+
+    def _conv_forward(self, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        if (
+            input.device.type == "cpu"
+            and self.in_channels < NARROW_STRIDED_1X1_CHANNELS
+            and self.kernel_size == (1, 1)
+            and self.stride != (1, 1)
+        ):
+            # Both, whatever the input's layout: torch takes the channels_last kernel when either one is.
+            # A 1x1 weight in channels_last is also "contiguous" (its strides are ambiguous), so contiguous() would
+            # return it unchanged and torch would still pick the channels_last kernel: clone it to NCHW strides.
+            input, weight = input.contiguous(), weight.clone(memory_format=torch.contiguous_format)
+        return super()._conv_forward(input, weight, bias)
+
+
 class CifarResNet(nn.Module):
     """ResNet with the CIFAR stem; ``forward`` returns the pooled feature vector (``feature_dim`` values).
 
@@ -64,7 +93,9 @@ class CifarResNet(nn.Module):
         downsample = None
         if stride != 1 or self.inplanes != planes * block.expansion:
             downsample = nn.Sequential(
-                nn.Conv2d(self.inplanes, planes * block.expansion, kernel_size=1, stride=stride, bias=False),
+                StridedPointwiseConv2d(
+                    self.inplanes, planes * block.expansion, kernel_size=1, stride=stride, bias=False
+                ),
                 nn.BatchNorm2d(planes * block.expansion),
             )
         # torchvision's Bottleneck derives its inner width from base_width=64; scale it with ours.

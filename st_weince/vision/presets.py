@@ -90,6 +90,10 @@ ARMS: dict[str, dict[str, Any]] = {
     # Added after the six above: the composite at the control's temperature. Against the control it asks whether the
     # composite's terms add anything once InfoNCE's temperature is lowered as well.
     "composite-tau0.2": {"loss": "weince", "options": dict(RELEASED_TOP_M), "temperature": 0.2},
+    # Added after the seven: InfoNCE plus both top-M terms without the blend (lambda = 0), the missing cell between
+    # arms 2-3 and the composite: does the composite's negative interaction come from the blend or from the two
+    # top-M terms acting on the same hardest negatives?
+    "infonce-topm-both": {"loss": "weince", "options": {"mode": "none", **RELEASED_TOP_M}},
 }
 
 
