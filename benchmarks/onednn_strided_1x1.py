@@ -1,8 +1,9 @@
 """A torch-only reproducer of the heap corruption in oneDNN's weight gradient of a strided 1x1 convolution.
 
 torch 2.14.1 ships oneDNN 3.12.0. On an AVX2 CPU (measured: AMD EPYC, family 25) the weight gradient of
-``Conv2d(C, 2C, kernel_size=1, stride=2, bias=False)`` on a channels_last input with C = 2..7 input channels (16x16 images)
-corrupts the heap: glibc aborts in ``free`` ("corrupted double-linked list", "double free or corruption") or the
+``Conv2d(C, 2C, kernel_size=1, stride=2, bias=False)`` on a channels_last input with C = 2..7 input channels
+(16x16 images) corrupts the heap: glibc aborts in ``free`` ("corrupted double-linked list", "double free or
+corruption") or the
 process segfaults, inside ``mkldnn_convolution_backward_weights`` (oneDNN's ``jit_1x1:avx2`` backward_weights
 kernel, shown by ``ONEDNN_VERBOSE=1``). NCHW inputs, stride 1, and 1 or 8+ input channels run clean, and so does
 ``ONEDNN_MAX_CPU_ISA=AVX`` or ``SSE41``. No line of st-weince is involved: the case below is torch alone.

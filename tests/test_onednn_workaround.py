@@ -63,7 +63,8 @@ def test_only_narrow_strided_pointwise_layers_leave_channels_last():
     wide = StridedPointwiseConv2d(NARROW_STRIDED_1X1_CHANNELS, 8, kernel_size=1, stride=2, bias=False)
     wide = wide.to(memory_format=torch.channels_last)
     assert wide(wide_images).is_contiguous(memory_format=torch.channels_last)
-    unit_stride = StridedPointwiseConv2d(4, 8, kernel_size=1, stride=1, bias=False).to(memory_format=torch.channels_last)
+    unit_stride = StridedPointwiseConv2d(4, 8, kernel_size=1, stride=1, bias=False)
+    unit_stride = unit_stride.to(memory_format=torch.channels_last)
     assert unit_stride(images).is_contiguous(memory_format=torch.channels_last)
     # Every downsample convolution of the ResNets is the routed class; the state-dict keys are nn.Conv2d's.
     model = CifarResNet("resnet18", width=2)
