@@ -123,3 +123,18 @@ def row_chunks(num_rows: int, chunk: int, start: int = 0) -> list[tuple[int, int
 def block_scores(loss: WEINCELoss, embeddings: list[Tensor], bounds: list[tuple[int, int]]) -> Tensor:
     """The query group's scores computed block of rows by block of rows (a cached loss's chunks, a process's rows)."""
     return torch.cat([query_group(loss, embeddings, begin, end).scores for begin, end in bounds])
+
+
+def assert_share_above_close(
+    actual_share: float, expected_share: float, values: Tensor, threshold: float, tolerance: float, name: str = ""
+) -> None:
+    """Two paths' logged share of ``values > threshold`` (e.g. ``weince_lambda_gt_half``) agree up to the entries that
+    lie within ``tolerance`` (what the paths' rounding can move them) of the threshold: each of those may fall either
+    way, so the counts may differ by at most their number; a share is compared as a count of ``values.numel()``."""
+    count = values.numel()
+    near = int(((values.double() - threshold).abs() <= tolerance).sum())
+    difference = abs(actual_share - expected_share) * count
+    assert difference <= near + 1e-6, (
+        f"{name}: the paths' counts above {threshold} differ by {difference:.3g} of {count}, more than the {near} "
+        f"entries within {tolerance:.3g} of the threshold"
+    )

@@ -15,8 +15,16 @@ import torch.nn.functional as F
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 from torch import Tensor
 
+from st_weince.functional import mnrl_layout, normalize_rows
 from st_weince.losses import CachedRBSigmoidLoss, CachedWEINCELoss, RBSigmoidLoss, WEINCELoss
 from st_weince.utils.hotpath import count_host_syncs
+from tests.float32_tolerance import (
+    assert_share_above_close,
+    block_scores,
+    row_chunks,
+    tail_fit_tolerances,
+    ulps_apart,
+)
 
 ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 MNRL_SETTINGS = [
@@ -197,6 +205,22 @@ def assert_cached_equals_uncached(cached, uncached, columns, prefix: str) -> Non
         torch.testing.assert_close(grad, expected_grad, rtol=1e-8, atol=1e-12)
     logged, expected_logged = cached.pop_logged_statistics(), uncached.pop_logged_statistics()
     assert logged[f"{prefix}_fn_masked_share"] > 0
+    if prefix == "weince":
+        # A count of anchors past lambda = 1/2: one within the paths' rounding of 1/2 may fall either way.
+        queries, *docs = [normalize_rows(column) for column in columns]
+        options = uncached.options
+        layout, _ = uncached._guarded(mnrl_layout(queries, docs, options.directions, options.partition_mode))
+        group = layout.groups[0]  # the query rows, guarded, whose statistics the loss logs
+        ulps = ulps_apart(block_scores(uncached, columns, row_chunks(columns[0].shape[0], 5)), group.scores)
+        tolerance = tail_fit_tolerances(group.scores, group.positive_index, group.valid_mask, options.math, ulps)["lam"]
+        assert_share_above_close(
+            logged.pop("weince_lambda_gt_half"),
+            expected_logged.pop("weince_lambda_gt_half"),
+            uncached.last_statistics.lam,
+            0.5,
+            tolerance,
+            "lam",
+        )
     assert logged == pytest.approx(expected_logged, rel=1e-9)
 
 

@@ -16,6 +16,14 @@ from st_weince.losses import CachedWEINCELoss, WEINCELoss
 from st_weince.losses.weince import WEINCELossOptions
 from st_weince.utils.hotpath import count_host_syncs
 from st_weince.vision import SimCLRObjective
+from tests.float32_tolerance import (
+    assert_share_above_close,
+    block_scores,
+    query_group,
+    row_chunks,
+    tail_fit_tolerances,
+    ulps_apart,
+)
 from tests.test_weince_composite import KINDS, _cases, make_batch
 from tests.weince_release_reference import ReleasedCompositeReference
 
@@ -136,6 +144,18 @@ def test_cached_equals_uncached_over_steps(directions, partition_mode, num_colum
         torch.testing.assert_close(cached.batch_beta_ema, plain.batch_beta_ema, rtol=1e-12, atol=0.0)
         logged, cached_logged = plain.pop_logged_statistics(), cached.pop_logged_statistics()
         assert set(logged) == set(cached_logged)
+        # The share of anchors with lambda > 1/2 is a count: an anchor whose lambda lies within the two paths'
+        # rounding of 1/2 may fall either way (float64 here: the paths' scores differ by the chunked matmul's ulps).
+        detached = [e.detach() for e in embeddings]
+        group = query_group(plain, detached)
+        ulps = ulps_apart(block_scores(plain, detached, row_chunks(23, 5)), group.scores)
+        lam_tolerance = tail_fit_tolerances(
+            group.scores, group.positive_index, group.valid_mask, plain.options.math, ulps
+        )["lam"]
+        share = logged.pop("weince_lambda_gt_half")
+        assert_share_above_close(
+            cached_logged.pop("weince_lambda_gt_half"), share, plain.last_statistics.lam, 0.5, lam_tolerance, "lam"
+        )
         for name, value in logged.items():
             assert cached_logged[name] == pytest.approx(value, rel=1e-9, abs=1e-12), name
     assert float(plain.batch_beta_ema) != WEINCELossOptions.beta_ema_start, "the tail index must move for the check"
