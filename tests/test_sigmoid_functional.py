@@ -290,11 +290,19 @@ def test_the_math_checks_shapes_only_and_check_scores_the_values():
     scores, targets = random_case(12)
     bad = scores.clone()
     bad[1, 2] = float("nan")
-    # No value check and no sync in the math; shape errors are still raised (they are free).
+    # check_inputs=False (the loss classes' path): no value check and no sync; shape errors are still raised (free).
     with count_host_syncs() as syncs:
-        unchecked = sigmoid_contrastive_loss(bad, targets, scale=torch.tensor(2.0), relative_bias=torch.tensor(0.1))
-        chunked_sigmoid_contrastive_loss(torch.randn(3, 4), torch.randn(5, 4), torch.arange(3), scale=2.0, bias=0.0)
+        unchecked = sigmoid_contrastive_loss(
+            bad, targets, scale=torch.tensor(2.0), relative_bias=torch.tensor(0.1), check_inputs=False
+        )
+        chunked_sigmoid_contrastive_loss(
+            torch.randn(3, 4), torch.randn(5, 4), torch.arange(3), scale=2.0, bias=0.0, check_inputs=False
+        )
     assert syncs.total == 0 and torch.isnan(unchecked)
+    # By default the math refuses bad values itself, with one sync.
+    with count_host_syncs() as syncs, pytest.raises(ValueError, match="NaN or Inf"):
+        sigmoid_contrastive_loss(bad, targets, scale=torch.tensor(2.0), relative_bias=torch.tensor(0.1))
+    assert syncs.total == 1
     with pytest.raises(ValueError, match="targets must have the scores' shape"):
         sigmoid_contrastive_loss(scores, targets[:, :2], scale=1.0, relative_bias=0.0)
     # check_scores reads every value check with one sync.

@@ -40,13 +40,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from st_weince.functional.checks import check_score_shapes, compute_dtype
+from st_weince.functional.checks import check_score_shapes, check_scores, compute_dtype
 from st_weince.functional.false_negatives import (
     FalseNegativeFilter,
     FilterCounts,
     apply_false_negative_filter,
     positive_keys,
 )
+from st_weince.utils.hotpath import DeferredChecks
 from st_weince.utils.options import real_option
 
 ScalarLike = Tensor | float
@@ -136,6 +137,7 @@ def sigmoid_contrastive_loss(
     relative_bias: ScalarLike | None = None,
     bias: ScalarLike | None = None,
     valid_mask: Tensor | None = None,
+    check_inputs: bool = True,
 ) -> Tensor:
     """Sigmoid contrastive loss: mean over anchors (rows) of the sum over valid candidates of
     ``-[y log sigmoid(z) + (1 - y) log sigmoid(-z)]``, with ``z`` from :func:`sigmoid_logits`.
@@ -146,9 +148,15 @@ def sigmoid_contrastive_loss(
         scale: ``t > 0``, the inverse temperature (float or scalar tensor, may require grad).
         relative_bias: ``b_rel`` of the relative parametrization ``z = t (s - b_rel)``.
         bias: ``b`` of the absolute (SigLIP) parametrization ``z = t s - b``.
-        valid_mask: [A, C] bool, False entries are left out of the sum.
+        valid_mask: [A, C] bool, False entries are left out of the sum; at least one entry must be True.
+        check_inputs: refuse (ValueError naming the problem) targets other than 0 and 1 (soft targets are not
+            supported), a ``valid_mask`` without any True entry, and NaN/Inf scores, with one host-device sync;
+            False (the loss classes, which check their own inputs) checks the shapes only.
     """
-    check_score_shapes(scores, None, valid_mask, targets=targets)
+    if check_inputs:
+        check_scores(scores, None, valid_mask, targets=targets)
+    else:
+        check_score_shapes(scores, None, valid_mask, targets=targets)
     dtype = compute_dtype(scores)
     t = _scalar(scale, "scale", dtype, positive=True)
     bias_value, relative = _bias_argument(relative_bias, bias, dtype)
@@ -263,6 +271,7 @@ def chunked_sigmoid_contrastive_loss(
     positive_scores: Tensor | None = None,
     candidate_keys: Tensor | None = None,
     reference_keys: Tensor | None = None,
+    check_inputs: bool = True,
 ) -> Tensor | tuple[Tensor, ...]:
     """:func:`sigmoid_contrastive_loss` of ``anchors @ candidates.T`` computed block by block over candidates.
 
@@ -294,6 +303,8 @@ def chunked_sigmoid_contrastive_loss(
             ``"identical"`` rule (required by it, unused otherwise).
         reference_keys: [A, K] the keys of the rows' positives for the ``"identical"`` rule, when ``candidates`` may
             not hold them (a row of -1 matches nothing); None takes them from ``candidate_keys[positive_index]``.
+        check_inputs: refuse a ``positive_index`` outside ``[-1, C - 1]`` (ValueError), with one host-device sync;
+            False (the loss classes, which check their own inputs) checks the shapes only.
     """
     false_negative_filter = FalseNegativeFilter.parse(false_negative_filter)
     if anchors.dim() != 2 or candidates.dim() != 2 or anchors.shape[1] != candidates.shape[1]:
@@ -306,6 +317,13 @@ def chunked_sigmoid_contrastive_loss(
             f"anchors and candidates must not be empty, got {tuple(anchors.shape)} and {tuple(candidates.shape)}"
         )
     _check_positive_index(positive_index, anchors.shape[0])
+    if check_inputs:
+        checks = DeferredChecks()
+        checks.require(
+            (positive_index >= -1) & (positive_index < candidates.shape[0]),
+            f"positive_index must lie in [-1, {candidates.shape[0] - 1}] (-1 = no positive in this row)",
+        )
+        checks.raise_if_failed()
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
     dtype = compute_dtype(anchors, candidates)

@@ -34,6 +34,7 @@ from st_weince.functional.checks import check_score_shapes, check_scores, comput
 from st_weince.functional.line_fit import fit_lines, row_design
 from st_weince.functional.options import BETA_AUTO_RANGE, DEFAULTS, WeinceOptions, check_scale
 from st_weince.functional.options import WeinceMode as WeinceMode  # imported from here by the loss classes
+from st_weince.utils.hotpath import DeferredChecks
 from st_weince.utils.options import real_option
 
 # A wrong-signed slope disqualifies its line by this residual penalty (reference implementation).
@@ -297,14 +298,22 @@ class _BlendedLogit(torch.autograd.Function):
 def weince_logits(
     scores: Tensor, lam: Tensor, beta: Tensor, valid_mask: Tensor | None = None, *, scale: float,
     eps: float = DEFAULTS.eps,
+    check_inputs: bool = True,
 ) -> Tensor:
     """Blended logits (1 - lam) s / tau + lam (-beta log(1 - min(s, 1 - eps))), -inf at invalid entries, with
     ``scale = 1 / tau``.
 
     In the scores' dtype; float16/bfloat16 (autocast) scores are computed in float32, since the shortfall log
     needs it. Gradient flows through ``scores`` only; ``lam`` and ``beta`` are treated as constants.
+    ``check_inputs`` refuses (ValueError) a ``lam`` outside [0, 1] or NaN and a ``beta`` that is not finite and
+    > 0, with one host-device sync; the loss classes pass False (they compute both themselves).
     """
     scale = check_scale(scale)
+    if check_inputs:
+        checks = DeferredChecks()
+        checks.require((lam >= 0) & (lam <= 1), "lam must lie in [0, 1] (it is a blend weight), got NaN or outside")
+        checks.require(torch.isfinite(beta) & (beta > 0), "beta must be finite and > 0 (the shortfall tail index)")
+        checks.raise_if_failed()
     dtype = compute_dtype(scores)
     s = scores.to(dtype)
     lam = lam.detach().to(dtype)[:, None]

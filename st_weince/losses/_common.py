@@ -68,6 +68,11 @@ def check_embedding_columns(
     dims = [e.shape[1] for e in embeddings]
     if any(dim != dims[0] for dim in dims):
         raise ValueError(f"{loss_name}: all columns must have the same embedding dimension, got {dims}")
+    if dims[0] < 1:
+        raise ValueError(
+            f"{loss_name}: the embeddings have no features (shape {tuple(embeddings[0].shape)}): a cosine score needs "
+            "at least one dimension"
+        )
 
 
 def guard_share_values(prefix: str, counts: FilterCounts | None) -> dict[str, Tensor]:

@@ -85,7 +85,10 @@ def rows_loss(layout: MNRLLayout, statistics: list[WeinceStatistics], scale: flo
             for g, s in pairs
         ]
         return rows[0] if len(rows) == 1 else torch.stack(rows, dim=1).mean(dim=1)
-    logits = [weince_logits(g.scores, s.lam, s.beta, g.valid_mask, scale=scale, eps=eps) for g, s in pairs]
+    logits = [
+        weince_logits(g.scores, s.lam, s.beta, g.valid_mask, scale=scale, eps=eps, check_inputs=False)
+        for g, s in pairs
+    ]
     return mnrl_cross_entropy(layout, logits)
 
 

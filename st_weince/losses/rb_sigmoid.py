@@ -326,7 +326,7 @@ class RBSigmoidLoss(ColumnsLoss):
             )
             scores = scores.to(dtype) if transform is None else transform(scores)
             arguments = self._logit_arguments(params, dtype)
-            loss = sigmoid_contrastive_loss(scores, targets, valid_mask=valid_mask, **arguments)
+            loss = sigmoid_contrastive_loss(scores, targets, valid_mask=valid_mask, check_inputs=False, **arguments)
             self._record(params, *score_extremes(scores, targets, valid_mask), guard_counts)
             return loss
 
@@ -377,6 +377,7 @@ class RBSigmoidLoss(ColumnsLoss):
                 positive_scores=positive_scores,
                 candidate_keys=block_keys,
                 reference_keys=reference_keys,
+                check_inputs=False,  # checked by the loss, with its own switch
                 **self._logit_arguments(params, rows.dtype),
             )
 
