@@ -156,3 +156,28 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# The test files that run native convolution kernels (oneDNN: the vision models) or compiled kernels
+# (torch.compile / dynamo). .ci/run runs them ("kernels" marker) again under glibc's heap checks and another oneDNN
+# ISA, since those kernels differ between CPUs (an AVX2 AMD EPYC corrupted the heap where AVX-512 machines did not).
+KERNEL_TEST_FILES = {
+    "test_onednn_workaround.py",
+    "test_vision_training.py",
+    "test_vision_recipe.py",
+    "test_vision_evaluation.py",
+    "test_vision_objectives.py",
+    "test_simclr_ablation.py",
+    "test_simclr_followups.py",
+    "test_simclr_presets.py",
+    "test_simclr_study.py",
+    "test_dynamo_explain.py",
+    "test_weince_hotpath.py",
+    "test_rb_sigmoid_hotpath.py",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in KERNEL_TEST_FILES:
+            item.add_marker(pytest.mark.kernels)
