@@ -1,4 +1,4 @@
-"""Which term of the released WEINCE composite carries its gain? Seven arms under the released SimCLR setup.
+"""Which term of the released WEINCE composite carries its gain? Eight arms under the released SimCLR setup.
 
 The published vision figures train ``L = L_blend + 0.5 L_shortfall_topM + 0.5 L_infonce_topM`` (M = 50,
 ALGORITHMS.md 1.2b) against plain InfoNCE. The arms, each with the same seeds 0, 1, 2:
@@ -13,6 +13,9 @@ ALGORITHMS.md 1.2b) against plain InfoNCE. The arms, each with the same seeds 0,
    negatives, and so does a lower temperature than 0.5;
 7. ``composite-tau0.2``: the composite at the control's temperature (added after the six had run): against arm 6,
    does the composite add anything once InfoNCE's temperature is lowered too?
+8. ``infonce-topm-both``: InfoNCE + both top-M terms at weight 0.5, no blend (added after the seven): the missing
+   cell. Against the composite it gives the blend's contribution on top of both terms; its overlap with arms 2 and 3
+   says whether the two top-M terms act on the same hardest negatives.
 
 Arms 2 and 3 are WEINCELoss with ``mode="none"`` (lambda = 0: the blend IS InfoNCE, to float rounding) plus one
 top-M term; arm 1 is MNRL, the baseline of the other studies. Each arm minus InfoNCE, paired by seed, and the
@@ -45,6 +48,7 @@ summary (``scale_note``).
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -63,9 +67,10 @@ SCALE_NOTE = (
     "5 epochs of all 50,000 CIFAR-10 training images at study 1's width (ResNet-18 width 16), not study 1's 10: with "
     "two runs side by side, one thread each, an epoch takes 5.5-8 minutes of training when nothing else runs "
     "(blend-seed1: 1,610 s for its 5 epochs; blend-seed0: 469 s an epoch) plus about 35 s of checkpoint probes, "
-    "and 15-25 minutes when the machine is shared. 18 runs x 10 epochs, two at a time, would need 9-13 hours on "
-    "the quiet machine, beyond the six this ablation may take; 18 runs x 5 epochs need 5-7 hours, more than one "
-    "working session, so the runs resume from their state across sessions."
+    "and 15-25 minutes when the machine is shared. The first six arms' 18 runs x 10 epochs, two at a time, would "
+    "have needed 9-13 hours on the quiet machine, beyond the six the ablation could take; at 5 epochs they needed "
+    "5-7 hours, more than one working session, so the runs resume from their state across sessions. Arms 7 and 8 "
+    "(composite-tau0.2, infonce-topm-both) were added later at the same scale: 24 runs in all."
 )
 BASELINE = "infonce"
 RELEASED = SETUPS["released"]
@@ -77,6 +82,11 @@ COMPOSITE = "composite"
 # temperature's?), and so is the composite at the control's temperature (does it add anything at that temperature?).
 CONTROL = "infonce-tau0.2"
 AGAINST_CONTROL = (COMPOSITE, "composite-tau0.2")
+# The missing cell (added once the seven had run): InfoNCE + both top-M terms, no blend. Against the composite it gives
+# what the blend adds on top of both terms; its overlap, (both - InfoNCE) - sum over the two top-M arms of (arm -
+# InfoNCE), says whether the two top-M terms act on the same hardest negatives (negative: less than their sum).
+BOTH_TOP_M = "infonce-topm-both"
+TOP_M_PARTS = ("infonce-topm-infonce", "infonce-topm-shortfall")
 SEEDS = (0, 1, 2)
 # Seed 0 of every arm first; InfoNCE and the temperature control first (they need no top-M option).
 # The seventh arm, the composite at temperature 0.2, was added once the six had run.
@@ -108,30 +118,40 @@ METRICS = ("linear_top1", "knn_top1")
 
 def paired(finals: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
     """Every arm minus InfoNCE of the same seed (by seed, mean +- sample std), the composite at either temperature
-    minus the temperature control, and the composite's interaction."""
+    minus the temperature control, the composite minus both top-M terms, the composite's interaction and the two
+    top-M terms' overlap."""
     by_arm: dict[str, dict[int, dict[str, Any]]] = {}
     for (arm, seed), record in finals.items():
         by_arm.setdefault(arm, {})[seed] = record
     comparisons = [(arm, BASELINE) for arm in ARMS if arm != BASELINE] + [(arm, CONTROL) for arm in AGAINST_CONTROL]
+    comparisons.append((COMPOSITE, BOTH_TOP_M))
     out: dict[str, Any] = {}
     for arm, reference in comparisons:
         difference = summaries.paired_difference(by_arm.get(arm, {}), by_arm.get(reference, {}), METRICS)
         if difference is not None:
             out[f"{arm}_minus_{reference}"] = difference
-    differences = [out.get(f"{arm}_minus_{BASELINE}", {"per_seed": {}})["per_seed"] for arm in (COMPOSITE, *PARTS)]
-    seeds = sorted(set.intersection(*(set(map(int, d)) for d in differences)))
-    if seeds:
-        composite, *parts = differences
-        per_seed = {
-            str(s): {m: composite[str(s)][m] - sum(part[str(s)][m] for part in parts) for m in METRICS} for s in seeds
-        }
-        out["interaction"] = {
-            "definition": f"({COMPOSITE} - {BASELINE}) - sum over {list(PARTS)} of (part - {BASELINE})",
-            "seeds": seeds,
-            "per_seed": per_seed,
-            **summaries.seed_stats(per_seed, METRICS),
-        }
+    for name, whole, parts in (("interaction", COMPOSITE, PARTS), ("top_m_overlap", BOTH_TOP_M, TOP_M_PARTS)):
+        shortfall = interaction(out, whole, parts)
+        if shortfall is not None:
+            out[name] = shortfall
     return out
+
+
+def interaction(out: dict[str, Any], whole: str, parts: tuple[str, ...]) -> dict[str, Any] | None:
+    """``(whole - InfoNCE) - sum over parts of (part - InfoNCE)`` by seed, from the paired differences in ``out``
+    (None until one seed has them all): is ``whole`` more (> 0) or less (< 0) than the sum of its parts?"""
+    differences = [out.get(f"{arm}_minus_{BASELINE}", {"per_seed": {}})["per_seed"] for arm in (whole, *parts)]
+    seeds = sorted(set.intersection(*(set(map(int, d)) for d in differences)))
+    if not seeds:
+        return None
+    total, *terms = differences
+    per_seed = {str(s): {m: total[str(s)][m] - sum(t[str(s)][m] for t in terms) for m in METRICS} for s in seeds}
+    return {
+        "definition": f"({whole} - {BASELINE}) - sum over {list(parts)} of (part - {BASELINE})",
+        "seeds": seeds,
+        "per_seed": per_seed,
+        **summaries.seed_stats(per_seed, METRICS),
+    }
 
 
 def summarize(output_dir: Path) -> dict[str, Any]:
@@ -193,9 +213,25 @@ def markdown(summary: dict[str, Any]) -> str:
         )
     lines += ["", "Paired by seed (same initialisation, batches and augmentations), points", ""]
     lines += summaries.paired_table(summary["paired"])
+    lines += ["", "How sure: paired t (mean / (std / sqrt(n)), n - 1 degrees of freedom) and the sign count", ""]
+    lines += ["| comparison | n | linear: t, seeds > 0 | k-NN: t, seeds > 0 |", "| --- | --- | --- | --- |"]
+    for name, difference in summary["paired"].items():
+        cells = [paired_t_and_signs(difference, metric) for metric in METRICS]
+        lines.append(f"| {name} | {len(difference['seeds'])} | {cells[0]} | {cells[1]} |")
     if summary["runs_missing"]:
         lines += ["", f"Not finished yet: {', '.join(summary['runs_missing'])}"]
     return "\n".join(lines)
+
+
+def paired_t_and_signs(difference: dict[str, Any], metric: str) -> str:
+    """``t = ..., k of n > 0`` of one paired difference: with 3 seeds, |t| > 4.30 is a two-sided 5 % test
+    (2 degrees of freedom), and 3 of 3 (or 0 of 3) signs happen by chance with probability 1/4."""
+    values = [row[metric] for row in difference["per_seed"].values()]
+    positive = sum(value > 0 for value in values)
+    stat = difference[metric]
+    if len(values) < 2 or not stat["std"] > 0:
+        return f"t -, {positive} of {len(values)} > 0"
+    return f"t = {stat['mean'] / (stat['std'] / math.sqrt(len(values))):+.2f}, {positive} of {len(values)} > 0"
 
 
 def main(argv: list[str] | None = None) -> None:

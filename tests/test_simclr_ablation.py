@@ -212,3 +212,35 @@ def test_paired_comparisons_and_interaction_against_hand_arithmetic(ablation):
     # Without the control's runs there is no comparison with it (and no error).
     without_control = ablation.paired({key: value for key, value in finals.items() if key[0] != "infonce-tau0.2"})
     assert not any(name.endswith("_minus_infonce-tau0.2") for name in without_control)
+
+
+def test_the_missing_cell_its_top_m_overlap_and_the_paired_t(ablation):
+    """Arm 8 (InfoNCE + both top-M terms): the composite minus it, the two top-M terms' overlap, and the paired t and
+    sign count of the summary, from made-up finals worked out by hand (multiples of 1/4)."""
+    accuracy = {  # (linear, k-NN) by arm and seed
+        "infonce": {0: (40.0, 40.0), 1: (41.0, 40.0), 2: (40.0, 40.0)},
+        "infonce-topm-infonce": {0: (41.0, 41.0), 1: (42.0, 41.0), 2: (41.0, 41.0)},
+        "infonce-topm-shortfall": {0: (40.0, 43.0), 1: (41.0, 43.0), 2: (40.0, 43.0)},
+        "infonce-topm-both": {0: (40.5, 43.0), 1: (41.5, 43.5), 2: (40.25, 42.5)},
+        "composite": {0: (40.75, 43.0), 1: (41.5, 43.25), 2: (40.0, 43.0)},
+    }
+    finals = {
+        (arm, seed): {"linear_top1": linear, "knn_top1": knn}
+        for arm, by_seed in accuracy.items()
+        for seed, (linear, knn) in by_seed.items()
+    }
+    paired = ablation.paired(finals)
+    assert paired["composite_minus_infonce-topm-both"]["per_seed"]["0"] == {"linear_top1": 0.25, "knn_top1": 0.0}
+    # overlap, seed 0: (0.5 - (1 + 0)) linear, (3 - (1 + 3)) k-NN; seed 1: (0.5 - 1), (3.5 - 4);
+    # seed 2: (0.25 - 1), (2.5 - 4)
+    overlap = paired["top_m_overlap"]
+    assert overlap["per_seed"] == {
+        "0": {"linear_top1": -0.5, "knn_top1": -1.0},
+        "1": {"linear_top1": -0.5, "knn_top1": -0.5},
+        "2": {"linear_top1": -0.75, "knn_top1": -1.5},
+    }
+    # k-NN: mean -1, sample std 0.5, t = -1 / (0.5 / sqrt 3) = -3.46; no seed above 0
+    assert ablation.paired_t_and_signs(overlap, "knn_top1") == "t = -3.46, 0 of 3 > 0"
+    # One seed has no spread: no t, the sign count only.
+    one_seed = ablation.paired({key: value for key, value in finals.items() if key[1] == 0})
+    assert ablation.paired_t_and_signs(one_seed["top_m_overlap"], "linear_top1") == "t -, 0 of 1 > 0"
