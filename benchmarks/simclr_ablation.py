@@ -87,6 +87,13 @@ AGAINST_CONTROL = (COMPOSITE, "composite-tau0.2")
 # InfoNCE), says whether the two top-M terms act on the same hardest negatives (negative: less than their sum).
 BOTH_TOP_M = "infonce-topm-both"
 TOP_M_PARTS = ("infonce-topm-infonce", "infonce-topm-shortfall")
+# The per-view check (seed 0 only): InfoNCE and the composite with one forward pass per view, as the released code
+# encodes them, so that BatchNorm normalises each view on its own; paired with each other, does it move the
+# composite-minus-InfoNCE difference of the one-pass runs?
+PER_VIEW_ARMS: dict[str, dict[str, Any]] = {
+    f"{arm}-per-view": {**ARMS[arm], "encode_views_separately": True} for arm in (BASELINE, COMPOSITE)
+}
+STUDY_ARMS = {**ARMS, **PER_VIEW_ARMS}
 SEEDS = (0, 1, 2)
 # Seed 0 of every arm first; InfoNCE and the temperature control first (they need no top-M option).
 # The seventh arm, the composite at temperature 0.2, was added once the six had run.
@@ -100,7 +107,7 @@ ARM_ORDER = (
     "composite-tau0.2",
     "infonce-topm-both",
 )
-RUN_ORDER = [(arm, seed) for seed in SEEDS for arm in ARM_ORDER]
+RUN_ORDER = [(arm, seed) for seed in SEEDS for arm in ARM_ORDER] + [(arm, 0) for arm in PER_VIEW_ARMS]
 ABLATION: dict[str, Any] = {
     **runner.STUDY,
     "setup": "released",
@@ -111,7 +118,7 @@ ABLATION: dict[str, Any] = {
     "beta": 1.0,
     "epochs": 5,
     "full_eval_epochs": [],  # the final line only
-    "arms": ARMS,
+    "arms": STUDY_ARMS,
 }
 METRICS = ("linear_top1", "knn_top1")
 
@@ -125,6 +132,7 @@ def paired(finals: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
         by_arm.setdefault(arm, {})[seed] = record
     comparisons = [(arm, BASELINE) for arm in ARMS if arm != BASELINE] + [(arm, CONTROL) for arm in AGAINST_CONTROL]
     comparisons.append((COMPOSITE, BOTH_TOP_M))
+    comparisons.append((f"{COMPOSITE}-per-view", f"{BASELINE}-per-view"))
     out: dict[str, Any] = {}
     for arm, reference in comparisons:
         difference = summaries.paired_difference(by_arm.get(arm, {}), by_arm.get(reference, {}), METRICS)
@@ -169,7 +177,7 @@ def summarize(output_dir: Path) -> dict[str, Any]:
             "seeds": sorted(s for a, s in finals if a == arm),
             **{m: summaries.mean_std([r[m] for (a, _), r in finals.items() if a == arm]) for m in METRICS},
         }
-        for arm in ARMS
+        for arm in STUDY_ARMS
         if any(a == arm for a, _ in finals)
     }
     summary = {
@@ -235,7 +243,7 @@ def paired_t_and_signs(difference: dict[str, Any], metric: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    runner.main(argv, sys.modules[__name__], ABLATION, list(ARMS), block="simclr_ablation")
+    runner.main(argv, sys.modules[__name__], ABLATION, list(STUDY_ARMS), block="simclr_ablation")
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ def test_infonce_and_its_temperature_control_under_the_released_setup(
     assert difference["per_seed"]["0"]["linear_top1"] == pytest.approx(
         control[-1]["linear_top1"] - base[-1]["linear_top1"]
     )
-    assert "interaction" not in summary["paired"] and len(summary["runs_missing"]) == 22
+    assert "interaction" not in summary["paired"] and len(summary["runs_missing"]) == 24
     assert "infonce-tau0.2_minus_infonce" in (tmp_path / "results" / "summary.md").read_text()
     figure = tmp_path / "results" / "paired.png"  # the paired differences as a figure beside the table
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figure.stat().st_size > 5_000

@@ -184,3 +184,36 @@ def test_host_syncs_per_step_and_epoch(arm, per_step):
     with count_host_syncs() as epoch_syncs:
         training.epoch(images, data_order(24, 0, 0), 8)
     assert step_syncs.total == per_step and epoch_syncs.total == 3 * per_step + 1
+
+
+def test_views_encoded_separately_get_their_own_batch_norm_statistics():
+    """encode_views_separately: the objective sees cat(model(view_a), model(view_b)) (each view's BatchNorm batch
+    statistics its own), not model(cat(view_a, view_b)); the default is the one joint pass."""
+    images = torch.randint(0, 256, (6, 3, 16, 16), dtype=torch.uint8)
+    seen = {}
+    for separate in (False, True):
+        torch.manual_seed(0)
+        model = SimCLRModel("resnet18", width=2, hidden_dim=8, projection_dim=4)
+        views = SimCLRAugment(SETUPS["released"].augment, generator=torch.Generator().manual_seed(1))(images)
+        objective = SimCLRObjective("infonce", scale=2.0)
+        recorded = []
+
+        def record(z1, z2, objective=objective, recorded=recorded):
+            recorded.append(torch.cat([z1, z2]).detach())
+            return objective(z1, z2)
+
+        training = SimCLRTraining(
+            model,
+            record,
+            torch.optim.SGD(model.parameters(), lr=0.0),
+            SimCLRAugment(SETUPS["released"].augment, generator=torch.Generator().manual_seed(1)),
+            encode_views_separately=separate,
+        )
+        training.step(images)
+        seen[separate] = recorded[0]
+        torch.manual_seed(0)
+        reference = SimCLRModel("resnet18", width=2, hidden_dim=8, projection_dim=4)
+        with torch.no_grad():  # the same views (same generator seed) through a fresh copy of the initial network
+            expected = torch.cat([reference(view) for view in views]) if separate else reference(torch.cat(views))
+        torch.testing.assert_close(seen[separate], expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(seen[False], seen[True], atol=1e-4)

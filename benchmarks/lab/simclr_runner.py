@@ -51,6 +51,7 @@ STUDY: dict[str, Any] = {
     "temperature": 0.5,
     "beta": 1.0,
     "channels_last": True,
+    "encode_views_separately": False,  # True: one forward pass per view (the released code's BatchNorm statistics)
     "limit_train": None,  # None: all 50,000 training images
     "limit_test": None,  # None: all 10,000 test images
     "probe_subset": 10000,  # training images for the probes at intermediate checkpoints (None: all)
@@ -73,6 +74,7 @@ LATER_KEYS: dict[str, Any] = {
     "eval_at_start": True,
     "setup": "previous",
     "arms": {},
+    "encode_views_separately": False,
 }
 LOSSES = ("infonce", "weince", "rb-sigmoid")
 
@@ -157,7 +159,13 @@ class StudyRuns:
         model, objective, optimizer = build_run(arm, seed, config)  # the same initial network for every arm of a seed
         augment_generator = torch.Generator().manual_seed(seed)
         augment = SimCLRAugment(data.setup.augment, generator=augment_generator)
-        training = SimCLRTraining(model, objective, optimizer, augment, channels_last=config["channels_last"])
+        # An arm's entry may set the encoding too (the ablation's per-view check), else the study's setting.
+        per_view = (config.get("arms", {}).get(arm) or {}).get(
+            "encode_views_separately", config.get("encode_views_separately", False)
+        )
+        training = SimCLRTraining(
+            model, objective, optimizer, augment, config["channels_last"], encode_views_separately=per_view
+        )
         start_epoch, elapsed, train_seconds = 0, 0.0, 0.0
         state = torch.load(state_path, weights_only=False) if state_path.exists() else None
         if state is not None:

@@ -96,6 +96,9 @@ class SimCLRTraining:
         autocast_dtype: run the model's forward under autocast in this dtype (e.g. bfloat16); None: off.
             The loss always sees float32 projections.
         backward: how to back-propagate (``accelerator.backward`` under accelerate).
+        encode_views_separately: one forward pass per view, as the released WEINCE code does, so that BatchNorm
+            normalises each view with its own batch statistics; False (default): both views in one pass of 2N
+            images, whose BatchNorm statistics mix the two views (docs/vision.md).
     """
 
     model: nn.Module
@@ -106,16 +109,20 @@ class SimCLRTraining:
     autocast_dtype: torch.dtype | None = None
     backward: Callable[[Tensor], Any] = Tensor.backward
     augment_seconds: float = 0.0  # host time spent launching the augmentations (asynchronous on a GPU)
+    encode_views_separately: bool = False
 
     def step(self, images: Tensor) -> Tensor:
         """One optimizer step on a batch of uint8 images; returns the detached loss (no host sync)."""
         tick = time.perf_counter()
         view_a, view_b = self.augment(images)
         self.augment_seconds += time.perf_counter() - tick
-        views = to_memory_format(torch.cat([view_a, view_b]), self.channels_last)
         dtype = self.autocast_dtype
-        with torch.autocast(views.device.type, dtype=dtype, enabled=dtype is not None):
-            projections = self.model(views)
+        with torch.autocast(view_a.device.type, dtype=dtype, enabled=dtype is not None):
+            if self.encode_views_separately:
+                views = [to_memory_format(view, self.channels_last) for view in (view_a, view_b)]
+                projections = torch.cat([self.model(view) for view in views])
+            else:
+                projections = self.model(to_memory_format(torch.cat([view_a, view_b]), self.channels_last))
         z1, z2 = projections.float().chunk(2)
         loss = self.objective(z1, z2)
         self.optimizer.zero_grad(set_to_none=True)
