@@ -36,6 +36,7 @@ from st_weince.functional.batch_tail import (
 )
 from st_weince.functional.batch_tail import initial_beta_ema as initial_beta_ema  # as BatchTail
 from st_weince.functional.checks import check_score_shapes, compute_dtype
+from st_weince.functional.effective_scale import top_m_shortfall_effective_scale
 from st_weince.functional.options import TOP_M_DEFAULTS, TopMOptions, WeinceOptions, check_scale, integer_option
 from st_weince.functional.weince import WeinceStatistics, weince_cross_entropy
 
@@ -98,10 +99,22 @@ def top_m_cross_entropies(
 
     ``beta``: the batch tail index ``beta_t`` (a scalar tensor, no gradient, or a number); ``scale`` = 1 / tau.
     """
+    terms = top_m_terms(scores, positive_index, valid_mask, options, beta=beta, scale=scale, **overrides)
+    return terms[0], terms[1]
+
+
+def top_m_terms(
+    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopMOptions | None = None,
+    *, beta: Tensor | float, scale: float, **overrides: Any,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(shortfall [A], infonce [A], shortfall effective scale [A])`` from one selection of the hardest negatives:
+    the two terms of :func:`top_m_cross_entropies` and the secant slope of the shortfall logit over each row's set
+    (:mod:`st_weince.functional.effective_scale`; the top-M InfoNCE term's is ``scale``)."""
     options = TopMOptions.resolve(options, overrides)
     scale = check_scale(scale)
     selection = _selection(scores, positive_index, valid_mask, options)
-    return _shortfall_term(selection, beta, options.eps), _infonce_term(selection, scale)
+    shortfall_scale = top_m_shortfall_effective_scale(*selection, beta, options.eps)
+    return _shortfall_term(selection, beta, options.eps), _infonce_term(selection, scale), shortfall_scale
 
 
 def top_m_shortfall_cross_entropy(

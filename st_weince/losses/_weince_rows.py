@@ -16,7 +16,7 @@ from st_weince.functional.composite import (
     BatchTailFit,
     TopMOptions,
     batch_negative_tail,
-    top_m_cross_entropies,
+    top_m_terms,
 )
 from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
 from st_weince.functional.layouts import MNRLLayout, mnrl_cross_entropy
@@ -114,13 +114,17 @@ def top_m_units(layout: MNRLLayout) -> list[Unit]:
     return [(torch.cat([g.scores for g in groups], dim=1), groups[0].positive_index, valid_mask)]
 
 
-def top_m_rows(units: list[Unit], beta_t: Tensor | None, options: TopMOptions, scale: float) -> tuple[Tensor, Tensor]:
-    """Per-row [R] top-M shortfall and top-M InfoNCE terms (the mean over the units of a row)."""
+def top_m_rows(
+    units: list[Unit], beta_t: Tensor | None, options: TopMOptions, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row [R] top-M shortfall and top-M InfoNCE terms and the shortfall term's effective scale (each the mean
+    over the units of a row)."""
     beta = beta_t if beta_t is not None else 1.0  # only the shortfall term reads it, and it is off then
-    terms = [top_m_cross_entropies(s, index, mask, options, beta=beta, scale=scale) for s, index, mask in units]
+    terms = [top_m_terms(s, index, mask, options, beta=beta, scale=scale) for s, index, mask in units]
     if len(terms) == 1:
         return terms[0]
-    return torch.stack([t[0] for t in terms], 1).mean(1), torch.stack([t[1] for t in terms], 1).mean(1)
+    shortfall, infonce, shortfall_scale = (torch.stack([t[i] for t in terms], 1).mean(1) for i in range(3))
+    return shortfall, infonce, shortfall_scale
 
 
 def batch_tail(units: list[Unit], step_rows: int, options: TopMOptions, gathered: bool) -> BatchTail:
@@ -134,9 +138,28 @@ def batch_tail(units: list[Unit], step_rows: int, options: TopMOptions, gathered
     )
 
 
-def composite_values(shares: dict[str, Tensor], beta_t: Tensor | None, fit: BatchTailFit | None) -> dict[str, Tensor]:
-    """The logged values of the composite: each term's share, the batch tail index and its fit's R^2."""
+def top_m_effective_scales(shortfall_scale: Tensor, scale: float, options: TopMOptions) -> dict[str, Tensor]:
+    """The effective scales of the top-M terms that are on: the shortfall term's secant slope (mean over rows) and
+    the top-M InfoNCE term's ``scale`` (its logit is linear)."""
+    scales = {}
+    if options.top_m_shortfall_weight > 0:
+        scales["top_m_shortfall"] = shortfall_scale
+    if options.top_m_infonce_weight > 0:
+        scales["top_m_infonce"] = torch.full_like(shortfall_scale, scale)
+    return scales
+
+
+def composite_values(
+    shares: dict[str, Tensor],
+    beta_t: Tensor | None,
+    fit: BatchTailFit | None,
+    effective_scales: dict[str, Tensor] | None = None,
+) -> dict[str, Tensor]:
+    """The logged values of the composite: each term's share, the batch tail index and its fit's R^2, and the top-M
+    terms' effective scales (mean over rows, :mod:`st_weince.functional.effective_scale`)."""
     values = {f"weince_share_{name}": share for name, share in shares.items()}
+    for name, value in (effective_scales or {}).items():
+        values[f"weince_effective_scale_{name}"] = value.detach()
     if beta_t is not None and fit is not None:
         values["weince_batch_beta"] = beta_t.detach()
         values["weince_batch_beta_r2"] = fit.r_squared
@@ -144,11 +167,17 @@ def composite_values(shares: dict[str, Tensor], beta_t: Tensor | None, fit: Batc
 
 
 def logged_values(
-    stats: WeinceStatistics, guard_counts: FilterCounts | None, composite: dict[str, Tensor] | None
+    stats: WeinceStatistics,
+    guard_counts: FilterCounts | None,
+    composite: dict[str, Tensor] | None,
+    blend_scale: Tensor | None = None,
 ) -> dict[str, Tensor]:
-    """The logged statistics of the query rows (device tensors: no step reads them on the host)."""
+    """The logged statistics of the query rows (device tensors: no step reads them on the host); ``blend_scale``:
+    the blend's effective scale, mean over those rows."""
     fitted = stats.fitted.to(stats.lam.dtype)
+    scale = {} if blend_scale is None else {"weince_effective_scale_blend": blend_scale.detach()}
     return {
+        **scale,
         "weince_lambda_mean": stats.lam.mean(),
         "weince_lambda_gt_half": (stats.lam > 0.5).to(stats.lam.dtype).mean(),
         "weince_rho0": stats.rho0,

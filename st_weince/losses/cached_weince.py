@@ -15,6 +15,7 @@ from st_weince.losses._weince_rows import (
     composite_values,
     rows_loss,
     statistics_rows,
+    top_m_effective_scales,
     top_m_rows,
     top_m_units,
 )
@@ -141,14 +142,22 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
         total = torch.zeros((), dtype=statistics[0].lam.dtype, device=queries.device)
         # the terms' sums over the rows (detached), for their logged shares
         term_sums = [torch.zeros((), dtype=total.dtype, device=total.device) for _ in range(3)] if top_m else []
+        # the effective scales' sums over the query rows (blend, top-M shortfall), for their logged means
+        scale_sums = [torch.zeros((), dtype=total.dtype, device=total.device) for _ in range(2)]
         for begin, end in tqdm.tqdm(chunks, desc="Calculating loss", disable=not self.show_progress_bar):
             layout = self._layout(queries, docs, keys, offset, begin, end)[0]
             chunk_statistics = [statistics_rows(s, slice(begin, end)) for s in statistics]
             chunk_rows = rows_loss(layout, chunk_statistics, options.scale, options.math.eps)  # the blend
+            query_rows = layout.groups[0]
+            blend_scale = self._blend_scale(query_rows.scores, query_rows.valid_mask, chunk_statistics[0])
+            scale_sums[0] = scale_sums[0] + blend_scale * (end - begin)
             if top_m:
-                shortfall, infonce = top_m_rows(top_m_units(layout), beta_t, options.top_m_options, options.scale)
+                shortfall, infonce, shortfall_scale = top_m_rows(
+                    top_m_units(layout), beta_t, options.top_m_options, options.scale
+                )
                 for index, term in enumerate((chunk_rows, shortfall, infonce)):
                     term_sums[index] = term_sums[index] + term.detach().sum()
+                scale_sums[1] = scale_sums[1] + shortfall_scale.sum()
                 chunk_rows = composite_loss(chunk_rows, shortfall, infonce, options.top_m_options).total
             chunk_loss = chunk_rows.sum() / batch_size
             if with_backward:
@@ -164,6 +173,7 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
         composite = None
         if top_m:
             shares = composite_loss(*[s / batch_size for s in term_sums], options.top_m_options).shares()
-            composite = composite_values(shares, beta_t, beta_fit)
-        self._record(statistics[0], guard_counts, composite)
+            scales = top_m_effective_scales(scale_sums[1] / batch_size, options.scale, options.top_m_options)
+            composite = composite_values(shares, beta_t, beta_fit, scales)
+        self._record(statistics[0], guard_counts, composite, scale_sums[0] / batch_size)
         return total

@@ -16,6 +16,7 @@ from st_weince.functional.composite import (
     initial_beta_ema,
     update_beta_ema,
 )
+from st_weince.functional.effective_scale import blend_effective_scale
 from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
 from st_weince.functional.layouts import Direction, MNRLLayout, PartitionMode, mnrl_layout
 from st_weince.functional.weince import (
@@ -36,6 +37,7 @@ from st_weince.losses._weince_rows import (
     guarded_layout,
     logged_values,
     rows_loss,
+    top_m_effective_scales,
     top_m_rows,
     top_m_units,
 )
@@ -311,14 +313,25 @@ class WEINCELoss(ColumnsLoss):
                 check_inputs=False,  # checked above, with the loss's own switch
             )
             units = [(scores, positive_index, valid_mask)]
-            return self._with_top_m_terms(loss, stats, counts, lambda: units, scores.shape[0])
+            blend_scale = self._blend_scale(scores, valid_mask, stats)
+            return self._with_top_m_terms(loss, stats, counts, lambda: units, scores.shape[0], blend_scale)
 
     def _loss_from_embeddings(self, embeddings: list[Tensor], row_keys: list[Tensor] | None) -> Tensor:
         queries, docs, offset, keys = self._columns(embeddings, row_keys)
         layout, counts = self._layout(queries, docs, keys, offset, 0, embeddings[0].shape[0])
         statistics = [statistics_from_fit(f, self.options.math, gather=self._gather) for f in self._group_fits(layout)]
         loss = rows_loss(layout, statistics, self.options.scale, self.options.math.eps).mean()
-        return self._with_top_m_terms(loss, statistics[0], counts, lambda: top_m_units(layout), layout.num_rows)
+        query_rows = layout.groups[0]
+        blend_scale = self._blend_scale(query_rows.scores, query_rows.valid_mask, statistics[0])
+        return self._with_top_m_terms(
+            loss, statistics[0], counts, lambda: top_m_units(layout), layout.num_rows, blend_scale
+        )
+
+    def _blend_scale(self, scores: Tensor, valid_mask: Tensor | None, stats: WeinceStatistics) -> Tensor:
+        """The blend's effective scale (docs/weince.md), mean over these rows."""
+        options = self.options
+        rows = blend_effective_scale(scores, valid_mask, stats.lam, stats.beta, scale=options.scale, eps=options.eps)
+        return rows.mean()
 
     def _with_top_m_terms(
         self,
@@ -327,19 +340,21 @@ class WEINCELoss(ColumnsLoss):
         counts: FilterCounts | None,
         units_of: Callable[[], list[Unit]],
         step_rows: int,
+        blend_scale: Tensor | None = None,
     ) -> Tensor:
         """The blend ``loss`` with the top-M terms over the softmaxes ``units_of()`` added when they are on; records
-        the step's statistics."""
+        the step's statistics (and the blend's effective scale ``blend_scale``)."""
         if not self.options.has_top_m_terms:
-            self._record(stats, counts)
+            self._record(stats, counts, blend_scale=blend_scale)
             return loss
         top_m_options, units, tail = self.options.top_m_options, units_of(), None
         if self.batch_beta_ema is not None:
             tail = batch_tail(units, step_rows, top_m_options, self.options.gather_across_devices)
         beta_t, fit = self._advance_batch_beta(tail)
-        shortfall, infonce = top_m_rows(units, beta_t, top_m_options, self.options.scale)
+        shortfall, infonce, shortfall_scale = top_m_rows(units, beta_t, top_m_options, self.options.scale)
         composite = composite_loss(loss, shortfall.mean(), infonce.mean(), top_m_options)
-        self._record(stats, counts, composite_values(composite.shares(), beta_t, fit))
+        scales = top_m_effective_scales(shortfall_scale.mean(), self.options.scale, top_m_options)
+        self._record(stats, counts, composite_values(composite.shares(), beta_t, fit, scales), blend_scale)
         return composite.total
 
     def _advance_batch_beta(self, tail: BatchTail | None) -> tuple[Tensor | None, BatchTailFit | None]:
@@ -359,13 +374,17 @@ class WEINCELoss(ColumnsLoss):
         return beta_t, fit
 
     def _record(
-        self, stats: WeinceStatistics, guard_counts: FilterCounts | None = None, composite: dict | None = None
+        self,
+        stats: WeinceStatistics,
+        guard_counts: FilterCounts | None = None,
+        composite: dict | None = None,
+        blend_scale: Tensor | None = None,
     ) -> None:
         """Keep the statistics of the query rows: the latest ones, and their running means for the trainer's logs
         (on the device, so no step reads them on the host)."""
         if not torch.compiler.is_compiling():
             self.last_statistics = stats
-        self.logged_statistics.add(logged_values(stats, guard_counts, composite))
+        self.logged_statistics.add(logged_values(stats, guard_counts, composite, blend_scale))
 
     @property
     def citation(self) -> str:

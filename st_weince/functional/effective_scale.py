@@ -1,0 +1,68 @@
+"""How sharp a WEINCE term is: the effective scale of its logit over the scores it weights.
+
+A logit ``f(s)`` has scale ``f'(s)``: InfoNCE's ``s / tau`` has the constant ``1 / tau``, the shortfall logit
+``-beta log(1 - s)`` has ``beta / (1 - s)``, which diverges at the cap s = 1. A slope averaged with the softmax's
+weights is dominated by the one candidate nearest 1. A linear logit at that slope is far sharper than the shortfall
+logit over the rest of the set: at initialisation, one such match gave a cross-entropy of 186 against the shortfall
+term's 7.4. So the effective scale here is the **secant slope over the whole set**:
+
+    (f(s_max) - f(s_min)) / (s_max - s_min)
+
+between the lowest and the highest score of the set that the term's softmax runs over (the positive and its
+candidates). A linear logit at this scale spans the same logit range over the set as ``f`` does. For InfoNCE it is
+``1 / tau`` exactly. For the shortfall logit it is ``beta (log(1 - s_min) - log(1 - s_max)) / (s_max - s_min)``, and
+for the blend ``(1 - lam) / tau + lam x`` the shortfall's. Where ``s_max = s_min`` it is the tangent
+``beta / (1 - s)``. Scores are capped at ``1 - eps`` as in the logits. No gradient, no host sync: these are logged
+values.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def shortfall_secant_slope(low: Tensor, high: Tensor, eps: float) -> Tensor:
+    """The secant slope of ``-log(1 - s)`` between ``low`` and ``high`` (elementwise, ``low <= high``), scores capped
+    at ``1 - eps``; the tangent ``1 / (1 - high)`` where they are equal."""
+    low, high = low.clamp(max=1.0 - eps), high.clamp(max=1.0 - eps)
+    width = high - low
+    rise = torch.log1p(-low) - torch.log1p(-high)
+    tangent = 1.0 / (1.0 - high)
+    return torch.where(width > 0, rise / torch.where(width > 0, width, torch.ones_like(width)), tangent)
+
+
+def row_score_range(scores: Tensor, valid_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The lowest and highest valid score of each row, ``([A], [A])`` (no gradient)."""
+    scores = scores.detach()
+    if valid_mask is None:
+        return scores.amin(dim=1), scores.amax(dim=1)
+    return (
+        scores.masked_fill(~valid_mask, float("inf")).amin(dim=1),
+        scores.masked_fill(~valid_mask, float("-inf")).amax(dim=1),
+    )
+
+
+@torch.no_grad()
+def blend_effective_scale(
+    scores: Tensor, valid_mask: Tensor | None, lam: Tensor, beta: Tensor, *, scale: float, eps: float
+) -> Tensor:
+    """Per row [A]: the secant slope of the blended logit ``(1 - lam) s scale + lam (-beta log(1 - s))`` over the row's
+    valid scores (the positive and every candidate of its softmax)."""
+    low, high = row_score_range(scores, valid_mask)
+    lam, beta = lam.detach().to(low.dtype), beta.detach().to(low.dtype)
+    return (1.0 - lam) * scale + lam * beta * shortfall_secant_slope(low, high, eps)
+
+
+@torch.no_grad()
+def top_m_shortfall_effective_scale(
+    positive: Tensor, negatives: Tensor, used: Tensor, beta: Tensor | float, eps: float
+) -> Tensor:
+    """Per row [A]: the secant slope of the top-M shortfall logit ``-beta log(1 - s)`` over the positive and the
+    row's used hardest negatives (the selection of :func:`st_weince.functional.composite.top_m_negatives`)."""
+    # The positive is a column of the set, so a row without used negatives (M' = 0) has the range of one score.
+    values = torch.cat([positive.detach()[:, None], negatives.detach()], dim=1)
+    in_set = torch.cat([used.new_ones((used.shape[0], 1)), used], dim=1)
+    low, high = row_score_range(values, in_set)
+    beta = torch.as_tensor(beta, device=positive.device).detach().to(positive.dtype)
+    return beta * shortfall_secant_slope(low, high, eps)
