@@ -3,8 +3,9 @@
 A logit ``f(s)`` has scale ``f'(s)``: InfoNCE's ``s / tau`` has the constant ``1 / tau``, the shortfall logit
 ``-beta log(1 - s)`` has ``beta / (1 - s)``, which diverges at the cap s = 1. A slope averaged with the softmax's
 weights is dominated by the one candidate nearest 1. A linear logit at that slope is far sharper than the shortfall
-logit over the rest of the set: at initialisation, one such match gave a cross-entropy of 186 against the shortfall
-term's 7.4. So the effective scale here is the **secant slope over the whole set**:
+logit over the rest of the set. A trial reported in the issue "link or temperature" shows this: at initialisation,
+such a match gave a cross-entropy of 186 against the shortfall term's 7.4. So the effective scale here is the
+**secant slope over the whole set**:
 
     (f(s_max) - f(s_min)) / (s_max - s_min)
 
