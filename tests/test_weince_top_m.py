@@ -195,6 +195,40 @@ def test_zero_weights_on_the_simclr_layout_are_todays_loss_exactly():
     assert torch.equal(today, off)
 
 
+@pytest.mark.parametrize("cached", [False, True])
+def test_the_top_m_infonce_term_at_its_own_scale(cached):
+    """``top_m_infonce_scale`` sets only that term's inverse temperature: with lambda = 0 the loss is InfoNCE at
+    ``scale`` + 0.5 x InfoNCE at ``top_m_infonce_scale`` over the positive and the M hardest negatives, computed
+    here by hand (float64), and the logged effective scale is that scale."""
+    scale, matched, top_m = 2.0, 9.5, 4
+    options = dict(mode="none", scale=scale, top_m=top_m, top_m_infonce_weight=0.5, top_m_infonce_scale=matched)
+    loss_fn = (CachedWEINCELoss(None, mini_batch_size=5, **options) if cached else WEINCELoss(None, **options)).double()
+    queries, docs = columns(12, 2, seed=3, dtype=torch.float64)
+    if cached:
+        reps = [[part.clone() for part in e.split(5)] for e in (queries, docs)]
+        value = loss_fn.calculate_loss(reps, None, with_backward=False)
+    else:
+        value = loss_fn.compute_loss_from_embeddings([queries, docs], None)
+    scores = torch.nn.functional.normalize(queries, dim=1) @ torch.nn.functional.normalize(docs, dim=1).T
+    positives = scores.diagonal()
+    negatives = scores.masked_fill(torch.eye(12, dtype=torch.bool), -torch.inf).topk(top_m, dim=1).values
+    infonce = torch.nn.functional.cross_entropy(scale * scores, torch.arange(12))
+    hardest = torch.cat([positives[:, None], negatives], dim=1) * matched
+    top_m_infonce = torch.nn.functional.cross_entropy(hardest, torch.zeros(12, dtype=torch.long))
+    torch.testing.assert_close(value, infonce + 0.5 * top_m_infonce, rtol=1e-10, atol=1e-12)
+    assert float(loss_fn.pop_logged_statistics()["weince_effective_scale_top_m_infonce"]) == matched
+    assert loss_fn.get_config_dict()["top_m_infonce_scale"] == matched
+    released = WEINCELoss.released(None)
+    assert released.options.top_m_infonce_scale is None and released.options.top_m_infonce_logit_scale == 2.0
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("inf")])
+def test_the_top_m_infonce_scale_is_refused_by_name(value):
+    for cls in (WEINCELoss, CachedWEINCELoss):
+        with pytest.raises(ValueError, match="top_m_infonce_scale"):
+            cls(None, top_m_infonce_weight=0.5, top_m_infonce_scale=value)
+
+
 # --------------------------------------------------------------------------------------------- state
 
 

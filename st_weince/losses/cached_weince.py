@@ -153,7 +153,7 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
             scale_sums[0] = scale_sums[0] + blend_scale * (end - begin)
             if top_m:
                 shortfall, infonce, shortfall_scale = top_m_rows(
-                    top_m_units(layout), beta_t, options.top_m_options, options.scale
+                    top_m_units(layout), beta_t, options.top_m_options, options.top_m_infonce_logit_scale
                 )
                 for index, term in enumerate((chunk_rows, shortfall, infonce)):
                     term_sums[index] = term_sums[index] + term.detach().sum()
@@ -173,7 +173,9 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
         composite = None
         if top_m:
             shares = composite_loss(*[s / batch_size for s in term_sums], options.top_m_options).shares()
-            scales = top_m_effective_scales(scale_sums[1] / batch_size, options.scale, options.top_m_options)
+            scales = top_m_effective_scales(
+                scale_sums[1] / batch_size, options.top_m_infonce_logit_scale, options.top_m_options
+            )
             composite = composite_values(shares, beta_t, beta_fit, scales)
         self._record(statistics[0], guard_counts, composite, scale_sums[0] / batch_size)
         return total

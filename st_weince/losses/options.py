@@ -56,6 +56,9 @@ class WEINCELossOptions:
     top_m: int = TOP_M_DEFAULTS.top_m
     top_m_shortfall_weight: float = TOP_M_DEFAULTS.top_m_shortfall_weight
     top_m_infonce_weight: float = TOP_M_DEFAULTS.top_m_infonce_weight
+    # The top-M InfoNCE term's own inverse temperature (None: ``scale``, as released); a study knob, to run that term
+    # at the sharpness of the shortfall term (docs/weince.md, "How sharp is a WEINCE loss?").
+    top_m_infonce_scale: float | None = None
     beta_ema_start: float = TOP_M_DEFAULTS.beta_ema_start
     beta_ema_momentum: float = TOP_M_DEFAULTS.beta_ema_momentum
     beta_min_r_squared: float = TOP_M_DEFAULTS.beta_min_r_squared
@@ -73,6 +76,8 @@ class WEINCELossOptions:
             object.__setattr__(self, name, value)
 
         put("scale", check_scale(self.scale))
+        if self.top_m_infonce_scale is not None:
+            put("top_m_infonce_scale", check_scale(self.top_m_infonce_scale, "top_m_infonce_scale"))
         for name in ("gather_across_devices", "check_inputs"):
             put(name, flag_option(name, getattr(self, name)))
         check_directions(self.directions, self.partition_mode)
@@ -85,6 +90,11 @@ class WEINCELossOptions:
         put("top_m_options", TopMOptions(**{f.name: getattr(self, f.name) for f in fields(TopMOptions)}))
         for name in self.top_m_options.as_dict():
             put(name, getattr(self.top_m_options, name))
+
+    @property
+    def top_m_infonce_logit_scale(self) -> float:
+        """The inverse temperature of the top-M InfoNCE term's logits: ``top_m_infonce_scale``, else ``scale``."""
+        return self.scale if self.top_m_infonce_scale is None else self.top_m_infonce_scale
 
     @property
     def has_top_m_terms(self) -> bool:

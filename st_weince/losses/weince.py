@@ -99,6 +99,7 @@ class WEINCELoss(ColumnsLoss):
         top_m: int = WEINCELossOptions.top_m,
         top_m_shortfall_weight: float = WEINCELossOptions.top_m_shortfall_weight,
         top_m_infonce_weight: float = WEINCELossOptions.top_m_infonce_weight,
+        top_m_infonce_scale: float | None = WEINCELossOptions.top_m_infonce_scale,
         beta_ema_start: float = WEINCELossOptions.beta_ema_start,
         beta_ema_momentum: float = WEINCELossOptions.beta_ema_momentum,
         beta_min_r_squared: float = WEINCELossOptions.beta_min_r_squared,
@@ -163,6 +164,9 @@ class WEINCELoss(ColumnsLoss):
                 each anchor, with ``beta_t`` the batch tail index below.
             top_m_infonce_weight: weight of the top-M InfoNCE term (0 = off, the default; released: 0.5): InfoNCE
                 (logits ``scale * s``) over the positive and the M hardest negatives only.
+            top_m_infonce_scale: the top-M InfoNCE term's own inverse temperature (None, the default: ``scale``, as
+                released), e.g. the shortfall term's logged ``weince_effective_scale_top_m_shortfall`` to compare the
+                two links at matched sharpness.
             beta_ema_start, beta_ema_momentum, beta_min_r_squared, beta_min, beta_max, beta_tail_min_points,
                 beta_tail_frac: the batch tail index ``beta_t`` of the top-M shortfall term (not the blend's
                 ``beta``): a Weibull line is fitted to the ``k = min(K_all, max(beta_tail_min_points, floor(
@@ -351,9 +355,10 @@ class WEINCELoss(ColumnsLoss):
         if self.batch_beta_ema is not None:
             tail = batch_tail(units, step_rows, top_m_options, self.options.gather_across_devices)
         beta_t, fit = self._advance_batch_beta(tail)
-        shortfall, infonce, shortfall_scale = top_m_rows(units, beta_t, top_m_options, self.options.scale)
+        infonce_scale = self.options.top_m_infonce_logit_scale
+        shortfall, infonce, shortfall_scale = top_m_rows(units, beta_t, top_m_options, infonce_scale)
         composite = composite_loss(loss, shortfall.mean(), infonce.mean(), top_m_options)
-        scales = top_m_effective_scales(shortfall_scale.mean(), self.options.scale, top_m_options)
+        scales = top_m_effective_scales(shortfall_scale.mean(), infonce_scale, top_m_options)
         self._record(stats, counts, composite_values(composite.shares(), beta_t, fit, scales), blend_scale)
         return composite.total
 
