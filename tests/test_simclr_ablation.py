@@ -67,7 +67,7 @@ def test_infonce_and_its_temperature_control_under_the_released_setup(
     assert difference["per_seed"]["0"]["linear_top1"] == pytest.approx(
         control[-1]["linear_top1"] - base[-1]["linear_top1"]
     )
-    assert "interaction" not in summary["paired"] and len(summary["runs_missing"]) == 24
+    assert "interaction" not in summary["paired"] and len(summary["runs_missing"]) == 27
     assert "infonce-tau0.2_minus_infonce" in (tmp_path / "results" / "summary.md").read_text()
     figure = tmp_path / "results" / "paired.png"  # the paired differences as a figure beside the table
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figure.stat().st_size > 5_000
@@ -244,3 +244,27 @@ def test_the_missing_cell_its_top_m_overlap_and_the_paired_t(ablation):
     # One seed has no spread: no t, the sign count only.
     one_seed = ablation.paired({key: value for key, value in finals.items() if key[1] == 0})
     assert ablation.paired_t_and_signs(one_seed["top_m_overlap"], "linear_top1") == "t -, 0 of 1 > 0"
+
+
+def test_the_matched_arm_its_scale_the_decisive_comparison_and_collapse(ablation):
+    """The matched arm's fixed scale is the one recomputed from the committed measurement runs of arm 3; the summary
+    pairs arm 3 with it; a run whose training loss sits at the collapsed encoder's is flagged, others not."""
+    assert ablation.MATCHED_SCALE == pytest.approx(ablation.matched_scale(), abs=0.005)
+    options = ablation.STUDY_ARMS[ablation.MATCHED]["options"]
+    assert options == {"mode": "none", "top_m_infonce_weight": 0.5, "top_m_infonce_scale": ablation.MATCHED_SCALE}
+    finals = {
+        ("infonce", 0): {"linear_top1": 40.0, "knn_top1": 40.0},
+        ("infonce-topm-shortfall", 0): {"linear_top1": 40.5, "knn_top1": 43.0},
+        (ablation.MATCHED, 0): {"linear_top1": 41.0, "knn_top1": 42.25},
+    }
+    paired = ablation.paired(finals)
+    assert paired[f"infonce-topm-shortfall_minus_{ablation.MATCHED}"]["per_seed"]["0"] == {
+        "linear_top1": -0.5,
+        "knn_top1": 0.75,
+    }
+    # every embedding equal: InfoNCE over 2N - 1 = 511 equal logits, the top-M term over M + 1 = 51
+    collapsed = torch.log(torch.tensor(511.0, dtype=torch.float64)) + 0.5 * torch.log(torch.tensor(51.0))
+    assert ablation.collapse_loss(ablation.MATCHED, 256) == pytest.approx(float(collapsed), rel=1e-6)
+    assert ablation.collapse_record(ablation.MATCHED, {"train_loss": float(collapsed) + 0.001})["collapsed"]
+    assert not ablation.collapse_record(ablation.MATCHED, {"train_loss": 7.5})["collapsed"]
+    assert ablation.collapse_loss("composite", 256) is None  # the blend's loss at collapse is not this constant
