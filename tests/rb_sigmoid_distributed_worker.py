@@ -141,8 +141,15 @@ def trainer_part(output_dir: Path, rank: int, model_dirs: dict[str, Path]) -> di
             **optimizer,
         )
         trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset, loss=loss)
-        if run != "plain":
-            prepare_trainer(trainer)
+        if run == "plain":  # without prepare_trainer: refused at the first step on every rank, never a drift
+            try:
+                trainer.train()
+            except RuntimeError as error:
+                finals[run] = {"error": str(error), "values": [loss.scale.item(), loss.b_rel.item()]}
+            else:
+                finals[run] = {"error": None, "values": [loss.scale.item(), loss.b_rel.item()]}
+            continue
+        prepare_trainer(trainer)
         trainer.train()
         finals[run] = [loss.scale.item(), loss.b_rel.item()]
     return finals

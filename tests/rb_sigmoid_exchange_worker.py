@@ -249,7 +249,7 @@ def wrapped_loss(model, cls, matryoshka: bool, **options):
 
     if cls is CachedRBSigmoidLoss:
         options["mini_batch_size"] = 2
-    inner = cls(model, **MODEL_OPTIONS, **options).double()
+    inner = cls(model, **MODEL_OPTIONS, **options).double().mark_state_managed()  # model_step is the loop
     return (MatryoshkaLoss(model, inner, *MATRYOSHKA) if matryoshka else inner), inner
 
 

@@ -173,7 +173,7 @@ def test_forward_computes_the_keys_from_the_token_ids(cls, tiny_model, one_torch
     texts = [["a cat sat", "a dog ran", "the sun"], ["a cat on a mat", "a cat on a mat", "hot sun"]]
     features = [tiny_model.tokenize(column) for column in texts]
     options = {"mini_batch_size": 2} if cls.__name__.startswith("Cached") else {}
-    guarded = cls(tiny_model, false_negative_filter="identical", **options)
+    guarded = cls(tiny_model, false_negative_filter="identical", **options).mark_state_managed()  # own loop
     guarded(features, None)
     stats = guarded.pop_logged_statistics()
     assert max(v for k, v in stats.items() if k.endswith("fn_masked_share")) == pytest.approx(2 / 6)
@@ -183,7 +183,7 @@ def test_forward_computes_the_keys_from_the_token_ids(cls, tiny_model, one_torch
         )
     without_ids = [{"pixel_values": torch.randn(3, 4)} for _ in range(2)]
     with pytest.raises(ValueError, match="this column has none"):
-        cls(tiny_model, false_negative_filter="identical", **options)(without_ids, None)
+        cls(tiny_model, false_negative_filter="identical", **options).mark_state_managed()(without_ids, None)
 
 
 def test_no_host_sync_for_the_keys_and_the_mask():

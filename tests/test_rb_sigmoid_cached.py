@@ -74,8 +74,9 @@ def assert_same_gradients(ours: dict, theirs: dict, rtol: float = 1e-5) -> None:
 @pytest.mark.parametrize("options", CONFIGURATIONS)
 def test_loss_and_all_gradients_equal_the_uncached_loss(model, options, one_torch_thread):
     texts = triplets()
-    uncached = RBSigmoidLoss(model, **options)
-    cached = CachedRBSigmoidLoss(model, mini_batch_size=MINI_BATCH, **options)
+    # this test is the training loop: it handles the loss parameters (their gradients) itself
+    uncached = RBSigmoidLoss(model, **options).mark_state_managed()
+    cached = CachedRBSigmoidLoss(model, mini_batch_size=MINI_BATCH, **options).mark_state_managed()
     assert {n for n, _ in cached.named_parameters()} == {n for n, _ in uncached.named_parameters()}
     expected = step(model, uncached, texts)
     zero_grads(model)
@@ -96,7 +97,7 @@ def test_scaled_backward_scales_the_loss_parameter_gradients(model, one_torch_th
         ("uncached", RBSigmoidLoss, {}),
         ("cached", CachedRBSigmoidLoss, {"mini_batch_size": MINI_BATCH}),
     ):
-        loss_fn = cls(model, **kwargs)
+        loss_fn = cls(model, **kwargs).mark_state_managed()  # this test is the training loop
         for factor in (1.0, 1024.0):
             zero_grads(model, loss_fn)
             results[name, factor] = step(model, loss_fn, texts, factor=factor)
@@ -112,8 +113,8 @@ def test_gradient_accumulation_over_two_micro_batches(model, one_torch_thread):
     halves = [[column[:24] for column in texts], [column[24:] for column in texts]]
     accumulated = {}
     for name, loss_fn in (
-        ("uncached", RBSigmoidLoss(model)),
-        ("cached", CachedRBSigmoidLoss(model, mini_batch_size=MINI_BATCH)),
+        ("uncached", RBSigmoidLoss(model).mark_state_managed()),
+        ("cached", CachedRBSigmoidLoss(model, mini_batch_size=MINI_BATCH).mark_state_managed()),
     ):
         zero_grads(model, loss_fn)
         for half in halves:
@@ -127,8 +128,8 @@ def test_gradient_accumulation_over_two_micro_batches(model, one_torch_thread):
 def test_under_matryoshka_loss(model, one_torch_thread):
     texts = triplets(seed=3)
     dims, weights = [32, 16, 8], [1.0, 0.5, 2.0]
-    uncached = MatryoshkaLoss(model, RBSigmoidLoss(model, locked_adapter=True), dims, weights)
-    inner = CachedRBSigmoidLoss(model, mini_batch_size=MINI_BATCH, locked_adapter=True)
+    uncached = MatryoshkaLoss(model, RBSigmoidLoss(model, locked_adapter=True).mark_state_managed(), dims, weights)
+    inner = CachedRBSigmoidLoss(model, mini_batch_size=MINI_BATCH, locked_adapter=True).mark_state_managed()
     cached = MatryoshkaLoss(model, inner, dims, weights)
     expected = step(model, uncached, texts, factor=8.0)
     zero_grads(model)
@@ -222,8 +223,8 @@ def test_grad_scaler_unscaled_gradients_equal_the_uncached_ones(model, one_torch
     texts = triplets(seed=7)
     unscaled = {}
     for name, loss_fn in (
-        ("uncached", RBSigmoidLoss(model)),
-        ("cached", CachedRBSigmoidLoss(model, mini_batch_size=MINI_BATCH)),
+        ("uncached", RBSigmoidLoss(model).mark_state_managed()),
+        ("cached", CachedRBSigmoidLoss(model, mini_batch_size=MINI_BATCH).mark_state_managed()),
     ):
         zero_grads(model, loss_fn)
         optimizer = torch.optim.SGD(loss_fn.parameters(), lr=0.0)

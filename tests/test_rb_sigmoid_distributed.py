@@ -80,8 +80,12 @@ def test_trainer_keeps_loss_parameters_identical_across_ranks(ranks):
     plain = [ranks[r]["trainer"]["plain"] for r in range(2)]
     assert prepared[0] == pytest.approx(prepared[1], rel=1e-6, abs=1e-7)
     assert prepared[0][0] != pytest.approx(10.0, rel=1e-3), "t must have moved during training"
-    # Without prepare_trainer the ranks drift apart.
-    assert plain[0] != pytest.approx(plain[1], rel=1e-6, abs=1e-7)
+    # Without prepare_trainer the ranks would drift apart: each refuses its first step instead, naming the line to add,
+    # before any optimizer step (t and b_rel are still their starts).
+    for rank in plain:
+        assert rank["error"] is not None and "st_weince.training.prepare_trainer(trainer)" in rank["error"]
+        assert "drift apart across processes" in rank["error"] and "log_t, b_rel" in rank["error"]
+        assert rank["values"] == pytest.approx([10.0, 0.7], rel=1e-6)
 
 
 def test_cached_trainer_run_equals_the_uncached_one(ranks):

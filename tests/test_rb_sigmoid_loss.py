@@ -204,7 +204,7 @@ def forward_backward(tiny_model, loss) -> torch.Tensor:
 
 
 def test_forward_with_a_tiny_model(tiny_model):
-    loss = RBSigmoidLoss(tiny_model)
+    loss = RBSigmoidLoss(tiny_model).mark_state_managed()  # this test is the training loop
     assert torch.isfinite(forward_backward(tiny_model, loss))
     assert any(p.grad is not None for p in tiny_model.parameters())
     assert loss.log_t.grad is not None
@@ -247,7 +247,7 @@ def test_clear_errors_for_bad_inputs():
 def test_works_inside_sentence_transformers_wrappers(tiny_model, wrapper):
     from sentence_transformers.sentence_transformer import losses
 
-    inner = RBSigmoidLoss(tiny_model)
+    inner = RBSigmoidLoss(tiny_model).mark_state_managed()  # this test is the training loop
     if wrapper == "AdaptiveLayerLoss":
         loss = losses.AdaptiveLayerLoss(tiny_model, inner)
     else:

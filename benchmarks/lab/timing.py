@@ -21,7 +21,8 @@ def losses_uncached(model: nn.Module | None, check_inputs: bool = True) -> dict[
     return {
         "mnrl": MultipleNegativesRankingLoss(model),
         "weince": WEINCELoss(model, check_inputs=check_inputs),
-        "rb_sigmoid": RBSigmoidLoss(model, check_inputs=check_inputs),
+        # .mark_state_managed(): these benchmarks are the training loop (their optimizers take the loss parameters)
+        "rb_sigmoid": RBSigmoidLoss(model, check_inputs=check_inputs).mark_state_managed(),
     }
 
 
@@ -33,7 +34,9 @@ def losses_cached(model: nn.Module, mini_batch_size: int, check_inputs: bool = T
     return {
         "cmnrl": CachedMultipleNegativesRankingLoss(model, mini_batch_size=mini_batch_size),
         "cached_weince": CachedWEINCELoss(model, mini_batch_size=mini_batch_size, check_inputs=check_inputs),
-        "cached_rb_sigmoid": CachedRBSigmoidLoss(model, mini_batch_size=mini_batch_size, check_inputs=check_inputs),
+        "cached_rb_sigmoid": CachedRBSigmoidLoss(
+            model, mini_batch_size=mini_batch_size, check_inputs=check_inputs
+        ).mark_state_managed(),
     }
 
 

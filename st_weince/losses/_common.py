@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
+import torch
 from sentence_transformers.base.losses.merged_forward import embed_columns
 from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
@@ -82,18 +83,61 @@ def guard_share_values(prefix: str, counts: FilterCounts | None) -> dict[str, Te
     return {f"{prefix}_fn_masked_share": counts.masked_share, f"{prefix}_fn_anchors_share": counts.anchors_share}
 
 
+LossT = TypeVar("LossT", bound="ColumnsLoss")
+
+
 class ColumnsLoss(nn.Module):
     """A loss on the columns of a sentence-transformers batch (``[anchor, positive, *negatives]``) with one frozen
     options object (``options.check_inputs``, ``options.false_negative_filter``) and statistics logged by name. A
-    subclass computes ``_loss_from_embeddings(embeddings, row_keys)`` and gives its ``citation``."""
+    subclass computes ``_loss_from_embeddings(embeddings, row_keys)`` and gives its ``citation``.
+
+    A loss with state of its own that training changes (trainable parameters; buffers named in
+    ``evolving_buffers``) refuses its first training step (``forward`` in training mode with gradients on) until
+    :meth:`mark_state_managed` says who handles that state: the sentence-transformers trainer neither checkpoints,
+    syncs across processes nor trains it at its own learning rate, so without the setup it would be lost silently."""
+
+    #: names of buffers that training changes (state like a parameter's, e.g. a moving average)
+    evolving_buffers: tuple[str, ...] = ()
 
     def __init__(self, model: nn.Module | None, options: Any) -> None:
         super().__init__()
         self.model = model
         self.options = options
         self.logged_statistics = RunningMeans()
+        self.state_managed_by: str | None = None
+
+    def mark_state_managed(self: LossT, by: str = "the caller's training loop") -> LossT:
+        """Declare that ``by`` handles this loss's own state (its trainable parameters and evolving buffers: the
+        optimizer's parameter groups, checkpoints, the average across processes). ``prepare_trainer`` calls it for
+        the trainer; a training loop of your own that does so calls it once. Returns the loss."""
+        self.state_managed_by = by
+        return self
+
+    def training_state_names(self) -> list[str]:
+        """The loss's own tensors that training changes: trainable parameters and evolving buffers, not the model's."""
+        names = [name for name, p in self.named_parameters() if p.requires_grad and not name.startswith("model.")]
+        return names + [name for name in self.evolving_buffers if getattr(self, name, None) is not None]
+
+    def _refuse_unmanaged_state(self) -> None:
+        """At the first training step: an error when the loss has state that nobody was declared to handle (a Python
+        check on construction-time facts, no tensor is read)."""
+        if self.state_managed_by is not None or not (self.training and torch.is_grad_enabled()):
+            return
+        names = self.training_state_names()
+        if not names:
+            self.state_managed_by = "nobody (no state of its own)"
+            return
+        raise RuntimeError(
+            f"{type(self).__name__} has state of its own that training changes ({', '.join(names)}), and nothing "
+            "handles it: SentenceTransformerTrainer would train it at the model's learning rate with weight decay, "
+            "put it in no checkpoint (a resume restarts it), let it drift apart across processes, and the saved "
+            "model would not carry it. Add the one line st_weince.training.prepare_trainer(trainer) after building "
+            "the trainer, before trainer.train(). In a training loop of your own that handles it, call "
+            "loss.mark_state_managed() once instead."
+        )
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
+        self._refuse_unmanaged_state()
         sentence_features = list(sentence_features)
         row_keys = self._row_keys(sentence_features)
         embeddings = embed_columns(self.model, sentence_features)

@@ -101,6 +101,7 @@ class GradCachedLoss(CachedLossMixin):
         return [torch.cat(column) for column in reps]
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
+        self._refuse_unmanaged_state()
         sentence_features = list(sentence_features)
         if len(sentence_features) < 2:
             raise ValueError(

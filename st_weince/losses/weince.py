@@ -77,6 +77,8 @@ _MNRL_REASONS["hardness_strength"] = _MNRL_REASONS["hardness_mode"]
 
 
 class WEINCELoss(ColumnsLoss):
+    evolving_buffers = ("batch_beta_ema",)  # the released composite's batch tail index (its moving average)
+
     def __init__(
         self,
         model: nn.Module | None,

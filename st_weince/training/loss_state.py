@@ -53,6 +53,7 @@ from st_weince.training.loss_tensors import (
     check_finite_loss_state,
     load_loss_state_dict,
     loss_state_dict,
+    losses_by_prefix,
     no_weight_decay_parameters,
     own_parameters,
     own_tensors,
@@ -203,6 +204,10 @@ def prepare_trainer(
         dist.barrier()  # no rank looks for the last checkpoint before the incomplete ones are set aside
     # For every loss, also one without parameters: the record names the loss class and configuration in each
     # checkpoint, so that resuming under another loss is refused with that reason.
+    for top in losses_by_prefix(trainer.loss).values():
+        for module in top.modules():
+            if callable(getattr(module, "mark_state_managed", None)):
+                module.mark_state_managed("st_weince.training.prepare_trainer")  # the callbacks below handle it
     record = LossStateRecord()
     record.loss = trainer.loss
     trainer.add_callback(record)

@@ -1,0 +1,102 @@
+"""A loss whose own state nobody handles refuses its first training step, instead of losing that state silently:
+RBSigmoidLoss (t, b_rel), its cached variant, either inside MatryoshkaLoss, and the released WEINCE composite (its
+batch tail index) under a plain SentenceTransformerTrainer; prepare_trainer and mark_state_managed lift it; WEINCE
+without state, evaluation and no-grad passes are never refused."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss
+
+from st_weince.losses import CachedRBSigmoidLoss, RBSigmoidLoss, WEINCELoss
+from st_weince.training import prepare_trainer
+from tests.conftest import SHORT_RUN, TINY_SENTENCES, build_trainer
+
+LINE = "st_weince.training.prepare_trainer(trainer)"
+
+
+def tiny_model(model_dir) -> SentenceTransformer:
+    return SentenceTransformer(str(model_dir), device="cpu")
+
+
+def two_steps(model, loss, output_dir, **arguments):
+    settings = {**SHORT_RUN, "per_device_train_batch_size": 8, "max_steps": 2, **arguments}
+    return build_trainer(model, loss, output_dir, **settings)
+
+
+LOSSES_WITH_STATE = {
+    "rb-sigmoid": (lambda model: RBSigmoidLoss(model), "log_t, b_rel"),
+    "cached-rb-sigmoid": (lambda model: CachedRBSigmoidLoss(model, mini_batch_size=4), "log_t, b_rel"),
+    "matryoshka-rb-sigmoid": (lambda model: MatryoshkaLoss(model, RBSigmoidLoss(model), [32, 16]), "log_t, b_rel"),
+    "released-composite": (
+        lambda model: WEINCELoss(model, top_m=3, top_m_shortfall_weight=0.5, beta_tail_min_points=16),
+        "batch_beta_ema",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(LOSSES_WITH_STATE))
+def test_a_plain_trainer_is_refused_at_the_first_step_naming_the_line(name, tiny_model_dir, tmp_path):
+    make, state = LOSSES_WITH_STATE[name]
+    model = tiny_model(tiny_model_dir)
+    loss = make(model)
+    before = {key: value.clone() for key, value in loss.state_dict().items() if not key.startswith("model.")}
+    trainer = two_steps(model, loss, tmp_path / "plain")
+    with pytest.raises(RuntimeError, match=r"has state of its own that training changes") as refused:
+        trainer.train()
+    message = str(refused.value)
+    assert LINE in message and f"({state})" in message and "loss.mark_state_managed()" in message
+    assert "a resume restarts it" in message and "drift apart across processes" in message
+    assert trainer.state.global_step == 0  # refused before any optimizer step: nothing trained, nothing lost
+    after = {key: value for key, value in loss.state_dict().items() if not key.startswith("model.")}
+    assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+
+
+@pytest.mark.parametrize("name", ["rb-sigmoid", "matryoshka-rb-sigmoid", "released-composite"])
+def test_prepare_trainer_lifts_the_refusal_and_the_state_trains(name, tiny_model_dir, tmp_path):
+    make, _ = LOSSES_WITH_STATE[name]
+    model = tiny_model(tiny_model_dir)
+    loss = make(model)
+    trainer = two_steps(model, loss, tmp_path / "prepared")
+    prepare_trainer(trainer)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    inner = loss.loss if isinstance(loss, MatryoshkaLoss) else loss
+    assert inner.state_managed_by == "st_weince.training.prepare_trainer"
+    if isinstance(inner, RBSigmoidLoss):
+        assert inner.scale.item() != pytest.approx(10.0, rel=1e-4)  # t trained at the loss's own rate
+    else:
+        assert inner.batch_beta_ema.item() != 4.0  # the tail index's moving average advanced
+
+
+def test_weince_without_state_trains_with_a_plain_trainer(tiny_model_dir, tmp_path):
+    model = tiny_model(tiny_model_dir)
+    loss = WEINCELoss(model)
+    assert loss.training_state_names() == []
+    trainer = two_steps(model, loss, tmp_path / "weince")
+    trainer.train()
+    assert trainer.state.global_step == 2 and math.isfinite(trainer.state.log_history[-1]["train_loss"])
+
+
+def test_own_loops_declare_the_state_managed_and_evaluation_is_never_refused(tiny_model_dir):
+    model = tiny_model(tiny_model_dir)
+    loss = RBSigmoidLoss(model)
+    features = [model.preprocess(TINY_SENTENCES[:6]), model.preprocess(TINY_SENTENCES[1:7])]
+    loss.eval()
+    loss(features)  # evaluation (the trainer's eval loop) is not a training step
+    loss.train()
+    with torch.no_grad():
+        loss(features)
+    with pytest.raises(RuntimeError, match="mark_state_managed"):
+        loss(features)
+    assert loss.mark_state_managed() is loss and loss.state_managed_by == "the caller's training loop"
+    value = loss(features)
+    value.backward()
+    assert loss.log_t.grad is not None and torch.isfinite(loss.log_t.grad).all()
+    frozen = RBSigmoidLoss(model, trainable_scale=False, trainable_bias=False)
+    assert frozen.training_state_names() == []
+    frozen(features).backward()  # constants: nothing to lose
