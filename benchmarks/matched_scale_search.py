@@ -7,11 +7,15 @@ rho0, the 0.2 quantile of the hardest negatives' shortfall 1 - s, fell to 0.001.
 seed 0, the same initial network, batches and views, for ``--steps`` steps at each candidate scale and records every
 step's loss and rho0, so that the sharpest scale that does not collapse can be chosen before any 5-epoch run.
 
-A step counts as collapsed when its loss lies within 0.05 of the collapsed encoder's and its rho0 below 0.01; a
-candidate collapses when its last 20 steps all do. Output: one JSON line per candidate in
-benchmarks/results/simclr_ablation_matched_scale/scale_search.jsonl (written as each finishes).
+A step counts as collapsed by the ablation's rule (``simclr_ablation.is_collapsed``: loss within
+COLLAPSE_LOSS_MARGIN of the collapsed encoder's and rho0 below COLLAPSE_RHO0); a candidate collapses when its last
+LAST_STEPS steps all do. Every arm passes through that state in its first steps (the initial network maps all
+images close together: rho0 0.029 at step 0), so a probe must be long enough to see it leave: one epoch (195 steps).
+Output: one JSON line per candidate (written as each finishes); ``--summarize`` re-derives each line's verdict from
+its per-step values.
 
-    OMP_NUM_THREADS=1 python benchmarks/matched_scale_search.py --scales 20 12 --steps 150
+    OMP_NUM_THREADS=1 python benchmarks/matched_scale_search.py --scales 4 --steps 195
+    python benchmarks/matched_scale_search.py --summarize
 """
 
 from __future__ import annotations
@@ -32,10 +36,9 @@ from benchmarks.lab.simclr_eval import DEFAULT_DATA, load_data  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
 from st_weince.vision import SimCLRAugment, SimCLRTraining, build_run, data_order  # noqa: E402
 
-OUTPUT = ablation.MATCHED_SCALE_DIR / "scale_search.jsonl"
-COLLAPSE_LOSS_MARGIN = 0.05
-COLLAPSE_RHO0 = 0.01
+OUTPUT = ablation.MATCHED_SCALE_DIR / "scale_search_epoch1.jsonl"
 LAST_STEPS = 20
+LEAVE_STEPS = 5
 
 
 def probe(scale: float, steps: int, seed: int, data, config: dict) -> dict:
@@ -58,30 +61,61 @@ def probe(scale: float, steps: int, seed: int, data, config: dict) -> dict:
     tick = time.perf_counter()
     images = data.train.images
     training.epoch(images, data_order(images.shape[0], seed, 0), config["batch_size"], steps=steps, on_step=on_step)
-    collapse = ablation.collapse_loss(arm, config["batch_size"])
-    collapsed_steps = [abs(v - collapse) < COLLAPSE_LOSS_MARGIN and r < COLLAPSE_RHO0 for v, r in zip(losses, rho0)]
-    first = next((i for i, c in enumerate(collapsed_steps) if c), None)
+    record = {"scale": scale, "seed": seed, "steps": steps, "loss": losses, "rho0": rho0}
+    return {**record, **verdict(record), "seconds": time.perf_counter() - tick}
+
+
+def verdict(record: dict) -> dict:
+    """A probe's collapse verdict from its per-step loss and rho0 (the ablation's rule)."""
+    collapse = ablation.collapse_loss(ablation.MATCHED, ablation.ABLATION["batch_size"])
+    steps = [ablation.is_collapsed(v, r, collapse) for v, r in zip(record["loss"], record["rho0"])]
+    tail = slice(-LAST_STEPS, None)
+    first = next((i for i, c in enumerate(steps) if c), None)
+    # left the collapsed state: the first step after it of LEAVE_STEPS in a row that are not collapsed
+    left = None
+    if first is not None:
+        left = next(
+            (i for i in range(first, len(steps) - LEAVE_STEPS + 1) if not any(steps[i : i + LEAVE_STEPS])), None
+        )
     return {
-        "scale": scale,
-        "seed": seed,
-        "steps": steps,
         "collapse_loss": collapse,
-        "collapsed": all(collapsed_steps[-LAST_STEPS:]),
+        "collapsed": all(steps[tail]),
         "first_collapsed_step": first,
-        "loss": losses,
-        "rho0": rho0,
-        "seconds": time.perf_counter() - tick,
+        "left_collapse_at_step": left,
+        "last_steps_mean_loss": sum(record["loss"][tail]) / len(record["loss"][tail]),
+        "last_steps_mean_rho0": sum(record["rho0"][tail]) / len(record["rho0"][tail]),
     }
+
+
+def summarize(path: Path) -> list[dict]:
+    """Each probe's scale, steps and verdict, re-derived from its per-step values, sharpest first."""
+    rows = []
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        rows.append({"scale": record["scale"], "seed": record["seed"], "steps": record["steps"], **verdict(record)})
+    rows.sort(key=lambda row: -row["scale"])
+    for row in rows:
+        print(
+            f"scale {row['scale']:6.2f}, {row['steps']} steps: collapsed {row['collapsed']}; last {LAST_STEPS} steps: "
+            f"loss {row['last_steps_mean_loss']:.4f} (collapsed {row['collapse_loss']:.4f}), "
+            f"rho0 {row['last_steps_mean_rho0']:.4f}; collapsed from step {row['first_collapsed_step']}, left at "
+            f"step {row['left_collapse_at_step']}"
+        )
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scales", type=float, nargs="+", required=True)
+    parser.add_argument("--scales", type=float, nargs="+", default=[])
+    parser.add_argument("--summarize", action="store_true", help="the verdicts of the probes in --output")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--output", type=Path, default=OUTPUT)
     args = parser.parse_args(argv)
+    if args.summarize:
+        summarize(args.output)
+        return
     torch.set_num_threads(1)
     config = dict(ablation.ABLATION)
     data = load_data(config, args.data_dir)

@@ -16,6 +16,9 @@ ALGORITHMS.md 1.2b) against plain InfoNCE. The arms, each with the same seeds 0,
 8. ``infonce-topm-both``: InfoNCE + both top-M terms at weight 0.5, no blend (added after the seven): the missing
    cell. Against the composite it gives the blend's contribution on top of both terms; its overlap with arms 2 and 3
    says whether the two top-M terms act on the same hardest negatives.
+9. ``infonce-topm-infonce-matched``: arm 2 with its top-M InfoNCE term at the top-M shortfall term's effective scale
+   (30.87, measured in arm 3's runs): link or temperature at matched sharpness, against arm 3. Its epoch 1 ends in
+   the collapsed state; benchmarks/matched_scale_search.py probes how long each fixed scale stays there.
 
 Arms 2 and 3 are WEINCELoss with ``mode="none"`` (lambda = 0: the blend IS InfoNCE, to float rounding) plus one
 top-M term; arm 1 is MNRL, the baseline of the other studies. Each arm minus InfoNCE, paired by seed, and the
@@ -70,7 +73,8 @@ SCALE_NOTE = (
     "and 15-25 minutes when the machine is shared. The first six arms' 18 runs x 10 epochs, two at a time, would "
     "have needed 9-13 hours on the quiet machine, beyond the six the ablation could take; at 5 epochs they needed "
     "5-7 hours, more than one working session, so the runs resume from their state across sessions. Arms 7 and 8 "
-    "(composite-tau0.2, infonce-topm-both) were added later at the same scale: 24 runs in all."
+    "(composite-tau0.2, infonce-topm-both) were added later at the same scale: 24 runs; then the two per-view runs "
+    "and the link-or-temperature arm 9 (three runs)."
 )
 BASELINE = "infonce"
 RELEASED = SETUPS["released"]
@@ -104,12 +108,21 @@ PER_VIEW_ARMS: dict[str, dict[str, Any]] = {
 MATCHED = "infonce-topm-infonce-matched"
 MATCHED_SCALE_DIR = OUTPUT.parent / "simclr_ablation_matched_scale"
 MATCHED_SCALE = 30.87
+# At that scale both seeds' epoch 1 ended in the collapsed state (see COLLAPSE_*). One-epoch probes at fixed scales
+# (benchmarks/matched_scale_search.py, seed 0, output in MATCHED_SCALE_DIR) showed why: every arm starts there (the
+# initial network maps all images close together), and the sharper the linear top-M term, the later it leaves (2:
+# by step 50; 3 and 4: after 100-150 steps; 9-30.87: not within 120). So the matched runs continue to 5 epochs.
 MATCHED_ARMS: dict[str, dict[str, Any]] = {
     MATCHED: {
         "loss": "weince",
         "options": {"mode": "none", "top_m_infonce_weight": 0.5, "top_m_infonce_scale": MATCHED_SCALE},
     }
 }
+# A collapsed encoder maps every image to one point: every logit of a row is equal, so the loss sits at
+# collapse_loss(), and the hardest negatives' shortfall 1 - s (the logged batch pivot rho0, its 0.2 quantile) is ~0.
+# An epoch (or a probe's step) counts as collapsed when both hold (arm 2 at epoch 1: 0.12 below, rho0 0.010).
+COLLAPSE_LOSS_MARGIN = 0.05
+COLLAPSE_RHO0 = 0.005
 STUDY_ARMS = {**ARMS, **MATCHED_ARMS, **PER_VIEW_ARMS}
 SEEDS = (0, 1, 2)
 # Seed 0 of every arm first; InfoNCE and the temperature control first (they need no top-M option).
@@ -151,9 +164,10 @@ def paired(finals: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
     comparisons = [(arm, BASELINE) for arm in (*ARMS, MATCHED) if arm != BASELINE]
     comparisons += [(arm, CONTROL) for arm in AGAINST_CONTROL]
     comparisons.append((COMPOSITE, BOTH_TOP_M))
-    # the decisive one: the shortfall link against the linear one at matched sharpness (> 0: the link's shape helps)
+    # link or temperature: the shortfall link against the linear one at its sharpness (> 0: the link's shape gives
+    # more than the sharpness), and the matched term against arm 2's (what sharpening the linear term gives)
     comparisons.append(("infonce-topm-shortfall", MATCHED))
-    comparisons.append((MATCHED, CONTROL))
+    comparisons.append((MATCHED, "infonce-topm-infonce"))
     comparisons.append((f"{COMPOSITE}-per-view", f"{BASELINE}-per-view"))
     out: dict[str, Any] = {}
     for arm, reference in comparisons:
@@ -189,13 +203,37 @@ def collapse_loss(arm: str, batch_size: int, top_m: int = 50) -> float | None:
     return math.log(2 * batch_size - 1) + weight * math.log(top_m + 1)
 
 
-def collapse_record(arm: str, final: dict[str, Any]) -> dict[str, Any]:
-    """``collapse_loss`` and ``collapsed`` of a finished run: collapsed when its last epoch's mean training loss lies
-    within 0.01 of the collapsed encoder's (the training loss of a working encoder lies well below it)."""
+def is_collapsed(loss: float, rho0: float, collapse: float) -> bool:
+    """Whether a loss and batch pivot (an epoch's means, or one step's) are a collapsed encoder's."""
+    return abs(loss - collapse) < COLLAPSE_LOSS_MARGIN and rho0 < COLLAPSE_RHO0
+
+
+def collapse_record(arm: str, record: dict[str, Any]) -> dict[str, Any]:
+    """``collapse_loss`` and ``collapsed`` of a run's last epoch record (a checkpoint or the final line), from its
+    mean training loss and mean logged rho0; empty for arms without a closed form or records without training."""
     value = collapse_loss(arm, ABLATION["batch_size"])
-    if value is None or final.get("train_loss") is None:
+    rho0 = (record.get("loss_statistics") or {}).get("weince_rho0")
+    if value is None or record.get("train_loss") is None or rho0 is None:
         return {}
-    return {"collapse_loss": value, "collapsed": abs(final["train_loss"] - value) < 0.01}
+    return {"collapse_loss": value, "collapsed": is_collapsed(record["train_loss"], rho0, value)}
+
+
+def collapsed_runs(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Every run, finished or not, whose last epoch record is a collapsed encoder's: epoch, loss, rho0, k-NN."""
+    out = {}
+    for name, records in runs.items():
+        epochs = [r for r in records if r.get("type") == "checkpoint" and r.get("train_loss") is not None]
+        if epochs and collapse_record(records[0]["loss"], epochs[-1]).get("collapsed"):
+            last = epochs[-1]
+            out[name] = {
+                "epoch": last["epoch"],
+                "train_loss": last["train_loss"],
+                "collapse_loss": collapse_loss(records[0]["loss"], ABLATION["batch_size"]),
+                "rho0": last["loss_statistics"]["weince_rho0"],
+                "knn_top1": last["knn_top1"],
+                "knn_top1_epoch0": next((r["knn_top1"] for r in records if r.get("epoch") == 0), None),
+            }
+    return out
 
 
 def interaction(out: dict[str, Any], whole: str, parts: tuple[str, ...]) -> dict[str, Any] | None:
@@ -256,6 +294,7 @@ def summarize(output_dir: Path) -> dict[str, Any]:
             }
             for (a, s), r in sorted(finals.items())
         },
+        "collapsed": collapsed_runs(runs),
         "provenance_of_runs": headers,
         "summary_provenance": provenance(),
     }
@@ -280,10 +319,20 @@ def markdown(summary: dict[str, Any]) -> str:
     for name, difference in summary["paired"].items():
         cells = [paired_t_and_signs(difference, metric) for metric in METRICS]
         lines.append(f"| {name} | {len(difference['seeds'])} | {cells[0]} | {cells[1]} |")
-    collapsed = [name for name, final in summary["finals"].items() if final.get("collapsed")]
-    if collapsed:
-        lines += ["", f"Collapsed (training loss at the collapsed encoder's, not an accuracy comparison): "
-                  f"{', '.join(collapsed)}"]
+    if summary["collapsed"]:
+        lines += [
+            "",
+            "Collapsed runs (a result, not an accuracy comparison): the last epoch's mean training loss at the "
+            "collapsed encoder's and the batch pivot rho0 near 0",
+            "",
+            "| run | epoch | train loss | collapsed encoder's | rho0 | k-NN (epoch 0) |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for name, row in summary["collapsed"].items():
+            lines.append(
+                f"| {name} | {row['epoch']} | {row['train_loss']:.3f} | {row['collapse_loss']:.3f} | {row['rho0']:.4f} "
+                f"| {row['knn_top1']:.2f} ({row['knn_top1_epoch0']:.2f}) |"
+            )
     if summary["runs_missing"]:
         lines += ["", f"Not finished yet: {', '.join(summary['runs_missing'])}"]
     return "\n".join(lines)

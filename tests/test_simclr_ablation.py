@@ -248,12 +248,14 @@ def test_the_missing_cell_its_top_m_overlap_and_the_paired_t(ablation):
 
 def test_the_matched_arm_its_scale_the_decisive_comparison_and_collapse(ablation):
     """The matched arm's fixed scale is the one recomputed from the committed measurement runs of arm 3; the summary
-    pairs arm 3 with it; a run whose training loss sits at the collapsed encoder's is flagged, others not."""
+    pairs arm 3 with it; a run whose loss and batch pivot are a collapsed encoder's is flagged, a training one not;
+    the scale probes' verdicts follow from their per-step values."""
     assert ablation.MATCHED_SCALE == pytest.approx(ablation.matched_scale(), abs=0.005)
     options = ablation.STUDY_ARMS[ablation.MATCHED]["options"]
     assert options == {"mode": "none", "top_m_infonce_weight": 0.5, "top_m_infonce_scale": ablation.MATCHED_SCALE}
     finals = {
         ("infonce", 0): {"linear_top1": 40.0, "knn_top1": 40.0},
+        ("infonce-topm-infonce", 0): {"linear_top1": 41.0, "knn_top1": 41.0},
         ("infonce-topm-shortfall", 0): {"linear_top1": 40.5, "knn_top1": 43.0},
         (ablation.MATCHED, 0): {"linear_top1": 41.0, "knn_top1": 42.25},
     }
@@ -262,9 +264,28 @@ def test_the_matched_arm_its_scale_the_decisive_comparison_and_collapse(ablation
         "linear_top1": -0.5,
         "knn_top1": 0.75,
     }
+    assert paired[f"{ablation.MATCHED}_minus_infonce-topm-infonce"]["per_seed"]["0"]["knn_top1"] == 1.25
     # every embedding equal: InfoNCE over 2N - 1 = 511 equal logits, the top-M term over M + 1 = 51
-    collapsed = torch.log(torch.tensor(511.0, dtype=torch.float64)) + 0.5 * torch.log(torch.tensor(51.0))
-    assert ablation.collapse_loss(ablation.MATCHED, 256) == pytest.approx(float(collapsed), rel=1e-6)
-    assert ablation.collapse_record(ablation.MATCHED, {"train_loss": float(collapsed) + 0.001})["collapsed"]
-    assert not ablation.collapse_record(ablation.MATCHED, {"train_loss": 7.5})["collapsed"]
+    collapsed = float(torch.log(torch.tensor(511.0, dtype=torch.float64)) + 0.5 * torch.log(torch.tensor(51.0)))
+    assert ablation.collapse_loss(ablation.MATCHED, 256) == pytest.approx(collapsed, rel=1e-6)
+    at_collapse = {"train_loss": collapsed + 0.02, "loss_statistics": {"weince_rho0": 0.001}}
+    assert ablation.collapse_record(ablation.MATCHED, at_collapse)["collapsed"]
+    arm_2_epoch_1 = {"train_loss": 8.079, "loss_statistics": {"weince_rho0": 0.0101}}  # training, not collapsed
+    assert not ablation.collapse_record("infonce-topm-infonce", arm_2_epoch_1)["collapsed"]
     assert ablation.collapse_loss("composite", 256) is None  # the blend's loss at collapse is not this constant
+    runs = {
+        "a-run": [
+            {"type": "header", "loss": ablation.MATCHED},
+            {"type": "checkpoint", "epoch": 0, "train_loss": None, "knn_top1": 30.0},
+            {"type": "checkpoint", "epoch": 1, "knn_top1": 25.0, **at_collapse},
+        ]
+    }
+    assert ablation.collapsed_runs(runs)["a-run"]["knn_top1_epoch0"] == 30.0
+    runs["a-run"].append({"type": "checkpoint", "epoch": 2, "knn_top1": 33.0, **arm_2_epoch_1})
+    assert ablation.collapsed_runs(runs) == {}  # judged by its last epoch: it left the collapsed state
+    # the probes: collapsed from the first step that is, left at the first of LEAVE_STEPS steps in a row that are not
+    search = load_script("benchmarks/matched_scale_search.py", "matched_scale_search")
+    probe = {"loss": [9.0, collapsed, collapsed, *[7.0] * search.LEAVE_STEPS], "rho0": [0.03, 0.001, 0.001]}
+    probe["rho0"] += [0.02] * search.LEAVE_STEPS
+    verdict = search.verdict(probe)
+    assert (verdict["first_collapsed_step"], verdict["left_collapse_at_step"], verdict["collapsed"]) == (1, 3, False)
