@@ -150,30 +150,23 @@ def test_single_process_neighbour_exchange_is_the_local_loss():
 def test_ring_block_losses_without_processes_match_the_dense_loss():
     """One process: the ring holds the local block only; anchor chunks with their backward at once (the cached
     loss's stage) give the dense loss and its gradients, guard counts included."""
-    from st_weince.functional import chunked_sigmoid_contrastive_loss
+    from st_weince.functional import CandidateGuard, SigmoidLogits, chunked_sigmoid_contrastive_loss
     from st_weince.functional.exchange import ring_block_losses, ring_shift
 
     generator = torch.Generator().manual_seed(1)
     anchors = torch.randn(7, 5, generator=generator, dtype=torch.float64)
     candidates = torch.randn(9, 5, generator=generator, dtype=torch.float64)
     positive_index = torch.tensor([0, 1, 2, 3, 4, 5, -1])
-    options = {"scale": 4.0, "relative_bias": 0.1, "false_negative_filter": ("absolute", 1.0)}
+    logits, rule = SigmoidLogits(4.0, relative_bias=0.1), ("absolute", 1.0)
     dense_anchors, dense_candidates = anchors.clone().requires_grad_(), candidates.clone().requires_grad_()
     expected = chunked_sigmoid_contrastive_loss(
-        dense_anchors, dense_candidates, positive_index, return_extremes=True, return_guard_counts=True, **options
+        dense_anchors, dense_candidates, positive_index, logits, guard=CandidateGuard(rule)
     )
     expected[0].backward()
 
     def block_loss(rows, block, index, positive_scores):
-        return chunked_sigmoid_contrastive_loss(
-            rows,
-            block,
-            index,
-            return_extremes=True,
-            return_guard_counts=True,
-            positive_scores=positive_scores,
-            **options,
-        )
+        guard = CandidateGuard(rule, positive_scores=positive_scores)
+        return chunked_sigmoid_contrastive_loss(rows, block, index, logits, guard=guard)
 
     ring_anchors, ring_candidates = anchors.clone().requires_grad_(), candidates.clone().requires_grad_()
     got = ring_block_losses(ring_anchors, ring_candidates, positive_index, block_loss, anchor_chunk=3, backward=True)

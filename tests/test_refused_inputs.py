@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from st_weince.functional import sigmoid_contrastive_loss
-from st_weince.functional.sigmoid import chunked_sigmoid_contrastive_loss
+from st_weince.functional.sigmoid import SigmoidLogits, chunked_sigmoid_contrastive_loss
 from st_weince.functional.weince import weince_logits
 from st_weince.losses import RBSigmoidLoss, WEINCELoss
 
@@ -59,7 +59,7 @@ def test_chunked_sigmoid_loss_refuses_a_positive_index_out_of_range(index):
     anchors, candidates = torch.randn(4, 5), torch.randn(6, 5)
     positive_index = torch.tensor([0, 1, 2, index])
     with pytest.raises(ValueError, match=r"positive_index must lie in \[-1, 5\]"):
-        chunked_sigmoid_contrastive_loss(anchors, candidates, positive_index, scale=10.0, relative_bias=0.5)
+        chunked_sigmoid_contrastive_loss(anchors, candidates, positive_index, SigmoidLogits(10.0, relative_bias=0.5))
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from st_weince.functional import (
+    SigmoidLogits,
     check_scores,
     chunked_sigmoid_contrastive_loss,
     constellation_margin,
@@ -159,15 +160,10 @@ def test_chunked_equals_unchunked_values_and_gradients(chunk_size, parametrizati
         bias = torch.tensor(0.2, requires_grad=True)
         x = torch.tensor(0.4, requires_grad=True)
         kwargs = {"relative_bias": bias} if parametrization == "relative" else {"bias": bias}
-        value = chunked_sigmoid_contrastive_loss(
-            anchors,
-            candidates,
-            positive_index,
-            scale=log_t.exp(),
-            score_transform=lambda s, x=x: locked_adapter_scores(s, torch.sigmoid(x)),
-            chunk_size=size,
-            **kwargs,
+        logits = SigmoidLogits(
+            scale=log_t.exp(), score_transform=lambda s, x=x: locked_adapter_scores(s, torch.sigmoid(x)), **kwargs
         )
+        value = chunked_sigmoid_contrastive_loss(anchors, candidates, positive_index, logits, chunk_size=size).loss
         value.backward()
         results.append((value.detach(), anchors.grad, candidates.grad, log_t.grad, bias.grad, x.grad))
     # The whole-matrix path equals the plain functional on the score matrix.
@@ -194,7 +190,7 @@ def test_chunking_keeps_only_small_blocks_in_the_autograd_graph():
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             chunked_sigmoid_contrastive_loss(
-                anchors, candidates, positive_index, scale=10.0, relative_bias=0.5, chunk_size=chunk_size
+                anchors, candidates, positive_index, SigmoidLogits(10.0, relative_bias=0.5), chunk_size=chunk_size
             )
         return max(sizes)
 
@@ -227,15 +223,10 @@ def test_margin_and_centre_and_zero_loss_on_a_constellation():
     assert stuck.item() > 1.0
     # The chunked path returns the same extremes from its score blocks (anchors = identity: blocks of ``scores``).
     for chunk_size in (None, 1, 2):
-        _, low, high = chunked_sigmoid_contrastive_loss(
-            torch.eye(3),
-            scores.T.contiguous(),
-            torch.arange(3),
-            scale=1.0,
-            relative_bias=0.0,
-            chunk_size=chunk_size,
-            return_extremes=True,
+        _, low, high, guard_counts = chunked_sigmoid_contrastive_loss(
+            torch.eye(3), scores.T.contiguous(), torch.arange(3), SigmoidLogits(1.0, 0.0), chunk_size=chunk_size
         )
+        assert guard_counts is None  # no guard
         assert [low.item(), high.item()] == pytest.approx([0.6, 0.3])
 
 
@@ -273,17 +264,10 @@ def test_clear_errors_for_bad_inputs():
     assert constellation_margin(scores, torch.ones_like(scores))[0].item() == float("inf")
     with pytest.raises(ValueError, match="chunk_size"):
         chunked_sigmoid_contrastive_loss(
-            torch.ones(2, 3),
-            torch.ones(2, 3),
-            torch.arange(2),
-            scale=1.0,
-            relative_bias=0.0,
-            chunk_size=0,
+            torch.ones(2, 3), torch.ones(2, 3), torch.arange(2), SigmoidLogits(1.0, 0.0), chunk_size=0
         )
     with pytest.raises(ValueError, match="same D"):
-        chunked_sigmoid_contrastive_loss(
-            torch.ones(2, 3), torch.ones(2, 4), torch.arange(2), scale=1.0, relative_bias=0.0
-        )
+        chunked_sigmoid_contrastive_loss(torch.ones(2, 3), torch.ones(2, 4), torch.arange(2), SigmoidLogits(1.0, 0.0))
 
 
 def test_the_math_checks_shapes_only_and_check_scores_the_values():
@@ -296,7 +280,7 @@ def test_the_math_checks_shapes_only_and_check_scores_the_values():
             bad, targets, scale=torch.tensor(2.0), relative_bias=torch.tensor(0.1), check_inputs=False
         )
         chunked_sigmoid_contrastive_loss(
-            torch.randn(3, 4), torch.randn(5, 4), torch.arange(3), scale=2.0, bias=0.0, check_inputs=False
+            torch.randn(3, 4), torch.randn(5, 4), torch.arange(3), SigmoidLogits(2.0, bias=0.0), check_inputs=False
         )
     assert syncs.total == 0 and torch.isnan(unchecked)
     # By default the math refuses bad values itself, with one sync.

@@ -38,6 +38,9 @@ from st_weince.functional.layouts import (
 )
 from st_weince.functional.options import DEFAULTS, TOP_M_DEFAULTS, TopMOptions, WeinceOptions, check_scale
 from st_weince.functional.sigmoid import (
+    CandidateGuard,
+    SigmoidBlockLoss,
+    SigmoidLogits,
     chunked_sigmoid_contrastive_loss,
     constellation_margin,
     constellation_margin_from_extremes,
@@ -89,6 +92,9 @@ __all__ = [
     "apply_false_negative_filter",
     "false_negative_mask",
     "input_keys",
+    "CandidateGuard",
+    "SigmoidBlockLoss",
+    "SigmoidLogits",
     "chunked_sigmoid_contrastive_loss",
     "constellation_margin",
     "constellation_margin_from_extremes",

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -255,58 +257,86 @@ def _embedding_block(
     return loss_sum, min_positive, max_negative, guard
 
 
+@dataclass(frozen=True)
+class SigmoidLogits:
+    """How :func:`chunked_sigmoid_contrastive_loss` turns cosine scores into logits: ``scale``, exactly one of
+    ``relative_bias`` / ``bias`` (as in :func:`sigmoid_contrastive_loss`), and an optional elementwise
+    ``score_transform`` applied to each score block first (e.g. the locked-encoder adapter)."""
+
+    scale: ScalarLike
+    relative_bias: ScalarLike | None = None
+    bias: ScalarLike | None = None
+    score_transform: Callable[[Tensor], Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class CandidateGuard:
+    """The in-batch false-negative guard of :func:`chunked_sigmoid_contrastive_loss`
+    (:mod:`st_weince.functional.false_negatives`): non-matching candidates whose cosine score is above the threshold
+    set by the row's matching-pair score are left out of the loss and of the extremes (rows without a positive mask
+    nothing), applied to the cosine scores before the score transform.
+
+    Args:
+        false_negative_filter: the rule; ``"identical"`` masks the candidates whose ``candidate_keys`` equal those
+            of the row's positive.
+        positive_scores: [A] the rows' matching-pair scores for the threshold, when ``candidates`` is one block of a
+            larger candidate set that may not hold the positive (``+inf``: the row masks nothing); None takes them
+            from ``candidates[positive_index]``.
+        candidate_keys: [C, K] :func:`~st_weince.functional.input_keys` of the candidates' inputs, for the
+            ``"identical"`` rule (required by it, unused otherwise).
+        reference_keys: [A, K] the keys of the rows' positives for the ``"identical"`` rule, when ``candidates`` may
+            not hold them (a row of -1 matches nothing); None takes them from ``candidate_keys[positive_index]``.
+    """
+
+    false_negative_filter: FalseNegativeFilter | tuple | list | str | None = None
+    positive_scores: Tensor | None = None
+    candidate_keys: Tensor | None = None
+    reference_keys: Tensor | None = None
+
+
+class SigmoidBlockLoss(NamedTuple):
+    """:func:`chunked_sigmoid_contrastive_loss`'s result: the loss (mean over anchors), the smallest matching and the
+    largest non-matching score (no gradient; ``+inf`` / ``-inf`` when there is none; for the margin, see
+    :func:`constellation_margin_from_extremes`) and what the guard removed per anchor (None without a guard)."""
+
+    loss: Tensor
+    min_matching: Tensor
+    max_non_matching: Tensor
+    guard_counts: FilterCounts | None
+
+
 def chunked_sigmoid_contrastive_loss(
     anchors: Tensor,
     candidates: Tensor,
     positive_index: Tensor,
+    logits: SigmoidLogits,
     *,
-    scale: ScalarLike,
-    relative_bias: ScalarLike | None = None,
-    bias: ScalarLike | None = None,
-    score_transform: Callable[[Tensor], Tensor] | None = None,
+    guard: CandidateGuard | None = None,
     chunk_size: int | None = None,
-    return_extremes: bool = False,
-    false_negative_filter: FalseNegativeFilter | tuple | list | str | None = None,
-    return_guard_counts: bool = False,
-    positive_scores: Tensor | None = None,
-    candidate_keys: Tensor | None = None,
-    reference_keys: Tensor | None = None,
     check_inputs: bool = True,
-) -> Tensor | tuple[Tensor, ...]:
+) -> SigmoidBlockLoss:
     """:func:`sigmoid_contrastive_loss` of ``anchors @ candidates.T`` computed block by block over candidates.
 
     The sigmoid loss has no normalization across candidates, so it is the sum of the losses of candidate blocks.
     Each block is recomputed during backward (activation checkpointing), so the autograd graph holds one
-    [A, chunk_size] block at a time: memory grows with ``A x chunk_size`` instead of ``A x C``.
+    [A, chunk_size] block at a time: memory grows with ``A x chunk_size`` instead of ``A x C``. The extremes and
+    the guard's counts come from the same score blocks.
 
     Args:
         anchors: [A, D] (normalize beforehand for cosine scores).
         candidates: [C, D].
         positive_index: [A] column of each anchor's positive, -1 for none.
-        scale, relative_bias, bias: as in :func:`sigmoid_contrastive_loss`.
-        score_transform: elementwise map applied to each score block (e.g. the locked-encoder adapter).
+        logits: the scale, the bias and the score transform (:class:`SigmoidLogits`).
+        guard: the false-negative guard and its inputs (:class:`CandidateGuard`); None: no guard.
         chunk_size: candidates per block; None computes the whole matrix as one block.
-        return_extremes: also return the smallest matching and the largest non-matching score (no gradient; for
-            the margin, see :func:`constellation_margin_from_extremes`), from the same score blocks; ``+inf`` /
-            ``-inf`` when there is none.
-        false_negative_filter: the in-batch false-negative guard (:mod:`st_weince.functional.false_negatives`):
-            non-matching candidates whose cosine score is above the threshold set by the row's matching-pair score
-            (``anchors[a] . candidates[positive_index[a]]``) are left out of the loss and of the extremes. Rows
-            without a positive (-1) mask nothing. Applied to the cosine scores, before ``score_transform``. The rule
-            ``"identical"`` masks the candidates whose ``candidate_keys`` equal those of the row's positive.
-        return_guard_counts: also return (last) what the guard removed per anchor, a
-            :class:`~st_weince.functional.false_negatives.FilterCounts` (None without a guard).
-        positive_scores: [A] the rows' matching-pair scores for the guard's threshold, when ``candidates`` is one
-            block of a larger candidate set that may not hold the positive (``+inf``: the row masks nothing); None
-            takes them from ``candidates[positive_index]``.
-        candidate_keys: [C, K] :func:`~st_weince.functional.input_keys` of the candidates' inputs, for the guard's
-            ``"identical"`` rule (required by it, unused otherwise).
-        reference_keys: [A, K] the keys of the rows' positives for the ``"identical"`` rule, when ``candidates`` may
-            not hold them (a row of -1 matches nothing); None takes them from ``candidate_keys[positive_index]``.
         check_inputs: refuse a ``positive_index`` outside ``[-1, C - 1]`` (ValueError), with one host-device sync;
             False (the loss classes, which check their own inputs) checks the shapes only.
     """
-    false_negative_filter = FalseNegativeFilter.parse(false_negative_filter)
+    guard = guard or CandidateGuard()
+    scale, relative_bias, bias = logits.scale, logits.relative_bias, logits.bias
+    score_transform = logits.score_transform
+    positive_scores, candidate_keys, reference_keys = guard.positive_scores, guard.candidate_keys, guard.reference_keys
+    false_negative_filter = FalseNegativeFilter.parse(guard.false_negative_filter)
     if anchors.dim() != 2 or candidates.dim() != 2 or anchors.shape[1] != candidates.shape[1]:
         raise ValueError(
             f"anchors and candidates must be [A, D] and [C, D] with the same D, "
@@ -361,21 +391,17 @@ def chunked_sigmoid_contrastive_loss(
         keyed = false_negative_filter is not None and false_negative_filter.needs_keys
         block_keys = candidate_keys[start : start + step] if keyed else None
         reference_keys = reference_keys if keyed else None
-        guard = (score_transform, false_negative_filter, positive_scores, block_keys, reference_keys)
+        block_guard = (score_transform, false_negative_filter, positive_scores, block_keys, reference_keys)
         if recompute:
-            loss_sum, low, high, masked = checkpoint(_embedding_block, *arguments, *guard, use_reentrant=False)
+            loss_sum, low, high, masked = checkpoint(_embedding_block, *arguments, *block_guard, use_reentrant=False)
         else:
-            loss_sum, low, high, masked = _embedding_block(*arguments, *guard)
+            loss_sum, low, high, masked = _embedding_block(*arguments, *block_guard)
         total = total + loss_sum
         min_positive, max_negative = torch.minimum(min_positive, low), torch.maximum(max_negative, high)
         if masked is not None:
             block_counts = FilterCounts(*masked)
             guard_counts = block_counts if guard_counts is None else guard_counts.plus(block_counts)
-    loss = total / anchors.shape[0]
-    outputs = (loss, min_positive, max_negative) if return_extremes else (loss,)
-    if return_guard_counts:
-        outputs = (*outputs, guard_counts)
-    return outputs if len(outputs) > 1 else loss
+    return SigmoidBlockLoss(total / anchors.shape[0], min_positive, max_negative, guard_counts)
 
 
 def match_probabilities(

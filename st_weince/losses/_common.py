@@ -132,7 +132,8 @@ class ColumnsLoss(nn.Module):
             "handles it: SentenceTransformerTrainer would train it at the model's learning rate with weight decay, "
             "put it in no checkpoint (a resume restarts it), let it drift apart across processes, and the saved "
             "model would not carry it. Add the one line st_weince.training.prepare_trainer(trainer) after building "
-            "the trainer, before trainer.train(). In a training loop of your own that handles it, call "
+            "the trainer, before trainer.train() (model.fit builds a trainer of its own, which cannot be set up: use "
+            "SentenceTransformerTrainer). In a training loop of your own that handles it, call "
             "loss.mark_state_managed() once instead."
         )
 

@@ -12,6 +12,8 @@ from st_weince.functional.checks import compute_dtype, full_precision
 from st_weince.functional.exchange import ring_block_losses
 from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
 from st_weince.functional.sigmoid import (
+    CandidateGuard,
+    SigmoidLogits,
     chunked_sigmoid_contrastive_loss,
     constellation_margin_from_extremes,
     locked_adapter_scores,
@@ -365,20 +367,18 @@ class RBSigmoidLoss(ColumnsLoss):
         def block_loss(rows, block, index, positive_scores=None, block_keys=None, reference_keys=None):
             # ``positive_scores``, ``reference_keys``: the guard's threshold scores and the positives' input keys,
             # when the block may not hold the rows' positives
+            logits = SigmoidLogits(
+                **self._logit_arguments(params, rows.dtype), score_transform=self._score_transform(params, rows.dtype)
+            )
+            guard = CandidateGuard(self.options.false_negative_filter, positive_scores, block_keys, reference_keys)
             return chunked_sigmoid_contrastive_loss(
                 rows,
                 block,
                 index,
-                score_transform=self._score_transform(params, rows.dtype),
+                logits,
+                guard=guard,
                 chunk_size=self.options.chunk_size,
-                return_extremes=True,
-                false_negative_filter=self.options.false_negative_filter,
-                return_guard_counts=True,
-                positive_scores=positive_scores,
-                candidate_keys=block_keys,
-                reference_keys=reference_keys,
                 check_inputs=False,  # checked by the loss, with its own switch
-                **self._logit_arguments(params, rows.dtype),
             )
 
         if not (self.options.gather_across_devices and self.options.exchange == "neighbour"):
