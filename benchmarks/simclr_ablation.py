@@ -63,6 +63,7 @@ from benchmarks.lab import plots, runlog, summaries  # noqa: E402
 from benchmarks.lab import simclr_runner as runner  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
 from st_weince.vision import ARMS, SETUPS  # noqa: E402
+from st_weince.vision.presets import MATCHED_TOP_M_INFONCE_SCALE  # noqa: E402
 
 OUTPUT = REPO / "benchmarks" / "results" / "simclr_ablation"
 STATE = Path("/work/st-weince-ablation-state")
@@ -107,23 +108,17 @@ PER_VIEW_ARMS: dict[str, dict[str, Any]] = {
 # convolution now runs in NCHW on the CPU, docs/known-issues.md, and its other rounding takes the runs apart.)
 MATCHED = "infonce-topm-infonce-matched"
 MATCHED_SCALE_DIR = OUTPUT.parent / "simclr_ablation_matched_scale"
-MATCHED_SCALE = 30.87
+MATCHED_SCALE = MATCHED_TOP_M_INFONCE_SCALE
 # At that scale both seeds' epoch 1 ended in the collapsed state (see COLLAPSE_*). One-epoch probes at fixed scales
 # (benchmarks/matched_scale_search.py, seed 0, output in MATCHED_SCALE_DIR) showed why: every arm starts there (the
 # initial network maps all images close together), and the sharper the linear top-M term, the later it leaves (2:
 # by step 50; 3 and 4: after 100-150 steps; 9-30.87: not within 120). So the matched runs continue to 5 epochs.
-MATCHED_ARMS: dict[str, dict[str, Any]] = {
-    MATCHED: {
-        "loss": "weince",
-        "options": {"mode": "none", "top_m_infonce_weight": 0.5, "top_m_infonce_scale": MATCHED_SCALE},
-    }
-}
 # A collapsed encoder maps every image to one point: every logit of a row is equal, so the loss sits at
 # collapse_loss(), and the hardest negatives' shortfall 1 - s (the logged batch pivot rho0, its 0.2 quantile) is ~0.
 # An epoch (or a probe's step) counts as collapsed when both hold (arm 2 at epoch 1: 0.12 below, rho0 0.010).
 COLLAPSE_LOSS_MARGIN = 0.05
 COLLAPSE_RHO0 = 0.005
-STUDY_ARMS = {**ARMS, **MATCHED_ARMS, **PER_VIEW_ARMS}
+STUDY_ARMS = {**ARMS, **PER_VIEW_ARMS}
 SEEDS = (0, 1, 2)
 # Seed 0 of every arm first; InfoNCE and the temperature control first (they need no top-M option).
 # The seventh arm, the composite at temperature 0.2, was added once the six had run.
@@ -161,7 +156,7 @@ def paired(finals: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
     by_arm: dict[str, dict[int, dict[str, Any]]] = {}
     for (arm, seed), record in finals.items():
         by_arm.setdefault(arm, {})[seed] = record
-    comparisons = [(arm, BASELINE) for arm in (*ARMS, MATCHED) if arm != BASELINE]
+    comparisons = [(arm, BASELINE) for arm in ARMS if arm != BASELINE]
     comparisons += [(arm, CONTROL) for arm in AGAINST_CONTROL]
     comparisons.append((COMPOSITE, BOTH_TOP_M))
     # link or temperature: the shortfall link against the linear one at its sharpness (> 0: the link's shape gives

@@ -69,3 +69,20 @@ def test_cuda_without_a_gpu_is_a_clear_error(gpu_study, capsys):
     with pytest.raises(SystemExit):
         gpu_study.parse_args(["--device", "cuda"])
     assert "no CUDA device is visible" in capsys.readouterr().err
+
+
+def test_the_link_pair_trains_the_shortfall_arm_against_the_matched_linear_arm(
+    gpu_study, shared_data, tmp_path, one_torch_thread
+):
+    zip_path = shared_data / "cifar10" / "cifar10-jpg.zip"
+    result = gpu_study.main(
+        ["--device", "cpu", "--quick", "--epochs", "1", "--data-dir", str(zip_path), "--output", str(tmp_path / "g")]
+        + ["--pair", "link", "--probe-epochs", "2"]
+    )
+    shortfall, linear = (result["results"][name] for name in gpu_study.LINK_ARMS)
+    assert shortfall["objective"]["top_m_shortfall_weight"] == 0.5 and shortfall["objective"]["mode"] == "none"
+    assert linear["objective"]["top_m_infonce_scale"] == pytest.approx(30.87)
+    assert linear["loss_statistics_last_epoch"]["weince_effective_scale_top_m_infonce"] == pytest.approx(30.87)
+    assert result["weince_minus_infonce_knn_top1"] == pytest.approx(linear["knn_top1"] - shortfall["knn_top1"])
+    with pytest.raises(SystemExit):
+        gpu_study.parse_args(["--device", "cpu", "--pair", "link", "--setup", "previous"])

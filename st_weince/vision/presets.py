@@ -78,6 +78,10 @@ SETUPS: dict[str, Setup] = {
     ),
 }
 
+# The top-M shortfall term's effective scale in the ablation's arm 3 (the mean of weince_effective_scale_top_m_shortfall
+# over epoch 1, seeds 0 and 1: 28.35 and 33.39), the fixed scale of the matched arm's linear top-M term.
+MATCHED_TOP_M_INFONCE_SCALE = 30.87
+
 # The ablation of the released composite: run name -> the objective (SimCLRObjective's loss, its options, and the
 # temperature where not the run's). Arms 2 and 3 are WEINCE with lambda = 0 (the blend IS InfoNCE) plus one term.
 ARMS: dict[str, dict[str, Any]] = {
@@ -94,6 +98,12 @@ ARMS: dict[str, dict[str, Any]] = {
     # arms 2-3 and the composite: does the composite's negative interaction come from the blend or from the two
     # top-M terms acting on the same hardest negatives?
     "infonce-topm-both": {"loss": "weince", "options": {"mode": "none", **RELEASED_TOP_M}},
+    # Link or temperature (added after the eight): arm 2 with its top-M InfoNCE term at the top-M shortfall term's
+    # effective scale, measured in arm 3's runs (benchmarks/simclr_ablation.py, matched_scale()).
+    "infonce-topm-infonce-matched": {
+        "loss": "weince",
+        "options": {"mode": "none", "top_m_infonce_weight": 0.5, "top_m_infonce_scale": MATCHED_TOP_M_INFONCE_SCALE},
+    },
 }
 
 
