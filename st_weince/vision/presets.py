@@ -104,6 +104,12 @@ ARMS: dict[str, dict[str, Any]] = {
         "loss": "weince",
         "options": {"mode": "none", "top_m_infonce_weight": 0.5, "top_m_infonce_scale": MATCHED_TOP_M_INFONCE_SCALE},
     },
+    # ... which collapsed the encoder; the sharpest fixed scale whose one-epoch probe left the collapsed state
+    # (benchmarks/matched_scale_search.py: 3 left it at step 126, 4 had not by step 195).
+    "infonce-topm-infonce-scale3": {
+        "loss": "weince",
+        "options": {"mode": "none", "top_m_infonce_weight": 0.5, "top_m_infonce_scale": 3.0},
+    },
 }
 
 
