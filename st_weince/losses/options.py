@@ -57,7 +57,7 @@ class WEINCELossOptions:
     top_m_shortfall_weight: float = TOP_M_DEFAULTS.top_m_shortfall_weight
     top_m_infonce_weight: float = TOP_M_DEFAULTS.top_m_infonce_weight
     # The top-M InfoNCE term's own inverse temperature (None: ``scale``, as released); a study knob, to run that term
-    # at the sharpness of the shortfall term (docs/weince.md, "How sharp is a WEINCE loss?").
+    # at the sharpness of the shortfall term (docs/weince.md, "How sharp is the loss?").
     top_m_infonce_scale: float | None = None
     beta_ema_start: float = TOP_M_DEFAULTS.beta_ema_start
     beta_ema_momentum: float = TOP_M_DEFAULTS.beta_ema_momentum

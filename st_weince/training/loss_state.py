@@ -202,12 +202,12 @@ def prepare_trainer(
         set_aside_incomplete_checkpoints(trainer.args.output_dir)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # no rank looks for the last checkpoint before the incomplete ones are set aside
-    # For every loss, also one without parameters: the record names the loss class and configuration in each
-    # checkpoint, so that resuming under another loss is refused with that reason.
     for top in losses_by_prefix(trainer.loss).values():
         for module in top.modules():
             if callable(getattr(module, "mark_state_managed", None)):
                 module.mark_state_managed("st_weince.training.prepare_trainer")  # the callbacks below handle it
+    # For every loss, also one without parameters: the record names the loss class and configuration in each
+    # checkpoint, so that resuming under another loss is refused with that reason.
     record = LossStateRecord()
     record.loss = trainer.loss
     trainer.add_callback(record)
