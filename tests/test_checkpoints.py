@@ -1,7 +1,7 @@
 """The loss state survives any kill: subprocess runs SIGKILLed at chosen moments of a checkpoint save (and at a
-random moment), then resumed here with ``resume_from_checkpoint=True``, end exactly like an uninterrupted run
-(the loss state: RB-Sigmoid's t and b_rel, the WEINCE composite's batch tail index; every per-step loss). Also:
-refused checkpoints, corrupt loss state, non-finite loss parameters."""
+random moment), then resumed here with ``resume_from_checkpoint=last_complete_checkpoint(output_dir)``, end exactly
+like an uninterrupted run (the loss state: RB-Sigmoid's t and b_rel, the WEINCE composite's batch tail index; every
+per-step loss). Also: refused checkpoints, corrupt loss state, non-finite loss parameters."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from st_weince.losses.weince import WEINCELossOptions
 from st_weince.training import (
     LOSS_STATE_FILE,
     LOSS_STATE_RECORD,
+    check_resumable,
+    last_complete_checkpoint,
     load_loss_state,
     loss_state_dict,
     prepare_trainer,
@@ -104,8 +106,10 @@ def run_and_kill(
 
 
 def resume(model_dir, output_dir: Path, loss: str = "rb-sigmoid") -> dict:
+    names_before = sorted(p.name for p in output_dir.iterdir())
     trainer = prepare_trainer(build_trainer(model_dir, output_dir, loss=loss))
-    trainer.train(resume_from_checkpoint=True)
+    assert sorted(p.name for p in output_dir.iterdir()) == names_before  # prepare_trainer renames nothing
+    trainer.train(resume_from_checkpoint=last_complete_checkpoint(output_dir))
     return outcome(trainer)
 
 
@@ -121,8 +125,8 @@ def assert_same_run(got: dict, expected: dict) -> None:
 @pytest.mark.parametrize(
     ("block", "resumed_from"),
     [
-        ("model", 2),  # checkpoint-4 holds the model only: set aside, resume from checkpoint-2
-        ("state", 2),  # model, optimizer, RNG, no trainer_state.json yet: set aside as well
+        ("model", 2),  # checkpoint-4 holds the model only: resume from checkpoint-2
+        ("state", 2),  # model, optimizer, RNG, no trainer_state.json yet: not complete either
         ("on_save", 4),  # complete: the moment at which a crash could leave the loss state missing
     ],
 )
@@ -132,8 +136,11 @@ def test_killed_inside_a_save_resumes_like_an_uninterrupted_run(
     output = tmp_path / "run"
     assert run_and_kill(tiny_model_dir, output, block=block, step=4)
     assert (output / "checkpoint-4").is_dir()
+    assert last_complete_checkpoint(output) == str(output / f"checkpoint-{resumed_from}")
+    if resumed_from == 2:  # transformers' own choice, the highest-numbered folder, refuses the incomplete one
+        with pytest.raises(FileNotFoundError, match=r"checkpoint-4.trainer_state\.json"):
+            prepare_trainer(build_trainer(tiny_model_dir, output)).train(resume_from_checkpoint=True)
     got = resume(tiny_model_dir, output)
-    assert (output / "incomplete-checkpoint-4").is_dir() == (resumed_from == 2)
     assert read_checkpoint_loss_state(output / "checkpoint-2")["log_t"].item() != pytest.approx(10.0)
     assert_same_run(got, uninterrupted)
     first_resumed = json.loads((output / "checkpoint-6" / "trainer_state.json").read_text())["log_history"]
@@ -147,8 +154,8 @@ def test_composite_tail_index_killed_inside_a_save_resumes_like_an_uninterrupted
     """The WEINCE composite's batch tail index (a buffer, no parameter) has RB-Sigmoid's guarantees."""
     output = tmp_path / "run"
     assert run_and_kill(tiny_model_dir, output, block=block, step=4, loss="weince-composite")
+    assert last_complete_checkpoint(output) == str(output / f"checkpoint-{resumed_from}")
     got = resume(tiny_model_dir, output, loss="weince-composite")
-    assert (output / "incomplete-checkpoint-4").is_dir() == (resumed_from == 2)
     saved = read_checkpoint_loss_state(output / "checkpoint-2")["batch_beta_ema"].item()
     assert saved != pytest.approx(WEINCELossOptions.beta_ema_start), "the tail index must have moved by step 2"
     assert_same_run(got, uninterrupted_composite)
@@ -184,13 +191,12 @@ def test_checkpoint_without_loss_state_is_refused_and_corrupt_state_named(tiny_m
     with pytest.raises(FileNotFoundError, match=r"trainer_state\.json.*allow_missing_loss_state=True"):
         prepare_trainer(build_trainer(tiny_model_dir, output)).train(resume_from_checkpoint=True)
 
-    # An empty trainer_state.json (a kill while the trainer wrote it): that checkpoint is set aside, with a warning
-    # naming the file, and resume_from_checkpoint=True finds no other one.
+    # An empty trainer_state.json (a kill while the trainer wrote it): not complete, and nothing is renamed.
     trainer_state_file.write_text("")
-    trainer = prepare_trainer(build_trainer(tiny_model_dir, output))
-    assert (output / "incomplete-checkpoint-2" / "trainer_state.json").is_file()
-    with pytest.raises(ValueError, match="No valid checkpoint"):
-        trainer.train(resume_from_checkpoint=True)
+    prepare_trainer(build_trainer(tiny_model_dir, output))
+    assert last_complete_checkpoint(output) is None and trainer_state_file.is_file()
+    with pytest.raises(ValueError, match=r"trainer_state\.json is empty: this checkpoint is incomplete"):
+        check_resumable(RBSigmoidLoss(None), output / "checkpoint-2")
 
 
 def test_non_finite_loss_parameters_stop_training_before_the_checkpoint(tiny_model_dir, tmp_path, one_torch_thread):

@@ -14,7 +14,7 @@ from sentence_transformers.util import cos_sim
 
 from st_weince.functional import check_scores, nt_xent_layout, weince_cross_entropy, weince_statistics
 from st_weince.losses import CachedRBSigmoidLoss, CachedWEINCELoss, RBSigmoidLoss, WEINCELoss
-from st_weince.training import LOSS_STATE_RECORD, prepare_trainer
+from st_weince.training import LOSS_STATE_RECORD, check_resumable, last_complete_checkpoint, prepare_trainer
 from tests.conftest import stop_at
 from tests.test_rb_sigmoid_trainer import make_trainer
 
@@ -234,28 +234,33 @@ def test_cached_losses_refuse_empty_batches_in_their_own_words(loss_cls):
 # ----- resume errors -----
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:WEINCELoss at a batch of 4")
-def test_resume_names_a_changed_loss_and_a_set_aside_checkpoint(tiny_model_dir, tmp_path, one_torch_thread):
+def test_resume_names_a_changed_loss_and_an_incomplete_checkpoint(tiny_model_dir, tmp_path, one_torch_thread):
     output = tmp_path / "run"
     make_trainer(tiny_model_dir, output, callbacks=[stop_at(3)]).train()
     checkpoint = output / "checkpoint-3"
     attributes = json.loads((checkpoint / "trainer_state.json").read_text())["stateful_callbacks"][LOSS_STATE_RECORD]
     assert attributes["attributes"]["loss"]["loss"]["class"] == "RBSigmoidLoss"
 
-    # another loss class: named before the optimizer load (whose error would be about parameter groups)
+    # another loss class: named by check_resumable before anything is built; the trainer itself refuses it already
+    # when it loads the optimizer, whose parameter groups differ (torch names only that)
     with pytest.raises(ValueError, match="RBSigmoidLoss in the checkpoint, WEINCELoss now"):
+        check_resumable(WEINCELoss(None), checkpoint)
+    with pytest.raises(ValueError, match="different number of parameter groups"):
         make_trainer(tiny_model_dir, output, loss_cls=WEINCELoss).train(resume_from_checkpoint=str(checkpoint))
     # the same class, another configuration
     with pytest.raises(ValueError, match="symmetric=False in the checkpoint, True now"):
-        make_trainer(
-            tiny_model_dir, output, loss_cls=lambda model: RBSigmoidLoss(model, symmetric=True)
-        ).train(resume_from_checkpoint=str(checkpoint))
+        make_trainer(tiny_model_dir, output, loss_cls=lambda model: RBSigmoidLoss(model, symmetric=True)).train(
+            resume_from_checkpoint=str(checkpoint)
+        )
 
-    # a damaged checkpoint, resumed from by its explicit path: prepare_trainer sets it aside, the error names where
+    # a damaged checkpoint: skipped by last_complete_checkpoint, named by check_resumable, renamed by nothing
     shutil.copytree(checkpoint, output / "checkpoint-5")
     (output / "checkpoint-5" / "trainer_state.json").write_text("")
-    trainer = make_trainer(tiny_model_dir, output)
-    with pytest.raises(FileNotFoundError, match="checkpoint-5 was set aside as .*incomplete-checkpoint-5: its "):
-        trainer.train(resume_from_checkpoint=str(output / "checkpoint-5"))
+    make_trainer(tiny_model_dir, output)
+    assert last_complete_checkpoint(output) == str(checkpoint)
+    assert (output / "checkpoint-5" / "trainer_state.json").is_file()
+    with pytest.raises(ValueError, match=r"checkpoint-5.trainer_state\.json is empty: this checkpoint is incomplete"):
+        check_resumable(RBSigmoidLoss(None), output / "checkpoint-5")
 
 
 @pytest.mark.slow
@@ -265,6 +270,8 @@ def test_a_loss_without_parameters_records_its_class_too(tiny_model_dir, tmp_pat
     trainer = make_trainer(tiny_model_dir, output, loss_cls=WEINCELoss, callbacks=[stop_at(3)])
     trainer.train()
     with pytest.raises(ValueError, match="WEINCELoss in the checkpoint, RBSigmoidLoss now"):
+        check_resumable(RBSigmoidLoss(None), output / "checkpoint-3")
+    with pytest.raises(ValueError, match="different number of parameter groups"):  # the trainer's optimizer load
         make_trainer(tiny_model_dir, output).train(resume_from_checkpoint=str(output / "checkpoint-3"))
     resumed = prepare_trainer(make_trainer(tiny_model_dir, output, loss_cls=WEINCELoss, prepare=False))
     resumed.train(resume_from_checkpoint=str(output / "checkpoint-3"))

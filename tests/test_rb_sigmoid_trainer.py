@@ -27,8 +27,16 @@ pytestmark = pytest.mark.slow
 
 
 def make_trainer(
-    model_dir, output_dir, *, loss_cls=RBSigmoidLoss, prepare=True, callbacks=(), allow_missing_loss_state=False,
-    eval_dataset=None, dropout=True, **overrides,
+    model_dir,
+    output_dir,
+    *,
+    loss_cls=RBSigmoidLoss,
+    prepare=True,
+    callbacks=(),
+    allow_missing_loss_state=False,
+    eval_dataset=None,
+    dropout=True,
+    **overrides,
 ):
     model = SentenceTransformer(str(model_dir), device="cpu")
     if not dropout:  # deterministic forward passes, so that cached and uncached training can be compared
@@ -97,24 +105,50 @@ def test_no_weight_decay_on_loss_parameters(tiny_model_dir, tmp_path):
     plain.create_optimizer()
     assert group_decay(plain) == {"log_t": 0.5, "b_rel": 0.5, "weights": 0.5}  # the trap
 
-    prepared = make_trainer(tiny_model_dir, tmp_path / "b")
-    prepared.create_optimizer()
+    # prepare_trainer replaces nothing of the trainer: the loss parameters get groups of their own through
+    # learning_rate_mapping, whose weight decay its callback sets to 0 when training begins.
+    prepared = make_trainer(tiny_model_dir, tmp_path / "b", max_steps=1, save_strategy="no")
+    assert "get_decay_parameter_names" not in vars(prepared) and "_load_from_checkpoint" not in vars(prepared)
+    prepared.train()
     assert group_decay(prepared) == {"log_t": 0.0, "b_rel": 0.0, "weights": 0.5}
+    groups = {id(p): g for g in prepared.optimizer.param_groups for p in g["params"]}
+    assert groups[id(prepared.loss.log_t)]["lr"] == pytest.approx(DEFAULT_LOSS_LEARNING_RATE)
 
+    # An optimizer that exists before prepare_trainer is not regrouped: one that decays a loss parameter is refused.
     late = make_trainer(tiny_model_dir, tmp_path / "c", prepare=False)
     late.create_optimizer()
-    prepare_trainer(late)  # the optimizer already exists: its groups are fixed in place
-    assert group_decay(late) == {"log_t": 0.0, "b_rel": 0.0, "weights": 0.5}
-    assert sum(len(g["params"]) for g in late.optimizer.param_groups) == len(
-        [p for p in late.loss.parameters() if p.requires_grad]
-    )
+    with pytest.raises(
+        ValueError, match=r"The optimizer given to the trainer puts weight decay on \['b_rel', 'log_t'\]"
+    ):
+        prepare_trainer(late)
+    missing = make_trainer(tiny_model_dir, tmp_path / "e", prepare=False)
+    missing.optimizer = torch.optim.AdamW(missing.model.parameters(), lr=1e-5)
+    with pytest.raises(ValueError, match=r"does not hold the loss parameters \['b_rel', 'log_t'\]"):
+        prepare_trainer(missing)
 
-    # The recommended own learning rate for the loss parameters keeps them out of weight decay too.
-    mapped = make_trainer(tiny_model_dir, tmp_path / "d", learning_rate_mapping={r"^(log_t|b_rel)$": 1e-2})
-    mapped.create_optimizer()
+    # An own learning rate of the user's for the loss parameters wins, and they still get no weight decay.
+    mapped = make_trainer(
+        tiny_model_dir,
+        tmp_path / "d",
+        learning_rate_mapping={r"^(log_t|b_rel)$": 1e-2},
+        max_steps=1,
+        save_strategy="no",
+    )
+    mapped.train()
     groups = {id(p): g for g in mapped.optimizer.param_groups for p in g["params"]}
     for parameter in (mapped.loss.log_t, mapped.loss.b_rel):
-        assert groups[id(parameter)]["lr"] == 1e-2 and groups[id(parameter)]["weight_decay"] == 0.0
+        assert groups[id(parameter)]["lr"] == pytest.approx(1e-2) and groups[id(parameter)]["weight_decay"] == 0.0
+
+    # A mapping of the user's that puts them in one group with model weights: refused when training begins.
+    mixed = make_trainer(
+        tiny_model_dir,
+        tmp_path / "f",
+        learning_rate_mapping={r"(log_t|b_rel|word_embeddings)": 1e-3},
+        max_steps=1,
+        save_strategy="no",
+    )
+    with pytest.raises(ValueError, match=r"holds the loss parameters \['b_rel', 'log_t'\] together with 1 other"):
+        mixed.train()
 
 
 def test_t_b_rel_b_and_margin_in_the_logs(tiny_model_dir, tmp_path):

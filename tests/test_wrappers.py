@@ -23,7 +23,8 @@ WRAPPERS = {
 
 
 def wrapped_trainer(model_dir, output_dir, wrapper: str, **overrides):
-    trainer = build_trainer(model_dir, output_dir, max_steps=3, save_steps=2, weight_decay=0.5, **overrides)
+    settings = {"max_steps": 3, "save_steps": 2, "weight_decay": 0.5, **overrides}
+    trainer = build_trainer(model_dir, output_dir, **settings)
     inner = trainer.loss
     trainer.loss = WRAPPERS[wrapper][0](trainer.model, inner)
     return trainer, inner
@@ -35,14 +36,14 @@ def test_wrapped_rb_sigmoid_with_prepare_trainer(wrapper, tiny_model_dir, tmp_pa
     trainer, inner = wrapped_trainer(tiny_model_dir, tmp_path / "full", wrapper)
     assert sorted(own_tensors(trainer.loss)) == [prefix + "b_rel", prefix + "log_t"]
     prepare_trainer(trainer)
-    trainer.create_optimizer()
+    trainer.train()
+    # the optimizer as it trained (weight decay comes off the loss parameters' groups when training begins)
     groups = {id(p): g for g in trainer.optimizer.param_groups for p in g["params"]}
     for parameter in (inner.log_t, inner.b_rel):
         assert groups[id(parameter)]["weight_decay"] == 0.0
         assert groups[id(parameter)]["lr"] == DEFAULT_LOSS_LEARNING_RATE
     embeddings = next(p for n, p in trainer.model.named_parameters() if "word_embeddings" in n)
     assert groups[id(embeddings)]["weight_decay"] == 0.5 and groups[id(embeddings)]["lr"] == 5e-2
-    trainer.train()
 
     records = [r for r in trainer.state.log_history if "loss" in r]
     assert records[0]["rb_sigmoid_t"] == pytest.approx(10.0, rel=1e-5)
@@ -64,9 +65,10 @@ def test_wrapped_rb_sigmoid_with_prepare_trainer(wrapper, tiny_model_dir, tmp_pa
 def test_documented_mapping_matches_under_wrappers_and_wins(tiny_model_dir, tmp_path):
     mapping = {r"(^|\.)(log_t|b_rel)$": 3e-3}  # docs/training.md: matches with and without a wrapper's prefix
     for wrapper in ("matryoshka", "matryoshka_2d"):
-        trainer, inner = wrapped_trainer(tiny_model_dir, tmp_path / wrapper, wrapper, learning_rate_mapping=mapping)
-        prepare_trainer(trainer)
-        trainer.create_optimizer()
+        trainer, inner = wrapped_trainer(
+            tiny_model_dir, tmp_path / wrapper, wrapper, learning_rate_mapping=mapping, max_steps=1, save_strategy="no"
+        )
+        prepare_trainer(trainer).train()
         groups = {id(p): g for g in trainer.optimizer.param_groups for p in g["params"]}
         assert groups[id(inner.log_t)]["lr"] == 3e-3 and groups[id(inner.log_t)]["weight_decay"] == 0.0
     plain = prepare_trainer(build_trainer(tiny_model_dir, tmp_path / "plain", learning_rate_mapping=mapping))
@@ -88,9 +90,7 @@ def test_no_own_learning_rate_on_request(tiny_model_dir, tmp_path):
 def test_own_tensors_of_a_dict_of_losses_use_the_trainers_names(tiny_model):
     losses = {"nli": RBSigmoidLoss(tiny_model), "pairs": MatryoshkaLoss(tiny_model, RBSigmoidLoss(tiny_model), [16])}
     assert sorted(own_tensors(losses)) == ["nli.b_rel", "nli.log_t", "pairs.loss.b_rel", "pairs.loss.log_t"]
-    assert sorted(own_tensors(RBSigmoidLoss(tiny_model, trainable_scale=False), trainable_only=True)) == [
-        "b_rel"
-    ]
+    assert sorted(own_tensors(RBSigmoidLoss(tiny_model, trainable_scale=False), trainable_only=True)) == ["b_rel"]
 
 
 def test_arguments_reused_for_another_loss_do_not_carry_the_loss_pattern(tiny_model_dir, tmp_path):

@@ -2,15 +2,17 @@
 
 from st_weince.training.checkpoints import (
     LOSS_STATE_RECORD,
+    check_record_resumable,
     check_resumable,
+    last_complete_checkpoint,
     read_checkpoint_loss_state,
-    set_aside_incomplete_checkpoints,
 )
 from st_weince.training.loss_state import (
     DEFAULT_LOSS_LEARNING_RATE,
     LossStateCallback,
     LossStateRecord,
     prepare_trainer,
+    take_weight_decay_off,
 )
 from st_weince.training.loss_tensors import (
     LOSS_STATE_FILE,
@@ -28,7 +30,9 @@ __all__ = [
     "DEFAULT_LOSS_LEARNING_RATE",
     "LOSS_STATE_FILE",
     "LOSS_STATE_RECORD",
+    "check_record_resumable",
     "check_resumable",
+    "last_complete_checkpoint",
     "LossStateCallback",
     "LossStateRecord",
     "average_loss_gradients",
@@ -38,9 +42,9 @@ __all__ = [
     "no_weight_decay_names",
     "own_tensors",
     "prepare_trainer",
+    "take_weight_decay_off",
     "read_checkpoint_loss_state",
     "save_loss_state",
-    "set_aside_incomplete_checkpoints",
     "LossStatisticsCallback",
     "RunningMeans",
     "log_loss_statistics",

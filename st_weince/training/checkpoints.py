@@ -2,10 +2,9 @@
 loss can resume from a checkpoint.
 
 A checkpoint whose ``trainer_state.json`` is missing, empty or unreadable (a run killed while saving) can never be
-resumed from; ``prepare_trainer`` renames such folders in ``output_dir`` to ``incomplete-checkpoint-N`` so that
-``resume_from_checkpoint=True`` picks the last complete one. The record also names the loss class and configuration;
-the trainer's ``_load_from_checkpoint``, which ``train()`` calls before it loads the optimizer, first runs
-:func:`check_resumable`, which refuses a checkpoint of another loss (or a set-aside one) with that reason.
+resumed from; :func:`last_complete_checkpoint` finds the last one that can (nothing is renamed). The record also
+names the loss class and configuration; on resume :func:`check_record_resumable` refuses a checkpoint of another loss
+with that reason.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ logger = logging.getLogger(__name__)
 
 TRAINER_STATE_FILE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
 LOSS_STATE_RECORD = "LossStateRecord"  # the key of the loss state in trainer_state.json's "stateful_callbacks"
-INCOMPLETE_PREFIX = "incomplete-"
 _RECORD_FORMAT = 1
 _CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")  # as transformers.trainer_utils._re_checkpoint
 
@@ -210,81 +208,65 @@ def _trainer_state_problem(path: str) -> str | None:
     return None
 
 
-def set_aside_incomplete_checkpoints(output_dir: str | os.PathLike) -> list[str]:
-    """Rename every ``checkpoint-N`` in ``output_dir`` whose ``trainer_state.json`` is missing, empty or unreadable
-    (the trainer writes it last, so the save was interrupted) to ``incomplete-checkpoint-N``, which neither
-    ``resume_from_checkpoint=True`` nor checkpoint rotation considers. Returns the new paths; logs a warning each."""
+def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The highest-numbered ``checkpoint-N`` in ``output_dir`` whose ``trainer_state.json`` is readable, or None.
+
+    ``train(resume_from_checkpoint=True)`` takes the highest-numbered ``checkpoint-N`` folder, complete or not; the
+    trainer writes ``trainer_state.json`` last, so a run killed while saving leaves a folder without it, from which
+    transformers refuses to resume (``FileNotFoundError``). ``trainer.train(resume_from_checkpoint=
+    last_complete_checkpoint(args.output_dir))`` resumes from the last complete one instead, and starts afresh when
+    there is none. Nothing is renamed or deleted."""
     output_dir = os.fspath(output_dir)
     if not os.path.isdir(output_dir):
-        return []
-    moved = []
-    for name in sorted(os.listdir(output_dir)):
-        folder = os.path.join(output_dir, name)
-        if not (_CHECKPOINT_NAME.match(name) and os.path.isdir(folder)):
-            continue
-        problem = _trainer_state_problem(os.path.join(folder, TRAINER_STATE_FILE))
-        if problem is None:
-            continue
-        target, suffix = os.path.join(output_dir, INCOMPLETE_PREFIX + name), 1
-        while os.path.exists(target):
-            suffix += 1
-            target = os.path.join(output_dir, f"{INCOMPLETE_PREFIX}{name}.{suffix}")
-        os.rename(folder, target)
-        logger.warning(
-            "%s %s: the save of this checkpoint was interrupted, so it cannot be resumed from; moved to %s",
-            os.path.join(folder, TRAINER_STATE_FILE),
-            problem,
-            target,
-        )
-        moved.append(target)
-    return moved
-
-
-def _set_aside_as(checkpoint: str) -> str | None:
-    """Where :func:`set_aside_incomplete_checkpoints` moved ``checkpoint`` (the newest such folder), or None."""
-    directory, name = os.path.split(os.path.normpath(checkpoint))
-    if not _CHECKPOINT_NAME.match(name) or not os.path.isdir(directory):
         return None
-    pattern = re.compile(rf"^{re.escape(INCOMPLETE_PREFIX + name)}(?:\.(\d+))?$")
-    found = [(int(m.group(1) or 1), entry) for entry in os.listdir(directory) if (m := pattern.match(entry))]
-    return os.path.join(directory, max(found)[1]) if found else None
+    steps = []
+    for name in os.listdir(output_dir):
+        match = _CHECKPOINT_NAME.match(name)
+        folder = os.path.join(output_dir, name)
+        if match and os.path.isdir(folder):
+            problem = _trainer_state_problem(os.path.join(folder, TRAINER_STATE_FILE))
+            if problem is None:
+                steps.append((int(match.group(1)), folder))
+            else:
+                logger.info("%s %s: skipped as incomplete", os.path.join(folder, TRAINER_STATE_FILE), problem)
+    return max(steps)[1] if steps else None
 
 
-def check_resumable(
-    loss: nn.Module | dict[str, nn.Module], checkpoint: str | os.PathLike, allow_missing_loss_state: bool = False
+def check_record_resumable(
+    loss: nn.Module | dict[str, nn.Module], record: Any, source: str, allow_missing_loss_state: bool = False
 ) -> None:
-    """Refuse, naming the cause, a checkpoint this loss cannot resume from, before the trainer loads anything from
-    it (the model, then the optimizer, whose own error would only say that the parameter groups differ):
+    """Refuse, naming the cause, a checkpoint's loss-state ``record`` (read from ``source``) that this loss cannot
+    resume from:
 
-    - a ``checkpoint-N`` that was set aside as ``incomplete-checkpoint-N`` (an interrupted save): FileNotFoundError
-      naming the new folder and why;
-    - a ``trainer_state.json`` that is missing, empty or unreadable: FileNotFoundError / ValueError naming it;
-    - a checkpoint written under another loss class or configuration (recorded with its loss state): ValueError
-      naming what differs;
-    - for a loss with parameters, a checkpoint without loss state (unless ``allow_missing_loss_state``):
-      FileNotFoundError.
+    - written under another loss class or configuration: ValueError naming what differs;
+    - for a loss with parameters, no loss state at all (unless ``allow_missing_loss_state``): FileNotFoundError.
     """
-    checkpoint = os.fspath(checkpoint)
-    if not os.path.isdir(checkpoint):
-        moved = _set_aside_as(checkpoint)
-        if moved is not None:
-            problem = _trainer_state_problem(os.path.join(moved, TRAINER_STATE_FILE)) or "was incomplete"
-            raise FileNotFoundError(
-                f"{checkpoint} was set aside as {moved}: its {TRAINER_STATE_FILE} {problem}, so its save was "
-                "interrupted and it cannot be resumed from. Resume from an earlier checkpoint, or with "
-                "resume_from_checkpoint=True (the last complete one)."
-            )
-        return  # the trainer's own error names the missing path
-    path, record = _checkpoint_record(checkpoint, " and cannot be resumed from")
     attributes = record.get("attributes") if isinstance(record, dict) else None
     saved = attributes.get("loss") if isinstance(attributes, dict) else None
     if isinstance(saved, dict):
         change = describe_loss_change(saved, loss_description(loss))
         if change is not None:
             raise ValueError(
-                f"{checkpoint} was written under another loss configuration than this trainer's loss ({change}). "
+                f"{source} was written under another loss configuration than this trainer's loss ({change}). "
                 "Its loss state and optimizer state belong to that loss: resume with the loss it was written with, "
                 "or start a new run in another output_dir."
             )
     elif record is None and own_tensors(loss) and not allow_missing_loss_state:
-        raise missing_loss_state_error(path, loss)
+        raise missing_loss_state_error(source, loss)
+
+
+def check_resumable(
+    loss: nn.Module | dict[str, nn.Module], checkpoint: str | os.PathLike, allow_missing_loss_state: bool = False
+) -> None:
+    """Refuse, naming the cause, a checkpoint folder this loss cannot resume from, without loading anything:
+
+    - a ``trainer_state.json`` that is missing, empty or unreadable (an interrupted save): FileNotFoundError /
+      ValueError naming it;
+    - the cases of :func:`check_record_resumable`.
+
+    ``prepare_trainer`` runs the record check itself when the trainer resumes (at ``on_train_begin``); this is for a
+    script that wants the answer before it builds a trainer.
+    """
+    checkpoint = os.fspath(checkpoint)
+    path, record = _checkpoint_record(checkpoint, " and cannot be resumed from")
+    check_record_resumable(loss, record, checkpoint, allow_missing_loss_state)

@@ -32,7 +32,6 @@ import os
 import re
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
@@ -40,12 +39,10 @@ from transformers.trainer_callback import ExportableState
 from st_weince.training.checkpoints import (
     LOSS_STATE_RECORD,
     TRAINER_STATE_FILE,
-    check_resumable,
+    check_record_resumable,
     loss_state_record,
-    missing_loss_state_error,
     read_checkpoint_loss_state,
     record_loss_state,
-    set_aside_incomplete_checkpoints,
     stored_record,
 )
 from st_weince.training.loss_tensors import (
@@ -108,13 +105,17 @@ class LossStateCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         for record in self._records():
             record.loss = self.trainer.loss
-        if state.global_step == 0 or not own_tensors(self.trainer.loss):
-            return  # not a resume (the trainer restored a checkpoint's trainer state) or nothing to restore
+        if optimizer is not None:
+            take_weight_decay_off(optimizer, self.trainer.loss)
+        if state.global_step == 0:
+            return  # not a resume (the trainer restored a checkpoint's trainer state)
         source = f"the {TRAINER_STATE_FILE} of the checkpoint resumed from (step {state.global_step})"
         stored = stored_record(state.stateful_callbacks)
+        # Another loss class or configuration, or no loss state for a loss with parameters: refused with the reason.
+        check_record_resumable(self.trainer.loss, stored, source, self.allow_missing_loss_state)
+        if not own_tensors(self.trainer.loss):
+            return  # nothing to restore
         if stored is None:
-            if not self.allow_missing_loss_state:
-                raise missing_loss_state_error(source, self.trainer.loss)
             logger.warning("%s holds no loss state: the loss parameters keep their current values", source)
             # The trainer updates the entries of the loaded state in place and fails on a key it does not find.
             state.stateful_callbacks.setdefault(LOSS_STATE_RECORD, None)
@@ -168,10 +169,11 @@ def prepare_trainer(
 
     - their state goes into every checkpoint (inside ``trainer_state.json``) and ``train(resume_from_checkpoint=...)``
       restores it; a checkpoint without it is refused (FileNotFoundError) unless ``allow_missing_loss_state``;
-      non-finite values stop training before they are written; interrupted checkpoints in ``output_dir`` are set
-      aside (:func:`set_aside_incomplete_checkpoints`);
-    - they get no weight decay, and their own learning rate ``loss_learning_rate`` through the trainer's
-      ``learning_rate_mapping`` (an entry the caller gave for the same parameters wins; None: the trainer's rate);
+      non-finite values stop training before they are written; after a run killed while saving, resume with
+      ``resume_from_checkpoint=last_complete_checkpoint(output_dir)`` (:func:`last_complete_checkpoint`);
+    - their own learning rate ``loss_learning_rate`` through the trainer's ``learning_rate_mapping`` (an entry the
+      caller gave for the same parameters wins; None: the trainer's rate), and no weight decay (set to 0 on their
+      optimizer groups at ``on_train_begin``);
     - their gradients are averaged across processes;
     - their statistics (``rb_sigmoid_t``, ``rb_sigmoid_b_rel``, ``rb_sigmoid_t_capped`` ...) are added to the
       training logs;
@@ -183,13 +185,14 @@ def prepare_trainer(
     InfoNCE) or the dataset has a label column that the loss ignores (:mod:`st_weince.training.setup_checks`).
 
     For every loss, also one without parameters (WEINCELoss): each checkpoint records the loss class and configuration,
-    and ``train(resume_from_checkpoint=...)`` refuses, before it loads anything, a checkpoint written under another
-    loss, or one set aside as incomplete (:func:`check_resumable`). Call it before the optimizer is
-    built (an existing optimizer's groups are fixed in place; an existing learning-rate scheduler is an error).
-    Idempotent; returns the trainer.
+    and ``train(resume_from_checkpoint=...)`` refuses a checkpoint written under another loss class or configuration
+    (:func:`check_record_resumable`, at ``on_train_begin``; an optimizer whose groups differ is refused by torch
+    before that). Nothing of the trainer is replaced: it adds callbacks and a ``learning_rate_mapping`` entry (on a
+    copy of ``trainer.args``). An optimizer passed to the trainer is used as built, and refused if it misses a loss
+    parameter or decays one. Idempotent; returns the trainer.
     """
-    if getattr(trainer, "_st_weince_prepared", False):
-        return trainer
+    if any(isinstance(cb, LossStateCallback) for cb in trainer.callback_handler.callbacks):
+        return trainer  # prepared already
     if loss_learning_rate is not None and not (
         isinstance(loss_learning_rate, (int, float)) and math.isfinite(loss_learning_rate) and loss_learning_rate > 0
     ):
@@ -198,10 +201,6 @@ def prepare_trainer(
         log_loss_statistics(trainer)
     check_trainer_setup(trainer)  # WEINCE at a batch too small to fit; ignored label columns
 
-    if trainer.is_world_process_zero():
-        set_aside_incomplete_checkpoints(trainer.args.output_dir)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()  # no rank looks for the last checkpoint before the incomplete ones are set aside
     for top in losses_by_prefix(trainer.loss).values():
         for module in top.modules():
             if callable(getattr(module, "mark_state_managed", None)):
@@ -212,76 +211,69 @@ def prepare_trainer(
     record.loss = trainer.loss
     trainer.add_callback(record)
     trainer.add_callback(LossStateCallback(trainer, allow_missing_loss_state=allow_missing_loss_state))
-    _check_before_loading(trainer, allow_missing_loss_state)
     if rb_sigmoid_losses(trainer.loss):
         # after LossStateCallback: the cap applies to the step's averaged gradients, the carried values are those
         # of the best checkpoint when it is loaded at the end
         carry_trained_values(trainer.model, trainer.loss, 0)  # the configured starts until the first save
         trainer.add_callback(TrainedValuesCallback(trainer))
 
-    excluded = {id(p) for p in no_weight_decay_parameters(trainer.loss)}
-    original_decay_names = trainer.get_decay_parameter_names
-
-    def get_decay_parameter_names(model: nn.Module) -> list[str]:
-        parameters = dict(model.named_parameters())
-        return [name for name in original_decay_names(model) if id(parameters.get(name)) not in excluded]
-
-    get_decay_parameter_names.__doc__ = original_decay_names.__doc__
-    trainer.get_decay_parameter_names = get_decay_parameter_names
-
-    pattern = _loss_learning_rate_pattern(trainer.loss) if loss_learning_rate is not None else None
-    if pattern is not None and hasattr(trainer.args, "learning_rate_mapping"):
+    # Their own learning rate, through the trainer's learning_rate_mapping, which also gives them optimizer groups of
+    # their own, so that LossStateCallback can take the weight decay off those groups at on_train_begin (nothing of
+    # the trainer is replaced). loss_learning_rate=None: their own groups at the trainer's rate.
+    pattern = _loss_learning_rate_pattern(trainer.loss)
+    if pattern is not None and hasattr(trainer.args, "learning_rate_mapping") and trainer.optimizer is None:
         user_mapping = dict(trainer.args.learning_rate_mapping or {})
         own_names = own_tensors(trainer.loss, trainable_only=True)
         if not any(re.search(p, name) for p in user_mapping for name in own_names):
+            rate = trainer.args.learning_rate if loss_learning_rate is None else loss_learning_rate
             # First in the mapping: the trainer applies the entries in order, so a later user entry would still win.
             # On a copy of the arguments: an arguments object reused for another trainer (another loss) must not
             # carry this pattern, which the trainer would refuse there ("No parameters found matching").
             trainer.args = copy.copy(trainer.args)
-            trainer.args.learning_rate_mapping = {pattern: float(loss_learning_rate), **user_mapping}
+            trainer.args.learning_rate_mapping = {pattern: float(rate), **user_mapping}
     if trainer.optimizer is not None:
-        _regroup_existing_optimizer(trainer, loss_learning_rate if pattern is not None else None)
+        _check_given_optimizer(trainer)
 
-    trainer._st_weince_prepared = True
     return trainer
 
 
-def _check_before_loading(trainer: Any, allow_missing_loss_state: bool) -> None:
-    """:func:`check_resumable` on the checkpoint the trainer resumes from, as the first thing its
-    ``_load_from_checkpoint`` does: ``train()`` calls that before it loads the optimizer (and for a regular model,
-    before the model), and after ``resume_from_checkpoint=True`` has been resolved to a folder."""
-    load_from_checkpoint = getattr(trainer, "_load_from_checkpoint", None)
-    if load_from_checkpoint is None:
-        return
+def take_weight_decay_off(optimizer: Any, loss: nn.Module | dict[str, nn.Module]) -> None:
+    """Set ``weight_decay=0`` on every optimizer group that holds a parameter the loss names in
+    ``no_weight_decay_parameter_names()``. Such a group must hold nothing else (the trainer's ``learning_rate_mapping``
+    entry that prepare_trainer adds gives them groups of their own); a group that mixes them with other parameters
+    is refused, naming both. Runs after the trainer built (and, on resume, loaded) the optimizer; the scheduler does
+    not touch weight decay."""
+    no_decay = {id(p) for p in no_weight_decay_parameters(loss)}
+    names = {id(p): name for name, p in own_tensors(loss, trainable_only=True).items()}
+    for index, group in enumerate(optimizer.param_groups):
+        held = [p for p in group["params"] if id(p) in no_decay]
+        if not held or not group.get("weight_decay"):
+            continue
+        if len(held) != len(group["params"]):
+            raise ValueError(
+                f"Optimizer group {index} (weight_decay={group['weight_decay']}) holds the loss parameters "
+                f"{sorted(names.get(id(p), '?') for p in held)} together with {len(group['params']) - len(held)} "
+                "other parameters: a learning_rate_mapping entry of yours matches both. Give the loss parameters an "
+                "entry of their own (for example r'(^|\\.)(log_t|b_rel)$'), so that they train without weight decay."
+            )
+        group["weight_decay"] = 0.0
 
-    def checked_load_from_checkpoint(resume_from_checkpoint: str, *args: Any, **kwargs: Any) -> Any:
-        check_resumable(trainer.loss, resume_from_checkpoint, allow_missing_loss_state)
-        return load_from_checkpoint(resume_from_checkpoint, *args, **kwargs)
 
-    trainer._load_from_checkpoint = checked_load_from_checkpoint
-
-
-def _regroup_existing_optimizer(trainer: Any, learning_rate: float | None) -> None:
-    """For an optimizer built before prepare_trainer: move the loss parameters into a group without weight decay
-    (and with ``learning_rate`` if given)."""
+def _check_given_optimizer(trainer: Any) -> None:
+    """An optimizer passed to the trainer (``optimizers=(optimizer, scheduler)``) is used as it was built: refuse it
+    when it misses a loss parameter (which would then never train) or puts weight decay on one."""
     no_decay = {id(p) for p in no_weight_decay_parameters(trainer.loss)}
-    own = {id(p) for p in own_parameters(trainer.loss)}
-    optimizer = trainer.optimizer
-    moved: list[nn.Parameter] = []
-    for group in optimizer.param_groups:
-        wrong_decay = group.get("weight_decay", 0.0) != 0.0
-        wrong_rate = learning_rate is not None and group.get("lr") != learning_rate
-        take = [p for p in group["params"] if (id(p) in no_decay and wrong_decay) or (id(p) in own and wrong_rate)]
-        moved += take
-        group["params"] = [p for p in group["params"] if all(p is not q for q in take)]
-    if not moved:
-        return
-    if trainer.lr_scheduler is not None:
-        raise RuntimeError("prepare_trainer must be called before the learning-rate scheduler is created")
-    optimizer.param_groups[:] = [group for group in optimizer.param_groups if group["params"]]
-    template = {key: value for key, value in optimizer.param_groups[0].items() if key != "params"}
-    decay = 0.0 if all(id(p) in no_decay for p in moved) else template.get("weight_decay", 0.0)
-    group = {**template, "params": moved, "weight_decay": decay}
-    if learning_rate is not None:
-        group["lr"] = learning_rate
-    optimizer.add_param_group(group)
+    groups = {id(p): group for group in trainer.optimizer.param_groups for p in group["params"]}
+    names = {id(p): name for name, p in own_tensors(trainer.loss, trainable_only=True).items()}
+    missing = sorted(name for key, name in names.items() if key not in groups)
+    decayed = sorted(
+        name for key, name in names.items() if key in groups and key in no_decay and groups[key].get("weight_decay")
+    )
+    if missing or decayed:
+        problem = f"does not hold the loss parameters {missing}" if missing else f"puts weight decay on {decayed}"
+        raise ValueError(
+            f"The optimizer given to the trainer {problem}. prepare_trainer does not regroup an optimizer it did not "
+            "build: put the loss's own parameters (st_weince.training.own_tensors(trainer.loss, trainable_only=True))"
+            " in a group with weight_decay=0 and the learning rate you want, or let the trainer build the optimizer "
+            "(then they get loss_learning_rate)."
+        )

@@ -116,7 +116,6 @@ def load_loss_state_dict(loss: nn.Module | dict[str, nn.Module], state: dict[str
         target.copy_(state[name].to(device=target.device, dtype=target.dtype))
 
 
-
 # ----- the loss state as a file (custom training loops) -----
 def _atomic_write(path: str, write) -> None:
     """Write through a temporary file in the same folder, flushed to disk, then renamed over ``path``: a reader (or a
