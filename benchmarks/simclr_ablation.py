@@ -75,7 +75,8 @@ SCALE_NOTE = (
     "have needed 9-13 hours on the quiet machine, beyond the six the ablation could take; at 5 epochs they needed "
     "5-7 hours, more than one working session, so the runs resume from their state across sessions. Arms 7 and 8 "
     "(composite-tau0.2, infonce-topm-both) were added later at the same scale: 24 runs; then the two per-view runs "
-    "and the link-or-temperature arm 9 (three runs)."
+    "and the link-or-temperature arms 9 (three runs, collapsed and stopped) and 10 (three runs, 5 epochs each): 32 "
+    "runs in all."
 )
 BASELINE = "infonce"
 RELEASED = SETUPS["released"]
