@@ -27,13 +27,12 @@ from sentence_transformers.sentence_transformer.losses import MultipleNegativesR
 from sentence_transformers.sentence_transformer.modules import Dense
 from sentence_transformers.sentence_transformer.training_args import BatchSamplers
 from transformers import set_seed
-from transformers.trainer_utils import get_last_checkpoint
 
 from st_weince.data.sentences import fetch_wiki1m, read_first_lines, read_training_file
 from st_weince.data.sts import read_stsb_splits
 from st_weince.evaluation.sts import STSEvaluator
 from st_weince.losses import RBSigmoidLoss, WEINCELoss
-from st_weince.training import prepare_trainer
+from st_weince.training import last_complete_checkpoint, prepare_trainer
 from st_weince.utils.cli import parse_key_values, positive_float, quiet_known_warnings, user_errors_exit
 from st_weince.utils.pretrained import build_tiny_encoder, load_sentence_encoder, minilm_path
 from st_weince.utils.run_outputs import write_run_outputs
@@ -81,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, help="override the encoder's dropout probability (the augmentation)")
     p.add_argument("--eval-before", action=argparse.BooleanOptionalAction, help="STS-B dev/test before training")
     p.add_argument("--gather-across-devices", action="store_true", help="in-batch negatives from all processes")
-    p.add_argument("--resume-from-checkpoint", help="a checkpoint-* directory, or 'latest' in --output-dir")
+    p.add_argument("--resume-from-checkpoint", help="a checkpoint-* directory, or 'latest' (the last complete one)")
     p.add_argument("--save-total-limit", type=int, default=2)
     p.add_argument("--save-optimizer-state", action=argparse.BooleanOptionalAction, help="checkpoints can resume")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto", help="auto: GPU bf16/fp16")
@@ -135,9 +134,9 @@ def train(args: argparse.Namespace) -> dict:
                          f"{world_size} processes")  # fmt: skip
     resume = args.resume_from_checkpoint
     if resume == "latest":
-        resume = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
+        resume = last_complete_checkpoint(args.output_dir)  # skips a folder that a kill left without trainer_state.json
         if resume is None:
-            raise ValueError(f"--resume-from-checkpoint latest: no checkpoint-* folder in {args.output_dir!r}")
+            raise ValueError(f"--resume-from-checkpoint latest: no complete checkpoint-* folder in {args.output_dir!r}")
     if resume is not None and not Path(resume).exists():
         raise ValueError(f"--resume-from-checkpoint {resume!r} does not exist")
     if resume is not None and not (Path(resume) / "optimizer.pt").is_file():  # the trainer would resume without it

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -252,3 +253,18 @@ def test_resume_with_restore_callback_states_from_checkpoint(tiny_model_dir, tmp
     trainer.train(resume_from_checkpoint=True)
     assert_same_run(outcome(trainer), uninterrupted)
     assert read_checkpoint_loss_state(output / "checkpoint-6")["log_t"].item() == trainer.loss.log_t.item()
+
+
+@pytest.mark.parametrize("loss", ["rb-sigmoid", "weince-composite"])
+def test_a_checkpoint_written_before_prepare_trainer_stopped_replacing_trainer_methods_resumes(
+    loss, tiny_model_dir, tmp_path, uninterrupted, uninterrupted_composite, one_torch_thread
+):
+    """checkpoint-2 of tests/checkpoint_worker.py written by commit 247bf4c (whose prepare_trainer still replaced
+    trainer methods and regrouped optimizers) resumes under this version and ends like an uninterrupted run here."""
+    output = tmp_path / "run"
+    output.mkdir()
+    written_before = REPO_ROOT / "tests" / "data" / "checkpoints-247bf4c" / loss / "checkpoint-2"
+    shutil.copytree(written_before, output / "checkpoint-2")
+    expected = uninterrupted if loss == "rb-sigmoid" else uninterrupted_composite
+    got = resume(tiny_model_dir, output, loss=loss)
+    assert_same_run(got, expected)  # the state after step 6, and the losses of steps 1-2 (logged) and 3-6 (run)

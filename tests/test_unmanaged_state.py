@@ -6,10 +6,13 @@ without state, evaluation and no-grad passes are never refused."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 from sentence_transformers import SentenceTransformer
+from sentence_transformers.base.modules import Module
 from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss
 
 from st_weince.losses import CachedRBSigmoidLoss, RBSigmoidLoss, WEINCELoss
@@ -100,3 +103,46 @@ def test_own_loops_declare_the_state_managed_and_evaluation_is_never_refused(tin
     frozen = RBSigmoidLoss(model, trainable_scale=False, trainable_bias=False)
     assert frozen.training_state_names() == []
     frozen(features).backward()  # constants: nothing to lose
+
+
+class LossParametersModule(Module):
+    """The rejected design (docs/training.md): the loss's parameters as the last module of the model, where the
+    trainer would save, resume and synchronise them as model weights."""
+
+    config_keys: list[str] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log_t = torch.nn.Parameter(torch.tensor(math.log(10.0)))
+
+    def forward(self, features: dict) -> dict:
+        return features
+
+    def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
+        self.save_torch_weights(output_path, safe_serialization=safe_serialization)
+        self.save_config(output_path)
+
+    @classmethod
+    def load(cls, model_name_or_path: str, **kwargs) -> LossParametersModule:
+        return cls()
+
+
+def test_the_model_module_design_needs_trust_remote_code_and_the_package(tiny_model_dir, tmp_path):
+    """Why the loss keeps its parameters and prepare_trainer remains: sentence-transformers 6 refuses to load a model
+    with a module class from outside its namespace without trust_remote_code=True, and a user without the package
+    that defines the class cannot load it at all. If this test fails, the trainer-owned design becomes possible."""
+    model = tiny_model(tiny_model_dir)
+    model.append(LossParametersModule())
+    model.save(str(tmp_path / "with-module"))
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        SentenceTransformer(str(tmp_path / "with-module"), device="cpu")
+    loaded = SentenceTransformer(str(tmp_path / "with-module"), device="cpu", trust_remote_code=True)
+    assert isinstance(loaded[-1], LossParametersModule)
+    without_package = (
+        "from sentence_transformers import SentenceTransformer\n"
+        f"SentenceTransformer({str(tmp_path / 'with-module')!r}, device='cpu', trust_remote_code=True)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", without_package], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode != 0 and "No module named 'tests'" in result.stderr
