@@ -21,6 +21,7 @@ from torch import Tensor
 from st_weince.functional.checks import check_score_shapes, compute_dtype
 from st_weince.functional.line_fit import fit_design, fit_lines
 from st_weince.functional.options import TopMOptions, integer_option
+from st_weince.functional.weince import count_negatives
 
 # Fewer negatives than this in the whole batch: no fit, the moving average keeps its value.
 MIN_BATCH_TAIL_POINTS = 10
@@ -47,12 +48,15 @@ def batch_tail_size(num_negatives: Tensor | int, options: TopMOptions | None = N
 class BatchTail:
     """The smallest shortfalls of a batch's negative scores (no gradient) and how many negatives there were."""
 
-    shortfalls: Tensor  # [L] ascending, max(1 - s, eps); +inf beyond the last negative
+    shortfalls: Tensor  # [L] max(1 - s, eps); +inf beyond the last negative; ascending where ``ascending``
     num_negatives: Tensor  # scalar long: K_all
+    ascending: bool = False  # known from how it was built (one part of batch_negative_tail), never from the values
 
     @staticmethod
     def cat(parts: list[BatchTail]) -> BatchTail:
         """Several processes' (or candidate groups') tails as one: the fit of the union of their rows."""
+        if len(parts) == 1:
+            return parts[0]
         return BatchTail(
             shortfalls=torch.cat([p.shortfalls for p in parts]),
             num_negatives=torch.stack([p.num_negatives for p in parts]).sum(),
@@ -78,10 +82,18 @@ def batch_negative_tail(
     global_entries = entries if global_entries is None else integer_option("global_entries", global_entries, entries)
     keep = min(entries, batch_tail_size(global_entries, options))
     s = scores.detach().to(compute_dtype(scores))
-    negative = negative_mask(s, positive_index, valid_mask)
-    shortfall = torch.rsub(s, 1.0).clamp_min_(options.eps).masked_fill_(~negative, float("inf"))
-    smallest = shortfall.reshape(-1).topk(keep, largest=False, sorted=True).values
-    return BatchTail(shortfalls=smallest, num_negatives=negative.sum())
+    if valid_mask is not None:
+        s = s.masked_fill(~valid_mask, float("-inf"))
+    # The smallest shortfalls max(1 - s, eps) are the largest scores. The keep + A largest entries hold the keep
+    # largest negatives (at most one positive per row among them): one top-k of the flat matrix, no masked copy.
+    rows_with_positive = scores.shape[0]
+    top = s.reshape(-1).topk(min(entries, keep + rows_with_positive), sorted=False)
+    row, column = top.indices // scores.shape[1], top.indices % scores.shape[1]
+    negative_values = top.values.masked_fill(column == positive_index[row], float("-inf"))
+    largest = negative_values.topk(keep, sorted=True).values
+    shortfall = torch.rsub(largest, 1.0).clamp_min_(options.eps)  # -inf (no negative left) gives +inf
+    num_negatives = count_negatives(positive_index, valid_mask, scores.shape, scores.device).sum()
+    return BatchTail(shortfalls=shortfall, num_negatives=num_negatives, ascending=True)
 
 
 @dataclass(frozen=True)
@@ -101,7 +113,8 @@ def batch_tail_fit(tail: BatchTail, options: TopMOptions | None = None, **overri
     the first ``max(1, floor(k / 20))`` dropped) and its R^2 (docs/algorithms.md 1.2b). Shortfalls whose log spreads by
     no more than rounding give slope 0 (no tail shape), hence an untrusted fit."""
     options = TopMOptions.resolve(options, overrides)
-    shortfalls = torch.sort(tail.shortfalls).values  # the parts of a concatenated tail are each sorted only
+    # the parts of a concatenated tail are each sorted only
+    shortfalls = tail.shortfalls if tail.ascending else torch.sort(tail.shortfalls).values
     length = shortfalls.shape[0]
     if length == 0:
         zero = shortfalls.new_zeros(())

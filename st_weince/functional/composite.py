@@ -38,26 +38,45 @@ from st_weince.functional.batch_tail import initial_beta_ema as initial_beta_ema
 from st_weince.functional.checks import check_score_shapes, compute_dtype
 from st_weince.functional.effective_scale import top_m_shortfall_effective_scale
 from st_weince.functional.options import TOP_M_DEFAULTS, TopMOptions, WeinceOptions, check_scale, integer_option
-from st_weince.functional.weince import WeinceStatistics, weince_cross_entropy
+from st_weince.functional.weince import HardestNegatives, WeinceStatistics, count_negatives, weince_cross_entropy
+
+
+def top_m_width(num_candidates: int, top_m: int) -> int:
+    """``M' = min(M, C - 2)`` (at least 0): how many hardest negatives a row of ``num_candidates`` columns can use."""
+    return max(min(top_m, num_candidates - 2), 0)
 
 
 def top_m_negatives(
-    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, *, top_m: int = TOP_M_DEFAULTS.top_m
+    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, *, top_m: int = TOP_M_DEFAULTS.top_m,
+    hardest: HardestNegatives | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The positive score [A] and the M hardest negative scores [A, M'] of each row (descending) with a mask
     [A, M'] of the ones used: ``min(M, K - 1)`` per row with K negatives. ``M' = min(M, C - 2)`` comes from the
     shape; unused positions hold 0. Gradient flows to the selected scores. In the scores' dtype (half: float32).
+
+    ``hardest``: the rows' :func:`~st_weince.functional.weince.hardest_negatives`, at least M' wide, when the caller
+    shares that sort with the tail fit (the scores are then gathered at its columns); one top-k here otherwise.
     """
     top_m = integer_option("top_m", top_m, 1)
     s = scores.to(compute_dtype(scores))
     positive = s.gather(1, positive_index.clamp_min(0)[:, None]).squeeze(1)
-    width = max(min(top_m, s.shape[1] - 2), 0)
+    width = top_m_width(s.shape[1], top_m)
     if width == 0:  # at most one negative per row: K - 1 = 0 hard negatives
         empty = s.new_zeros((s.shape[0], 0))
         return positive, empty, empty.bool()
-    negative = negative_mask(s, positive_index, valid_mask)
-    values = s.masked_fill(~negative, float("-inf")).topk(width, dim=1, sorted=True).values
-    per_row = (negative.sum(1) - 1).clamp(0, top_m)
+    if hardest is None:
+        negative = negative_mask(s, positive_index, valid_mask)
+        values = s.masked_fill(~negative, float("-inf")).topk(width, dim=1, sorted=True).values
+        num_negatives = negative.sum(1)
+    else:
+        if hardest.columns.shape[0] != s.shape[0] or hardest.columns.shape[1] < width:
+            raise ValueError(
+                f"hardest has shape {tuple(hardest.columns.shape)}: the top-M terms of {tuple(s.shape)} scores need "
+                f"[{s.shape[0]}, >= {width}]"
+            )
+        values = s.gather(1, hardest.columns[:, :width])
+        num_negatives = count_negatives(positive_index, valid_mask, s.shape, s.device)
+    per_row = (num_negatives - 1).clamp(0, top_m)
     used = torch.arange(width, device=s.device)[None, :] < per_row[:, None]
     return positive, torch.where(used, values, torch.zeros_like(values)), used
 
@@ -74,10 +93,13 @@ def shortfall_logits(scores: Tensor, beta: Tensor | float, eps: float = TOP_M_DE
     return torch.log(torch.rsub(scores.clamp(max=1.0 - eps), 1.0)) * -beta
 
 
-def _selection(scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None, options: TopMOptions) -> tuple:
+def _selection(
+    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None, options: TopMOptions,
+    hardest: HardestNegatives | None = None,
+) -> tuple:
     check_score_shapes(scores, positive_index, valid_mask)
     positive_index = positive_index.long()  # any integer dtype, as in torch's losses
-    return top_m_negatives(scores, positive_index, valid_mask, top_m=options.top_m)
+    return top_m_negatives(scores, positive_index, valid_mask, top_m=options.top_m, hardest=hardest)
 
 
 def _shortfall_term(selection: tuple[Tensor, Tensor, Tensor], beta: Tensor | float, eps: float) -> Tensor:
@@ -105,14 +127,15 @@ def top_m_cross_entropies(
 
 def top_m_terms(
     scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopMOptions | None = None,
-    *, beta: Tensor | float, scale: float, **overrides: Any,
+    *, beta: Tensor | float, scale: float, hardest: HardestNegatives | None = None, **overrides: Any,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(shortfall [A], infonce [A], shortfall effective scale [A])`` from one selection of the hardest negatives:
     the two terms of :func:`top_m_cross_entropies` and the secant slope of the shortfall logit over each row's set
-    (:mod:`st_weince.functional.effective_scale`; the top-M InfoNCE term's is ``scale``)."""
+    (:mod:`st_weince.functional.effective_scale`; the top-M InfoNCE term's is ``scale``). ``hardest``: the rows'
+    shared sort (:func:`top_m_negatives`)."""
     options = TopMOptions.resolve(options, overrides)
     scale = check_scale(scale)
-    selection = _selection(scores, positive_index, valid_mask, options)
+    selection = _selection(scores, positive_index, valid_mask, options, hardest)
     shortfall_scale = top_m_shortfall_effective_scale(*selection, beta, options.eps)
     return _shortfall_term(selection, beta, options.eps), _infonce_term(selection, scale), shortfall_scale
 

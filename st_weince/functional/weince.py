@@ -72,7 +72,7 @@ class WeinceStatistics:
     fitted: Tensor  # [A] bool
 
 
-def _count_negatives(positive_index: Tensor | None, valid_mask: Tensor | None, shape: torch.Size, device) -> Tensor:
+def count_negatives(positive_index: Tensor | None, valid_mask: Tensor | None, shape: torch.Size, device) -> Tensor:
     """K per row: valid entries other than the row's positive."""
     num_anchors, num_candidates = shape
     if valid_mask is None:
@@ -87,27 +87,47 @@ def _count_negatives(positive_index: Tensor | None, valid_mask: Tensor | None, s
     return count
 
 
-def _top_negative_scores(
-    scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None, k_max: int
-) -> Tensor:
-    """The k_max largest negative scores of each row, descending, padded with -inf (no gradient, scores' dtype).
+@dataclass(frozen=True)
+class HardestNegatives:
+    """Each row's hardest negatives, descending: the one partial sort per row that the tail fit and the top-M terms
+    share (no gradient; :func:`hardest_negatives`)."""
 
-    Takes the top k_max + 1 of the row and drops the positive among them (by column, so ties cannot confuse it),
-    instead of masking a full copy of the matrix. A row without a positive (-1) keeps its top k_max.
+    values: Tensor  # [A, W] the W largest negative scores of each row, descending, in the scores' dtype; -inf padding
+    columns: Tensor  # [A, W] long: their columns (padding positions: some column, whose value is never used)
+
+    def first(self, width: int) -> HardestNegatives:
+        """The ``width`` hardest of each row (e.g. to keep only what the top-M terms need)."""
+        return HardestNegatives(values=self.values[:, :width], columns=self.columns[:, :width])
+
+
+@torch.no_grad()
+def hardest_negatives(
+    scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None, width: int
+) -> HardestNegatives:
+    """The ``width`` largest negative scores of each row, descending, and their columns (no gradient).
+
+    Takes the top width + 1 of the row and drops the positive among them (by column, so ties cannot confuse it),
+    instead of masking a full copy of the matrix. A row without a positive (-1) keeps its top width. Positions beyond
+    a row's last negative hold -inf. ``width``: at most the number of columns.
     """
+    if not 1 <= width <= scores.shape[1]:
+        raise ValueError(f"width must be in [1, {scores.shape[1]}] (the number of columns), got {width}")
     scores = scores.detach()
     if valid_mask is not None:
         scores = scores.masked_fill(~valid_mask, float("-inf"))
     if positive_index is None:
-        return scores.topk(k_max, dim=1).values
-    values, columns = scores.topk(min(k_max + 1, scores.shape[1]), dim=1, sorted=True)
+        top = scores.topk(width, dim=1)
+        return HardestNegatives(values=top.values, columns=top.indices)
+    values, columns = scores.topk(min(width + 1, scores.shape[1]), dim=1, sorted=True)
     # Drop the positive without re-sorting: position j takes the value at j, or at j + 1 once the positive has been
-    # passed. A row whose positive is not among its top k_max + 1 (or that has none) keeps its first k_max values.
-    width = values.shape[1]
-    passed = (columns[:, :k_max] == positive_index[:, None]).cumsum(dim=1)
-    positions = torch.arange(k_max, device=scores.device)[None, :] + passed
-    beyond = positions >= width  # only when the row has no k_max-th negative (k_max = number of columns)
-    return values.gather(1, positions.clamp_max_(width - 1)).masked_fill_(beyond, float("-inf"))
+    # passed. A row whose positive is not among its top width + 1 (or that has none) keeps its first width values.
+    taken = values.shape[1]
+    passed = (columns[:, :width] == positive_index[:, None]).cumsum(dim=1)
+    positions = (torch.arange(width, device=scores.device)[None, :] + passed).clamp_max_(taken - 1)
+    beyond = torch.arange(width, device=scores.device)[None, :] + passed >= taken  # only when width = columns
+    return HardestNegatives(
+        values=values.gather(1, positions).masked_fill_(beyond, float("-inf")), columns=columns.gather(1, positions)
+    )
 
 
 def tail_sizes(num_negatives: Tensor, *, tail_frac: float, min_tail_points: int) -> Tensor:
@@ -129,10 +149,13 @@ def max_tail_size(num_candidates: int, options: WeinceOptions) -> int:
 def weince_tail_fit(
     scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None = None,
     options: WeinceOptions | None = None,
-    **overrides: Any,
+    *, hardest: HardestNegatives | None = None, **overrides: Any,
 ) -> TailFit:
     """Per-anchor shortfall tail fits (docs/algorithms.md 1.1 steps 1-4), vectorised over anchors, in the scores'
-    dtype (float16/bfloat16: float32). Shapes are checked, values are not (:func:`check_scores`)."""
+    dtype (float16/bfloat16: float32). Shapes are checked, values are not (:func:`check_scores`).
+
+    ``hardest``: the rows' :func:`hardest_negatives`, at least :func:`max_tail_size` wide, when the caller shares
+    that sort with the top-M terms; computed here otherwise."""
     if isinstance(valid_mask, WeinceOptions):
         raise TypeError("valid_mask got a WeinceOptions: pass the options as options=... (the fourth argument)")
     options = WeinceOptions.resolve(options, overrides)
@@ -140,12 +163,19 @@ def weince_tail_fit(
     positive_index = None if positive_index is None else positive_index.long()
     dtype = compute_dtype(scores)
     device = scores.device
-    num_negatives = _count_negatives(positive_index, valid_mask, scores.shape, device)
+    num_negatives = count_negatives(positive_index, valid_mask, scores.shape, device)
     k = tail_sizes(num_negatives, tail_frac=options.tail_frac, min_tail_points=options.min_tail_points)
     k_max = max(max_tail_size(scores.shape[1], options), 1)
     has_negatives = num_negatives > 0
 
-    top = _top_negative_scores(scores, positive_index, valid_mask, k_max).to(dtype)
+    if hardest is None:
+        hardest = hardest_negatives(scores, positive_index, valid_mask, k_max)
+    elif hardest.values.shape[0] != scores.shape[0] or hardest.values.shape[1] < k_max:
+        raise ValueError(
+            f"hardest has shape {tuple(hardest.values.shape)}: the tail fit of {tuple(scores.shape)} scores needs "
+            f"[{scores.shape[0]}, >= {k_max}]"
+        )
+    top = hardest.values[:, :k_max].to(dtype)
     # Shortfalls of the sorted tail; the -inf padding of rows with fewer than k_max negatives gives +inf, whose log
     # is set to 0 so that no inf or NaN enters the (weighted) sums.
     shortfall = torch.rsub(top, 1.0).clamp_min_(options.eps)

@@ -5,7 +5,7 @@ softmaxes the top-M terms pick from, and the logged values."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -17,13 +17,52 @@ from st_weince.functional.composite import (
     TopMOptions,
     batch_negative_tail,
     top_m_terms,
+    top_m_width,
 )
 from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
 from st_weince.functional.layouts import MNRLLayout, mnrl_cross_entropy
-from st_weince.functional.weince import WeinceStatistics, blended_cross_entropy, weince_logits
+from st_weince.functional.options import WeinceOptions
+from st_weince.functional.weince import (
+    HardestNegatives,
+    TailFit,
+    WeinceStatistics,
+    blended_cross_entropy,
+    hardest_negatives,
+    max_tail_size,
+    weince_logits,
+    weince_tail_fit,
+)
 from st_weince.losses._common import guard_share_values
 
-Unit = tuple[Tensor, Tensor, "Tensor | None"]  # (scores, positive_index, valid_mask) of one softmax
+
+class Unit(NamedTuple):
+    """One softmax of the top-M terms, and its rows' shared sort where the tail fit made it (else None)."""
+
+    scores: Tensor
+    positive_index: Tensor
+    valid_mask: Tensor | None
+    hardest: HardestNegatives | None = None
+
+
+def shares_the_sort(layout: MNRLLayout) -> bool:
+    """Whether the top-M terms pick from the groups' own softmaxes (one per group), so that each group's sort for its
+    tail fit also serves them; under ``"joint"`` with several groups they pick from the groups side by side."""
+    return layout.partition_mode == "per_direction" or len(layout.groups) == 1
+
+
+def sort_width(num_candidates: int, options: WeinceOptions, top_m: TopMOptions | None) -> int:
+    """How many hardest negatives a row's one sort keeps: the tail fit's largest tail, and the top-M terms' M'."""
+    width = max(max_tail_size(num_candidates, options), 1)
+    return width if top_m is None else max(width, top_m_width(num_candidates, top_m.top_m))
+
+
+def sorted_tail_fit(
+    scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None, options: WeinceOptions,
+    top_m: TopMOptions | None,
+) -> tuple[TailFit, HardestNegatives]:
+    """The rows' tail fit and the one sort it is made from, wide enough for the top-M terms when ``top_m``."""
+    hardest = hardest_negatives(scores, positive_index, valid_mask, sort_width(scores.shape[1], options, top_m))
+    return weince_tail_fit(scores, positive_index, valid_mask, options, hardest=hardest), hardest
 
 
 def guarded_layout(
@@ -98,20 +137,21 @@ def statistics_rows(stats: WeinceStatistics, rows: slice) -> WeinceStatistics:
     return dataclasses.replace(stats, **{name: getattr(stats, name)[rows] for name in per_row})
 
 
-def top_m_units(layout: MNRLLayout) -> list[Unit]:
+def top_m_units(layout: MNRLLayout, hardest: list[HardestNegatives] | None = None) -> list[Unit]:
     """The softmaxes of the layout's rows, over which the top-M terms pick a row's hardest negatives: under
     ``"joint"`` one, every group's candidates of the row side by side (the query_to_doc positive the target, as in
-    the blend's softmax); under ``"per_direction"`` one per group."""
+    the blend's softmax); under ``"per_direction"`` one per group, each with its group's sort ``hardest``."""
     groups = layout.groups
-    if layout.partition_mode == "per_direction" or len(groups) == 1:
-        return [(g.scores, g.positive_index, g.valid_mask) for g in groups]
+    if shares_the_sort(layout):
+        sorts = hardest if hardest is not None else [None] * len(groups)
+        return [Unit(g.scores, g.positive_index, g.valid_mask, h) for g, h in zip(groups, sorts)]
     masks = [g.valid_mask for g in groups]
     valid_mask = None
     if any(m is not None for m in masks):
         valid_mask = torch.cat(
             [m if m is not None else torch.ones_like(g.scores, dtype=torch.bool) for m, g in zip(masks, groups)], dim=1
         )
-    return [(torch.cat([g.scores for g in groups], dim=1), groups[0].positive_index, valid_mask)]
+    return [Unit(torch.cat([g.scores for g in groups], dim=1), groups[0].positive_index, valid_mask)]
 
 
 def top_m_rows(
@@ -120,7 +160,10 @@ def top_m_rows(
     """Per-row [R] top-M shortfall and top-M InfoNCE terms and the shortfall term's effective scale (each the mean
     over the units of a row)."""
     beta = beta_t if beta_t is not None else 1.0  # only the shortfall term reads it, and it is off then
-    terms = [top_m_terms(s, index, mask, options, beta=beta, scale=scale) for s, index, mask in units]
+    terms = [
+        top_m_terms(u.scores, u.positive_index, u.valid_mask, options, beta=beta, scale=scale, hardest=u.hardest)
+        for u in units
+    ]
     if len(terms) == 1:
         return terms[0]
     shortfall, infonce, shortfall_scale = (torch.stack([t[i] for t in terms], 1).mean(1) for i in range(3))
@@ -132,9 +175,12 @@ def batch_tail(units: list[Unit], step_rows: int, options: TopMOptions, gathered
     ``step_rows`` is the number of rows of this process's whole step (a cached loss passes one row chunk at a time),
     so that every chunk and process keeps at least the global tail's size (``gathered``: across processes)."""
     world = dist.get_world_size() if gathered and dist.is_initialized() else 1
-    global_entries = step_rows * world * sum(scores.shape[1] for scores, _, _ in units)
+    global_entries = step_rows * world * sum(u.scores.shape[1] for u in units)
     return BatchTail.cat(
-        [batch_negative_tail(s, index, mask, options, global_entries=global_entries) for s, index, mask in units]
+        [
+            batch_negative_tail(u.scores, u.positive_index, u.valid_mask, options, global_entries=global_entries)
+            for u in units
+        ]
     )
 
 

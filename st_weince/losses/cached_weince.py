@@ -8,12 +8,14 @@ from torch import Tensor, nn
 
 from st_weince.functional.composite import BatchTail, composite_loss
 from st_weince.functional.false_negatives import FilterCounts
-from st_weince.functional.weince import TailFit, statistics_from_fit
+from st_weince.functional.layouts import MNRLLayout
+from st_weince.functional.weince import HardestNegatives, TailFit, statistics_from_fit
 from st_weince.losses._gradcache import GradCachedLoss, GradCacheOptions
 from st_weince.losses._weince_rows import (
     batch_tail,
     composite_values,
     rows_loss,
+    shares_the_sort,
     statistics_rows,
     top_m_effective_scales,
     top_m_rows,
@@ -110,6 +112,13 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
         WEINCELoss.__init__(self, model, scale, **options)
         self._set_cache_options(model, options_from_arguments(GradCacheOptions, locals()))
 
+    def _kept_for_top_m(self, layout: MNRLLayout, sorts: list[HardestNegatives]) -> list[HardestNegatives] | None:
+        """What the second pass's top-M terms need of a chunk's sorts: at most M hardest per row, not the tail fit's
+        width (None: no top-M terms, or they pick from the groups side by side)."""
+        if not (self.options.has_top_m_terms and shares_the_sort(layout)):
+            return None
+        return [h.first(min(self.options.top_m, h.columns.shape[1])) for h in sorts]
+
     def _cached_loss(self, embeddings: list[Tensor], row_keys: list[Tensor] | None, with_backward: bool) -> Tensor:
         queries, docs, offset, keys = self._columns(embeddings, row_keys)
         if with_backward:
@@ -124,14 +133,17 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
 
         # Statistics over the whole score matrix, a row chunk at a time, without gradient; with the top-M shortfall
         # term also the batch's negative tail, for its tail index.
-        chunk_fits, chunk_counts, chunk_tails = [], [], []
+        # Each chunk's sort of its rows is kept for the top-M terms of the second pass (their M' per row only).
+        chunk_fits, chunk_sorts, chunk_counts, chunk_tails = [], [], [], []
         with torch.no_grad():
             for begin, end in chunks:
                 layout, counts = self._layout(queries, docs, keys, offset, begin, end)
-                chunk_fits.append(self._group_fits(layout))
+                fits, sorts = self._group_fits(layout)
+                chunk_fits.append(fits)
+                chunk_sorts.append(self._kept_for_top_m(layout, sorts))
                 chunk_counts.append(counts)
                 if self.batch_beta_ema is not None:
-                    units, gathered = top_m_units(layout), options.gather_across_devices
+                    units, gathered = top_m_units(layout, sorts), options.gather_across_devices
                     chunk_tails.append(batch_tail(units, batch_size, options.top_m_options, gathered))
         guard_counts = FilterCounts.cat(chunk_counts) if options.false_negative_filter is not None else None
         fits = [TailFit.cat([fits[group] for fits in chunk_fits]) for group in range(len(chunk_fits[0]))]
@@ -144,7 +156,9 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
         term_sums = [torch.zeros((), dtype=total.dtype, device=total.device) for _ in range(3)] if top_m else []
         # the effective scales' sums over the query rows (blend, top-M shortfall), for their logged means
         scale_sums = [torch.zeros((), dtype=total.dtype, device=total.device) for _ in range(2)]
-        for begin, end in tqdm.tqdm(chunks, desc="Calculating loss", disable=not self.show_progress_bar):
+        for (begin, end), sorts in zip(
+            tqdm.tqdm(chunks, desc="Calculating loss", disable=not self.show_progress_bar), chunk_sorts
+        ):
             layout = self._layout(queries, docs, keys, offset, begin, end)[0]
             chunk_statistics = [statistics_rows(s, slice(begin, end)) for s in statistics]
             chunk_rows = rows_loss(layout, chunk_statistics, options.scale, options.math.eps)  # the blend
@@ -153,7 +167,7 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
             scale_sums[0] = scale_sums[0] + blend_scale * (end - begin)
             if top_m:
                 shortfall, infonce, shortfall_scale = top_m_rows(
-                    top_m_units(layout), beta_t, options.top_m_options, options.top_m_infonce_logit_scale
+                    top_m_units(layout, sorts), beta_t, options.top_m_options, options.top_m_infonce_logit_scale
                 )
                 for index, term in enumerate((chunk_rows, shortfall, infonce)):
                     term_sums[index] = term_sums[index] + term.detach().sum()

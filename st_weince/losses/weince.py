@@ -21,13 +21,13 @@ from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCoun
 from st_weince.functional.layouts import Direction, MNRLLayout, PartitionMode, mnrl_layout
 from st_weince.functional.weince import (
     DEFAULTS,
+    HardestNegatives,
     TailFit,
     WeinceMode,
     WeinceStatistics,
     statistics_from_fit,
     weince_cross_entropy,
     weince_statistics,
-    weince_tail_fit,
 )
 from st_weince.losses._common import ColumnsLoss, refuse_mnrl_arguments
 from st_weince.losses._weince_rows import (
@@ -37,6 +37,8 @@ from st_weince.losses._weince_rows import (
     guarded_layout,
     logged_values,
     rows_loss,
+    shares_the_sort,
+    sorted_tail_fit,
     top_m_effective_scales,
     top_m_rows,
     top_m_units,
@@ -296,8 +298,14 @@ class WEINCELoss(ColumnsLoss):
     ) -> tuple[MNRLLayout, FilterCounts | None]:
         return guarded_layout(layout, self.options.false_negative_filter, keys, row_start)
 
-    def _group_fits(self, layout: MNRLLayout) -> list[TailFit]:
-        return [weince_tail_fit(g.scores, g.positive_index, g.valid_mask, self.options.math) for g in layout.groups]
+    def _group_fits(self, layout: MNRLLayout) -> tuple[list[TailFit], list[HardestNegatives]]:
+        """Each group's tail fit and the one sort of its rows it is made from, which the top-M terms reuse where they
+        pick from the same softmax (:func:`shares_the_sort`)."""
+        top_m = self.options.top_m_options if self.options.has_top_m_terms and shares_the_sort(layout) else None
+        pairs = [
+            sorted_tail_fit(g.scores, g.positive_index, g.valid_mask, self.options.math, top_m) for g in layout.groups
+        ]
+        return [fit for fit, _ in pairs], [hardest for _, hardest in pairs]
 
     def loss_from_scores(self, scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None) -> Tensor:
         """Cross-entropy over one score matrix, e.g. the SimCLR 2N x 2N layout of
@@ -308,7 +316,9 @@ class WEINCELoss(ColumnsLoss):
             valid_mask, counts = apply_false_negative_filter(
                 scores, positive_index, valid_mask, self.options.false_negative_filter
             )
-            stats = self.statistics(scores, positive_index, valid_mask)
+            top_m = self.options.top_m_options if self.options.has_top_m_terms else None
+            fit, hardest = sorted_tail_fit(scores, positive_index, valid_mask, self.options.math, top_m)
+            stats = statistics_from_fit(fit, self.options.math, gather=self._gather)
             loss = weince_cross_entropy(
                 scores,
                 positive_index,
@@ -318,19 +328,20 @@ class WEINCELoss(ColumnsLoss):
                 statistics=stats,
                 check_inputs=False,  # checked above, with the loss's own switch
             )
-            units = [(scores, positive_index, valid_mask)]
+            units = [Unit(scores, positive_index, valid_mask, hardest)]
             blend_scale = self._blend_scale(scores, valid_mask, stats)
             return self._with_top_m_terms(loss, stats, counts, lambda: units, scores.shape[0], blend_scale)
 
     def _loss_from_embeddings(self, embeddings: list[Tensor], row_keys: list[Tensor] | None) -> Tensor:
         queries, docs, offset, keys = self._columns(embeddings, row_keys)
         layout, counts = self._layout(queries, docs, keys, offset, 0, embeddings[0].shape[0])
-        statistics = [statistics_from_fit(f, self.options.math, gather=self._gather) for f in self._group_fits(layout)]
+        fits, hardest = self._group_fits(layout)
+        statistics = [statistics_from_fit(f, self.options.math, gather=self._gather) for f in fits]
         loss = rows_loss(layout, statistics, self.options.scale, self.options.math.eps).mean()
         query_rows = layout.groups[0]
         blend_scale = self._blend_scale(query_rows.scores, query_rows.valid_mask, statistics[0])
         return self._with_top_m_terms(
-            loss, statistics[0], counts, lambda: top_m_units(layout), layout.num_rows, blend_scale
+            loss, statistics[0], counts, lambda: top_m_units(layout, hardest), layout.num_rows, blend_scale
         )
 
     def _blend_scale(self, scores: Tensor, valid_mask: Tensor | None, stats: WeinceStatistics) -> Tensor:
