@@ -69,10 +69,10 @@ def top_m_negatives(
         values = s.masked_fill(~negative, float("-inf")).topk(width, dim=1, sorted=True).values
         num_negatives = negative.sum(1)
     else:
-        if hardest.columns.shape[0] != s.shape[0] or hardest.columns.shape[1] < width:
+        if hardest.columns is None or hardest.columns.shape[0] != s.shape[0] or hardest.columns.shape[1] < width:
             raise ValueError(
-                f"hardest has shape {tuple(hardest.columns.shape)}: the top-M terms of {tuple(s.shape)} scores need "
-                f"[{s.shape[0]}, >= {width}]"
+                f"hardest has shape {tuple(hardest.values.shape)}: the top-M terms of {tuple(s.shape)} scores need "
+                f"[{s.shape[0]}, >= {width}] with its columns (hardest_negatives(..., with_columns=True))"
             )
         values = s.gather(1, hardest.columns[:, :width])
         num_negatives = count_negatives(positive_index, valid_mask, s.shape, s.device)

@@ -93,18 +93,21 @@ class HardestNegatives:
     share (no gradient; :func:`hardest_negatives`)."""
 
     values: Tensor  # [A, W] the W largest negative scores of each row, descending, in the scores' dtype; -inf padding
-    columns: Tensor  # [A, W] long: their columns (padding positions: some column, whose value is never used)
+    # [A, W] long: their columns (padding positions: some column, whose value is never used); None when not asked for
+    columns: Tensor | None
 
     def first(self, width: int) -> HardestNegatives:
         """The ``width`` hardest of each row (e.g. to keep only what the top-M terms need)."""
-        return HardestNegatives(values=self.values[:, :width], columns=self.columns[:, :width])
+        columns = None if self.columns is None else self.columns[:, :width]
+        return HardestNegatives(values=self.values[:, :width], columns=columns)
 
 
 @torch.no_grad()
 def hardest_negatives(
-    scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None, width: int
+    scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None, width: int, *, with_columns: bool = True
 ) -> HardestNegatives:
-    """The ``width`` largest negative scores of each row, descending, and their columns (no gradient).
+    """The ``width`` largest negative scores of each row, descending, and their columns (no gradient; without them
+    when not ``with_columns``: the tail fit alone reads only the values).
 
     Takes the top width + 1 of the row and drops the positive among them (by column, so ties cannot confuse it),
     instead of masking a full copy of the matrix. A row without a positive (-1) keeps its top width. Positions beyond
@@ -117,7 +120,7 @@ def hardest_negatives(
         scores = scores.masked_fill(~valid_mask, float("-inf"))
     if positive_index is None:
         top = scores.topk(width, dim=1)
-        return HardestNegatives(values=top.values, columns=top.indices)
+        return HardestNegatives(values=top.values, columns=top.indices if with_columns else None)
     values, columns = scores.topk(min(width + 1, scores.shape[1]), dim=1, sorted=True)
     # Drop the positive without re-sorting: position j takes the value at j, or at j + 1 once the positive has been
     # passed. A row whose positive is not among its top width + 1 (or that has none) keeps its first width values.
@@ -126,7 +129,8 @@ def hardest_negatives(
     positions = (torch.arange(width, device=scores.device)[None, :] + passed).clamp_max_(taken - 1)
     beyond = torch.arange(width, device=scores.device)[None, :] + passed >= taken  # only when width = columns
     return HardestNegatives(
-        values=values.gather(1, positions).masked_fill_(beyond, float("-inf")), columns=columns.gather(1, positions)
+        values=values.gather(1, positions).masked_fill_(beyond, float("-inf")),
+        columns=columns.gather(1, positions) if with_columns else None,
     )
 
 
@@ -169,7 +173,7 @@ def weince_tail_fit(
     has_negatives = num_negatives > 0
 
     if hardest is None:
-        hardest = hardest_negatives(scores, positive_index, valid_mask, k_max)
+        hardest = hardest_negatives(scores, positive_index, valid_mask, k_max, with_columns=False)
     elif hardest.values.shape[0] != scores.shape[0] or hardest.values.shape[1] < k_max:
         raise ValueError(
             f"hardest has shape {tuple(hardest.values.shape)}: the tail fit of {tuple(scores.shape)} scores needs "

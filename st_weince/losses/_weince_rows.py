@@ -61,7 +61,8 @@ def sorted_tail_fit(
     top_m: TopMOptions | None,
 ) -> tuple[TailFit, HardestNegatives]:
     """The rows' tail fit and the one sort it is made from, wide enough for the top-M terms when ``top_m``."""
-    hardest = hardest_negatives(scores, positive_index, valid_mask, sort_width(scores.shape[1], options, top_m))
+    width = sort_width(scores.shape[1], options, top_m)
+    hardest = hardest_negatives(scores, positive_index, valid_mask, width, with_columns=top_m is not None)
     return weince_tail_fit(scores, positive_index, valid_mask, options, hardest=hardest), hardest
 
 

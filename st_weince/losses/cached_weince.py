@@ -117,7 +117,7 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
         width (None: no top-M terms, or they pick from the groups side by side)."""
         if not (self.options.has_top_m_terms and shares_the_sort(layout)):
             return None
-        return [h.first(min(self.options.top_m, h.columns.shape[1])) for h in sorts]
+        return [h.first(min(self.options.top_m, h.values.shape[1])) for h in sorts]
 
     def _cached_loss(self, embeddings: list[Tensor], row_keys: list[Tensor] | None, with_backward: bool) -> Tensor:
         queries, docs, offset, keys = self._columns(embeddings, row_keys)
