@@ -39,7 +39,7 @@ BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
 
 def where(event) -> str:
     """Where an operator ran: its innermost enclosing st_weince function (``st_weince/functional/weince.py(90):
-    _top_negative_scores``, the profiler's Python-function events are its ancestors), else the autograd node it
+    hardest_negatives``, the profiler's Python-function events are its ancestors), else the autograd node it
     runs in (``backward: MmBackward0``), else "other" (sentence-transformers' or torch's own code)."""
     parent = event.cpu_parent
     while parent is not None:

@@ -15,6 +15,6 @@ def test_the_profile_attributes_each_operator_once(one_torch_thread):
     assert sum(shares) == pytest.approx(1.0, abs=1e-9)
     assert sum(row["ms_per_call"] for row in result["by_function"]) == pytest.approx(result["total_ms_per_call"])
     places = {row["name"] for row in result["by_function"]}
-    assert any(name.startswith("st_weince/functional/weince.py") and "_top_negative_scores" in name for name in places)
+    assert any(name.startswith("st_weince/functional/weince.py") and "hardest_negatives" in name for name in places)
     assert any(name.startswith("backward: ") for name in places)  # the backward pass is in the profile
     assert result["top_operators"][0]["share"] >= result["top_operators"][-1]["share"]  # largest first
