@@ -45,7 +45,8 @@ def probe(scale: float, steps: int, seed: int, data, config: dict) -> dict:
     """``steps`` steps of the matched arm at ``scale`` from the seed's initial network; every step's loss and rho0."""
     arm = ablation.MATCHED
     arms = {**config["arms"], arm: {**config["arms"][arm]}}
-    arms[arm]["options"] = {**arms[arm]["options"], "top_m_infonce_scale": scale}
+    options = arms[arm]["options"]
+    arms[arm]["options"] = {**options, "top_m": {**options["top_m"], "infonce_scale": scale}}
     run_config = {**config, "arms": arms}
     model, objective, optimizer = build_run(arm, seed, run_config)
     augment = SimCLRAugment(data.setup.augment, generator=torch.Generator().manual_seed(seed))

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from st_weince.functional import nt_xent_layout
+from st_weince.functional import TopM, nt_xent_layout
 from st_weince.losses import CachedRBSigmoidLoss, CachedWEINCELoss, RBSigmoidLoss, WEINCELoss
 
 RELATIVE_TOLERANCE = 1e-7
@@ -121,7 +121,7 @@ def _cached_step(loss: torch.nn.Module, columns: int, mini_batch: int) -> dict[s
 def steps() -> dict[str, dict[str, list[float]]]:
     torch.manual_seed(SEED)
     guard = ("relative", 0.9)
-    top_m = {"top_m": 20, "top_m_shortfall_weight": 0.5, "top_m_infonce_weight": 0.5}
+    top_m = {"top_m": TopM(m=20, shortfall_weight=0.5, infonce_weight=0.5)}
     return {
         "weince": _uncached_step(WEINCELoss(None), 2),
         "weince_three_columns_guard": _uncached_step(

@@ -201,7 +201,8 @@ def collapse_loss(arm: str, batch_size: int, top_m: int = 50) -> float | None:
     options = STUDY_ARMS[arm].get("options", {})
     if STUDY_ARMS[arm]["loss"] != "infonce" and options.get("mode") != "none":
         return None
-    weight = options.get("top_m_infonce_weight", 0.0) + options.get("top_m_shortfall_weight", 0.0)
+    top_m_options = options.get("top_m") or {}
+    weight = top_m_options.get("infonce_weight", 0.0) + top_m_options.get("shortfall_weight", 0.0)
     return math.log(2 * batch_size - 1) + weight * math.log(top_m + 1)
 
 

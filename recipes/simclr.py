@@ -29,7 +29,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from st_weince.utils.cli import parse_key_values, positive_float, quiet_known_warnings, user_errors_exit
+from st_weince.utils.cli import merge_options, parse_key_values, positive_float, quiet_known_warnings, user_errors_exit
 from st_weince.utils.run_outputs import write_run_outputs
 from st_weince.vision.augment import SimCLRAugment, SimCLRAugmentConfig, eval_transform
 from st_weince.vision.data import DEFAULT_SPLITS, ImageTensorDataset, load_dataset
@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as error:
         parser.error(str(error))
     preset_options = {} if args.no_preset_loss_options else setup.loss_options.get(args.loss, {})
-    args.loss_kwargs = {**preset_options, **explicit}
+    args.loss_kwargs = merge_options(preset_options, explicit)
     if args.loss == "rb-sigmoid" and args.scale is not None and "scale" in args.loss_kwargs:
         parser.error("--loss rb-sigmoid: give the starting scale with --scale, not --loss-option scale=...")
     if args.scale is None and args.loss != "rb-sigmoid":

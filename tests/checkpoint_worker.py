@@ -28,6 +28,7 @@ from transformers.trainer_callback import ExportableState
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: import this checkout
 
 from st_weince.losses import RBSigmoidLoss, WEINCELoss  # noqa: E402
+from st_weince.losses.weince import RELEASED_TOP_M  # noqa: E402
 from st_weince.training import prepare_trainer  # noqa: E402
 from tests.conftest import SHORT_RUN  # noqa: E402
 from tests.conftest import build_trainer as tiny_trainer  # noqa: E402
@@ -38,7 +39,10 @@ SAVE_STEPS = 2
 # batch; 6 pairs give 5 negatives per anchor, enough for the blend's tail fits too.
 LOSSES = {
     "rb-sigmoid": (RBSigmoidLoss, 4),
-    "weince-composite": (lambda model: WEINCELoss.released(model, beta_min_r_squared=0.0), 6),
+    "weince-composite": (
+        lambda model: WEINCELoss.released(model, top_m=RELEASED_TOP_M.replace(beta_min_r_squared=0.0)),
+        6,
+    ),
 }
 
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
+from st_weince.functional import TopM
 from st_weince.losses import RBSigmoidLoss
-from st_weince.losses.weince import WEINCELossOptions
 from st_weince.training import (
     LOSS_STATE_FILE,
     LOSS_STATE_RECORD,
@@ -114,13 +114,13 @@ def resume(model_dir, output_dir: Path, loss: str = "rb-sigmoid") -> dict:
     return outcome(trainer)
 
 
-def assert_same_run(got: dict, expected: dict) -> None:
+def assert_same_run(got: dict, expected: dict, loss_rel: float = 1e-4) -> None:
     assert set(got["state"]) == set(expected["state"])
     for name, value in expected["state"].items():
         assert got["state"][name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
     assert sorted(got["losses"]) == sorted(expected["losses"])
     for step, loss in expected["losses"].items():
-        assert got["losses"][step] == pytest.approx(loss, rel=1e-4, abs=1e-4), f"loss at step {step}"
+        assert got["losses"][step] == pytest.approx(loss, rel=loss_rel, abs=1e-4), f"loss at step {step}"
 
 
 @pytest.mark.parametrize(
@@ -158,7 +158,7 @@ def test_composite_tail_index_killed_inside_a_save_resumes_like_an_uninterrupted
     assert last_complete_checkpoint(output) == str(output / f"checkpoint-{resumed_from}")
     got = resume(tiny_model_dir, output, loss="weince-composite")
     saved = read_checkpoint_loss_state(output / "checkpoint-2")["batch_beta_ema"].item()
-    assert saved != pytest.approx(WEINCELossOptions.beta_ema_start), "the tail index must have moved by step 2"
+    assert saved != pytest.approx(TopM.beta_ema_start), "the tail index must have moved by step 2"
     assert_same_run(got, uninterrupted_composite)
 
 
@@ -266,5 +266,13 @@ def test_a_checkpoint_written_before_prepare_trainer_stopped_replacing_trainer_m
     written_before = REPO_ROOT / "tests" / "data" / "checkpoints-247bf4c" / loss / "checkpoint-2"
     shutil.copytree(written_before, output / "checkpoint-2")
     expected = uninterrupted if loss == "rb-sigmoid" else uninterrupted_composite
+    logged = json.loads((written_before / "trainer_state.json").read_text())["log_history"]
     got = resume(tiny_model_dir, output, loss=loss)
-    assert_same_run(got, expected)  # the state after step 6, and the losses of steps 1-2 (logged) and 3-6 (run)
+    # steps 1-2 are the checkpoint's own log, carried over as written
+    assert {step: got["losses"][step] for step in (1, 2)} == {r["step"]: r["loss"] for r in logged if "loss" in r}
+    # The checkpoint was written on another CPU, whose kernels rounded steps 1-2 differently (2e-7 relative in the
+    # step-1 loss against an AVX-512 AMD EPYC); the tiny model's training at this learning rate amplifies that to
+    # 1.4e-4 relative by step 6. What a resume can get wrong moves far more: a loss state not restored puts t back
+    # at its start of 10 (the run takes it to 8.5 by step 6), which scales every logit; a lost optimizer moment or
+    # scheduler step changes the step-3 update itself.
+    assert_same_run(got, expected, loss_rel=2e-3)  # the state after step 6, and the losses of steps 3-6 (run)

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from st_weince.functional import TopM
 from st_weince.losses import RBSigmoidLoss, WEINCELoss
 
 LOSSES = {
     "weince": lambda: WEINCELoss(None, check_inputs=False),
     "weince-composite": lambda: WEINCELoss(
-        None, check_inputs=False, top_m=8, top_m_shortfall_weight=0.5, top_m_infonce_weight=0.5
+        None, check_inputs=False, top_m=TopM(m=8, shortfall_weight=0.5, infonce_weight=0.5)
     ),
     "rb-sigmoid": lambda: RBSigmoidLoss(None, check_inputs=False),
 }

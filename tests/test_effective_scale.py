@@ -59,8 +59,8 @@ def test_a_linear_top_m_term_at_the_effective_scale_is_close_to_the_shortfall_te
     beta = torch.tensor(10.0)
     selection = top_m_negatives(scores, positive_index, valid_mask, top_m=50)
     scale = top_m_shortfall_effective_scale(*selection, beta, EPS)
-    shortfall = top_m_shortfall_cross_entropy(scores, positive_index, valid_mask, beta=beta, top_m=50).mean()
-    matched = top_m_infonce_cross_entropy(scores, positive_index, valid_mask, scale=float(scale.mean()), top_m=50)
+    shortfall = top_m_shortfall_cross_entropy(scores, positive_index, valid_mask, beta=beta, m=50).mean()
+    matched = top_m_infonce_cross_entropy(scores, positive_index, valid_mask, scale=float(scale.mean()), m=50)
     assert float(matched.mean()) == pytest.approx(float(shortfall), rel=0.25)
     # The secant slope lies between the tangents at the set's lowest and highest score (mean value theorem).
     positive, negatives, used = selection

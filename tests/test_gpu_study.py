@@ -45,7 +45,7 @@ def test_quick_cpu_run_writes_one_json_with_both_arms(gpu_study, shared_data, tm
     if setup == "released":
         # The composite's options reached the loss; its batch tail index is logged; the released probe protocol ran.
         objective = weince["objective"]
-        assert (objective["top_m_shortfall_weight"], objective["top_m_infonce_weight"]) == (0.5, 0.5)
+        assert (objective["top_m"]["shortfall_weight"], objective["top_m"]["infonce_weight"]) == (0.5, 0.5)
         assert (objective["scale"], objective["beta"]) == (2.0, 1.0)
         assert weince["loss_statistics_last_epoch"]["weince_batch_beta"] > 0.0
         for record in (infonce, weince):
@@ -53,7 +53,7 @@ def test_quick_cpu_run_writes_one_json_with_both_arms(gpu_study, shared_data, tm
             assert record["probe_protocol"]["linear_val_top1"] is not None
     else:
         assert "probe_protocol" not in infonce  # the blend alone: no top-M term
-        assert weince["objective"].get("top_m_shortfall_weight", 0.0) == 0.0
+        assert weince["objective"]["top_m"] is None
 
 
 def test_budget_decides_epochs_and_the_second_loss_follows(gpu_study, shared_data, tmp_path, one_torch_thread):
@@ -80,8 +80,8 @@ def test_the_link_pair_trains_the_shortfall_arm_against_the_matched_linear_arm(
         + ["--pair", "link", "--probe-epochs", "2"]
     )
     shortfall, linear = (result["results"][name] for name in gpu_study.LINK_ARMS)
-    assert shortfall["objective"]["top_m_shortfall_weight"] == 0.5 and shortfall["objective"]["mode"] == "none"
-    assert linear["objective"]["top_m_infonce_scale"] == pytest.approx(30.87)
+    assert shortfall["objective"]["top_m"]["shortfall_weight"] == 0.5 and shortfall["objective"]["mode"] == "none"
+    assert linear["objective"]["top_m"]["infonce_scale"] == pytest.approx(30.87)
     assert linear["loss_statistics_last_epoch"]["weince_effective_scale_top_m_infonce"] == pytest.approx(30.87)
     assert result["weince_minus_infonce_knn_top1"] == pytest.approx(linear["knn_top1"] - shortfall["knn_top1"])
     with pytest.raises(SystemExit):

@@ -9,7 +9,7 @@ import torch
 
 from st_weince.functional.batch_tail import batch_negative_tail
 from st_weince.functional.composite import top_m_negatives
-from st_weince.functional.options import TopMOptions
+from st_weince.functional.options import TopM
 from st_weince.functional.weince import hardest_negatives, weince_tail_fit
 
 
@@ -80,7 +80,7 @@ def test_batch_tail_is_the_smallest_shortfalls_of_all_negatives(masked, min_poin
     positive_index = torch.randint(0, 50, (30,), generator=torch.Generator().manual_seed(2))
     positive_index[4] = -1  # a row without a positive: all its valid entries are negatives
     valid_mask = (torch.rand(30, 50, generator=torch.Generator().manual_seed(5)) > 0.2) if masked else None
-    options = TopMOptions(beta_tail_min_points=min_points)
+    options = TopM(beta_tail_min_points=min_points)
     tail = batch_negative_tail(scores, positive_index, valid_mask, options)
     negatives, negative = independent_negatives(scores, positive_index, valid_mask)
     shortfalls = torch.sort((1 - scores).clamp_min(options.eps).masked_fill(~negative, float("inf")).reshape(-1))

@@ -111,6 +111,29 @@ def test_gradients_match_the_analytic_ones(parametrization):
     assert bias.grad.item() == pytest.approx(float(expected_bias), rel=1e-4)
 
 
+@pytest.mark.parametrize("t", [10.0, 100.0])
+def test_matching_pairs_with_large_logits_cost_their_float32_ulp_at_most(t):
+    """A matching pair's term is computed as softplus(z) - z (= softplus(-z)); its float32 rounding is at most one
+    ulp of z each way, 2^-22 |z| per row (one match per row), on top of the float32 rounding of the other terms.
+    Checked against float64 on matching scores near 1, where the true terms are below 1e-6."""
+    g = torch.Generator().manual_seed(5)
+    scores = torch.rand(64, 64, generator=g) * 0.8 - 0.4
+    scores.fill_diagonal_(0.97)
+    targets = torch.eye(64)
+    value = sigmoid_contrastive_loss(scores, targets, scale=t, relative_bias=0.7)
+    expected = sigmoid_contrastive_loss(scores.double(), targets.double(), scale=t, relative_bias=0.7)
+    matching_logit = t * (0.97 - 0.7)
+    others = float(expected) * 2**-23 * 64  # float32 rounding of the summed non-matching terms, generously
+    assert abs(float(value) - float(expected)) <= 2**-22 * matching_logit + others
+    scores64 = scores.double().requires_grad_()
+    sigmoid_contrastive_loss(scores64, targets.double(), scale=t, relative_bias=0.7).backward()
+    scores32 = scores.clone().requires_grad_()
+    sigmoid_contrastive_loss(scores32, targets, scale=t, relative_bias=0.7).backward()
+    # d/ds = t (sigmoid(z) - y) / A, at most t / A: float32 rounds sigmoid to 2^-24 absolute near 1 (a match) and
+    # to 2^-24 relative elsewhere, and the products by one more rounding each
+    assert (scores32.grad.double() - scores64.grad).abs().max() <= t / 64 * 2**-22
+
+
 @pytest.mark.parametrize("b_rel", [-1.0, 0.0, 1.0])
 def test_finite_at_t_1e4_and_scores_of_exactly_plus_minus_one(b_rel):
     scores = torch.tensor([[1.0, -1.0, 1.0], [-1.0, 1.0, -1.0]], requires_grad=True)

@@ -156,10 +156,9 @@ def test_the_top_m_arms_reach_the_loss_and_their_tail_index_survives_a_resume(
     for arm in arms:
         records = lines(tmp_path / "straight" / "results" / f"{arm}-seed0.jsonl")
         objective = records[0]["objective"]
-        assert (objective["mode"], objective["top_m_shortfall_weight"], objective["top_m_infonce_weight"]) == (
-            expected_weights[arm]
-        )
-        assert (objective["scale"], objective["beta"], objective["top_m"]) == (2.0, 1.0, 50)
+        top_m = objective["top_m"] or {"m": 50, "shortfall_weight": 0.0, "infonce_weight": 0.0}  # None: both off
+        assert (objective["mode"], top_m["shortfall_weight"], top_m["infonce_weight"]) == expected_weights[arm]
+        assert (objective["scale"], objective["beta"], top_m["m"]) == (2.0, 1.0, 50)
         statistics = records[-1]["loss_statistics"]
         assert ("weince_batch_beta" in statistics) == (expected_weights[arm][1] > 0), arm
         assert ("weince_share_blend" in statistics) == (arm != "blend"), arm
@@ -252,7 +251,7 @@ def test_the_matched_arm_its_scale_the_decisive_comparison_and_collapse(ablation
     the scale probes' verdicts follow from their per-step values."""
     assert ablation.MATCHED_SCALE == pytest.approx(ablation.matched_scale(), abs=0.005)
     options = ablation.STUDY_ARMS[ablation.MATCHED]["options"]
-    assert options == {"mode": "none", "top_m_infonce_weight": 0.5, "top_m_infonce_scale": ablation.MATCHED_SCALE}
+    assert options == {"mode": "none", "top_m": {"infonce_weight": 0.5, "infonce_scale": ablation.MATCHED_SCALE}}
     finals = {
         ("infonce", 0): {"linear_top1": 40.0, "knn_top1": 40.0},
         ("infonce-topm-infonce", 0): {"linear_top1": 41.0, "knn_top1": 41.0},

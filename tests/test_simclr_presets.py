@@ -40,16 +40,16 @@ def test_released_preset_settings(recipe):  # noqa: F811
         64,
         100,
     )
-    assert args.loss_kwargs == {"top_m_shortfall_weight": 0.5, "top_m_infonce_weight": 0.5}  # M: the default 50
+    assert args.loss_kwargs == {"top_m": {"shortfall_weight": 0.5, "infonce_weight": 0.5}}  # M: the default 50
     preset = recipe.SETUPS["released"]
     assert preset.augment is RELEASED_AUGMENT and preset.probe is RELEASED_PROTOCOL
     assert not preset.head_batch_norm and not preset.head_output_bias
     # the baseline arm gets no loss options; explicit values override the preset's, one by one
     assert recipe.parse_args(["--preset", "released", "--loss", "infonce"]).loss_kwargs == {}
     overridden = recipe.parse_args(
-        ["--preset", "released", "--loss", "weince", "--loss-option", "top_m=10", "--lr", "1e-3"]
+        ["--preset", "released", "--loss", "weince", "--loss-option", "top_m.m=10", "--lr", "1e-3"]
     )
-    assert overridden.loss_kwargs["top_m"] == 10 and overridden.loss_kwargs["top_m_infonce_weight"] == 0.5
+    assert overridden.loss_kwargs["top_m"] == {"shortfall_weight": 0.5, "infonce_weight": 0.5, "m": 10}
     assert overridden.lr == 1e-3
     blend_only = recipe.parse_args(["--preset", "released", "--loss", "weince", "--no-preset-loss-options"])
     assert blend_only.loss_kwargs == {}
@@ -179,12 +179,12 @@ def test_released_preset_end_to_end(recipe, tiny_zip, tmp_path, loss):  # noqa: 
     assert config["hidden_dim"] == 16 and not config["head_batch_norm"] and not config["head_output_bias"]
     objective = results["objective"]
     if loss == "weince":  # the released composite: both top-M terms, the batch tail index logged every step
-        assert (objective["scale"], objective["beta"], objective["top_m"]) == (2.0, 1.0, 50)
-        assert (objective["top_m_shortfall_weight"], objective["top_m_infonce_weight"]) == (0.5, 0.5)
+        assert (objective["scale"], objective["beta"], objective["top_m"]["m"]) == (2.0, 1.0, 50)
+        assert (objective["top_m"]["shortfall_weight"], objective["top_m"]["infonce_weight"]) == (0.5, 0.5)
         assert all(record["weince_batch_beta"] > 0 for record in results["history"])
         shares = ("blend", "top_m_shortfall", "top_m_infonce")
         assert all(sum(record[f"weince_share_{name}"] for name in shares) == pytest.approx(1.0)
                    for record in results["history"])  # fmt: skip
     elif loss == "weince-blend":
-        assert (objective["top_m_shortfall_weight"], objective["top_m_infonce_weight"]) == (0.0, 0.0)
+        assert objective["top_m"] is None  # both top-M terms off
         assert not any("weince_batch_beta" in record for record in results["history"])

@@ -15,6 +15,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.modules import Module
 from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss
 
+from st_weince.functional import TopM
 from st_weince.losses import CachedRBSigmoidLoss, RBSigmoidLoss, WEINCELoss
 from st_weince.training import prepare_trainer
 from tests.conftest import SHORT_RUN, TINY_SENTENCES, build_trainer
@@ -36,7 +37,7 @@ LOSSES_WITH_STATE = {
     "cached-rb-sigmoid": (lambda model: CachedRBSigmoidLoss(model, mini_batch_size=4), "log_t, b_rel"),
     "matryoshka-rb-sigmoid": (lambda model: MatryoshkaLoss(model, RBSigmoidLoss(model), [32, 16]), "log_t, b_rel"),
     "released-composite": (
-        lambda model: WEINCELoss(model, top_m=3, top_m_shortfall_weight=0.5, beta_tail_min_points=16),
+        lambda model: WEINCELoss(model, top_m=TopM(m=3, shortfall_weight=0.5, beta_tail_min_points=16)),
         "batch_beta_ema",
     ),
 }

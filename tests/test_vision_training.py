@@ -95,7 +95,7 @@ def test_epochs_equal_the_study_loop_bit_for_bit(setup, arm):
 
 def test_arms_and_setups():
     assert arm_objective("composite", TINY_SETUPS["released"]) == (
-        "weince", 0.5, {"top_m_shortfall_weight": 0.5, "top_m_infonce_weight": 0.5}
+        "weince", 0.5, {"top_m": {"shortfall_weight": 0.5, "infonce_weight": 0.5}}
     )  # fmt: skip
     assert arm_objective("infonce-tau0.2", TINY_SETUPS["released"])[1] == 0.2
     config = {"temperature": 0.25, "weince_options": {"kappa_rho": 3.0}}

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from st_weince.functional import (
     BatchTail,
-    TopMOptions,
+    TopM,
     batch_negative_tail,
     batch_tail_fit,
     check_scores,
@@ -31,7 +31,7 @@ from st_weince.functional import (
 from st_weince.utils.hotpath import count_host_syncs
 from tests.weince_release_reference import ReleasedCompositeReference
 
-RELEASED = TopMOptions(top_m_shortfall_weight=0.5, top_m_infonce_weight=0.5)
+RELEASED = TopM(shortfall_weight=0.5, infonce_weight=0.5)
 TOLERANCE = 1e-6
 
 
@@ -120,7 +120,7 @@ KINDS = {
 def run_sequence(case):
     index, layout, size, top_m, tail_min_points, tail_frac, steps = case
     generator = torch.Generator().manual_seed(index)
-    options = RELEASED.replace(top_m=top_m, beta_tail_min_points=tail_min_points, beta_tail_frac=tail_frac)
+    options = RELEASED.replace(m=top_m, beta_tail_min_points=tail_min_points, beta_tail_frac=tail_frac)
     reference = ReleasedCompositeReference(top_m=top_m, tail_min_points=tail_min_points, tail_frac=tail_frac)
     temperature = float(np.random.default_rng(index).choice([0.5, 0.05, 1.0]))
     beta_ema = initial_beta_ema(options, dtype=torch.float64)
@@ -199,9 +199,9 @@ def test_composite_loss_weights_and_shares():
     shares = result.shares()
     assert math.isclose(sum(float(v) for v in shares.values()), 1.0)
     assert math.isclose(float(shares["top_m_infonce"]), 2.5 / 6.0, rel_tol=1e-6)
-    only_infonce = composite_loss(blend, None, infonce, top_m_infonce_weight=1.0)
+    only_infonce = composite_loss(blend, None, infonce, infonce_weight=1.0)
     assert float(only_infonce.total) == 7.0 and only_infonce.top_m_shortfall is None
-    with pytest.raises(ValueError, match="top_m_shortfall_weight is 0.5, but no top_m_shortfall term"):
+    with pytest.raises(ValueError, match="shortfall_weight is 0.5, but no top_m_shortfall term"):
         composite_loss(blend, None, infonce, RELEASED)
 
 
@@ -215,7 +215,7 @@ def test_top_m_selection_counts_per_row():
     assert negatives[0].tolist() == pytest.approx([0.7, 0.5]) and used[0].tolist() == [True, True]
     assert used[1].tolist() == [False, False]
     assert negatives[2].tolist() == pytest.approx([0.5, 0.4])
-    shortfall, infonce = top_m_cross_entropies(scores, positive_index, valid_mask, beta=2.0, scale=3.0, top_m=2)
+    shortfall, infonce = top_m_cross_entropies(scores, positive_index, valid_mask, beta=2.0, scale=3.0, m=2)
     assert float(shortfall[1]) == 0.0 and float(infonce[1]) == 0.0  # only the positive: log 1
     expected = math.log(math.exp(0.9 * 3) + math.exp(0.7 * 3) + math.exp(0.5 * 3)) - 0.9 * 3
     assert math.isclose(float(infonce[0]), expected, rel_tol=1e-6)
@@ -240,7 +240,7 @@ def test_top_m_gradients():
     valid_mask[torch.arange(6), positive_index] = True
 
     def both(s):
-        shortfall, infonce = top_m_cross_entropies(s, positive_index, valid_mask, beta=2.5, scale=2.0, top_m=3)
+        shortfall, infonce = top_m_cross_entropies(s, positive_index, valid_mask, beta=2.5, scale=2.0, m=3)
         return shortfall.sum() + 0.3 * infonce.sum()
 
     assert torch.autograd.gradcheck(both, (scores,))
@@ -256,7 +256,7 @@ def test_batch_tail_over_parts_equals_whole():
     """Rows split over two 'processes' (or candidate groups), tails concatenated: the same fit as one matrix."""
     generator = torch.Generator().manual_seed(5)
     scores, positive_index, valid_mask = make_batch("matrix", 40, "power", generator)
-    options = TopMOptions(beta_tail_min_points=100)
+    options = TopM(beta_tail_min_points=100)
     whole = batch_tail_fit(batch_negative_tail(scores, positive_index, valid_mask, options), options)
     parts = [
         batch_negative_tail(
@@ -271,7 +271,7 @@ def test_batch_tail_over_parts_equals_whole():
 
 
 def test_moving_average_rules():
-    options = TopMOptions()
+    options = TopM()
     ema = torch.tensor(4.0, dtype=torch.float64)
     # fewer than 10 negatives in the batch: keep
     scores, positive_index, valid_mask = nt_xent_layout(torch.randn(2, 4), torch.randn(2, 4))
@@ -374,11 +374,12 @@ def test_compiles_with_fullgraph_and_equals_eager():
 @pytest.mark.parametrize(
     ("option", "value", "message"),
     [
-        ("top_m", 0, "top_m must be at least 1"),
-        ("top_m", 2.5, "top_m must be an integer"),
-        ("top_m_shortfall_weight", -0.1, "top_m_shortfall_weight must be >= 0"),
-        ("top_m_infonce_weight", float("nan"), "top_m_infonce_weight must be finite"),
-        ("top_m_infonce_weight", True, "top_m_infonce_weight must be a real number"),
+        ("m", 0, "m must be at least 1"),
+        ("m", 2.5, "m must be an integer"),
+        ("shortfall_weight", -0.1, "shortfall_weight must be >= 0"),
+        ("infonce_weight", float("nan"), "infonce_weight must be finite"),
+        ("infonce_weight", True, "infonce_weight must be a real number"),
+        ("infonce_scale", 0.0, "infonce_scale must be > 0"),
         ("beta_ema_start", 0.0, "beta_ema_start must be > 0"),
         ("beta_ema_momentum", 1.0, r"beta_ema_momentum must lie in \[0, 1\)"),
         ("beta_min_r_squared", 1.5, r"beta_min_r_squared must lie in \[0, 1\]"),
@@ -390,14 +391,15 @@ def test_compiles_with_fullgraph_and_equals_eager():
 )
 def test_options_are_validated_by_name(option, value, message):
     with pytest.raises((TypeError, ValueError), match=message):
-        TopMOptions(**{option: value})
+        TopM(**{option: value})
 
 
 def test_options_defaults_and_errors():
-    assert TopMOptions().as_dict() == {
-        "top_m": 50,
-        "top_m_shortfall_weight": 0.0,
-        "top_m_infonce_weight": 0.0,
+    assert TopM().as_dict() == {
+        "m": 50,
+        "shortfall_weight": 0.0,
+        "infonce_weight": 0.0,
+        "infonce_scale": None,
         "beta_ema_start": 4.0,
         "beta_ema_momentum": 0.9,
         "beta_min_r_squared": 0.85,
@@ -407,8 +409,8 @@ def test_options_defaults_and_errors():
         "beta_tail_frac": 0.05,
         "eps": 1e-6,
     }
-    with pytest.raises(TypeError, match=r"unknown top-M option\(s\) \['m'\]"):
-        TopMOptions().replace(m=3)
+    with pytest.raises(TypeError, match=r"unknown top-M option\(s\) \['top_m'\]"):
+        TopM().replace(top_m=3)
     with pytest.raises(TypeError, match="beta_ema must be a tensor"):
         update_beta_ema(4.0, batch_tail_fit(batch_negative_tail(torch.rand(4, 4), torch.arange(4))))
     scores = torch.rand(3, 4)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from st_weince.functional import TopM
 from st_weince.losses import WEINCELoss
-from st_weince.losses.weince import WEINCELossOptions
 from tests.conftest import torchrun_command
 from tests.float32_tolerance import block_scores, query_group, row_chunks, tail_fit_tolerances, ulps_apart
 from tests.weince_distributed_worker import (
@@ -141,4 +141,4 @@ def test_two_processes_equal_one_with_the_top_m_terms(composite_results, setting
             for column_index, column in enumerate(columns):
                 distributed_grad = torch.cat([r[f"{prefix}grads"][column_index] for r in mine]) / 2
                 torch.testing.assert_close(distributed_grad, column.grad, atol=1e-5, rtol=1e-4)
-    assert float(single.batch_beta_ema) != WEINCELossOptions.beta_ema_start, "the tail index must move"
+    assert float(single.batch_beta_ema) != TopM.beta_ema_start, "the tail index must move"

@@ -99,8 +99,13 @@ def test_functions_take_the_options_object_or_overrides():
 def test_every_mnrl_argument_is_accepted_or_refused_with_the_reason():
     mnrl = set(inspect.signature(MultipleNegativesRankingLoss.__init__).parameters) - {"self"}
     weince = set(inspect.signature(WEINCELoss.__init__).parameters)
-    assert mnrl <= weince, f"MNRL arguments WEINCELoss does not name: {mnrl - weince}"
-    WEINCELoss(None, similarity_fct=__import__("sentence_transformers.util", fromlist=["cos_sim"]).cos_sim)
+    # those without a meaning for WEINCE go through **compatibility, each accepted at MNRL's default
+    refused = mnrl - weince
+    assert refused == {"similarity_fct", "hardness_mode", "hardness_strength"}, refused
+    mnrl_defaults = inspect.signature(MultipleNegativesRankingLoss.__init__).parameters
+    WEINCELoss(None, **{name: mnrl_defaults[name].default for name in refused})
+    for name in refused:
+        assert name in WEINCELoss.__init__.__doc__, name
     with pytest.raises(ValueError, match="endpoint 1"):
         WEINCELoss(None, similarity_fct=dot_score)
     with pytest.raises(ValueError, match="hardness"):

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from st_weince.functional import mnrl_layout, normalize_rows, nt_xent_layout
+from st_weince.functional import TopM, mnrl_layout, normalize_rows, nt_xent_layout
 from st_weince.losses import CachedWEINCELoss, WEINCELoss
-from st_weince.losses.weince import WEINCELossOptions
+from st_weince.losses.options import fold_flat_top_m
+from st_weince.losses.weince import RELEASED_TOP_M
 from st_weince.utils.hotpath import count_host_syncs
 from st_weince.vision import SimCLRObjective
 from tests.float32_tolerance import (
@@ -28,7 +29,7 @@ from tests.test_weince_composite import KINDS, _cases, make_batch
 from tests.weince_release_reference import ReleasedCompositeReference
 
 TOLERANCE = 1e-6
-RELEASED_WEIGHTS = {"top_m_shortfall_weight": 0.5, "top_m_infonce_weight": 0.5}
+RELEASED = TopM(shortfall_weight=0.5, infonce_weight=0.5)
 MNRL_SETTINGS = [
     (("query_to_doc",), "joint", 3),
     (("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"), "joint", 2),
@@ -60,10 +61,7 @@ def test_loss_from_scores_matches_the_released_reference(case):
         None,
         scale=1.0 / temperature,
         beta=1.0,
-        top_m=top_m,
-        beta_tail_min_points=tail_min_points,
-        beta_tail_frac=tail_frac,
-        **RELEASED_WEIGHTS,
+        top_m=RELEASED.replace(m=top_m, beta_tail_min_points=tail_min_points, beta_tail_frac=tail_frac),
     ).double()
     reference = ReleasedCompositeReference(top_m=top_m, tail_min_points=tail_min_points, tail_frac=tail_frac)
     for step in range(steps):
@@ -105,7 +103,8 @@ def test_mnrl_layout_matches_the_released_reference(seed):
     """compute_loss_from_embeddings on (anchor, positive, negative) columns with query_to_query (one query-anchored
     softmax), 5 steps, float64: each step's candidate matrix handed to the reference."""
     directions = ("query_to_doc", "query_to_query")
-    loss = WEINCELoss(None, scale=2.0, beta=1.0, directions=directions, beta_tail_min_points=40, **RELEASED_WEIGHTS)
+    top_m = RELEASED.replace(beta_tail_min_points=40)
+    loss = WEINCELoss(None, scale=2.0, beta=1.0, directions=directions, top_m=top_m)
     loss = loss.double()
     reference = ReleasedCompositeReference(tail_min_points=40)
     for step in range(5):
@@ -127,7 +126,8 @@ def test_mnrl_layout_matches_the_released_reference(seed):
 def test_cached_equals_uncached_over_steps(directions, partition_mode, num_columns):
     """Loss, gradients, tail index and logged values, 3 steps, mini-batches of 5 rows (float64: only the summation
     order differs)."""
-    options = dict(directions=directions, partition_mode=partition_mode, beta_tail_min_points=64, **RELEASED_WEIGHTS)
+    top_m = RELEASED.replace(beta_tail_min_points=64)
+    options = dict(directions=directions, partition_mode=partition_mode, top_m=top_m)
     plain = WEINCELoss(None, **options).double()
     cached = CachedWEINCELoss(None, mini_batch_size=5, **options).double()
     for step in range(3):
@@ -158,7 +158,7 @@ def test_cached_equals_uncached_over_steps(directions, partition_mode, num_colum
         )
         for name, value in logged.items():
             assert cached_logged[name] == pytest.approx(value, rel=1e-9, abs=1e-12), name
-    assert float(plain.batch_beta_ema) != WEINCELossOptions.beta_ema_start, "the tail index must move for the check"
+    assert float(plain.batch_beta_ema) != TopM.beta_ema_start, "the tail index must move for the check"
 
 
 @pytest.mark.parametrize("cached", [False, True])
@@ -168,7 +168,7 @@ def test_zero_weights_are_todays_loss_exactly(cached):
         (lambda **o: CachedWEINCELoss(None, mini_batch_size=7, **o)) if cached else (lambda **o: WEINCELoss(None, **o))
     )
     today = make()
-    off = make(top_m=3, beta_ema_start=2.0, beta_tail_min_points=16, top_m_shortfall_weight=0.0)
+    off = make(top_m=TopM(m=3, beta_ema_start=2.0, beta_tail_min_points=16, shortfall_weight=0.0))
     assert dict(off.state_dict()) == {} == dict(today.state_dict())
     for step in range(2):
         results = []
@@ -191,17 +191,17 @@ def test_zero_weights_are_todays_loss_exactly(cached):
 def test_zero_weights_on_the_simclr_layout_are_todays_loss_exactly():
     scores, positive_index, valid_mask = nt_xent_layout(*columns(16, 2, seed=4))
     today = WEINCELoss(None, scale=2.0, beta=1.0).loss_from_scores(scores, positive_index, valid_mask)
-    off = WEINCELoss(None, scale=2.0, beta=1.0, top_m=5).loss_from_scores(scores, positive_index, valid_mask)
+    off = WEINCELoss(None, scale=2.0, beta=1.0, top_m=TopM(m=5)).loss_from_scores(scores, positive_index, valid_mask)
     assert torch.equal(today, off)
 
 
 @pytest.mark.parametrize("cached", [False, True])
 def test_the_top_m_infonce_term_at_its_own_scale(cached):
-    """``top_m_infonce_scale`` sets only that term's inverse temperature: with lambda = 0 the loss is InfoNCE at
-    ``scale`` + 0.5 x InfoNCE at ``top_m_infonce_scale`` over the positive and the M hardest negatives, computed
+    """``TopM.infonce_scale`` sets only that term's inverse temperature: with lambda = 0 the loss is InfoNCE at
+    ``scale`` + 0.5 x InfoNCE at ``infonce_scale`` over the positive and the M hardest negatives, computed
     here by hand (float64), and the logged effective scale is that scale."""
     scale, matched, top_m = 2.0, 9.5, 4
-    options = dict(mode="none", scale=scale, top_m=top_m, top_m_infonce_weight=0.5, top_m_infonce_scale=matched)
+    options = dict(mode="none", scale=scale, top_m=TopM(m=top_m, infonce_weight=0.5, infonce_scale=matched))
     loss_fn = (CachedWEINCELoss(None, mini_batch_size=5, **options) if cached else WEINCELoss(None, **options)).double()
     queries, docs = columns(12, 2, seed=3, dtype=torch.float64)
     if cached:
@@ -217,24 +217,24 @@ def test_the_top_m_infonce_term_at_its_own_scale(cached):
     top_m_infonce = torch.nn.functional.cross_entropy(hardest, torch.zeros(12, dtype=torch.long))
     torch.testing.assert_close(value, infonce + 0.5 * top_m_infonce, rtol=1e-10, atol=1e-12)
     assert float(loss_fn.pop_logged_statistics()["weince_effective_scale_top_m_infonce"]) == matched
-    assert loss_fn.get_config_dict()["top_m_infonce_scale"] == matched
+    assert loss_fn.get_config_dict()["top_m"]["infonce_scale"] == matched
     released = WEINCELoss.released(None)
-    assert released.options.top_m_infonce_scale is None and released.options.top_m_infonce_logit_scale == 2.0
+    assert released.options.top_m.infonce_scale is None and released.options.top_m.infonce_logit_scale(2.0) == 2.0
 
 
 @pytest.mark.parametrize("value", [0.0, -1.0, float("inf")])
 def test_the_top_m_infonce_scale_is_refused_by_name(value):
     for cls in (WEINCELoss, CachedWEINCELoss):
-        with pytest.raises(ValueError, match="top_m_infonce_scale"):
-            cls(None, top_m_infonce_weight=0.5, top_m_infonce_scale=value)
+        with pytest.raises(ValueError, match="infonce_scale"):
+            cls(None, top_m={"infonce_weight": 0.5, "infonce_scale": value})
 
 
 # --------------------------------------------------------------------------------------------- state
 
 
 def test_the_tail_index_is_state_advanced_only_by_training_steps():
-    loss = WEINCELoss.released(None, beta_tail_min_points=32)
-    start = WEINCELossOptions.beta_ema_start
+    loss = WEINCELoss.released(None, top_m=RELEASED.replace(beta_tail_min_points=32))
+    start = TopM.beta_ema_start
     assert list(loss.state_dict()) == ["batch_beta_ema"] and float(loss.batch_beta_ema) == start
     scores, positive_index, valid_mask = nt_xent_layout(*columns(32, 2, seed=1))
     with torch.no_grad():
@@ -248,7 +248,7 @@ def test_the_tail_index_is_state_advanced_only_by_training_steps():
     moved = float(loss.batch_beta_ema)
     assert moved != start
     # The state travels with state_dict (and so with the loss-state checkpoints of st_weince.training).
-    fresh = WEINCELoss.released(None, beta_tail_min_points=32)
+    fresh = WEINCELoss.released(None, top_m=RELEASED.replace(beta_tail_min_points=32))
     fresh.load_state_dict(loss.state_dict())
     assert float(fresh.batch_beta_ema) == moved
     a = loss.loss_from_scores(scores, positive_index, valid_mask)
@@ -257,14 +257,15 @@ def test_the_tail_index_is_state_advanced_only_by_training_steps():
 
 
 def test_the_simclr_objective_carries_the_tail_index():
-    objective = SimCLRObjective("weince", scale=2.0, beta=1.0, loss_kwargs=RELEASED_WEIGHTS)
+    objective = SimCLRObjective("weince", scale=2.0, beta=1.0, loss_kwargs={"top_m": RELEASED})
     assert list(objective.state_dict()) == ["loss.batch_beta_ema"]
     z1, z2 = (c.requires_grad_() for c in columns(64, 2, dim=16, seed=2))
     objective(z1, z2).backward()
     logged = objective.pop_logged_statistics()
     assert {"weince_batch_beta", "weince_batch_beta_r2", "weince_share_top_m_infonce"} <= set(logged)
     config = objective.get_config_dict()
-    assert (config["top_m"], config["top_m_shortfall_weight"], config["top_m_infonce_weight"]) == (50, 0.5, 0.5)
+    top_m = config["top_m"]
+    assert (top_m["m"], top_m["shortfall_weight"], top_m["infonce_weight"]) == (50, 0.5, 0.5)
 
 
 # --------------------------------------------------------------------------------------------- options
@@ -274,24 +275,51 @@ def test_released_preset_and_config_round_trip():
     for cls, extra in ((WEINCELoss, {}), (CachedWEINCELoss, {"mini_batch_size": 8})):
         loss = cls.released(None, **extra)
         assert type(loss) is cls
-        assert (loss.options.scale, loss.options.beta, loss.options.top_m) == (2.0, 1.0, 50)
-        assert (loss.options.top_m_shortfall_weight, loss.options.top_m_infonce_weight) == (0.5, 0.5)
+        assert (loss.options.scale, loss.options.beta, loss.options.top_m.m) == (2.0, 1.0, 50)
+        assert (loss.options.top_m.shortfall_weight, loss.options.top_m.infonce_weight) == (0.5, 0.5)
         config = loss.get_config_dict()
         rebuilt = cls(None, **json.loads(json.dumps(config)))
         assert rebuilt.options == loss.options and rebuilt.get_config_dict() == config
-    overridden = WEINCELoss.released(None, top_m=10, top_m_infonce_weight=0.0)
-    assert (overridden.options.top_m, overridden.options.top_m_infonce_weight) == (10, 0.0)
-    tuned = WEINCELoss(None, top_m=7, beta_ema_momentum=0.5, beta_min_r_squared=0.5, beta_tail_frac=0.2)
-    assert WEINCELoss(None, **tuned.get_config_dict()).options == tuned.options
+    overridden = WEINCELoss.released(None, top_m=RELEASED_TOP_M.replace(m=10, infonce_weight=0.0))
+    assert (overridden.options.top_m.m, overridden.options.top_m.infonce_weight) == (10, 0.0)
+    tuned = TopM(m=7, shortfall_weight=1.0, beta_ema_momentum=0.5, beta_min_r_squared=0.5, beta_tail_frac=0.2)
+    tuned_loss = WEINCELoss(None, top_m=tuned)
+    assert WEINCELoss(None, **tuned_loss.get_config_dict()).options == tuned_loss.options
+    # a TopM with both weights 0 turns both terms off: stored (and written) as None
+    assert WEINCELoss(None, top_m=TopM(m=7)).get_config_dict()["top_m"] is None
+
+
+# 0.1's flat top-M options: the same loss, with a DeprecationWarning naming them (until 0.3)
+FLAT_0_1 = {"top_m": 7, "top_m_shortfall_weight": 0.5, "top_m_infonce_weight": 0.25, "beta_tail_min_points": 16}
+
+
+def test_the_flat_top_m_options_of_0_1_build_the_same_loss_with_a_warning():
+    nested = TopM(m=7, shortfall_weight=0.5, infonce_weight=0.25, beta_tail_min_points=16)
+    for cls, extra in ((WEINCELoss, {}), (CachedWEINCELoss, {"mini_batch_size": 8})):
+        with pytest.warns(DeprecationWarning, match=r"flat top-M options \['beta_tail_min_points', 'top_m', "):
+            flat = cls(None, **FLAT_0_1, **extra)
+        assert flat.options == cls(None, top_m=nested, **extra).options
+    with pytest.warns(DeprecationWarning, match="top_m_infonce_weight"):
+        released = WEINCELoss.released(None, top_m_infonce_weight=0.0)  # applied over the released TopM
+    assert released.options.top_m == RELEASED_TOP_M.replace(infonce_weight=0.0)
+    # the configuration a 0.1 checkpoint recorded reads as today's (training.checkpoints compares the two)
+    recorded = {**WEINCELoss(None).get_config_dict(), **FLAT_0_1}
+    del recorded["top_m"]
+    recorded["top_m"] = 7
+    assert fold_flat_top_m(recorded) == WEINCELoss(None, top_m=nested).get_config_dict()
+    with pytest.raises(TypeError, match=r"top_m must be a TopM, its dict or None, got str"):
+        WEINCELoss(None, top_m="released")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'top_m_weight'"):
+        WEINCELoss(None, top_m_weight=0.5)
 
 
 @pytest.mark.parametrize(
     ("option", "value", "error", "message"),
     [
-        ("top_m", 0, ValueError, "top_m must be at least 1"),
-        ("top_m", 2.5, TypeError, "top_m must be an integer"),
-        ("top_m_shortfall_weight", -0.1, ValueError, "top_m_shortfall_weight must be >= 0"),
-        ("top_m_infonce_weight", float("nan"), ValueError, "top_m_infonce_weight must be finite"),
+        ("m", 0, ValueError, "m must be at least 1"),
+        ("m", 2.5, TypeError, "m must be an integer"),
+        ("shortfall_weight", -0.1, ValueError, "shortfall_weight must be >= 0"),
+        ("infonce_weight", float("nan"), ValueError, "infonce_weight must be finite"),
         ("beta_ema_momentum", 1.0, ValueError, r"beta_ema_momentum must lie in \[0, 1\)"),
         ("beta_min_r_squared", 1.5, ValueError, "beta_min_r_squared must lie in"),
         ("beta_ema_start", 0.0, ValueError, "beta_ema_start must be > 0"),
@@ -301,7 +329,7 @@ def test_released_preset_and_config_round_trip():
 def test_options_are_refused_at_construction_by_name(option, value, error, message):
     for cls in (WEINCELoss, CachedWEINCELoss):
         with pytest.raises(error, match=message):
-            cls(None, **{option: value})
+            cls(None, top_m={"shortfall_weight": 0.5, option: value})
 
 
 # --------------------------------------------------------------------------------------------- hot path, dtypes
@@ -326,8 +354,8 @@ def test_no_added_host_sync(directions, partition_mode, num_columns):
 
 @pytest.mark.slow
 def test_compiles_with_fullgraph_and_equals_eager():
-    eager = WEINCELoss.released(None, check_inputs=False, beta_tail_min_points=64)
-    compiled_loss = WEINCELoss.released(None, check_inputs=False, beta_tail_min_points=64)
+    eager = WEINCELoss.released(None, check_inputs=False, top_m=RELEASED.replace(beta_tail_min_points=64))
+    compiled_loss = WEINCELoss.released(None, check_inputs=False, top_m=RELEASED.replace(beta_tail_min_points=64))
     compiled = torch.compile(compiled_loss.loss_from_scores, fullgraph=True)
     for seed in range(3):
         scores, positive_index, valid_mask = nt_xent_layout(*columns(32, 2, seed=seed))
@@ -335,7 +363,7 @@ def test_compiles_with_fullgraph_and_equals_eager():
         got = compiled(scores, positive_index, valid_mask)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(compiled_loss.batch_beta_ema, eager.batch_beta_ema, rtol=1e-6, atol=0.0)
-    assert float(eager.batch_beta_ema) != WEINCELossOptions.beta_ema_start
+    assert float(eager.batch_beta_ema) != TopM.beta_ema_start
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])

@@ -36,7 +36,7 @@ from st_weince.functional.layouts import (
     normalize_rows,
     nt_xent_layout,
 )
-from st_weince.functional.options import DEFAULTS, TOP_M_DEFAULTS, TopMOptions, WeinceOptions, check_scale
+from st_weince.functional.options import DEFAULTS, TOP_M_DEFAULTS, TopM, WeinceOptions, check_scale
 from st_weince.functional.sigmoid import (
     CandidateGuard,
     SigmoidBlockLoss,
@@ -74,7 +74,7 @@ __all__ = [
     "BatchTailFit",
     "CompositeLoss",
     "CompositeStep",
-    "TopMOptions",
+    "TopM",
     "batch_negative_tail",
     "batch_tail_fit",
     "batch_tail_size",

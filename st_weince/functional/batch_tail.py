@@ -20,7 +20,7 @@ from torch import Tensor
 
 from st_weince.functional.checks import check_score_shapes, compute_dtype
 from st_weince.functional.line_fit import fit_design, fit_lines
-from st_weince.functional.options import TopMOptions, integer_option
+from st_weince.functional.options import TopM, integer_option
 from st_weince.functional.weince import count_negatives
 
 # Fewer negatives than this in the whole batch: no fit, the moving average keeps its value.
@@ -35,9 +35,9 @@ def negative_mask(scores: Tensor, positive_index: Tensor, valid_mask: Tensor | N
     return negative if valid_mask is None else negative & valid_mask
 
 
-def batch_tail_size(num_negatives: Tensor | int, options: TopMOptions | None = None) -> Tensor | int:
+def batch_tail_size(num_negatives: Tensor | int, options: TopM | None = None) -> Tensor | int:
     """``k = min(K_all, max(beta_tail_min_points, floor(beta_tail_frac * K_all)))`` for an int or a long tensor."""
-    options = TopMOptions.resolve(options, {})
+    options = TopM.resolve(options, {})
     if isinstance(num_negatives, Tensor):
         share = torch.floor(options.beta_tail_frac * num_negatives.double()).long()
         return torch.minimum(num_negatives, share.clamp_min(options.beta_tail_min_points))
@@ -65,7 +65,7 @@ class BatchTail:
 
 @torch.no_grad()
 def batch_negative_tail(
-    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopMOptions | None = None,
+    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopM | None = None,
     *, global_entries: int | None = None, **overrides: Any,
 ) -> BatchTail:
     """The smallest shortfalls ``max(1 - s, eps)`` over ALL negative scores of these rows (self-pairs, positives and
@@ -75,7 +75,7 @@ def batch_negative_tail(
     parallelism each process keeps enough of its shortfalls for the global fit. A row with positive -1 contributes
     all its valid entries.
     """
-    options = TopMOptions.resolve(options, overrides)
+    options = TopM.resolve(options, overrides)
     check_score_shapes(scores, positive_index, valid_mask)
     positive_index = positive_index.long()  # any integer dtype, as in torch's losses
     entries = scores.numel()
@@ -108,11 +108,11 @@ class BatchTailFit:
 
 
 @torch.no_grad()
-def batch_tail_fit(tail: BatchTail, options: TopMOptions | None = None, **overrides: Any) -> BatchTailFit:
+def batch_tail_fit(tail: BatchTail, options: TopM | None = None, **overrides: Any) -> BatchTailFit:
     """Fit ``log F_r ~ a + slope * log d_r`` on the k smallest shortfalls (sorted ascending, ``F_r = r / (k + 1)``,
     the first ``max(1, floor(k / 20))`` dropped) and its R^2 (docs/algorithms.md 1.2b). Shortfalls whose log spreads by
     no more than rounding give slope 0 (no tail shape), hence an untrusted fit."""
-    options = TopMOptions.resolve(options, overrides)
+    options = TopM.resolve(options, overrides)
     # the parts of a concatenated tail are each sorted only
     shortfalls = tail.shortfalls if tail.ascending else torch.sort(tail.shortfalls).values
     length = shortfalls.shape[0]
@@ -137,12 +137,12 @@ def batch_tail_fit(tail: BatchTail, options: TopMOptions | None = None, **overri
 
 @torch.no_grad()
 def update_beta_ema(
-    beta_ema: Tensor, fit: BatchTailFit, options: TopMOptions | None = None, **overrides: Any
+    beta_ema: Tensor, fit: BatchTailFit, options: TopM | None = None, **overrides: Any
 ) -> Tensor:
     """The new moving average (a tensor in ``beta_ema``'s dtype, no host sync):
     ``momentum * beta_ema + (1 - momentum) * clamp(slope, beta_min, beta_max)`` when the fit is trusted, else
     ``beta_ema`` unchanged. The batch's ``beta_t`` is the returned value."""
-    options = TopMOptions.resolve(options, overrides)
+    options = TopM.resolve(options, overrides)
     if not isinstance(beta_ema, Tensor):
         raise TypeError(f"beta_ema must be a tensor (the state the caller keeps), got {type(beta_ema).__name__}")
     momentum = options.beta_ema_momentum
@@ -152,7 +152,7 @@ def update_beta_ema(
 
 
 def initial_beta_ema(
-    options: TopMOptions | None = None, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+    options: TopM | None = None, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
 ) -> Tensor:
     """The moving average's start value as a scalar tensor (a buffer's initial value)."""
-    return torch.tensor(TopMOptions.resolve(options, {}).beta_ema_start, device=device, dtype=dtype)
+    return torch.tensor(TopM.resolve(options, {}).beta_ema_start, device=device, dtype=dtype)

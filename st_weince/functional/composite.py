@@ -10,7 +10,7 @@ are cross-entropies over the positive and the M hardest negatives only:
 
 Conventions as in :mod:`st_weince.functional.weince`: ``scores`` [A, C], ``positive_index`` [A] long (every row needs
 a positive for the top-M terms), ``valid_mask`` [A, C] bool or None. Negatives of a row: its valid entries other than
-its positive. Every default lives in :class:`~st_weince.functional.options.TopMOptions`.
+its positive. Every default lives in :class:`~st_weince.functional.options.TopM`.
 
 Hot path: shapes decide every Python branch, nothing here reads a device value on the host (the functions check
 shapes only; the values are checked where a loss receives its inputs, and a direct caller checks them with
@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from st_weince.functional.batch_tail import BatchTail as BatchTail  # the loss classes import it from here
 from st_weince.functional.batch_tail import (
     BatchTailFit,
     batch_negative_tail,
@@ -34,10 +33,9 @@ from st_weince.functional.batch_tail import (
     negative_mask,
     update_beta_ema,
 )
-from st_weince.functional.batch_tail import initial_beta_ema as initial_beta_ema  # as BatchTail
 from st_weince.functional.checks import check_score_shapes, compute_dtype
 from st_weince.functional.effective_scale import top_m_shortfall_effective_scale
-from st_weince.functional.options import TOP_M_DEFAULTS, TopMOptions, WeinceOptions, check_scale, integer_option
+from st_weince.functional.options import TOP_M_DEFAULTS, TopM, WeinceOptions, check_scale, integer_option
 from st_weince.functional.weince import HardestNegatives, WeinceStatistics, count_negatives, weince_cross_entropy
 
 
@@ -47,7 +45,7 @@ def top_m_width(num_candidates: int, top_m: int) -> int:
 
 
 def top_m_negatives(
-    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, *, top_m: int = TOP_M_DEFAULTS.top_m,
+    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, *, top_m: int = TOP_M_DEFAULTS.m,
     hardest: HardestNegatives | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The positive score [A] and the M hardest negative scores [A, M'] of each row (descending) with a mask
@@ -94,12 +92,12 @@ def shortfall_logits(scores: Tensor, beta: Tensor | float, eps: float = TOP_M_DE
 
 
 def _selection(
-    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None, options: TopMOptions,
+    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None, options: TopM,
     hardest: HardestNegatives | None = None,
 ) -> tuple:
     check_score_shapes(scores, positive_index, valid_mask)
     positive_index = positive_index.long()  # any integer dtype, as in torch's losses
-    return top_m_negatives(scores, positive_index, valid_mask, top_m=options.top_m, hardest=hardest)
+    return top_m_negatives(scores, positive_index, valid_mask, top_m=options.m, hardest=hardest)
 
 
 def _shortfall_term(selection: tuple[Tensor, Tensor, Tensor], beta: Tensor | float, eps: float) -> Tensor:
@@ -114,7 +112,7 @@ def _infonce_term(selection: tuple[Tensor, Tensor, Tensor], scale: float) -> Ten
 
 
 def top_m_cross_entropies(
-    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopMOptions | None = None,
+    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopM | None = None,
     *, beta: Tensor | float, scale: float, **overrides: Any,
 ) -> tuple[Tensor, Tensor]:
     """Both top-M terms per row, ``(shortfall [A], infonce [A])``, from one selection of the hardest negatives.
@@ -126,14 +124,14 @@ def top_m_cross_entropies(
 
 
 def top_m_terms(
-    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopMOptions | None = None,
+    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopM | None = None,
     *, beta: Tensor | float, scale: float, hardest: HardestNegatives | None = None, **overrides: Any,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(shortfall [A], infonce [A], shortfall effective scale [A])`` from one selection of the hardest negatives:
     the two terms of :func:`top_m_cross_entropies` and the secant slope of the shortfall logit over each row's set
     (:mod:`st_weince.functional.effective_scale`; the top-M InfoNCE term's is ``scale``). ``hardest``: the rows'
     shared sort (:func:`top_m_negatives`)."""
-    options = TopMOptions.resolve(options, overrides)
+    options = TopM.resolve(options, overrides)
     scale = check_scale(scale)
     selection = _selection(scores, positive_index, valid_mask, options, hardest)
     shortfall_scale = top_m_shortfall_effective_scale(*selection, beta, options.eps)
@@ -141,22 +139,22 @@ def top_m_terms(
 
 
 def top_m_shortfall_cross_entropy(
-    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopMOptions | None = None,
+    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopM | None = None,
     *, beta: Tensor | float, **overrides: Any,
 ) -> Tensor:
     """Per-row [A] cross-entropy of the shortfall logits over [positive] + the M hardest negatives, target the
     positive (``L_weibit_topM`` of docs/algorithms.md 1.2b)."""
-    options = TopMOptions.resolve(options, overrides)
+    options = TopM.resolve(options, overrides)
     return _shortfall_term(_selection(scores, positive_index, valid_mask, options), beta, options.eps)
 
 
 def top_m_infonce_cross_entropy(
-    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopMOptions | None = None,
+    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopM | None = None,
     *, scale: float, **overrides: Any,
 ) -> Tensor:
     """Per-row [A] InfoNCE over [positive] + the M hardest negatives, logits ``scale * s``, target the positive
     (``L_infonce_topM`` of docs/algorithms.md 1.2b)."""
-    options = TopMOptions.resolve(options, overrides)
+    options = TopM.resolve(options, overrides)
     scale = check_scale(scale)
     return _infonce_term(_selection(scores, positive_index, valid_mask, options), scale)
 
@@ -190,26 +188,27 @@ def composite_loss(
     blend: Tensor,
     top_m_shortfall: Tensor | None = None,
     top_m_infonce: Tensor | None = None,
-    options: TopMOptions | None = None,
+    options: TopM | None = None,
     **overrides: Any,
 ) -> CompositeLoss:
-    """``blend + top_m_shortfall_weight * top_m_shortfall + top_m_infonce_weight * top_m_infonce``.
+    """``blend + shortfall_weight * top_m_shortfall + infonce_weight * top_m_infonce`` (the weights of ``options``).
 
     A term whose weight is 0 is left out (not multiplied by 0), so with both weights 0 the total IS ``blend``.
     A term with a positive weight must be given.
     """
-    options = TopMOptions.resolve(options, overrides)
+    options = TopM.resolve(options, overrides)
     total = blend
     terms = {}
-    for name, term, weight in (
-        ("top_m_shortfall", top_m_shortfall, options.top_m_shortfall_weight),
-        ("top_m_infonce", top_m_infonce, options.top_m_infonce_weight),
+    for name, term, weight_name in (
+        ("top_m_shortfall", top_m_shortfall, "shortfall_weight"),
+        ("top_m_infonce", top_m_infonce, "infonce_weight"),
     ):
+        weight = getattr(options, weight_name)
         if weight == 0.0:
             terms[name] = None
             continue
         if term is None:
-            raise ValueError(f"{name}_weight is {weight}, but no {name} term was given")
+            raise ValueError(f"{weight_name} is {weight}, but no {name} term was given")
         terms[name] = term
         total = total + weight * term
     return CompositeLoss(
@@ -217,8 +216,8 @@ def composite_loss(
         blend=blend,
         top_m_shortfall=terms["top_m_shortfall"],
         top_m_infonce=terms["top_m_infonce"],
-        top_m_shortfall_weight=options.top_m_shortfall_weight,
-        top_m_infonce_weight=options.top_m_infonce_weight,
+        top_m_shortfall_weight=options.shortfall_weight,
+        top_m_infonce_weight=options.infonce_weight,
     )
 
 
@@ -234,7 +233,7 @@ class CompositeStep:
 def composite_cross_entropy(
     scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None, beta_ema: Tensor, *, scale: float,
     weince_options: WeinceOptions | None = None,
-    top_m_options: TopMOptions | None = None,
+    top_m_options: TopM | None = None,
     statistics: WeinceStatistics | None = None,
 ) -> CompositeStep:
     """The released composite on one (scores, positive_index, valid_mask) triple: the blended cross-entropy
@@ -246,7 +245,7 @@ def composite_cross_entropy(
     groups calls the pieces (:func:`batch_negative_tail`, ``BatchTail.cat``, :func:`batch_tail_fit`,
     :func:`update_beta_ema`, :func:`top_m_cross_entropies`, :func:`composite_loss`) itself.
     """
-    options = TopMOptions.resolve(top_m_options, {})
+    options = TopM.resolve(top_m_options, {})
     scale = check_scale(scale)
     blend = weince_cross_entropy(
         scores,
@@ -257,14 +256,14 @@ def composite_cross_entropy(
         statistics=statistics,
         check_inputs=False,  # shapes only, like every piece here; values: check_scores (module docstring)
     )
-    if options.top_m_shortfall_weight > 0:
+    if options.shortfall_weight > 0:
         fit = batch_tail_fit(batch_negative_tail(scores, positive_index, valid_mask, options), options)
         beta_ema = update_beta_ema(beta_ema, fit, options)
     else:
         zero = torch.zeros((), device=scores.device)
         fit = BatchTailFit(zero, zero, zero.long(), zero.bool(), zero.bool())
     shortfall = infonce = None
-    if options.top_m_shortfall_weight > 0 or options.top_m_infonce_weight > 0:
+    if options.shortfall_weight > 0 or options.infonce_weight > 0:
         shortfall_rows, infonce_rows = top_m_cross_entropies(
             scores, positive_index, valid_mask, options, beta=beta_ema, scale=scale
         )

@@ -1,5 +1,5 @@
 """The options of the WEINCE functions (:class:`WeinceOptions`) and of the released composite's top-M terms and batch
-tail index (:class:`TopMOptions`): the one source of their defaults and of their validation.
+tail index (:class:`TopM`): the one source of their defaults and of their validation.
 
 Each field declares its default and its range (:class:`Within`); construction checks every field, with an error
 naming it. Numbers may be any real (Python or NumPy) number and are stored as Python ``float`` / ``int``; bools,
@@ -171,29 +171,39 @@ class WeinceOptions(_Options):
 
 
 @_options
-class TopMOptions(_Options):
-    """The options of the two top-M terms and of the batch tail index: the one source of their defaults (the
-    released implementation's, docs/algorithms.md 1.2b) and of their validation, with errors naming the option.
+class TopM(_Options):
+    """The released composite's two top-M terms and the batch tail index of the shortfall term: the one source of
+    their defaults (the released implementation's, docs/algorithms.md 1.2b) and of their validation, with errors
+    naming the option. ``WEINCELoss(model, top_m=TopM(shortfall_weight=0.5, infonce_weight=0.5))`` turns both on (the
+    released composite, :meth:`~st_weince.losses.WEINCELoss.released`); a term whose weight is 0 is off.
 
     Args:
-        top_m: M, the number of hardest negatives per anchor (an integer >= 1); a row with K negatives uses
+        m: M, the number of hardest negatives per anchor (an integer >= 1); a row with K negatives uses
             ``min(M, K - 1)`` of them.
-        top_m_shortfall_weight: weight of the top-M shortfall term (>= 0; 0 = off; released: 0.5).
-        top_m_infonce_weight: weight of the top-M InfoNCE term (>= 0; 0 = off; released: 0.5).
+        shortfall_weight: weight of the top-M shortfall term (>= 0; 0 = off; released: 0.5): a shortfall softmax,
+            logits ``-beta_t log(1 - s)``, over the positive and the M hardest negatives, with ``beta_t`` the batch
+            tail index below.
+        infonce_weight: weight of the top-M InfoNCE term (>= 0; 0 = off; released: 0.5): InfoNCE (logits
+            ``scale * s``) over the positive and the M hardest negatives only.
+        infonce_scale: the top-M InfoNCE term's own inverse temperature (None: the loss's ``scale``, as released),
+            e.g. the shortfall term's logged ``weince_effective_scale_top_m_shortfall``, to compare the two links at
+            matched sharpness (docs/weince.md, "How sharp is the loss?").
         beta_ema_start: start value of the moving average of the batch tail index (> 0).
         beta_ema_momentum: weight of the previous value in the moving average, in [0, 1).
         beta_min_r_squared: a fit is trusted only when its R^2 reaches this, in [0, 1].
         beta_min, beta_max: a trusted slope is clamped to [beta_min, beta_max] before it enters the average.
         beta_tail_min_points, beta_tail_frac: the tail size ``k = min(K_all, max(beta_tail_min_points,
             floor(beta_tail_frac * K_all)))`` over the batch's K_all negative scores.
-        eps: floor of the shortfall ``1 - s``, in (0, 0.5) (the same default as WEINCE's).
+        eps: floor of the shortfall ``1 - s``, in (0, 0.5). A loss class sets it to its own ``eps`` (one floor for
+            every term), so it is not a loss option here.
     """
 
     label: ClassVar[str] = "top-M"
 
-    top_m: Annotated[int, Within("[1, inf)")] = 50
-    top_m_shortfall_weight: Annotated[float, Within("[0, inf)", note=" (0 turns the term off)")] = 0.0
-    top_m_infonce_weight: Annotated[float, Within("[0, inf)", note=" (0 turns the term off)")] = 0.0
+    m: Annotated[int, Within("[1, inf)")] = 50
+    shortfall_weight: Annotated[float, Within("[0, inf)", note=" (0 turns the term off)")] = 0.0
+    infonce_weight: Annotated[float, Within("[0, inf)", note=" (0 turns the term off)")] = 0.0
+    infonce_scale: float | None = None
     beta_ema_start: Annotated[float, Within(positive=True)] = 4.0
     beta_ema_momentum: Annotated[float, Within("[0, 1)")] = 0.9
     beta_min_r_squared: Annotated[float, Within("[0, 1]")] = 0.85
@@ -206,11 +216,27 @@ class TopMOptions(_Options):
     def _check_other_fields(self) -> None:
         if self.beta_min > self.beta_max:
             raise ValueError(f"beta_min ({self.beta_min}) must not exceed beta_max ({self.beta_max})")
+        if self.infonce_scale is not None:
+            self._store("infonce_scale", check_scale(self.infonce_scale, "infonce_scale"))
+
+    @property
+    def has_terms(self) -> bool:
+        """Whether either term is on (a weight > 0)."""
+        return self.shortfall_weight > 0 or self.infonce_weight > 0
+
+    def infonce_logit_scale(self, scale: float) -> float:
+        """The inverse temperature of the top-M InfoNCE term's logits: ``infonce_scale``, else the loss's ``scale``."""
+        return scale if self.infonce_scale is None else self.infonce_scale
+
+    def to_config(self) -> dict[str, Any]:
+        """The JSON form a loss's ``get_config_dict`` writes (``TopM(**config)`` rebuilds it); without ``eps``, which
+        is the loss's own."""
+        return {name: value for name, value in self.as_dict().items() if name != "eps"}
 
 
 DEFAULTS = WeinceOptions()
-TOP_M_DEFAULTS = TopMOptions()
-_DEFAULTS: dict[type, _Options] = {WeinceOptions: DEFAULTS, TopMOptions: TOP_M_DEFAULTS}
+TOP_M_DEFAULTS = TopM()
+_DEFAULTS: dict[type, _Options] = {WeinceOptions: DEFAULTS, TopM: TOP_M_DEFAULTS}
 
 
 def check_scale(scale: Any, name: str = "scale") -> float:

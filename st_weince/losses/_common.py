@@ -37,6 +37,8 @@ def refuse_mnrl_arguments(owner: str, reasons: dict[str, str], **arguments: Any)
     """MultipleNegativesRankingLoss's arguments are accepted at their no-op value and refused otherwise, with the
     loss's ``reasons``."""
     for name, value in arguments.items():
+        if name not in reasons:
+            raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {name!r}")
         if not _MNRL_NO_OPS[name](value):
             shown = getattr(value, "__name__", None) if callable(value) else None
             raise ValueError(f"{owner} does not support {name}={shown or repr(value)}: {reasons[name]}")

@@ -11,17 +11,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from st_weince.functional.composite import (
-    BatchTail,
-    BatchTailFit,
-    TopMOptions,
-    batch_negative_tail,
-    top_m_terms,
-    top_m_width,
-)
+from st_weince.functional.batch_tail import BatchTail, BatchTailFit, batch_negative_tail
+from st_weince.functional.composite import top_m_terms, top_m_width
 from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
 from st_weince.functional.layouts import MNRLLayout, mnrl_cross_entropy
-from st_weince.functional.options import WeinceOptions
+from st_weince.functional.options import TopM, WeinceOptions
 from st_weince.functional.weince import (
     HardestNegatives,
     TailFit,
@@ -50,15 +44,15 @@ def shares_the_sort(layout: MNRLLayout) -> bool:
     return layout.partition_mode == "per_direction" or len(layout.groups) == 1
 
 
-def sort_width(num_candidates: int, options: WeinceOptions, top_m: TopMOptions | None) -> int:
+def sort_width(num_candidates: int, options: WeinceOptions, top_m: TopM | None) -> int:
     """How many hardest negatives a row's one sort keeps: the tail fit's largest tail, and the top-M terms' M'."""
     width = max(max_tail_size(num_candidates, options), 1)
-    return width if top_m is None else max(width, top_m_width(num_candidates, top_m.top_m))
+    return width if top_m is None else max(width, top_m_width(num_candidates, top_m.m))
 
 
 def sorted_tail_fit(
     scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None, options: WeinceOptions,
-    top_m: TopMOptions | None,
+    top_m: TopM | None,
 ) -> tuple[TailFit, HardestNegatives]:
     """The rows' tail fit and the one sort it is made from, wide enough for the top-M terms when ``top_m``."""
     width = sort_width(scores.shape[1], options, top_m)
@@ -156,7 +150,7 @@ def top_m_units(layout: MNRLLayout, hardest: list[HardestNegatives] | None = Non
 
 
 def top_m_rows(
-    units: list[Unit], beta_t: Tensor | None, options: TopMOptions, scale: float
+    units: list[Unit], beta_t: Tensor | None, options: TopM, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row [R] top-M shortfall and top-M InfoNCE terms and the shortfall term's effective scale (each the mean
     over the units of a row)."""
@@ -171,7 +165,7 @@ def top_m_rows(
     return shortfall, infonce, shortfall_scale
 
 
-def batch_tail(units: list[Unit], step_rows: int, options: TopMOptions, gathered: bool) -> BatchTail:
+def batch_tail(units: list[Unit], step_rows: int, options: TopM, gathered: bool) -> BatchTail:
     """The smallest negative shortfalls of these rows (no gradient), as many as the global batch's tail can need:
     ``step_rows`` is the number of rows of this process's whole step (a cached loss passes one row chunk at a time),
     so that every chunk and process keeps at least the global tail's size (``gathered``: across processes)."""
@@ -185,13 +179,13 @@ def batch_tail(units: list[Unit], step_rows: int, options: TopMOptions, gathered
     )
 
 
-def top_m_effective_scales(shortfall_scale: Tensor, scale: float, options: TopMOptions) -> dict[str, Tensor]:
+def top_m_effective_scales(shortfall_scale: Tensor, scale: float, options: TopM) -> dict[str, Tensor]:
     """The effective scales of the top-M terms that are on: the shortfall term's secant slope (mean over rows) and
     the top-M InfoNCE term's ``scale`` (its logit is linear)."""
     scales = {}
-    if options.top_m_shortfall_weight > 0:
+    if options.shortfall_weight > 0:
         scales["top_m_shortfall"] = shortfall_scale
-    if options.top_m_infonce_weight > 0:
+    if options.infonce_weight > 0:
         scales["top_m_infonce"] = torch.full_like(shortfall_scale, scale)
     return scales
 

@@ -1,15 +1,19 @@
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import tqdm
 from torch import Tensor, nn
 
-from st_weince.functional.composite import BatchTail, composite_loss
-from st_weince.functional.false_negatives import FilterCounts
-from st_weince.functional.layouts import MNRLLayout
-from st_weince.functional.weince import HardestNegatives, TailFit, statistics_from_fit
+from st_weince.functional.batch_tail import BatchTail
+from st_weince.functional.composite import composite_loss
+from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts
+from st_weince.functional.layouts import Direction, MNRLLayout, PartitionMode
+from st_weince.functional.options import TopM
+from st_weince.functional.weince import HardestNegatives, TailFit, WeinceMode, statistics_from_fit
 from st_weince.losses._gradcache import GradCachedLoss, GradCacheOptions
 from st_weince.losses._weince_rows import (
     batch_tail,
@@ -24,17 +28,35 @@ from st_weince.losses._weince_rows import (
 from st_weince.losses.weince import WEINCELoss, WEINCELossOptions
 from st_weince.utils.options import options_from_arguments
 
+# WEINCELoss's named arguments, which this class's signature repeats (their defaults read from one place).
+_WEINCE_ARGUMENTS = frozenset(inspect.signature(WEINCELoss.__init__).parameters) - {"self", "model", "compatibility"}
+
 
 class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
     def __init__(
         self,
         model: nn.Module | None,
         scale: float = WEINCELossOptions.scale,
+        gather_across_devices: bool = WEINCELossOptions.gather_across_devices,
+        directions: tuple[Direction, ...] = WEINCELossOptions.directions,
+        partition_mode: PartitionMode = WEINCELossOptions.partition_mode,
         *,
+        beta: float | str = WEINCELossOptions.beta,
+        mode: WeinceMode = WEINCELossOptions.mode,
+        q: float = WEINCELossOptions.q,
+        kappa_rho: float = WEINCELossOptions.kappa_rho,
+        kappa_aic: float = WEINCELossOptions.kappa_aic,
+        aic_margin: float = WEINCELossOptions.aic_margin,
+        tail_frac: float = WEINCELossOptions.tail_frac,
+        min_tail_points: int = WEINCELossOptions.min_tail_points,
+        eps: float = WEINCELossOptions.eps,
+        false_negative_filter: FalseNegativeFilter | tuple | list | None = WEINCELossOptions.false_negative_filter,
+        check_inputs: bool = WEINCELossOptions.check_inputs,
+        top_m: TopM | Mapping[str, Any] | None = WEINCELossOptions.top_m,
         mini_batch_size: int = GradCacheOptions.mini_batch_size,
         mini_batch_num_tokens: int | None = GradCacheOptions.mini_batch_num_tokens,
         show_progress_bar: bool = GradCacheOptions.show_progress_bar,
-        **options: Any,
+        **compatibility: Any,
     ) -> None:
         """
         :class:`WEINCELoss` with gradient caching (GradCache, Gao et al. 2021), for batches of thousands of
@@ -64,14 +86,13 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
             mini_batch_num_tokens: if set, embedding mini-batches are packed by token count instead (as in CMNRL);
                 the loss's row chunks keep ``mini_batch_size`` rows.
             show_progress_bar: show progress bars over the mini-batches.
-            **options: every other option of :class:`WEINCELoss` (``gather_across_devices``, ``directions``,
-                ``partition_mode``, ``beta``, ``mode``, ``q``, ..., ``false_negative_filter``, ``check_inputs``, the
-                top-M terms ``top_m``, ``top_m_shortfall_weight``, ``top_m_infonce_weight`` and the batch tail
-                index's ``beta_*``), with its defaults and validation
-                (:class:`~st_weince.losses.WEINCELossOptions`). The guard is applied to every row chunk
-                before the statistics, so the statistics and the loss equal the uncached ones. The top-M terms need
-                only a row's own candidates, so they are computed chunk by chunk; the batch tail index is fitted on
-                the negatives of all chunks (and processes) first, in the statistics pass.
+            gather_across_devices, directions, partition_mode, beta, mode, q, kappa_rho, kappa_aic, aic_margin,
+                tail_frac, min_tail_points, eps, false_negative_filter, check_inputs, top_m, **compatibility: as in
+                :class:`WEINCELoss`, with its defaults and validation (:class:`~st_weince.losses.WEINCELossOptions`).
+                The guard is applied to every row chunk before the statistics, so the statistics and the loss equal
+                the uncached ones. The top-M terms need only a row's own candidates, so they are computed chunk by
+                chunk; the batch tail index is fitted on the negatives of all chunks (and processes) first, in the
+                statistics pass.
 
         References:
             - Erol et al., When Softmax Fails at the Top: Extreme-Value Corrections for InfoNCE, ICML 2026.
@@ -109,15 +130,16 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
                 prepare_trainer(trainer)
                 trainer.train()
         """
-        WEINCELoss.__init__(self, model, scale, **options)
+        weince_arguments = {name: value for name, value in locals().items() if name in _WEINCE_ARGUMENTS}
+        WEINCELoss.__init__(self, model, **weince_arguments, **compatibility)
         self._set_cache_options(model, options_from_arguments(GradCacheOptions, locals()))
 
     def _kept_for_top_m(self, layout: MNRLLayout, sorts: list[HardestNegatives]) -> list[HardestNegatives] | None:
         """What the second pass's top-M terms need of a chunk's sorts: at most M hardest per row, not the tail fit's
         width (None: no top-M terms, or they pick from the groups side by side)."""
-        if not (self.options.has_top_m_terms and shares_the_sort(layout)):
+        if self.options.top_m is None or not shares_the_sort(layout):
             return None
-        return [h.first(min(self.options.top_m, h.values.shape[1])) for h in sorts]
+        return [h.first(min(self.options.top_m.m, h.values.shape[1])) for h in sorts]
 
     def _cached_loss(self, embeddings: list[Tensor], row_keys: list[Tensor] | None, with_backward: bool) -> Tensor:
         queries, docs, offset, keys = self._columns(embeddings, row_keys)
@@ -144,18 +166,20 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
                 chunk_counts.append(counts)
                 if self.batch_beta_ema is not None:
                     units, gathered = top_m_units(layout, sorts), options.gather_across_devices
-                    chunk_tails.append(batch_tail(units, batch_size, options.top_m_options, gathered))
+                    chunk_tails.append(batch_tail(units, batch_size, options.top_m, gathered))
         guard_counts = FilterCounts.cat(chunk_counts) if options.false_negative_filter is not None else None
         fits = [TailFit.cat([fits[group] for fits in chunk_fits]) for group in range(len(chunk_fits[0]))]
         statistics = [statistics_from_fit(fit, options.math, gather=self._gather) for fit in fits]
-        top_m = options.has_top_m_terms
+        top_m = options.top_m
+        infonce_scale = None if top_m is None else top_m.infonce_logit_scale(options.scale)
         beta_t, beta_fit = self._advance_batch_beta(BatchTail.cat(chunk_tails) if chunk_tails else None)
 
         total = torch.zeros((), dtype=statistics[0].lam.dtype, device=queries.device)
         # the terms' sums over the rows (detached), for their logged shares
-        term_sums = [torch.zeros((), dtype=total.dtype, device=total.device) for _ in range(3)] if top_m else []
+        zero = torch.zeros((), dtype=total.dtype, device=total.device)
+        term_sums = [zero, zero, zero] if top_m is not None else []
         # the effective scales' sums over the query rows (blend, top-M shortfall), for their logged means
-        scale_sums = [torch.zeros((), dtype=total.dtype, device=total.device) for _ in range(2)]
+        scale_sums = [zero, zero]
         for (begin, end), sorts in zip(
             tqdm.tqdm(chunks, desc="Calculating loss", disable=not self.show_progress_bar), chunk_sorts
         ):
@@ -165,14 +189,13 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
             query_rows = layout.groups[0]
             blend_scale = self._blend_scale(query_rows.scores, query_rows.valid_mask, chunk_statistics[0])
             scale_sums[0] = scale_sums[0] + blend_scale * (end - begin)
-            if top_m:
-                shortfall, infonce, shortfall_scale = top_m_rows(
-                    top_m_units(layout, sorts), beta_t, options.top_m_options, options.top_m_infonce_logit_scale
-                )
+            if top_m is not None:
+                units = top_m_units(layout, sorts)
+                shortfall, infonce, shortfall_scale = top_m_rows(units, beta_t, top_m, infonce_scale)
                 for index, term in enumerate((chunk_rows, shortfall, infonce)):
                     term_sums[index] = term_sums[index] + term.detach().sum()
                 scale_sums[1] = scale_sums[1] + shortfall_scale.sum()
-                chunk_rows = composite_loss(chunk_rows, shortfall, infonce, options.top_m_options).total
+                chunk_rows = composite_loss(chunk_rows, shortfall, infonce, top_m).total
             chunk_loss = chunk_rows.sum() / batch_size
             if with_backward:
                 chunk_loss.backward()
@@ -185,11 +208,9 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
                 [leaf.grad for leaf in leaves if leaf.grad is not None],
             )
         composite = None
-        if top_m:
-            shares = composite_loss(*[s / batch_size for s in term_sums], options.top_m_options).shares()
-            scales = top_m_effective_scales(
-                scale_sums[1] / batch_size, options.top_m_infonce_logit_scale, options.top_m_options
-            )
+        if top_m is not None:
+            shares = composite_loss(*[s / batch_size for s in term_sums], top_m).shares()
+            scales = top_m_effective_scales(scale_sums[1] / batch_size, infonce_scale, top_m)
             composite = composite_values(shares, beta_t, beta_fit, scales)
         self._record(statistics[0], guard_counts, composite, scale_sums[0] / batch_size)
         return total

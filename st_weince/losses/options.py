@@ -3,14 +3,16 @@ The loss signatures read their defaults from here; ``get_config_dict`` writes th
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
 import torch
 
-from st_weince.functional.composite import TOP_M_DEFAULTS, TopMOptions
 from st_weince.functional.false_negatives import FalseNegativeFilter
 from st_weince.functional.layouts import Direction, PartitionMode, check_directions
+from st_weince.functional.options import TOP_M_DEFAULTS, TopM
 from st_weince.functional.weince import DEFAULTS, WeinceMode, WeinceOptions, check_scale
 from st_weince.utils.options import (
     check_representable,
@@ -51,33 +53,17 @@ class WEINCELossOptions:
     eps: float = DEFAULTS.eps
     false_negative_filter: FalseNegativeFilter | None = None
     check_inputs: bool = True
-    # The released vision composite's two top-M terms and the batch tail index of the shortfall term: off by default
-    # (weights 0); the other defaults are the released implementation's (TopMOptions).
-    top_m: int = TOP_M_DEFAULTS.top_m
-    top_m_shortfall_weight: float = TOP_M_DEFAULTS.top_m_shortfall_weight
-    top_m_infonce_weight: float = TOP_M_DEFAULTS.top_m_infonce_weight
-    # The top-M InfoNCE term's own inverse temperature (None: ``scale``, as released); a study knob, to run that term
-    # at the sharpness of the shortfall term (docs/weince.md, "How sharp is the loss?").
-    top_m_infonce_scale: float | None = None
-    beta_ema_start: float = TOP_M_DEFAULTS.beta_ema_start
-    beta_ema_momentum: float = TOP_M_DEFAULTS.beta_ema_momentum
-    beta_min_r_squared: float = TOP_M_DEFAULTS.beta_min_r_squared
-    beta_min: float = TOP_M_DEFAULTS.beta_min
-    beta_max: float = TOP_M_DEFAULTS.beta_max
-    beta_tail_min_points: int = TOP_M_DEFAULTS.beta_tail_min_points
-    beta_tail_frac: float = TOP_M_DEFAULTS.beta_tail_frac
+    # The released vision composite's two top-M terms and the batch tail index of the shortfall term (TopM, whose
+    # defaults are the released implementation's): off by default. A TopM with both weights 0 is stored as None.
+    top_m: TopM | None = None
     # The options of the statistics (:mod:`st_weince.functional.weince`), derived from the fields above.
     math: WeinceOptions = field(init=False, repr=False, compare=False)
-    # The options of the top-M terms (:mod:`st_weince.functional.composite`), derived from the fields above.
-    top_m_options: TopMOptions = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
         put("scale", check_scale(self.scale))
-        if self.top_m_infonce_scale is not None:
-            put("top_m_infonce_scale", check_scale(self.top_m_infonce_scale, "top_m_infonce_scale"))
         for name in ("gather_across_devices", "check_inputs"):
             put(name, flag_option(name, getattr(self, name)))
         check_directions(self.directions, self.partition_mode)
@@ -86,20 +72,84 @@ class WEINCELossOptions:
         for name in self.math.as_dict():  # validated and normalised there (NumPy numbers -> Python numbers)
             put(name, getattr(self.math, name))
         put("false_negative_filter", FalseNegativeFilter.parse(self.false_negative_filter))
-        # validated and normalised there; eps is the blend's (one floor of the shortfall for every term)
-        put("top_m_options", TopMOptions(**{f.name: getattr(self, f.name) for f in fields(TopMOptions)}))
-        for name in self.top_m_options.as_dict():
-            put(name, getattr(self.top_m_options, name))
-
-    @property
-    def top_m_infonce_logit_scale(self) -> float:
-        """The inverse temperature of the top-M InfoNCE term's logits: ``top_m_infonce_scale``, else ``scale``."""
-        return self.scale if self.top_m_infonce_scale is None else self.top_m_infonce_scale
+        put("top_m", _top_m_option(self.top_m, self.eps))
 
     @property
     def has_top_m_terms(self) -> bool:
         """Whether either top-M term is on (a weight > 0)."""
-        return self.top_m_shortfall_weight > 0 or self.top_m_infonce_weight > 0
+        return self.top_m is not None
+
+
+def _top_m_option(value: Any, eps: float) -> TopM | None:
+    """The ``top_m`` option: a :class:`TopM`, its JSON form (``get_config_dict``'s dict), or None; stored with the
+    loss's ``eps`` (one floor of the shortfall for every term), None when neither term is on."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        value = TopM(**value)
+    if not isinstance(value, TopM):
+        hint = " (M is TopM(m=...) since 0.2)" if isinstance(value, int) and not isinstance(value, bool) else ""
+        raise TypeError(f"top_m must be a TopM, its dict or None, got {type(value).__name__} {value!r}{hint}")
+    if value.eps not in (TOP_M_DEFAULTS.eps, eps):
+        raise ValueError(
+            f"top_m has eps={value.eps}, the loss eps={eps}: the floor of the shortfall is one for every term, set "
+            "it as the loss's eps"
+        )
+    return value.replace(eps=eps) if value.has_terms else None
+
+
+# The flat top-M options of 0.1 (WEINCELoss(top_m_shortfall_weight=0.5, ...)) -> the TopM fields since 0.2.
+FLAT_TOP_M_OPTIONS: dict[str, str] = {
+    "top_m": "m",
+    "top_m_shortfall_weight": "shortfall_weight",
+    "top_m_infonce_weight": "infonce_weight",
+    "top_m_infonce_scale": "infonce_scale",
+    **{name: name for name in ("beta_ema_start", "beta_ema_momentum", "beta_min_r_squared", "beta_min", "beta_max")},
+    **{name: name for name in ("beta_tail_min_points", "beta_tail_frac")},
+}
+
+
+def _is_flat(name: str, value: Any) -> bool:
+    """Whether option ``name`` = ``value`` is one of 0.1's flat top-M options (``top_m`` only as the integer M)."""
+    return name != "top_m" or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def is_flat_top_m_config(config: Mapping[str, Any]) -> bool:
+    """Whether ``config`` holds 0.1's flat top-M options (``top_m`` as M, ``top_m_shortfall_weight``, ...)."""
+    return any(_is_flat(name, config[name]) for name in FLAT_TOP_M_OPTIONS if name in config)
+
+
+def fold_flat_top_m(config: Mapping[str, Any]) -> dict[str, Any]:
+    """0.1's flat top-M options of a WEINCE configuration folded into one ``top_m`` (its JSON form, None when both
+    weights are 0, as the options store it), applied over the ``top_m`` it has (a :class:`TopM` or its dict, e.g.
+    :meth:`~st_weince.losses.WEINCELoss.released`'s); a configuration without them is returned as it is. Used where
+    a loss is built from 0.1's keyword arguments (deprecated) and where a 0.1 checkpoint's recorded configuration is
+    compared with the current one."""
+    if not is_flat_top_m_config(config):
+        return dict(config)
+    top_m = config.get("top_m")
+    base = TopM(**top_m) if isinstance(top_m, Mapping) else top_m if isinstance(top_m, TopM) else TOP_M_DEFAULTS
+    flat = {name: value for name, value in config.items() if name in FLAT_TOP_M_OPTIONS and _is_flat(name, value)}
+    folded = base.replace(**{FLAT_TOP_M_OPTIONS[name]: value for name, value in flat.items()})
+    return {
+        **{name: value for name, value in config.items() if name not in FLAT_TOP_M_OPTIONS},
+        "top_m": folded.to_config() if folded.has_terms else None,
+    }
+
+
+def deprecated_flat_top_m(owner: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """A loss's keyword ``arguments`` with 0.1's flat top-M options folded into ``top_m`` and a DeprecationWarning
+    naming them (they go in 0.3)."""
+    if not is_flat_top_m_config(arguments):
+        return arguments
+    flat = sorted(name for name in arguments if name in FLAT_TOP_M_OPTIONS and _is_flat(name, arguments[name]))
+    warnings.warn(
+        f"{owner}: the flat top-M options {flat} are deprecated since 0.2 and go in 0.3; pass one "
+        "top_m=TopM(m=..., shortfall_weight=..., infonce_weight=..., ...) (st_weince.functional.TopM)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return fold_flat_top_m(arguments)
 
 
 @dataclass(frozen=True)

@@ -1,24 +1,19 @@
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim, get_rank
+from sentence_transformers.util import all_gather, all_gather_with_grad, get_rank
 from torch import Tensor, nn
 
+from st_weince.functional.batch_tail import BatchTail, BatchTailFit, batch_tail_fit, initial_beta_ema, update_beta_ema
 from st_weince.functional.checks import full_precision
-from st_weince.functional.composite import (
-    BatchTail,
-    BatchTailFit,
-    batch_tail_fit,
-    composite_loss,
-    initial_beta_ema,
-    update_beta_ema,
-)
+from st_weince.functional.composite import composite_loss
 from st_weince.functional.effective_scale import blend_effective_scale
 from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
 from st_weince.functional.layouts import Direction, MNRLLayout, PartitionMode, mnrl_layout
+from st_weince.functional.options import TopM
 from st_weince.functional.weince import (
     DEFAULTS,
     HardestNegatives,
@@ -43,7 +38,7 @@ from st_weince.losses._weince_rows import (
     top_m_rows,
     top_m_units,
 )
-from st_weince.losses.options import WEINCELossOptions
+from st_weince.losses.options import WEINCELossOptions, deprecated_flat_top_m
 from st_weince.utils.options import options_from_arguments
 
 WEINCE_CITATION = """
@@ -58,14 +53,12 @@ WEINCE_CITATION = """
 """
 
 
+#: The released vision composite's top-M terms: both at weight 0.5 with M = 50 (TopM's default).
+RELEASED_TOP_M = TopM(shortfall_weight=0.5, infonce_weight=0.5)
+
 #: The released vision composite (docs/algorithms.md, "the released recipe"): temperature 0.5 (scale 2), beta 1 in the
-#: blend (the released implementation's, WeinceOptions), both top-M terms at weight 0.5 with M = 50 (the default).
-RELEASED_COMPOSITE: dict[str, Any] = {
-    "scale": 2.0,
-    "beta": DEFAULTS.beta,
-    "top_m_shortfall_weight": 0.5,
-    "top_m_infonce_weight": 0.5,
-}
+#: blend (the released implementation's, WeinceOptions), and :data:`RELEASED_TOP_M`.
+RELEASED_COMPOSITE: dict[str, Any] = {"scale": 2.0, "beta": DEFAULTS.beta, "top_m": RELEASED_TOP_M}
 
 
 # Why MultipleNegativesRankingLoss's arguments other than their no-op values do not apply to WEINCE.
@@ -100,20 +93,8 @@ class WEINCELoss(ColumnsLoss):
         eps: float = WEINCELossOptions.eps,
         false_negative_filter: FalseNegativeFilter | tuple | list | None = WEINCELossOptions.false_negative_filter,
         check_inputs: bool = WEINCELossOptions.check_inputs,
-        top_m: int = WEINCELossOptions.top_m,
-        top_m_shortfall_weight: float = WEINCELossOptions.top_m_shortfall_weight,
-        top_m_infonce_weight: float = WEINCELossOptions.top_m_infonce_weight,
-        top_m_infonce_scale: float | None = WEINCELossOptions.top_m_infonce_scale,
-        beta_ema_start: float = WEINCELossOptions.beta_ema_start,
-        beta_ema_momentum: float = WEINCELossOptions.beta_ema_momentum,
-        beta_min_r_squared: float = WEINCELossOptions.beta_min_r_squared,
-        beta_min: float = WEINCELossOptions.beta_min,
-        beta_max: float = WEINCELossOptions.beta_max,
-        beta_tail_min_points: int = WEINCELossOptions.beta_tail_min_points,
-        beta_tail_frac: float = WEINCELossOptions.beta_tail_frac,
-        similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
-        hardness_mode: str | None = None,
-        hardness_strength: float = 0.0,
+        top_m: TopM | Mapping[str, Any] | None = WEINCELossOptions.top_m,
+        **compatibility: Any,
     ) -> None:
         """
         WEINCE (Weibull-enhanced InfoNCE): a drop-in replacement for
@@ -161,28 +142,21 @@ class WEINCELoss(ColumnsLoss):
             check_inputs: check the embeddings for NaN/Inf in every forward pass, with one host-device sync. False
                 makes the hot path free of host syncs, so ``torch.compile(loss.compute_loss_from_embeddings,
                 fullgraph=True)`` and CUDA graphs work; a NaN embedding then gives a NaN loss instead of an error.
-            top_m: M, the number of hardest negatives per anchor of the two top-M terms (a row with K negatives uses
-                ``min(M, K - 1)``).
-            top_m_shortfall_weight: weight of the top-M shortfall term (0 = off, the default; released: 0.5): a
-                shortfall softmax, logits ``-beta_t log(1 - s)``, over the positive and the M hardest negatives of
-                each anchor, with ``beta_t`` the batch tail index below.
-            top_m_infonce_weight: weight of the top-M InfoNCE term (0 = off, the default; released: 0.5): InfoNCE
-                (logits ``scale * s``) over the positive and the M hardest negatives only.
-            top_m_infonce_scale: the top-M InfoNCE term's own inverse temperature (None, the default: ``scale``, as
-                released), e.g. the shortfall term's logged ``weince_effective_scale_top_m_shortfall`` to compare the
-                two links at matched sharpness.
-            beta_ema_start, beta_ema_momentum, beta_min_r_squared, beta_min, beta_max, beta_tail_min_points,
-                beta_tail_frac: the batch tail index ``beta_t`` of the top-M shortfall term (not the blend's
-                ``beta``): a Weibull line is fitted to the ``k = min(K_all, max(beta_tail_min_points, floor(
-                beta_tail_frac * K_all)))`` smallest shortfalls of all the (global) batch's K_all negative scores;
-                when its R^2 reaches ``beta_min_r_squared`` and its slope is positive, ``beta_ema = beta_ema_momentum
-                * beta_ema + (1 - beta_ema_momentum) * clamp(slope, beta_min, beta_max)``, starting at
-                ``beta_ema_start``; ``beta_t = beta_ema``. The moving average is the buffer ``batch_beta_ema`` (in the
-                ``state_dict``: :func:`st_weince.training.prepare_trainer` saves and restores it with every
-                checkpoint); it advances on training steps only (grad enabled, loss in training mode).
-            similarity_fct: only ``cos_sim`` (accepted for MNRL compatibility): WEINCE needs scores with endpoint 1.
-            hardness_mode: only None (MNRL's hardness weighting does not combine with WEINCE; refused otherwise).
-            hardness_strength: only 0.0.
+            top_m: the released composite's two top-M terms and the batch tail index of its shortfall term, as one
+                :class:`~st_weince.functional.TopM` (or its dict, as ``get_config_dict`` writes it); None (the
+                default): off, the loss is the blend alone. ``TopM(shortfall_weight=0.5, infonce_weight=0.5)`` is the
+                released pair (M = 50): a shortfall softmax, logits ``-beta_t log(1 - s)``, and InfoNCE, logits
+                ``scale * s`` (or ``TopM.infonce_scale``), each over the positive and the M hardest negatives of
+                each anchor. ``beta_t`` is a moving average of the batch's fitted tail index, the buffer
+                ``batch_beta_ema``: in the ``state_dict``, hence in every checkpoint; it advances on training steps
+                only (grad enabled, loss in training mode). The floor of the shortfall is this loss's ``eps``.
+            **compatibility: ``similarity_fct``, ``hardness_mode`` and ``hardness_strength``, accepted for
+                MultipleNegativesRankingLoss compatibility at their no-op values (``cos_sim``, None, 0.0) and refused
+                otherwise with the reason: WEINCE needs scores with endpoint 1, and MNRL's hardness weighting would
+                change the choice model whose tail WEINCE fits. Also, until 0.3, 0.1's flat top-M options
+                (``top_m`` as the integer M, ``top_m_shortfall_weight``, ``top_m_infonce_weight``,
+                ``top_m_infonce_scale``, ``beta_ema_*``, ``beta_min*``, ``beta_max``, ``beta_tail_*``), folded into
+                ``top_m`` with a DeprecationWarning.
 
         The released vision composite (docs/algorithms.md), :meth:`WEINCELoss.released`, is ``L = L_blend +
         0.5 L_shortfall_topM + 0.5 L_infonce_topM`` (M = 50, scale 2, beta 1) on the SimCLR layout
@@ -233,27 +207,24 @@ class WEINCELoss(ColumnsLoss):
                 prepare_trainer(trainer)
                 trainer.train()
         """
-        refuse_mnrl_arguments(
-            type(self).__name__,
-            _MNRL_REASONS,
-            similarity_fct=similarity_fct,
-            hardness_mode=hardness_mode,
-            hardness_strength=hardness_strength,
-        )
+        arguments = deprecated_flat_top_m(type(self).__name__, {"top_m": top_m, **compatibility})
+        top_m = arguments.pop("top_m")
+        refuse_mnrl_arguments(type(self).__name__, _MNRL_REASONS, **arguments)
         super().__init__(model, options_from_arguments(WEINCELossOptions, locals()))
         self.last_statistics: WeinceStatistics | None = None
         self.batch_beta_ema: Tensor | None
-        if self.options.top_m_shortfall_weight > 0:
+        if self.options.top_m is not None and self.options.top_m.shortfall_weight > 0:
             # State carried across steps: in the state_dict, hence in every checkpoint (training/loss_state.py).
-            self.register_buffer("batch_beta_ema", initial_beta_ema(self.options.top_m_options))
+            self.register_buffer("batch_beta_ema", initial_beta_ema(self.options.top_m))
         else:
             self.batch_beta_ema = None
 
     @classmethod
     def released(cls, model: nn.Module | None, **overrides: Any) -> WEINCELoss:
         """The released vision composite (:data:`RELEASED_COMPOSITE`, the other options at their defaults) with
-        ``overrides`` applied (e.g. ``gather_across_devices=True``). Use it on the SimCLR layout
-        (:meth:`loss_from_scores`); on the text layout it is the same loss on MNRL's candidates."""
+        ``overrides`` applied (e.g. ``gather_across_devices=True``; ``top_m=RELEASED_TOP_M.replace(m=20)`` for other
+        top-M settings). Use it on the SimCLR layout (:meth:`loss_from_scores`); on the text layout it is the same
+        loss on MNRL's candidates."""
         return cls(model, **{**RELEASED_COMPOSITE, **overrides})
 
     @property
@@ -301,7 +272,7 @@ class WEINCELoss(ColumnsLoss):
     def _group_fits(self, layout: MNRLLayout) -> tuple[list[TailFit], list[HardestNegatives]]:
         """Each group's tail fit and the one sort of its rows it is made from, which the top-M terms reuse where they
         pick from the same softmax (:func:`shares_the_sort`)."""
-        top_m = self.options.top_m_options if self.options.has_top_m_terms and shares_the_sort(layout) else None
+        top_m = self.options.top_m if shares_the_sort(layout) else None
         pairs = [
             sorted_tail_fit(g.scores, g.positive_index, g.valid_mask, self.options.math, top_m) for g in layout.groups
         ]
@@ -316,8 +287,7 @@ class WEINCELoss(ColumnsLoss):
             valid_mask, counts = apply_false_negative_filter(
                 scores, positive_index, valid_mask, self.options.false_negative_filter
             )
-            top_m = self.options.top_m_options if self.options.has_top_m_terms else None
-            fit, hardest = sorted_tail_fit(scores, positive_index, valid_mask, self.options.math, top_m)
+            fit, hardest = sorted_tail_fit(scores, positive_index, valid_mask, self.options.math, self.options.top_m)
             stats = statistics_from_fit(fit, self.options.math, gather=self._gather)
             loss = weince_cross_entropy(
                 scores,
@@ -361,17 +331,18 @@ class WEINCELoss(ColumnsLoss):
     ) -> Tensor:
         """The blend ``loss`` with the top-M terms over the softmaxes ``units_of()`` added when they are on; records
         the step's statistics (and the blend's effective scale ``blend_scale``)."""
-        if not self.options.has_top_m_terms:
+        top_m = self.options.top_m
+        if top_m is None:
             self._record(stats, counts, blend_scale=blend_scale)
             return loss
-        top_m_options, units, tail = self.options.top_m_options, units_of(), None
+        units, tail = units_of(), None
         if self.batch_beta_ema is not None:
-            tail = batch_tail(units, step_rows, top_m_options, self.options.gather_across_devices)
+            tail = batch_tail(units, step_rows, top_m, self.options.gather_across_devices)
         beta_t, fit = self._advance_batch_beta(tail)
-        infonce_scale = self.options.top_m_infonce_logit_scale
-        shortfall, infonce, shortfall_scale = top_m_rows(units, beta_t, top_m_options, infonce_scale)
-        composite = composite_loss(loss, shortfall.mean(), infonce.mean(), top_m_options)
-        scales = top_m_effective_scales(shortfall_scale.mean(), infonce_scale, top_m_options)
+        infonce_scale = top_m.infonce_logit_scale(self.options.scale)
+        shortfall, infonce, shortfall_scale = top_m_rows(units, beta_t, top_m, infonce_scale)
+        composite = composite_loss(loss, shortfall.mean(), infonce.mean(), top_m)
+        scales = top_m_effective_scales(shortfall_scale.mean(), infonce_scale, top_m)
         self._record(stats, counts, composite_values(composite.shares(), beta_t, fit, scales), blend_scale)
         return composite.total
 
@@ -384,8 +355,8 @@ class WEINCELoss(ColumnsLoss):
             tail = BatchTail(
                 shortfalls=all_gather(tail.shortfalls), num_negatives=all_gather(tail.num_negatives[None]).sum()
             )
-        fit = batch_tail_fit(tail, self.options.top_m_options)
-        beta_t = update_beta_ema(self.batch_beta_ema, fit, self.options.top_m_options)
+        fit = batch_tail_fit(tail, self.options.top_m)
+        beta_t = update_beta_ema(self.batch_beta_ema, fit, self.options.top_m)
         if self.training and torch.is_grad_enabled():
             with torch.no_grad():
                 self.batch_beta_ema.copy_(beta_t)

@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 # Warnings (message regex, category, regex of the module they are attributed to) that libraries print on every run
@@ -64,21 +64,42 @@ def user_errors_exit(prog: str) -> Iterator[None]:
 
 
 def parse_key_values(items: Sequence[str], flag: str = "--loss-option") -> dict[str, Any]:
-    """``["beta=1", "mode=rho"]`` -> ``{"beta": 1, "mode": "rho"}``; a VALUE is parsed as JSON when it is JSON
-    (numbers, true/false, null, lists), else kept as a string. A key given twice is an error."""
+    """``["beta=1", "mode=rho", "top_m.m=10"]`` -> ``{"beta": 1, "mode": "rho", "top_m": {"m": 10}}``; a VALUE is
+    parsed as JSON when it is JSON (numbers, true/false, null, lists, objects), else kept as a string; a dotted KEY
+    sets one field of a nested option (WEINCE's ``top_m``). A key given twice is an error."""
     options: dict[str, Any] = {}
     for item in items:
-        key, sep, value = item.partition("=")
+        key, sep, text = item.partition("=")
         key = key.strip()
         if not sep or not key:
             raise ValueError(f"{flag} expects KEY=VALUE, got {item!r}")
-        if key in options:
-            raise ValueError(f"{flag} {key} is given twice")
         try:
-            options[key] = json.loads(value)
+            value = json.loads(text)
         except json.JSONDecodeError:
+            value = text
+        outer, dot, inner = key.partition(".")
+        if not dot:
+            if key in options:
+                raise ValueError(f"{flag} {key} is given twice")
             options[key] = value
+            continue
+        nested = options.setdefault(outer, {})
+        if not isinstance(nested, dict) or inner in nested:
+            raise ValueError(f"{flag} {key} is given twice")
+        nested[inner] = value
     return options
+
+
+def merge_options(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overrides`` applied, nested options (dicts) field by field: a preset's
+    ``{"top_m": {"shortfall_weight": 0.5, "infonce_weight": 0.5}}`` with ``top_m.m=10`` keeps both weights."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
 
 
 def positive_float(value: str) -> float:

@@ -24,7 +24,7 @@ from st_weince.vision.evaluation import (
 )
 from st_weince.vision.models import CifarResNet, ProjectionHead, SimCLRModel, load_encoder, save_encoder
 from st_weince.vision.objectives import LOSSES, SIMCLR_BETA, SIMCLR_SCALE, SimCLRObjective
-from st_weince.vision.presets import ARMS, RELEASED_TOP_M, SETUPS, Setup, arm_objective, build_objective
+from st_weince.vision.presets import ARMS, RELEASED_TOP_M_OPTIONS, SETUPS, Setup, arm_objective, build_objective
 from st_weince.vision.training import (
     SimCLRTraining,
     build_model,
@@ -36,7 +36,7 @@ from st_weince.vision.training import (
 
 __all__ = [
     "ARMS",
-    "RELEASED_TOP_M",
+    "RELEASED_TOP_M_OPTIONS",
     "SETUPS",
     "Setup",
     "SimCLRTraining",

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from st_weince.losses.weince import RELEASED_COMPOSITE
+from st_weince.losses.weince import RELEASED_TOP_M
 from st_weince.vision.augment import RELEASED_AUGMENT, SimCLRAugmentConfig
 from st_weince.vision.evaluation import PREVIOUS_PROTOCOL, RELEASED_PROTOCOL, ProbeProtocol
 from st_weince.vision.objectives import SIMCLR_BETA, SIMCLR_SCALE, SimCLRObjective
@@ -53,8 +53,11 @@ class Setup:
         return self.augment
 
 
-# The released composite's top-M terms (M: the loss's default 50); its scale and beta are the vision defaults.
-RELEASED_TOP_M = {name: RELEASED_COMPOSITE[name] for name in ("top_m_shortfall_weight", "top_m_infonce_weight")}
+# The released composite's top-M terms as loss options in their JSON form (M: TopM's default 50; the study configs
+# record them); its scale and beta are the vision defaults.
+RELEASED_TOP_M_OPTIONS = {
+    "top_m": {"shortfall_weight": RELEASED_TOP_M.shortfall_weight, "infonce_weight": RELEASED_TOP_M.infonce_weight}
+}
 
 SETUPS: dict[str, Setup] = {
     "previous": Setup(
@@ -74,7 +77,7 @@ SETUPS: dict[str, Setup] = {
         lr=3e-4,
         weight_decay=0.0,
         hidden_dim=None,
-        loss_options={"weince": RELEASED_TOP_M},
+        loss_options={"weince": RELEASED_TOP_M_OPTIONS},
     ),
 }
 
@@ -86,29 +89,29 @@ MATCHED_TOP_M_INFONCE_SCALE = 30.87
 # temperature where not the run's). Arms 2 and 3 are WEINCE with lambda = 0 (the blend IS InfoNCE) plus one term.
 ARMS: dict[str, dict[str, Any]] = {
     "infonce": {"loss": "infonce"},
-    "infonce-topm-infonce": {"loss": "weince", "options": {"mode": "none", "top_m_infonce_weight": 0.5}},
-    "infonce-topm-shortfall": {"loss": "weince", "options": {"mode": "none", "top_m_shortfall_weight": 0.5}},
+    "infonce-topm-infonce": {"loss": "weince", "options": {"mode": "none", "top_m": {"infonce_weight": 0.5}}},
+    "infonce-topm-shortfall": {"loss": "weince", "options": {"mode": "none", "top_m": {"shortfall_weight": 0.5}}},
     "blend": {"loss": "weince", "options": {}},
-    "composite": {"loss": "weince", "options": dict(RELEASED_TOP_M)},
+    "composite": {"loss": "weince", "options": dict(RELEASED_TOP_M_OPTIONS)},
     "infonce-tau0.2": {"loss": "infonce", "temperature": 0.2},
     # Added after the six above: the composite at the control's temperature. Against the control it asks whether the
     # composite's terms add anything once InfoNCE's temperature is lowered as well.
-    "composite-tau0.2": {"loss": "weince", "options": dict(RELEASED_TOP_M), "temperature": 0.2},
+    "composite-tau0.2": {"loss": "weince", "options": dict(RELEASED_TOP_M_OPTIONS), "temperature": 0.2},
     # Added after the seven: InfoNCE plus both top-M terms without the blend (lambda = 0), the missing cell between
     # arms 2-3 and the composite: does the composite's negative interaction come from the blend or from the two
     # top-M terms acting on the same hardest negatives?
-    "infonce-topm-both": {"loss": "weince", "options": {"mode": "none", **RELEASED_TOP_M}},
+    "infonce-topm-both": {"loss": "weince", "options": {"mode": "none", **RELEASED_TOP_M_OPTIONS}},
     # Link or temperature (added after the eight): arm 2 with its top-M InfoNCE term at the top-M shortfall term's
     # effective scale, measured in arm 3's runs (benchmarks/simclr_ablation.py, matched_scale()).
     "infonce-topm-infonce-matched": {
         "loss": "weince",
-        "options": {"mode": "none", "top_m_infonce_weight": 0.5, "top_m_infonce_scale": MATCHED_TOP_M_INFONCE_SCALE},
+        "options": {"mode": "none", "top_m": {"infonce_weight": 0.5, "infonce_scale": MATCHED_TOP_M_INFONCE_SCALE}},
     },
     # ... which collapsed the encoder; the sharpest fixed scale whose one-epoch probe left the collapsed state
     # (benchmarks/matched_scale_search.py: 3 left it at step 126, 4 had not by step 195).
     "infonce-topm-infonce-scale3": {
         "loss": "weince",
-        "options": {"mode": "none", "top_m_infonce_weight": 0.5, "top_m_infonce_scale": 3.0},
+        "options": {"mode": "none", "top_m": {"infonce_weight": 0.5, "infonce_scale": 3.0}},
     },
 }
 
