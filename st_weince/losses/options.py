@@ -74,11 +74,6 @@ class WEINCELossOptions:
         put("false_negative_filter", FalseNegativeFilter.parse(self.false_negative_filter))
         put("top_m", _top_m_option(self.top_m, self.eps))
 
-    @property
-    def has_top_m_terms(self) -> bool:
-        """Whether either top-M term is on (a weight > 0)."""
-        return self.top_m is not None
-
 
 def _top_m_option(value: Any, eps: float) -> TopM | None:
     """The ``top_m`` option: a :class:`TopM`, its JSON form (``get_config_dict``'s dict), or None; stored with the

@@ -160,8 +160,8 @@ class WEINCELoss(ColumnsLoss):
 
         The released vision composite (docs/algorithms.md), :meth:`WEINCELoss.released`, is ``L = L_blend +
         0.5 L_shortfall_topM + 0.5 L_infonce_topM`` (M = 50, scale 2, beta 1) on the SimCLR layout
-        (:meth:`loss_from_scores` with :func:`st_weince.functional.nt_xent_layout`). With both top-M weights 0 (the
-        default) the loss is the blend alone; with either on, the logs add ``weince_batch_beta``,
+        (:meth:`loss_from_scores` with :func:`st_weince.functional.nt_xent_layout`). With ``top_m=None`` (the
+        default) the loss is the blend alone; with either top-M term on, the logs add ``weince_batch_beta``,
         ``weince_batch_beta_r2`` and each term's share (``weince_share_blend``, ``weince_share_top_m_shortfall``,
         ``weince_share_top_m_infonce``). :class:`~st_weince.losses.WEINCELossOptions` holds the defaults and
         validates every option at construction; the loss reads them as ``loss.options.<name>``.
