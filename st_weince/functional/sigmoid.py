@@ -95,9 +95,9 @@ def _block_loss_sum(
 ) -> Tensor:
     """Sum over the valid entries of one score block of ``-log sigmoid(z)`` (matching) / ``-log sigmoid(-z)`` (not),
     as ``softplus(z)`` over every valid entry minus ``z`` over the matching ones (``softplus(-z) = softplus(z) - z``):
-    one elementwise pass over the block, not a sign chosen per entry (two more passes forward and back).
-    ``softplus`` is linear above 20 and ``log1p(exp(.))`` below: stable at any scale; a matching pair's term
-    ``softplus(z) - z`` then rounds to the float32 ulp of ``z`` (1e-6 at z = 15), where it is below 3e-7.
+    one elementwise pass over the block, not a sign chosen per entry (two more passes forward and back). Stable at any
+    scale (``softplus`` is linear above 20); a matching pair's term ``softplus(z) - z`` then rounds to the float32 ulp
+    of ``z`` (1e-6 at z = 15), where it is below 3e-7.
 
     ``matching``: [A, C] bool, the matching entries (valid ones); or ``(column, in_block)``, [A] each: the block
     column of each row's one matching entry and whether the row has it here (valid), gathered instead of masked."""
@@ -213,8 +213,7 @@ def score_extremes(scores: Tensor, targets: Tensor, valid_mask: Tensor | None = 
 
     An empty set gives ``+inf`` (no matching pair) / ``-inf`` (no non-matching pair)."""
     check_score_shapes(scores, None, valid_mask, targets=targets)
-    min_positive, max_negative = _block_extremes(scores.to(compute_dtype(scores)), targets == 1, valid_mask)
-    return min_positive, max_negative
+    return _block_extremes(scores.to(compute_dtype(scores)), targets == 1, valid_mask)
 
 
 def constellation_margin(scores: Tensor, targets: Tensor, valid_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -277,7 +276,6 @@ def _embedding_block(
     if score_transform is not None:
         scores = score_transform(scores)
     width = candidates.shape[0]
-    positive_mask = _positive_mask(positive_index, start, width)
     # each row's one matching column in this block (the guard never removes it; a valid_mask given may)
     local = positive_index - start
     in_block = (local >= 0) & (local < width)
@@ -286,9 +284,9 @@ def _embedding_block(
         in_block = in_block & valid_mask.gather(1, column[:, None]).squeeze(1)
     matching = (column, in_block)
     loss_sum = _block_loss_sum(scores, matching, valid_mask, scale, bias_value, relative)
-    min_positive, max_negative = _block_extremes(scores, positive_mask, valid_mask, matching)
+    low, high = _block_extremes(scores, _positive_mask(positive_index, start, width), valid_mask, matching)
     guard = None if guard_counts is None else (guard_counts.masked, guard_counts.negatives)
-    return loss_sum, min_positive, max_negative, guard
+    return loss_sum, low, high, guard
 
 
 @dataclass(frozen=True)
@@ -368,7 +366,6 @@ def chunked_sigmoid_contrastive_loss(
     """
     guard = guard or CandidateGuard()
     scale, relative_bias, bias = logits.scale, logits.relative_bias, logits.bias
-    score_transform = logits.score_transform
     positive_scores, candidate_keys, reference_keys = guard.positive_scores, guard.candidate_keys, guard.reference_keys
     false_negative_filter = FalseNegativeFilter.parse(guard.false_negative_filter)
     if anchors.dim() != 2 or candidates.dim() != 2 or anchors.shape[1] != candidates.shape[1]:
@@ -418,14 +415,13 @@ def chunked_sigmoid_contrastive_loss(
             # +inf: a row without a positive has no threshold, so the guard masks nothing there
             positive_scores = torch.where(positive_index >= 0, pair_scores, float("inf"))
     total = anchors.new_zeros(())
-    min_positive = anchors.new_tensor(float("inf"))
-    max_negative = anchors.new_tensor(float("-inf"))
+    min_positive, max_negative = anchors.new_tensor(float("inf")), anchors.new_tensor(float("-inf"))
+    keyed = false_negative_filter is not None and false_negative_filter.needs_keys
+    reference_keys = reference_keys if keyed else None
     for start in range(0, num_candidates, step):
         arguments = (anchors, candidates[start : start + step], positive_index, start, t, bias_value, relative)
-        keyed = false_negative_filter is not None and false_negative_filter.needs_keys
         block_keys = candidate_keys[start : start + step] if keyed else None
-        reference_keys = reference_keys if keyed else None
-        block_guard = (score_transform, false_negative_filter, positive_scores, block_keys, reference_keys)
+        block_guard = (logits.score_transform, false_negative_filter, positive_scores, block_keys, reference_keys)
         if recompute:
             loss_sum, low, high, masked = checkpoint(_embedding_block, *arguments, *block_guard, use_reentrant=False)
         else:
