@@ -127,26 +127,19 @@ def test_no_weight_decay_on_loss_parameters(tiny_model_dir, tmp_path):
         prepare_trainer(missing)
 
     # An own learning rate of the user's for the loss parameters wins, and they still get no weight decay.
-    mapped = make_trainer(
-        tiny_model_dir,
-        tmp_path / "d",
-        learning_rate_mapping={r"^(log_t|b_rel)$": 1e-2},
-        max_steps=1,
-        save_strategy="no",
-    )
+    def one_step_trainer(folder: str, mapping: dict[str, float]):
+        return make_trainer(
+            tiny_model_dir, tmp_path / folder, learning_rate_mapping=mapping, max_steps=1, save_strategy="no"
+        )
+
+    mapped = one_step_trainer("d", {r"^(log_t|b_rel)$": 1e-2})
     mapped.train()
     groups = {id(p): g for g in mapped.optimizer.param_groups for p in g["params"]}
     for parameter in (mapped.loss.log_t, mapped.loss.b_rel):
         assert groups[id(parameter)]["lr"] == pytest.approx(1e-2) and groups[id(parameter)]["weight_decay"] == 0.0
 
     # A mapping of the user's that puts them in one group with model weights: refused when training begins.
-    mixed = make_trainer(
-        tiny_model_dir,
-        tmp_path / "f",
-        learning_rate_mapping={r"(log_t|b_rel|word_embeddings)": 1e-3},
-        max_steps=1,
-        save_strategy="no",
-    )
+    mixed = one_step_trainer("f", {r"(log_t|b_rel|word_embeddings)": 1e-3})
     with pytest.raises(ValueError, match=r"holds the loss parameters \['b_rel', 'log_t'\] together with 1 other"):
         mixed.train()
 
