@@ -262,12 +262,7 @@ class WEINCELoss(ColumnsLoss):
         options = self.options
         rows = {"row_start": offset + begin, "row_end": offset + end}
         layout = mnrl_layout(queries, docs, options.directions, options.partition_mode, **rows)
-        return self._guarded(layout, keys, offset + begin)
-
-    def _guarded(
-        self, layout: MNRLLayout, keys: list[Tensor] | None = None, row_start: int = 0
-    ) -> tuple[MNRLLayout, FilterCounts | None]:
-        return guarded_layout(layout, self.options.false_negative_filter, keys, row_start)
+        return guarded_layout(layout, options.false_negative_filter, keys, offset + begin)
 
     def _group_fits(self, layout: MNRLLayout) -> tuple[list[TailFit], list[HardestNegatives]]:
         """Each group's tail fit and the one sort of its rows it is made from, which the top-M terms reuse where they
