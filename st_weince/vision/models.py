@@ -119,8 +119,8 @@ class ProjectionHead(nn.Module):
         feature_dim: width of the backbone features.
         hidden_dim: width of the hidden layer.
         out_dim: width of the projections the loss sees (64 in the released WEINCE setup).
-        batch_norm: BatchNorm after the first layer (this project's previous setup); the released setup has none.
-        output_bias: a bias in the last layer (previous setup); the released setup has none.
+        batch_norm: BatchNorm after the first layer (the batchnorm-head setup); the released setup has none.
+        output_bias: a bias in the last layer (batchnorm-head setup); the released setup has none.
 
     The released WEINCE setup (docs/algorithms.md 1.2b) is ``ProjectionHead(f, f, 64, batch_norm=False,
     output_bias=False)``: Linear(f, f, no bias) - ReLU - Linear(f, 64, no bias). Evaluation uses the backbone
