@@ -1,8 +1,8 @@
 """The one runner of the SimCLR studies: a configuration, a list of runs, resumable JSON lines.
 
-benchmarks/simclr_study.py, simclr_ablation.py, simclr_grid.py and simclr_negatives.py are configurations of it:
-each gives ``STUDY`` keys to change, the runs (``(arm, seed)``: an arm is a loss name or an entry of
-``config["arms"]``) and its own summary.
+benchmarks/simclr_ablation.py is a configuration of it (so were studies 1-3, simclr_study/grid/negatives.py, which
+rerun from commit 82267c0): it gives ``STUDY`` keys to change, the runs (``(arm, seed)``: an arm is a loss name or
+an entry of ``config["arms"]``) and its own summary.
 
 Per seed, every arm sees the identical batches and augmentations: the data order of epoch ``e`` comes from a
 generator seeded with ``(seed, e)``, the augmentations from a generator seeded with ``seed`` that only the

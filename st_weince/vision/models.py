@@ -25,7 +25,7 @@ BACKBONES: dict[str, tuple[type[BasicBlock] | type[Bottleneck], list[int]]] = {
 # oneDNN 3.12 (torch 2.14.1) corrupts the heap in the weight gradient of a 1x1 convolution with stride > 1 on
 # channels_last CPU tensors with few input channels (its jit_1x1:avx2 backward_weights kernel; measured on an
 # AVX2 AMD EPYC: 2-7 input channels crash at 16x16, 1 and 8-24 do not;
-# docs/known-issues.md, benchmarks/onednn_strided_1x1.py).
+# docs/known-issues.md; its reproducer benchmarks/onednn_strided_1x1.py reruns from commit 82267c0).
 # Below this many input channels such a convolution runs in NCHW on the CPU (same values, another kernel); 16 rather
 # than 8 leaves a margin for AVX-512's 16-wide channel blocks, where the bound was not measured.
 NARROW_STRIDED_1X1_CHANNELS = 16
