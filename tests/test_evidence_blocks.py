@@ -22,4 +22,5 @@ def test_generated_block_equals_the_committed_summary(name):
     assert summary.is_file(), f"docs/evidence.md has a {name} block but {summary} is not committed"
     assert docs_blocks(EVIDENCE)[name] == summary.read_text(encoding="utf-8").rstrip("\n"), (
         f"the {name} block of docs/evidence.md is stale: run benchmarks/{name}.py --summarize --docs docs/evidence.md"
+        " (a retired study's script: at commit 82267c0, docs/evidence.md)"
     )

@@ -19,7 +19,7 @@ def gpu_study():
     return load_gpu_study()
 
 
-@pytest.mark.parametrize("setup, arm", [("previous", "blend"), ("released", "composite")])
+@pytest.mark.parametrize("setup, arm", [("batchnorm-head", "blend"), ("released", "composite")])
 def test_quick_cpu_run_writes_one_json_with_both_arms(gpu_study, shared_data, tmp_path, one_torch_thread, setup, arm):
     output = tmp_path / "gpu.json"
     zip_path = shared_data / "cifar10" / "cifar10-jpg.zip"
@@ -59,7 +59,7 @@ def test_quick_cpu_run_writes_one_json_with_both_arms(gpu_study, shared_data, tm
 def test_budget_decides_epochs_and_the_second_loss_follows(gpu_study, shared_data, tmp_path, one_torch_thread):
     zip_path = shared_data / "cifar10" / "cifar10-jpg.zip"
     argv = ["--device", "cpu", "--quick", "--budget-seconds", "0.01", "--data-dir", str(zip_path)]
-    result = gpu_study.main([*argv, "--setup", "previous", "--output", str(tmp_path / "gpu.json")])
+    result = gpu_study.main([*argv, "--setup", "batchnorm-head", "--output", str(tmp_path / "gpu.json")])
     # A budget smaller than one epoch still trains one whole epoch; WEINCE then trains exactly as many.
     assert result["results"]["infonce"]["epochs"] == 1 == result["results"]["blend"]["epochs"]
 
@@ -85,4 +85,16 @@ def test_the_link_pair_trains_the_shortfall_arm_against_the_matched_linear_arm(
     assert linear["loss_statistics_last_epoch"]["weince_effective_scale_top_m_infonce"] == pytest.approx(30.87)
     assert result["weince_minus_infonce_knn_top1"] == pytest.approx(linear["knn_top1"] - shortfall["knn_top1"])
     with pytest.raises(SystemExit):
-        gpu_study.parse_args(["--device", "cpu", "--pair", "link", "--setup", "previous"])
+        gpu_study.parse_args(["--device", "cpu", "--pair", "link", "--setup", "batchnorm-head"])
+
+
+def test_setup_old_name_warns_and_resolves(gpu_study):
+    with pytest.warns(DeprecationWarning, match="batchnorm-head"):
+        args = gpu_study.parse_args(["--device", "cpu", "--setup", "previous"])
+    assert args.setup == "batchnorm-head" and args.arms == ("infonce", "blend") and args.lr == 1e-3
+
+
+def test_setup_unknown_name_lists_the_setups(gpu_study, capsys):
+    with pytest.raises(SystemExit):
+        gpu_study.parse_args(["--device", "cpu", "--setup", "nosuch"])
+    assert "batchnorm-head" in capsys.readouterr().err

@@ -1,8 +1,8 @@
 """The narrow-ResNet workaround for oneDNN 3.12's strided 1x1 weight gradient (docs/known-issues.md).
 
 torch 2.14.1's oneDNN corrupts the heap in the weight gradient of a channels_last 1x1 stride-2 convolution with 2-7
-input channels on AVX2 CPUs (benchmarks/onednn_strided_1x1.py, torch alone). The project's ResNets route those
-convolutions through NCHW on the CPU (:class:`StridedPointwiseConv2d`): the values must not change, a narrow
+input channels on AVX2 CPUs (benchmarks/onednn_strided_1x1.py at commit 82267c0, torch alone). The project's ResNets
+route those convolutions through NCHW on the CPU (:class:`StridedPointwiseConv2d`): the values must not change, a narrow
 channels_last network must train under glibc's heap checks, and wider layers keep the channels_last kernel.
 """
 

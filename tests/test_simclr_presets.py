@@ -1,9 +1,11 @@
-"""recipes/simclr.py's presets: the released WEINCE setup (docs/algorithms.md 1.2b) point by point, the previous setup
-unchanged, and the released evaluation protocol (stratified split, raw-feature probe, k-NN over split seeds)."""
+"""recipes/simclr.py's presets: the released WEINCE setup (docs/algorithms.md 1.2b) point by point, the batchnorm-head
+setup unchanged, the old names of the renamed setup and protocol (deprecated, still resolved), and the released
+evaluation protocol (stratified split, raw-feature probe, k-NN over split seeds)."""
 
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -11,17 +13,22 @@ import torch
 from torch import nn
 
 from st_weince.vision import (
-    PREVIOUS_PROTOCOL,
+    PROBE_PROTOCOLS,
     RELEASED_AUGMENT,
     RELEASED_PROTOCOL,
+    SETUPS,
+    STANDARDIZED_PROTOCOL,
     SimCLRAugmentConfig,
     SimCLRModel,
     eval_transform,
     evaluate_frozen_features,
+    evaluation,
     knn_evaluate,
     knn_evaluate_splits,
     linear_probe,
     load_encoder,
+    resolve_protocol,
+    resolve_setup,
     save_encoder,
     stratified_split,
 )
@@ -55,14 +62,59 @@ def test_released_preset_settings(recipe):  # noqa: F811
     assert blend_only.loss_kwargs == {}
 
 
-def test_previous_preset_is_the_earlier_default(recipe):  # noqa: F811
-    args = recipe.parse_args([])
-    assert args.preset == "previous"
+def test_batchnorm_head_preset_is_the_default(recipe):  # noqa: F811
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new name and the default warn about nothing
+        args = recipe.parse_args([])
+        assert recipe.parse_args(["--preset", "batchnorm-head"]).preset == "batchnorm-head"
+        preset = recipe.SETUPS["batchnorm-head"]
+        assert resolve_setup("batchnorm-head") is preset and resolve_protocol("standardized") is STANDARDIZED_PROTOCOL
+    assert args.preset == "batchnorm-head"
     assert (args.lr, args.weight_decay, args.hidden_dim, args.loss_kwargs) == (1e-3, 1e-6, 512, {})
-    preset = recipe.SETUPS["previous"]
-    assert preset.augment == SimCLRAugmentConfig() and preset.probe is PREVIOUS_PROTOCOL
+    assert preset.augment == SimCLRAugmentConfig() and preset.probe is STANDARDIZED_PROTOCOL
+    assert preset.head_batch_norm and preset.head_output_bias
+    assert STANDARDIZED_PROTOCOL.name == "standardized" and PROBE_PROTOCOLS["standardized"] is STANDARDIZED_PROTOCOL
     with pytest.raises(SystemExit):
         recipe.parse_args(["--hidden-dim", "wide"])
+
+
+def test_old_setup_name_still_resolves_with_a_warning(recipe):  # noqa: F811
+    with pytest.warns(DeprecationWarning, match="batchnorm-head"):
+        args = recipe.parse_args(["--preset", "previous"])
+    assert args.preset == "batchnorm-head" and (args.lr, args.weight_decay, args.hidden_dim) == (1e-3, 1e-6, 512)
+    with pytest.warns(DeprecationWarning, match="batchnorm-head"):
+        assert resolve_setup("previous") is SETUPS["batchnorm-head"]
+    with pytest.warns(DeprecationWarning, match="batchnorm-head"):
+        assert SETUPS["previous"] is SETUPS["batchnorm-head"]
+    assert sorted(SETUPS) == ["batchnorm-head", "released"]  # the old name is no choice of its own
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reading a 0.1 run file that records the old name: no warning
+        assert resolve_setup("previous", warn=False) is SETUPS["batchnorm-head"]
+
+
+def test_old_protocol_names_still_resolve_with_a_warning():
+    with pytest.warns(DeprecationWarning, match="standardized"):
+        assert resolve_protocol("previous") is STANDARDIZED_PROTOCOL
+    with pytest.warns(DeprecationWarning, match="STANDARDIZED_PROTOCOL"):
+        from st_weince.vision import PREVIOUS_PROTOCOL
+    assert PREVIOUS_PROTOCOL is STANDARDIZED_PROTOCOL
+    with pytest.warns(DeprecationWarning, match="STANDARDIZED_PROTOCOL"):
+        assert evaluation.PREVIOUS_PROTOCOL is STANDARDIZED_PROTOCOL
+    with pytest.raises(AttributeError):
+        evaluation.NO_SUCH_PROTOCOL  # noqa: B018
+
+
+def test_unknown_setup_and_protocol_names_list_the_choices(recipe, capsys):  # noqa: F811
+    with pytest.raises(KeyError, match="batchnorm-head, released"):
+        resolve_setup("nosuch")
+    with pytest.raises(KeyError, match="batchnorm-head, released"):
+        SETUPS["nosuch"]  # noqa: B018
+    with pytest.raises(KeyError, match="released, standardized"):
+        resolve_protocol("nosuch")
+    with pytest.raises(SystemExit):
+        recipe.parse_args(["--preset", "nosuch"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'nosuch'" in err and "batchnorm-head" in err and "released" in err
 
 
 def test_released_augmentation_and_eval_transform():
@@ -143,10 +195,10 @@ def test_released_protocol_splits_and_reports_validation():
     assert result["knn_splits"][1]["test"]["top1"]["5"] == direct.top1[5]
 
 
-def test_previous_protocol_equals_the_earlier_evaluation():
+def test_standardized_protocol_equals_the_plain_probe_and_knn():
     train, train_labels = _clustered(80, 2)
     test, test_labels = _clustered(40, 3)
-    result = evaluate_frozen_features(train, train_labels, test, test_labels, PREVIOUS_PROTOCOL, epochs=5, seed=7)
+    result = evaluate_frozen_features(train, train_labels, test, test_labels, STANDARDIZED_PROTOCOL, epochs=5, seed=7)
     probe = linear_probe(train, train_labels, test, test_labels, epochs=5, num_classes=4, seed=7)
     knn = knn_evaluate(train, train_labels, test, test_labels, [1, 2, 5, 10, 20, 50], 0.1, 4)
     assert result["linear_top1"] == probe["top1"] and result["linear_train_top1"] == probe["train_top1"]

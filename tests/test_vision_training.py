@@ -29,7 +29,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TINY = {"backbone": "resnet18", "width": 2, "projection_dim": 4, "channels_last": True, "temperature": 0.5}
 TINY_SETUPS = {
-    "previous": {**TINY, "setup": "previous", "hidden_dim": 8, "lr": 1e-3, "weight_decay": 1e-6, "beta": 1.0},
+    "batchnorm-head": {**TINY, "setup": "batchnorm-head", "hidden_dim": 8, "lr": 1e-3, "weight_decay": 1e-6,
+                       "beta": 1.0},  # fmt: skip
     "released": {**TINY, "setup": "released", "hidden_dim": None, "lr": 3e-4, "weight_decay": 0.0, "arms": ARMS},
 }
 
@@ -73,8 +74,8 @@ def images_of(count: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "setup, arm",
-    [("previous", "infonce"), ("previous", "weince"), ("previous", "rb-sigmoid"), ("released", "composite"),
-     ("released", "infonce-tau0.2")],  # fmt: skip
+    [("batchnorm-head", "infonce"), ("batchnorm-head", "weince"), ("batchnorm-head", "rb-sigmoid"),
+     ("released", "composite"), ("released", "infonce-tau0.2")],  # fmt: skip
 )
 def test_epochs_equal_the_study_loop_bit_for_bit(setup, arm):
     config, images = TINY_SETUPS[setup], images_of(20)
@@ -102,10 +103,11 @@ def test_arms_and_setups():
     assert arm_objective("weince", config) == ("weince", 0.25, {"kappa_rho": 3.0})
     assert arm_objective("infonce", config) == ("infonce", 0.25, {})
     assert SETUPS["released"].loss_options["weince"] == ARMS["composite"]["options"]
-    assert (SETUPS["previous"].lr, SETUPS["previous"].weight_decay, SETUPS["previous"].hidden_dim) == (1e-3, 1e-6, 512)
+    head = SETUPS["batchnorm-head"]
+    assert (head.lr, head.weight_decay, head.hidden_dim) == (1e-3, 1e-6, 512)
     # STL-10 is normalised with its own statistics, except under the released setup, which never normalises
-    assert SETUPS["previous"].augment_for("stl10").mean == (0.4467, 0.4398, 0.4066)
-    assert SETUPS["previous"].augment_for("cifar10") is SETUPS["previous"].augment
+    assert head.augment_for("stl10").mean == (0.4467, 0.4398, 0.4066)
+    assert head.augment_for("cifar10") is head.augment
     assert SETUPS["released"].augment_for("stl10") is SETUPS["released"].augment
 
 
@@ -133,8 +135,8 @@ def test_shards_of_the_global_batch_and_the_steps_limit():
 
 def test_autocast_forward_float32_loss_and_the_non_finite_error():
     # InfoNCE (MNRL) does not check its scores, as WEINCE does: the epoch's mean is then the one check
-    model, objective, optimizer = build_run("infonce", 0, TINY_SETUPS["previous"])
-    augment = SimCLRAugment(SETUPS["previous"].augment, generator=torch.Generator().manual_seed(0))
+    model, objective, optimizer = build_run("infonce", 0, TINY_SETUPS["batchnorm-head"])
+    augment = SimCLRAugment(SETUPS["batchnorm-head"].augment, generator=torch.Generator().manual_seed(0))
     training = SimCLRTraining(model, objective, optimizer, augment, autocast_dtype=torch.bfloat16)
     loss = training.step(images_of(8))
     assert loss.dtype == torch.float32 and math.isfinite(float(loss)) and not loss.requires_grad
@@ -145,7 +147,7 @@ def test_autocast_forward_float32_loss_and_the_non_finite_error():
         training.epoch(images_of(8), torch.arange(8), 8)
 
 
-@pytest.mark.parametrize("preset, loss", [("previous", "rb-sigmoid"), ("released", "weince")])
+@pytest.mark.parametrize("preset, loss", [("batchnorm-head", "rb-sigmoid"), ("released", "weince")])
 def test_the_recipe_trains_with_the_same_step(recipe, tiny_zip, tmp_path, preset, loss):  # noqa: F811
     """recipes/simclr.py's run equals SimCLRTraining over data_order bit for bit (3 steps over 2 epochs), so the
     recipe, the studies and gpu_study train alike."""
@@ -173,8 +175,8 @@ def test_the_recipe_trains_with_the_same_step(recipe, tiny_zip, tmp_path, preset
 def test_host_syncs_per_step_and_epoch(arm, per_step):
     """No host sync in the step beyond the loss's own; one per epoch for its mean. (SGD: Adam's step counter is a
     CPU scalar, read per parameter, which counts here but is no device sync on a GPU.)"""
-    model, objective, _ = build_run(arm, 0, TINY_SETUPS["previous"])
-    augment = SimCLRAugment(SETUPS["previous"].augment, generator=torch.Generator().manual_seed(0))
+    model, objective, _ = build_run(arm, 0, TINY_SETUPS["batchnorm-head"])
+    augment = SimCLRAugment(SETUPS["batchnorm-head"].augment, generator=torch.Generator().manual_seed(0))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     training = SimCLRTraining(model, objective, optimizer, augment, channels_last=True)
     images = images_of(24)

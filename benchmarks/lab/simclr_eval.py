@@ -21,8 +21,7 @@ from st_weince.losses import WEINCELoss
 from st_weince.vision import (
     KNN_KS,
     KNN_TEMPERATURE,
-    PREVIOUS_PROTOCOL,
-    SETUPS,
+    STANDARDIZED_PROTOCOL,
     ImageTensorDataset,
     SimCLRAugment,
     SimCLRModel,
@@ -33,6 +32,7 @@ from st_weince.vision import (
     knn_evaluate,
     linear_probe,
     load_dataset,
+    resolve_setup,
     to_memory_format,
 )
 
@@ -50,7 +50,7 @@ class EvalData:
         self.probe_index = torch.tensor(balanced_subset(train.labels, config["probe_subset"], seed))
         self.pot_index = torch.tensor(balanced_subset(test.labels, config["pot_images"], seed))
         stats_index = torch.tensor(balanced_subset(train.labels, config["batch_size"], seed))
-        self.setup = SETUPS[config["setup"]]
+        self.setup = resolve_setup(config["setup"], warn=False)  # a 0.1 run file records "previous"
         augment = SimCLRAugment(self.setup.augment, generator=torch.Generator().manual_seed(STATS_AUGMENT_SEED))
         self.stats_views = augment(train.images[stats_index])
         self.num_classes = len(train.classes)
@@ -142,10 +142,10 @@ def protocol_evaluation(
     }
 
 
-def previous_evaluation(
+def standardized_evaluation(
     features: Tensor, labels: Tensor, test_features: Tensor, data: EvalData, config: dict[str, Any], seed: int
 ) -> dict[str, Any]:
-    """The previous setup's probes: weighted k-NN at every k (headline k = 20) and the linear probe."""
+    """The standardized protocol's probes: weighted k-NN at every k (headline k = 20) and the linear probe."""
     ks = [k for k in KNN_KS if k <= len(labels)]
     knn = knn_evaluate(features, labels, test_features, data.test.labels, ks, KNN_TEMPERATURE, data.num_classes)
     linear = linear_probe(
@@ -189,7 +189,7 @@ def evaluate(model: SimCLRModel, data: EvalData, config: dict[str, Any], seed: i
     else:
         train_images = data.train.images[data.probe_index]
         subsets = {"subset": (extract_features(model.encoder, train_images, transform, 500), subset_labels)}
-    probes = previous_evaluation if data.setup.probe is PREVIOUS_PROTOCOL else protocol_evaluation
+    probes = standardized_evaluation if data.setup.probe is STANDARDIZED_PROTOCOL else protocol_evaluation
     out: dict[str, Any] = {
         name: probes(features, labels, test_features, data, config, seed)
         for name, (features, labels) in subsets.items()

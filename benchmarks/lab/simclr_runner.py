@@ -1,8 +1,8 @@
 """The one runner of the SimCLR studies: a configuration, a list of runs, resumable JSON lines.
 
-benchmarks/simclr_study.py, simclr_ablation.py, simclr_grid.py and simclr_negatives.py are configurations of it:
-each gives ``STUDY`` keys to change, the runs (``(arm, seed)``: an arm is a loss name or an entry of
-``config["arms"]``) and its own summary.
+benchmarks/simclr_ablation.py is a configuration of it (so were studies 1-3, simclr_study/grid/negatives.py, which
+rerun from commit 82267c0): it gives ``STUDY`` keys to change, the runs (``(arm, seed)``: an arm is a loss name or
+an entry of ``config["arms"]``) and its own summary.
 
 Per seed, every arm sees the identical batches and augmentations: the data order of epoch ``e`` comes from a
 generator seeded with ``(seed, e)``, the augmentations from a generator seeded with ``seed`` that only the
@@ -36,18 +36,18 @@ from benchmarks.lab import runlog
 from benchmarks.lab.simclr_eval import DEFAULT_DATA, EvalData, evaluate, load_data
 from benchmarks.lab.summaries import update_docs
 from st_weince.utils.provenance import provenance
-from st_weince.vision import SETUPS, SimCLRAugment, SimCLRTraining, build_run, data_order
+from st_weince.vision import SETUPS, SimCLRAugment, SimCLRTraining, build_run, data_order, setup_name
 
 STUDY: dict[str, Any] = {
     "dataset": "cifar10",
     "backbone": "resnet18",
     "width": 16,
-    "hidden_dim": SETUPS["previous"].hidden_dim,
+    "hidden_dim": SETUPS["batchnorm-head"].hidden_dim,
     "projection_dim": 64,
     "batch_size": 256,
     "epochs": 10,
-    "lr": SETUPS["previous"].lr,
-    "weight_decay": SETUPS["previous"].weight_decay,
+    "lr": SETUPS["batchnorm-head"].lr,
+    "weight_decay": SETUPS["batchnorm-head"].weight_decay,
     "temperature": 0.5,
     "beta": 1.0,
     "channels_last": True,
@@ -63,7 +63,7 @@ STUDY: dict[str, Any] = {
     "holdout": None,  # int: class-balanced training images held out and evaluated on in place of the test set
     "weince_options": {},  # WEINCE options beyond the vision defaults, e.g. {"aic_margin": 0.0, "kappa_rho": 5.0}
     "eval_at_start": True,  # the epoch-0 checkpoint (the same for every loss of a seed)
-    "setup": "previous",  # "previous" or "released": augmentations, projection head and probe protocol (SETUPS)
+    "setup": "batchnorm-head",  # or "released": augmentations, projection head and probe protocol (SETUPS)
     "arms": {},  # run name prefix -> {"loss", optional "temperature", optional "options"}; {}: the loss names
 }
 # Keys added to STUDY after the first states were written, with the value those states were trained under.
@@ -72,7 +72,7 @@ LATER_KEYS: dict[str, Any] = {
     "holdout": None,
     "weince_options": {},
     "eval_at_start": True,
-    "setup": "previous",
+    "setup": "batchnorm-head",
     "arms": {},
     "encode_views_separately": False,
 }
@@ -171,6 +171,9 @@ class StudyRuns:
         if state is not None:
             saved = run_config({**{k: v for k, v in LATER_KEYS.items() if k in config}, **state["config"]}, arm)
             mine = run_config(config, arm)
+            for key in (saved, mine):  # states written by 0.1 record the setup's old name
+                if "setup" in key:
+                    key["setup"] = setup_name(key["setup"], warn=False)
             if saved != mine:
                 changed = sorted(k for k in set(mine) | set(saved) if mine.get(k) != saved.get(k))
                 raise ValueError(f"{state_path} was written with a different configuration ({changed}); move it away")

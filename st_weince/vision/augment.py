@@ -2,7 +2,7 @@
 
 The pipeline of SimCLR's CIFAR experiments: random resized crop (scale 0.08-1, aspect ratio 3/4-4/3) with horizontal
 flip, colour jitter (brightness, contrast, saturation 0.4, hue 0.1) with probability 0.8, grayscale with
-probability 0.2, then per-channel normalisation (this project's previous setup; the released WEINCE setup is
+probability 0.2, then per-channel normalisation (the batchnorm-head setup; the released WEINCE setup is
 :data:`RELEASED_AUGMENT`: stronger jitter 0.8/0.8/0.8/0.2 and no normalisation). Crop and flip are one affine
 resampling (``grid_sample``) for the whole batch. One difference to torchvision's per-image ``ColorJitter``: the
 order of the four jitter operations is drawn once per batch, not once per image.

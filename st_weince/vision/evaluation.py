@@ -2,8 +2,9 @@
 
 Two protocols (docs/vision.md):
 
-- this project's previous one: the probe on standardised features of the whole train split, Adam lr 1e-3, weight
-  decay 1e-6; k-NN against the whole train split;
+- ``standardized`` (:data:`STANDARDIZED_PROTOCOL`, named ``previous`` / ``PREVIOUS_PROTOCOL`` in 0.1; the old names
+  resolve until 0.3 with a ``DeprecationWarning``): the probe on standardised features of the whole train split,
+  Adam lr 1e-3, weight decay 1e-6; k-NN against the whole train split;
 - the released WEINCE protocol (docs/algorithms.md 1.2b): a stratified 80/20 train/validation split of the train split
   (:func:`stratified_split`), the probe (logistic regression) on the raw features of the 80 %, Adam lr 3e-4 without
   weight decay, batch 256, 100 epochs, test and validation accuracy after the last epoch; k-NN with the 80 % as the
@@ -17,6 +18,7 @@ class with weight ``exp(similarity / temperature)``, temperature 0.1, k in {1, 2
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -164,7 +166,7 @@ def linear_probe(
     """Train a linear classifier on frozen features (Adam, cross-entropy); accuracies in percent after the last epoch.
 
     ``standardize``: features standardised with the train split's mean and std (a fixed affine map, so the probe is
-    still linear in the frozen features; the previous protocol), or raw (the released protocol: lr 3e-4,
+    still linear in the frozen features; the standardized protocol), or raw (the released protocol: lr 3e-4,
     weight_decay 0). Returns ``{"top1": ..., "top5": ..., "train_top1": ...}`` on the test features, plus
     ``val_top1`` when validation features are given.
     """
@@ -246,7 +248,7 @@ def knn_evaluate_splits(
 class ProbeProtocol:
     """How frozen features are evaluated: the linear probe's settings and the k-NN bank.
 
-    ``val_fraction`` None: the whole train split trains the probe and is the k-NN bank (previous protocol); a
+    ``val_fraction`` None: the whole train split trains the probe and is the k-NN bank (standardized protocol); a
     fraction: a stratified train/validation split (seed ``probe_split_seed``) for the probe, and k-NN over the
     splits of ``knn_split_seeds`` (released protocol). ``probe_seed`` None: the run's seed initialises the probe and
     orders its batches.
@@ -264,7 +266,7 @@ class ProbeProtocol:
     knn_headline_k: int = 20
 
 
-PREVIOUS_PROTOCOL = ProbeProtocol("previous", standardize=True, lr=1e-3, weight_decay=1e-6)
+STANDARDIZED_PROTOCOL = ProbeProtocol("standardized", standardize=True, lr=1e-3, weight_decay=1e-6)
 RELEASED_PROTOCOL = ProbeProtocol(
     "released",
     standardize=False,
@@ -275,7 +277,38 @@ RELEASED_PROTOCOL = ProbeProtocol(
     knn_split_seeds=RELEASED_KNN_SPLIT_SEEDS,
     knn_headline_k=max(KNN_KS),
 )
-PROBE_PROTOCOLS = {protocol.name: protocol for protocol in (PREVIOUS_PROTOCOL, RELEASED_PROTOCOL)}
+PROBE_PROTOCOLS = {protocol.name: protocol for protocol in (STANDARDIZED_PROTOCOL, RELEASED_PROTOCOL)}
+# Names from before the protocols were named after their content: old -> new, resolved with a DeprecationWarning
+# until 0.3 (result files written by 0.1 record ``"protocol": "previous"``).
+RENAMED_PROTOCOLS = {"previous": "standardized"}
+_RENAMED_CONSTANTS = {"PREVIOUS_PROTOCOL": "STANDARDIZED_PROTOCOL"}
+
+
+def resolve_protocol(name: str, *, warn: bool = True) -> ProbeProtocol:
+    """The probe protocol named ``name`` (:data:`PROBE_PROTOCOLS`); an old name (:data:`RENAMED_PROTOCOLS`) gives
+    the renamed protocol, with a ``DeprecationWarning`` naming the new name unless ``warn`` is False.
+
+    Raises:
+        KeyError: ``name`` is no protocol; the message lists the protocols.
+    """
+    new = RENAMED_PROTOCOLS.get(name)
+    if new is not None:
+        if warn:
+            warnings.warn(f"the probe protocol {name!r} is now named {new!r}; the old name goes in 0.3",
+                          DeprecationWarning, stacklevel=2)  # fmt: skip
+        name = new
+    if name not in PROBE_PROTOCOLS:
+        raise KeyError(f"unknown probe protocol {name!r}; the protocols are {', '.join(sorted(PROBE_PROTOCOLS))}")
+    return PROBE_PROTOCOLS[name]
+
+
+def __getattr__(name: str) -> Any:
+    """``PREVIOUS_PROTOCOL``, the old name of :data:`STANDARDIZED_PROTOCOL`, with a ``DeprecationWarning``."""
+    new = _RENAMED_CONSTANTS.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"{__name__}.{name} is now {new}; the old name goes in 0.3", DeprecationWarning, stacklevel=2)
+    return globals()[new]
 
 
 def evaluate_frozen_features(
@@ -283,7 +316,7 @@ def evaluate_frozen_features(
     train_labels: Tensor,
     test_features: Tensor,
     test_labels: Tensor,
-    protocol: ProbeProtocol = PREVIOUS_PROTOCOL,
+    protocol: ProbeProtocol = STANDARDIZED_PROTOCOL,
     *,
     epochs: int = 100,
     num_classes: int | None = None,

@@ -25,7 +25,7 @@ BACKBONES: dict[str, tuple[type[BasicBlock] | type[Bottleneck], list[int]]] = {
 # oneDNN 3.12 (torch 2.14.1) corrupts the heap in the weight gradient of a 1x1 convolution with stride > 1 on
 # channels_last CPU tensors with few input channels (its jit_1x1:avx2 backward_weights kernel; measured on an
 # AVX2 AMD EPYC: 2-7 input channels crash at 16x16, 1 and 8-24 do not;
-# docs/known-issues.md, benchmarks/onednn_strided_1x1.py).
+# docs/known-issues.md; its reproducer benchmarks/onednn_strided_1x1.py reruns from commit 82267c0).
 # Below this many input channels such a convolution runs in NCHW on the CPU (same values, another kernel); 16 rather
 # than 8 leaves a margin for AVX-512's 16-wide channel blocks, where the bound was not measured.
 NARROW_STRIDED_1X1_CHANNELS = 16
@@ -119,8 +119,8 @@ class ProjectionHead(nn.Module):
         feature_dim: width of the backbone features.
         hidden_dim: width of the hidden layer.
         out_dim: width of the projections the loss sees (64 in the released WEINCE setup).
-        batch_norm: BatchNorm after the first layer (this project's previous setup); the released setup has none.
-        output_bias: a bias in the last layer (previous setup); the released setup has none.
+        batch_norm: BatchNorm after the first layer (the batchnorm-head setup); the released setup has none.
+        output_bias: a bias in the last layer (batchnorm-head setup); the released setup has none.
 
     The released WEINCE setup (docs/algorithms.md 1.2b) is ``ProjectionHead(f, f, 64, batch_norm=False,
     output_bias=False)``: Linear(f, f, no bias) - ReLU - Linear(f, 64, no bias). Evaluation uses the backbone

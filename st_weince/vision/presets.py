@@ -1,10 +1,11 @@
-"""The SimCLR setups (released vs previous) and the objectives of the ablation arms: the one home of these settings.
+"""The SimCLR setups (released, batchnorm-head) and the objectives of the ablation arms: the one home of these settings.
 
 A :class:`Setup` is everything the two setups set differently; what they share (batch 256 pairs, scale 2 =
 temperature 0.5, WEINCE beta 1, 64-d projections, 100 epochs) is in :mod:`.objectives` and the callers' defaults.
 
-- ``previous``: this project's earlier setup: head Linear(f, 512) - BatchNorm - ReLU - Linear(512, 64), Adam lr 1e-3
-  with weight decay 1e-6, colour jitter 0.4/0.4/0.4/0.1, normalised inputs, the earlier probe protocol.
+- ``batchnorm-head``: head Linear(f, 512) - BatchNorm - ReLU - Linear(512, 64), Adam lr 1e-3 with weight decay 1e-6,
+  colour jitter 0.4/0.4/0.4/0.1, normalised inputs, the standardized probe protocol (named ``previous`` in
+  0.1: :func:`resolve_setup` takes that name until 0.3, with a ``DeprecationWarning``).
 - ``released``: the released WEINCE setup (docs/algorithms.md 1.2b) for both arms: head Linear(f, f, no bias) - ReLU -
   Linear(f, 64, no bias), Adam lr 3e-4 without weight decay, colour jitter 0.8/0.8/0.8/0.2, no normalisation, the
   released probe protocol; ``weince`` is the released composite (both top-M terms at weight 0.5).
@@ -12,13 +13,14 @@ temperature 0.5, WEINCE beta 1, 64-d projections, 100 epochs) is in :mod:`.objec
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from st_weince.losses.weince import RELEASED_TOP_M
 from st_weince.vision.augment import RELEASED_AUGMENT, SimCLRAugmentConfig
-from st_weince.vision.evaluation import PREVIOUS_PROTOCOL, RELEASED_PROTOCOL, ProbeProtocol
+from st_weince.vision.evaluation import RELEASED_PROTOCOL, STANDARDIZED_PROTOCOL, ProbeProtocol
 from st_weince.vision.objectives import SIMCLR_BETA, SIMCLR_SCALE, SimCLRObjective
 
 STL10_MEAN, STL10_STD = (0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)
@@ -59,27 +61,66 @@ RELEASED_TOP_M_OPTIONS = {
     "top_m": {"shortfall_weight": RELEASED_TOP_M.shortfall_weight, "infonce_weight": RELEASED_TOP_M.infonce_weight}
 }
 
-SETUPS: dict[str, Setup] = {
-    "previous": Setup(
-        SimCLRAugmentConfig(),
-        head_batch_norm=True,
-        head_output_bias=True,
-        probe=PREVIOUS_PROTOCOL,
-        lr=1e-3,
-        weight_decay=1e-6,
-        hidden_dim=512,
-    ),
-    "released": Setup(
-        RELEASED_AUGMENT,
-        head_batch_norm=False,
-        head_output_bias=False,
-        probe=RELEASED_PROTOCOL,
-        lr=3e-4,
-        weight_decay=0.0,
-        hidden_dim=None,
-        loss_options={"weince": RELEASED_TOP_M_OPTIONS},
-    ),
-}
+# Names the setups had before they were named after their content: old -> new. They resolve, with a
+# DeprecationWarning, until 0.3.
+RENAMED_SETUPS = {"previous": "batchnorm-head"}
+
+
+def setup_name(name: str, *, warn: bool = True) -> str:
+    """The current name of setup ``name``: a renamed one (:data:`RENAMED_SETUPS`) gives its new name, with a
+    ``DeprecationWarning`` naming it unless ``warn`` is False (reading a run file that recorded the old name);
+    any other name is returned as it is (``argparse``'s ``choices`` then refuses an unknown one)."""
+    new = RENAMED_SETUPS.get(name)
+    if new is None:
+        return name
+    if warn:
+        warnings.warn(f"the SimCLR setup {name!r} is now named {new!r}; the old name goes in 0.3",
+                      DeprecationWarning, stacklevel=2)  # fmt: skip
+    return new
+
+
+def resolve_setup(name: str, *, warn: bool = True) -> Setup:
+    """The setup named ``name`` (:data:`SETUPS`; an old name through :func:`setup_name`, with its warning).
+
+    Raises:
+        KeyError: ``name`` is no setup; the message lists the setups.
+    """
+    key = setup_name(name, warn=warn)
+    if key not in SETUPS:
+        raise KeyError(f"unknown SimCLR setup {name!r}; the setups are {', '.join(sorted(SETUPS))}")
+    return SETUPS[key]
+
+
+class _Setups(dict):
+    """The setups by name; looking up an old name (``SETUPS["previous"]``) resolves it with a DeprecationWarning."""
+
+    def __missing__(self, name: str) -> Setup:
+        return resolve_setup(name)
+
+
+SETUPS: dict[str, Setup] = _Setups(
+    {
+        "batchnorm-head": Setup(
+            SimCLRAugmentConfig(),
+            head_batch_norm=True,
+            head_output_bias=True,
+            probe=STANDARDIZED_PROTOCOL,
+            lr=1e-3,
+            weight_decay=1e-6,
+            hidden_dim=512,
+        ),
+        "released": Setup(
+            RELEASED_AUGMENT,
+            head_batch_norm=False,
+            head_output_bias=False,
+            probe=RELEASED_PROTOCOL,
+            lr=3e-4,
+            weight_decay=0.0,
+            hidden_dim=None,
+            loss_options={"weince": RELEASED_TOP_M_OPTIONS},
+        ),
+    }
+)
 
 # The top-M shortfall term's effective scale in the ablation's arm 3 (the mean of weince_effective_scale_top_m_shortfall
 # over epoch 1, seeds 0 and 1: 28.35 and 33.39), the fixed scale of the matched arm's linear top-M term.

@@ -20,7 +20,7 @@ from st_weince.training import average_loss_gradients
 from st_weince.vision.augment import SimCLRAugment
 from st_weince.vision.models import SimCLRModel
 from st_weince.vision.objectives import SimCLRObjective
-from st_weince.vision.presets import SETUPS, Setup, build_objective
+from st_weince.vision.presets import Setup, build_objective, resolve_setup
 
 
 def data_order(num_images: int, seed: int, epoch: int) -> Tensor:
@@ -72,7 +72,7 @@ def build_run(arm: str, seed: int, config: Mapping[str, Any]) -> tuple[SimCLRMod
     for every arm."""
     torch.manual_seed(seed)
     model = build_model(
-        SETUPS[config["setup"]],
+        resolve_setup(config["setup"], warn=False),  # run files of 0.1 record "previous": accepted as such
         backbone=config["backbone"],
         width=config["width"],
         hidden_dim=config["hidden_dim"],

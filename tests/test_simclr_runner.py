@@ -1,8 +1,12 @@
-"""benchmarks/simclr_study.py: a tiny configuration on a synthetic ImageFolder; resume, skipping, pairing, summary."""
+"""benchmarks/lab/simclr_runner.py, the runner of the SimCLR studies, driven by its one study left on the tree
+(benchmarks/simclr_ablation.py) at a tiny configuration on a synthetic ImageFolder: resume, skipping, restart,
+lockstep pairing, a refused configuration, the held-out split, and the summaries' helpers. (The tests of the retired
+study scripts, simclr_study/grid/negatives, run from commit 82267c0: docs/evidence.md.)"""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +14,8 @@ import pytest
 import torch
 from PIL import Image
 
-from benchmarks.lab.simclr_runner import run_groups
+from benchmarks.lab.simclr_eval import load_data
+from benchmarks.lab.simclr_runner import STUDY, run_groups
 from benchmarks.lab.summaries import docs_blocks, format_stat, mean_std, paired_difference, update_docs
 from tests.conftest import load_script
 
@@ -26,17 +31,15 @@ TINY = {
     "pot_quantile": 0.7,  # 36 exceedances (pot_fit needs 30)
     "full_eval_epochs": [2],
 }
+# The runner at the BatchNorm-head setup (what study 1 trained): full evaluations, POT fits, WEINCE's statistics.
+BATCHNORM_HEAD = {**TINY, "setup": "batchnorm-head", "lr": 1e-3, "weight_decay": 1e-6, "temperature": 0.5}
 FULL_RUN = ["header", "checkpoint", "checkpoint", "checkpoint", "full", "checkpoint", "final"]
 TIMING_KEYS = {"train_seconds", "eval_seconds", "elapsed_seconds", "load_average"}
 
 
-def load_study():
-    return load_script("benchmarks/simclr_study.py", "simclr_study")
-
-
 @pytest.fixture(scope="module")
 def study():
-    return load_study()
+    return load_script("benchmarks/simclr_ablation.py", "simclr_ablation")
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,7 @@ def image_folder(tmp_path_factory) -> Path:
 
 
 def run_study(study, image_folder: Path, out: Path, *extra: str, override: dict | None = None) -> None:
-    """``study.main`` (this script's or one built on it) on the tiny folder, results and states under ``out``."""
+    """``study.main`` (a script on the runner) on the tiny folder, results and states under ``out``."""
     study.main(
         [
             "--data-dir",
@@ -65,7 +68,7 @@ def run_study(study, image_folder: Path, out: Path, *extra: str, override: dict 
             "--state-dir",
             str(out / "state"),
             "--override",
-            json.dumps(TINY if override is None else override),
+            json.dumps(BATCHNORM_HEAD if override is None else override),
             *extra,
         ]
     )
@@ -80,14 +83,14 @@ def without_timing(record: dict) -> dict:
 
 
 def test_resume_after_a_stop_gives_the_uninterrupted_result(study, image_folder, tmp_path, one_torch_thread):
-    run_study(study, image_folder, tmp_path / "straight", "--runs", "weince-seed0")
-    run_study(study, image_folder, tmp_path / "resumed", "--runs", "weince-seed0", "--stop-after-epoch", "1")
-    stopped = lines(tmp_path / "resumed" / "results" / "weince-seed0.jsonl")
+    run_study(study, image_folder, tmp_path / "straight", "--runs", "blend-seed0")
+    run_study(study, image_folder, tmp_path / "resumed", "--runs", "blend-seed0", "--stop-after-epoch", "1")
+    stopped = lines(tmp_path / "resumed" / "results" / "blend-seed0.jsonl")
     assert [r["type"] for r in stopped] == ["header", "checkpoint", "checkpoint"]  # epochs 0 and 1, no final line
-    run_study(study, image_folder, tmp_path / "resumed", "--runs", "weince-seed0")
+    run_study(study, image_folder, tmp_path / "resumed", "--runs", "blend-seed0")
 
-    straight = lines(tmp_path / "straight" / "results" / "weince-seed0.jsonl")
-    resumed = lines(tmp_path / "resumed" / "results" / "weince-seed0.jsonl")
+    straight = lines(tmp_path / "straight" / "results" / "blend-seed0.jsonl")
+    resumed = lines(tmp_path / "resumed" / "results" / "blend-seed0.jsonl")
     assert [r["type"] for r in straight] == FULL_RUN
     assert [r["type"] for r in resumed] == [*FULL_RUN[:3], "resume", *FULL_RUN[3:]]
     assert resumed[3]["from_epoch"] == 1
@@ -102,16 +105,16 @@ def test_resume_after_a_stop_gives_the_uninterrupted_result(study, image_folder,
     assert final["loss_statistics"]["weince_lambda_mean"] >= 0.0
     assert final["pot_projection"]["num_exceedances"] == 36
 
-    state_a = torch.load(tmp_path / "straight" / "state" / "weince-seed0" / "state.pt", weights_only=False)
-    state_b = torch.load(tmp_path / "resumed" / "state" / "weince-seed0" / "state.pt", weights_only=False)
+    state_a = torch.load(tmp_path / "straight" / "state" / "blend-seed0" / "state.pt", weights_only=False)
+    state_b = torch.load(tmp_path / "resumed" / "state" / "blend-seed0" / "state.pt", weights_only=False)
     for key, tensor in state_a["model"].items():
         assert torch.equal(tensor, state_b["model"][key]), key
     assert torch.equal(state_a["augment_rng"], state_b["augment_rng"])
 
     # A finished run is skipped: its file stays as it is.
-    before = (tmp_path / "straight" / "results" / "weince-seed0.jsonl").read_text()
-    run_study(study, image_folder, tmp_path / "straight", "--runs", "weince-seed0")
-    assert (tmp_path / "straight" / "results" / "weince-seed0.jsonl").read_text() == before
+    before = (tmp_path / "straight" / "results" / "blend-seed0.jsonl").read_text()
+    run_study(study, image_folder, tmp_path / "straight", "--runs", "blend-seed0")
+    assert (tmp_path / "straight" / "results" / "blend-seed0.jsonl").read_text() == before
 
 
 def test_unfinished_run_without_state_restarts_from_scratch(study, image_folder, tmp_path, one_torch_thread):
@@ -122,10 +125,10 @@ def test_unfinished_run_without_state_restarts_from_scratch(study, image_folder,
     assert [r["type"] for r in records] == FULL_RUN
 
 
-def test_losses_share_initialisation_and_summary_pairs_by_seed(study, image_folder, tmp_path, one_torch_thread):
-    run_study(study, image_folder, tmp_path, "--runs", "infonce-seed0", "weince-seed0", "infonce-seed1")
+def test_losses_share_initialisation_and_advance_in_lockstep(study, image_folder, tmp_path, one_torch_thread):
+    run_study(study, image_folder, tmp_path, "--runs", "infonce-seed0", "blend-seed0", "infonce-seed1")
     infonce = lines(tmp_path / "results" / "infonce-seed0.jsonl")
-    weince = lines(tmp_path / "results" / "weince-seed0.jsonl")
+    weince = lines(tmp_path / "results" / "blend-seed0.jsonl")
     other_seed = lines(tmp_path / "results" / "infonce-seed1.jsonl")
     # Epoch 0 is evaluated before any step: the same seed gives the same network whatever the loss.
     assert infonce[1]["encoder_weince_statistics"] == weince[1]["encoder_weince_statistics"]
@@ -133,39 +136,18 @@ def test_losses_share_initialisation_and_summary_pairs_by_seed(study, image_fold
     assert infonce[1]["loss_statistics"] == {} and "weince_lambda_mean" in weince[2]["loss_statistics"]
 
     # The two runs of seed 0 advanced epoch by epoch in turn: the same lines as a run on its own, no resume line.
-    run_study(study, image_folder, tmp_path / "alone", "--runs", "weince-seed0")
-    alone = lines(tmp_path / "alone" / "results" / "weince-seed0.jsonl")
+    run_study(study, image_folder, tmp_path / "alone", "--runs", "blend-seed0")
+    alone = lines(tmp_path / "alone" / "results" / "blend-seed0.jsonl")
     assert [r["type"] for r in weince] == FULL_RUN
     assert [without_timing(r) for r in weince[1:]] == [without_timing(r) for r in alone[1:]]
-    assert run_groups(study.RUN_ORDER) == [
-        [("infonce", 0), ("weince", 0)],
-        [("infonce", 1), ("weince", 1)],
-        [("infonce", 2), ("weince", 2)],
-        [("rb-sigmoid", 0)],
-        [("rb-sigmoid", 1)],
-        [("rb-sigmoid", 2)],
+    assert run_groups([("infonce", 0), ("blend", 0), ("infonce", 1), ("blend", 1), ("rb-sigmoid", 1)]) == [
+        [("infonce", 0), ("blend", 0)],
+        [("infonce", 1), ("blend", 1), ("rb-sigmoid", 1)],
     ]
-
-    summary = study.summarize(tmp_path / "results")
-    paired = summary["paired_final"]["weince_minus_infonce"]
-    assert paired["seeds"] == [0]
-    expected = weince[-1]["linear_top1"] - infonce[-1]["linear_top1"]
-    assert paired["linear_top1"]["mean"] == pytest.approx(expected)
-    assert summary["per_loss_final"]["infonce"]["seeds"] == [0, 1]
-    values = [infonce[-1]["knn_top1"], other_seed[-1]["knn_top1"]]
-    assert summary["per_loss_final"]["infonce"]["knn_top1"]["std"] == pytest.approx(np.std(values, ddof=1))
-    assert summary["curves"]["weince-seed0"]["epoch"] == [0, 1, 2, 3]
-    assert sorted(summary["full_evaluations"]) == ["2", "3"]
-    at_two = summary["full_evaluations"]["2"]["paired"]["weince_minus_infonce"]["knn_top1"]["mean"]
-    assert at_two == pytest.approx(weince[4]["knn_top1"] - infonce[4]["knn_top1"])
-    assert (tmp_path / "results" / "summary.md").read_text().count(
-        "| weince_minus_infonce | 1 |"
-    ) == 2  # epochs 2 and 3
-    assert (tmp_path / "results" / "curves.png").stat().st_size > 0
 
 
 def test_resume_refuses_a_changed_configuration(study, image_folder, tmp_path, one_torch_thread):
-    run_study(study, image_folder, tmp_path, "--runs", "weince-seed0", "--stop-after-epoch", "1")
+    run_study(study, image_folder, tmp_path, "--runs", "blend-seed0", "--stop-after-epoch", "1")
     with pytest.raises(ValueError, match="different configuration.*probe_epochs"):
         study.main(
             [
@@ -176,9 +158,9 @@ def test_resume_refuses_a_changed_configuration(study, image_folder, tmp_path, o
                 "--state-dir",
                 str(tmp_path / "state"),
                 "--override",
-                json.dumps({**TINY, "probe_epochs": 3}),
+                json.dumps({**BATCHNORM_HEAD, "probe_epochs": 3}),
                 "--runs",
-                "weince-seed0",
+                "blend-seed0",
             ]
         )
 
@@ -228,3 +210,40 @@ def test_mean_std_and_paired_differences_of_the_summaries():
     assert difference["per_seed"] == {"0": {"linear_top1": 1.0}, "1": {"linear_top1": 3.0}}
     assert difference["linear_top1"]["mean"] == 2.0 and difference["linear_top1"]["n"] == 2
     assert paired_difference(mine, {3: {"linear_top1": 1.0}}, ["linear_top1"]) is None
+
+
+def test_holdout_is_class_balanced_and_never_trained_on(image_folder):
+    config = {**STUDY, **TINY, "holdout": 4}
+    data = load_data(config, image_folder)
+    assert len(data.train) == 20 and len(data.test) == 4
+    assert Counter(data.test.labels.tolist()) == {0: 2, 1: 2}
+    train_images = {bytes(image.numpy()) for image in data.train.images}
+    assert not any(bytes(image.numpy()) in train_images for image in data.test.images)
+    # The held-out images come from the training split, not from the test split.
+    everything = load_data({**config, "holdout": None}, image_folder)
+    assert {bytes(i.numpy()) for i in data.test.images} <= {bytes(i.numpy()) for i in everything.train.images}
+    for bad in (0, 24, 2.5, True):
+        with pytest.raises(ValueError, match="holdout must be a number of images"):
+            load_data({**config, "holdout": bad}, image_folder)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [('{"width": 8', "--override must be JSON"), ('{"no_such_key": 1}', "--override has unknown keys ['no_such_key']")],
+)
+def test_a_bad_override_is_refused_by_name(study, override, expected, capsys):
+    with pytest.raises(SystemExit):
+        study.main(["--override", override])
+    assert expected in capsys.readouterr().err
+
+
+def test_a_state_that_records_the_old_setup_name_resumes(study, image_folder, tmp_path, one_torch_thread):
+    """States and run files of 0.1 record ``"setup": "previous"``, the old name of ``batchnorm-head``."""
+    run_study(study, image_folder, tmp_path, "--runs", "blend-seed0", "--stop-after-epoch", "1")
+    state_path = tmp_path / "state" / "blend-seed0" / "state.pt"
+    state = torch.load(state_path, weights_only=False)
+    state["config"]["setup"] = "previous"
+    torch.save(state, state_path)
+    run_study(study, image_folder, tmp_path, "--runs", "blend-seed0")
+    records = lines(tmp_path / "results" / "blend-seed0.jsonl")
+    assert [r["type"] for r in records] == [*FULL_RUN[:3], "resume", *FULL_RUN[3:]]
