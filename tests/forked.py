@@ -164,6 +164,7 @@ class ForkServer:
         """Fork a worker running ``module`` (as ``python -m``) or ``code`` (as ``python -c``); returns a
         :class:`Worker`. ``env``: added to the environment; ``cwd``; ``isolate=True``: the repository root and the
         tests are not importable (as for a process started elsewhere)."""
+        extra = {key: str(value) if isinstance(value, Path) else value for key, value in extra.items()}
         spec = {"argv": [str(a) for a in argv], "env": dict(env or {}), "log": str(log), **extra}
         spec.update({"module": module} if module is not None else {"code": code})
         return Worker(self, self._ask({"start": spec})["pid"], Path(log))
