@@ -138,26 +138,33 @@ PRELOAD = (
 class ForkServer:
     """The pytest side: starts the server (one import of :data:`PRELOAD` for every worker of the session)."""
 
-    def __init__(self, preload=PRELOAD) -> None:
+    def __init__(self, log: Path, preload=PRELOAD) -> None:
+        """``log``: the server's own stderr (import warnings, a crash)."""
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.forked", *preload],
-            cwd=REPO_ROOT,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        self.log = Path(log)
+        with open(self.log, "w") as stderr:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "tests.forked", *preload],
+                cwd=REPO_ROOT,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+            )
         ready = self.process.stdout.readline()
         if not ready:
-            raise RuntimeError(f"the fork server did not start (exit {self.process.wait()})")
+            raise RuntimeError(f"the fork server did not start (exit {self.process.wait()}): {self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
 
     def _ask(self, command: dict) -> dict:
         self.process.stdin.write(json.dumps(command) + "\n")
         self.process.stdin.flush()
         answer = self.process.stdout.readline()
         if not answer:
-            raise RuntimeError("the fork server ended")
+            raise RuntimeError(f"the fork server ended (exit {self.process.wait()}): {self._log_tail()}")
         return json.loads(answer)
 
     def start(self, log: Path, *, module: str | None = None, code: str | None = None, argv=(), env=None, **extra):

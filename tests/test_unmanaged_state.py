@@ -126,6 +126,7 @@ class LossParametersModule(Module):
         return cls()
 
 
+@pytest.mark.slow  # the fork server (5-7 s to start) unless another test started it
 def test_the_model_module_design_needs_trust_remote_code_and_the_package(fork_server, tiny_model_dir, tmp_path):
     """Why the loss keeps its parameters and prepare_trainer remains: sentence-transformers 6 refuses to load a model
     with a module class from outside its namespace without trust_remote_code=True, and a user without the package

@@ -41,6 +41,7 @@ def composite_results(distributed_output) -> list[list[list[dict]]]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("setting", range(len(SETTINGS)))
 def test_two_processes_equal_one(distributed_results, setting):
@@ -93,6 +94,7 @@ def test_local_pivot_would_differ():
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", range(len(SETTINGS)))
 def test_two_processes_equal_one_with_the_false_negative_guard(distributed_results, setting):
     """The guard sees the same global candidates with and without gather_across_devices (uncached and cached)."""
@@ -112,6 +114,7 @@ def test_two_processes_equal_one_with_the_false_negative_guard(distributed_resul
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", range(len(COMPOSITE_SETTINGS)))
 def test_two_processes_equal_one_with_the_top_m_terms(composite_results, setting):
     """The released composite under gather_across_devices: the batch tail index is fitted on the global batch's
