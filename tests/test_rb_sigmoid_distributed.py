@@ -16,9 +16,10 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def ranks(fork_server, tmp_path_factory) -> list[dict]:
+def ranks(fork_server, tmp_path_factory, tiny_model_dir) -> list[dict]:
     output_dir = tmp_path_factory.mktemp("rb-sigmoid-ddp")
-    run_ranks(fork_server, "tests.rb_sigmoid_distributed_worker", [output_dir], output_dir, timeout=420)
+    argv = [output_dir, tiny_model_dir]  # every run loads conftest's tiny BERT (build_tiny_bert, seed 0)
+    run_ranks(fork_server, "tests.rb_sigmoid_distributed_worker", argv, output_dir, timeout=420)
     return [torch.load(output_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

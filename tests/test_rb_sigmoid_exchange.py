@@ -21,15 +21,16 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-6  # float64 on both paths: only the order of the sums differs
 
 
-def launch(fork_server, tmp_path_factory, world_size: int) -> list[dict]:
+def launch(fork_server, tmp_path_factory, world_size: int, model_dir) -> list[dict]:
     output_dir = tmp_path_factory.mktemp(f"rb-sigmoid-exchange-{world_size}")
-    run_ranks(fork_server, "tests.rb_sigmoid_exchange_worker", [output_dir], output_dir, nproc=world_size)
+    argv = [output_dir, model_dir]  # every rank loads conftest's tiny BERT (build_tiny_bert, seed 0)
+    run_ranks(fork_server, "tests.rb_sigmoid_exchange_worker", argv, output_dir, nproc=world_size)
     return [torch.load(output_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2-processes", "4-processes"])
-def ranks(request, fork_server, tmp_path_factory) -> list[dict]:
-    return launch(fork_server, tmp_path_factory, request.param)
+def ranks(request, fork_server, tmp_path_factory, tiny_model_dir) -> list[dict]:
+    return launch(fork_server, tmp_path_factory, request.param, tiny_model_dir)
 
 
 def assert_pairs(ranks: list[dict], prefix: str) -> int:
