@@ -1,7 +1,7 @@
 """A fork server for the tests' worker processes: importing sentence-transformers costs 6-9 s of CPU per process,
 which dominated every test that starts a worker (a torchrun rank, a trainer run to SIGKILL). The server imports the
-heavy modules once; each worker is a child forked from it, a real process of its own (its own pid, killable, its own
-process group for gloo), that runs ``python -m MODULE ARGS`` (:func:`runpy.run_module`) or ``python -c CODE`` from
+heavy modules once; each worker is a child forked from it, a real process of its own (its own pid, SIGKILL-able,
+its own gloo connections), that runs ``python -m MODULE ARGS`` (:func:`runpy.run_module`) or ``python -c CODE`` from
 that already-imported state. The server runs no torch op before forking (no thread pool to inherit).
 
 Run by :class:`ForkServer` as ``python -m tests.forked PRELOAD...``; it reads one JSON command a line on stdin:
@@ -207,7 +207,8 @@ class Worker:
 def run_ranks(server: ForkServer, module: str, argv, log_dir: Path, nproc: int = 2, timeout: float = 600) -> str:
     """``torchrun --nproc_per_node nproc -m module argv`` on one machine: ``nproc`` forked workers with torchrun's
     environment (RANK, WORLD_SIZE, LOCAL_RANK, ..., MASTER_ADDR/PORT on a free loopback port). Raises with the
-    workers' output if one fails (the others are killed). Returns the output of rank 0."""
+    workers' output if one fails (the others are killed). Returns the output of rank 0. torchrun's own agent
+    (restarts, its rendezvous store) is not involved: tests/test_simcse_recipe.py runs the recipe under torchrun."""
     from tests.conftest import free_port
 
     port = free_port()
