@@ -147,6 +147,18 @@ def torchrun_command(*target: str, nproc: int = 2) -> list[str]:
     ]
 
 
+@pytest.fixture(scope="session")
+def fork_server(tmp_path_factory):
+    """One process that has imported sentence-transformers and the package, forking the tests' worker processes
+    (tests/forked.py): a torchrun rank or a trainer run to kill then costs no import of its own (starting the server
+    costs one, 5-7 s, for the whole session)."""
+    from tests.forked import ForkServer
+
+    server = ForkServer(tmp_path_factory.mktemp("fork-server") / "server.log")
+    yield server
+    server.close()
+
+
 @pytest.fixture()
 def one_torch_thread():
     """Tiny tensors: one thread avoids OpenMP spinning on a busy machine."""

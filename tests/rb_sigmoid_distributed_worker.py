@@ -7,7 +7,9 @@ Also the loss stage of CachedRBSigmoidLoss (``calculate_loss``) on the same rows
 Part 2 (trainer): a tiny BERT trained for a few DDP steps with gather_across_devices=True, with and without
 :func:`st_weince.training.prepare_trainer`, and (without dropout, SGD) with RBSigmoidLoss against
 CachedRBSigmoidLoss; records t and b_rel on each rank.
-Everything goes to OUTPUT_DIR/rank{r}.pt.
+Everything goes to OUTPUT_DIR/rank{r}.pt. ``python -m tests.rb_sigmoid_distributed_worker OUTPUT_DIR [MODEL_DIR]``:
+MODEL_DIR, the tiny BERT of ``build_tiny_bert(MODEL_DIR, sentences=TINY_SENTENCES, seed=0)`` (default: each rank
+builds its own).
 """
 
 from __future__ import annotations
@@ -158,7 +160,10 @@ def trainer_part(output_dir: Path, rank: int, model_dirs: dict[str, Path]) -> di
 def main() -> None:
     output_dir = Path(sys.argv[1])
     torch.set_num_threads(1)
-    model_dirs = build_models(output_dir, int(os.environ["RANK"]))
+    if len(sys.argv) > 2:  # a tiny BERT built by the caller (build_tiny_bert, seed 0, TINY_SENTENCES), for every run
+        model_dirs = dict.fromkeys(RUNS, Path(sys.argv[2]))
+    else:
+        model_dirs = build_models(output_dir, int(os.environ["RANK"]))
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     results = {"embedding": embedding_part(rank, world_size), "trainer": trainer_part(output_dir, rank, model_dirs)}

@@ -16,7 +16,8 @@ slice of one global batch and records ``checks[name] = (distributed value, refer
 - the host-device syncs of a step, and the largest candidate matrix a process holds, by exchange.
 
 Also a DDP trainer run (SGD, no dropout) with the neighbour exchange against one with all-gather: the same ``t`` and
-``b_rel`` after a few steps. Written to OUTPUT_DIR/rank{r}.pt.
+``b_rel`` after a few steps. Written to OUTPUT_DIR/rank{r}.pt. Arguments: OUTPUT_DIR [MODEL_DIR], MODEL_DIR the tiny
+BERT of ``build_tiny_bert(MODEL_DIR, sentences=TINY_SENTENCES, seed=0)`` (default: each rank builds its own).
 """
 
 from __future__ import annotations
@@ -327,8 +328,11 @@ def main() -> None:
     from st_weince.utils.tiny_models import build_tiny_bert
     from tests.conftest import TINY_SENTENCES
 
-    model_dir = output_dir / f"model-rank{rank}"
-    build_tiny_bert(model_dir, sentences=TINY_SENTENCES, seed=0)
+    if len(sys.argv) > 2:  # built by the caller, as below
+        model_dir = Path(sys.argv[2])
+    else:
+        model_dir = output_dir / f"model-rank{rank}"
+        build_tiny_bert(model_dir, sentences=TINY_SENTENCES, seed=0)
     dist.init_process_group("gloo")
     world_size = dist.get_world_size()
     checks, extra = embedding_checks(rank, world_size)

@@ -38,7 +38,7 @@ def test_reloaded_minilm_gives_probabilities_from_its_own_trained_values(shared_
     model = SentenceTransformer(path, device="cpu")
     loss = RBSigmoidLoss(model)
     args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / "run"), per_device_train_batch_size=16, max_steps=10, learning_rate=2e-5,
+        output_dir=str(tmp_path / "run"), per_device_train_batch_size=16, max_steps=4, learning_rate=2e-5,
         lr_scheduler_type="constant", save_strategy="no", report_to=[], seed=0, use_cpu=True, disable_tqdm=True,
         dataloader_num_workers=0,
     )
@@ -49,7 +49,8 @@ def test_reloaded_minilm_gives_probabilities_from_its_own_trained_values(shared_
     prepare_trainer(trainer)
     trainer.train()
     trained = loss.trained_values()
-    assert trained["t"] != pytest.approx(10.0, rel=1e-3)  # trained away from the start
+    # trained away from the start (4 steps take t to about 10.4, 10 steps to 12.3)
+    assert trained["t"] != pytest.approx(10.0, rel=1e-3)
     model.save_pretrained(str(tmp_path / "saved"))
 
     reloaded = SentenceTransformer(str(tmp_path / "saved"), device="cpu")

@@ -1,17 +1,15 @@
-"""The loss state survives any kill: subprocess runs SIGKILLed at chosen moments of a checkpoint save (and at a
-random moment), then resumed here with ``resume_from_checkpoint=last_complete_checkpoint(output_dir)``, end exactly
-like an uninterrupted run (the loss state: RB-Sigmoid's t and b_rel, the WEINCE composite's batch tail index; every
-per-step loss). Also: refused checkpoints, corrupt loss state, non-finite loss parameters."""
+"""The loss state survives any kill: worker processes (forked by tests/forked.py) SIGKILLed at chosen moments of a
+checkpoint save (and at a random moment), then resumed here with
+``resume_from_checkpoint=last_complete_checkpoint(output_dir)``, end exactly like an uninterrupted run (the loss
+state: RB-Sigmoid's t and b_rel, the WEINCE composite's batch tail index; every per-step loss). Also: refused
+checkpoints, corrupt loss state, non-finite loss parameters."""
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -36,7 +34,6 @@ from tests.checkpoint_worker import MAX_STEPS, build_trainer
 from tests.conftest import REPO_ROOT, stop_at
 
 pytestmark = pytest.mark.slow
-WORKER = REPO_ROOT / "tests" / "checkpoint_worker.py"
 
 
 def outcome(trainer) -> dict:
@@ -74,6 +71,7 @@ def readable_json(path: Path) -> bool:
 
 
 def run_and_kill(
+    server,
     model_dir,
     output_dir: Path,
     block: str = "none",
@@ -81,28 +79,27 @@ def run_and_kill(
     delay: float | None = None,
     loss: str = "rb-sigmoid",
 ):
-    """Start the worker; SIGKILL it when it signals that it blocks inside the save (or ``delay`` seconds after its
-    first checkpoint is complete). Returns True if it was killed (False: it finished first)."""
+    """Start the worker (a process forked from the fork server, tests/forked.py); SIGKILL it when it signals that it
+    blocks inside the save (or ``delay`` seconds after its first checkpoint is complete). Returns True if it was
+    killed (False: it finished first)."""
     ready = output_dir.parent / f"{output_dir.name}.ready"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, str(WORKER), str(model_dir), str(output_dir), "--loss", loss, "--block", block]
-    command += ["--block-step", str(step), "--ready", str(ready)]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    argv = [model_dir, output_dir, "--loss", loss, "--block", block, "--block-step", step, "--ready", ready]
+    log = output_dir.parent / f"{output_dir.name}.log"
+    process = server.start(log, module="tests.checkpoint_worker", argv=argv, env={"OMP_NUM_THREADS": "1"})
     deadline = time.monotonic() + 240
     trigger = ready if delay is None else output_dir / "checkpoint-2" / "trainer_state.json"
     while not (trigger.exists() and (delay is None or readable_json(trigger))):
         if process.poll() is not None:
             if delay is not None:
                 return False
-            raise AssertionError(f"the worker ended before blocking: {process.stderr.read().decode()[-3000:]}")
+            raise AssertionError(f"the worker ended before blocking: {process.output()[-3000:]}")
         assert time.monotonic() < deadline, "the worker did not reach the save in time"
         time.sleep(0.05)
     if delay is not None:
         time.sleep(delay)
     killed = process.poll() is None
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    process.stderr.close()
+    process.kill()
+    assert process.wait() in (0, -signal.SIGKILL)
     return killed
 
 
@@ -132,10 +129,10 @@ def assert_same_run(got: dict, expected: dict, loss_rel: float = 1e-4) -> None:
     ],
 )
 def test_killed_inside_a_save_resumes_like_an_uninterrupted_run(
-    block, resumed_from, tiny_model_dir, tmp_path, uninterrupted, one_torch_thread
+    block, resumed_from, fork_server, tiny_model_dir, tmp_path, uninterrupted, one_torch_thread
 ):
     output = tmp_path / "run"
-    assert run_and_kill(tiny_model_dir, output, block=block, step=4)
+    assert run_and_kill(fork_server, tiny_model_dir, output, block=block, step=4)
     assert (output / "checkpoint-4").is_dir()
     assert last_complete_checkpoint(output) == str(output / f"checkpoint-{resumed_from}")
     if resumed_from == 2:  # transformers' own choice, the highest-numbered folder, refuses the incomplete one
@@ -150,11 +147,11 @@ def test_killed_inside_a_save_resumes_like_an_uninterrupted_run(
 
 @pytest.mark.parametrize(("block", "resumed_from"), [("model", 2), ("state", 2), ("on_save", 4)])
 def test_composite_tail_index_killed_inside_a_save_resumes_like_an_uninterrupted_run(
-    block, resumed_from, tiny_model_dir, tmp_path, uninterrupted_composite, one_torch_thread
+    block, resumed_from, fork_server, tiny_model_dir, tmp_path, uninterrupted_composite, one_torch_thread
 ):
     """The WEINCE composite's batch tail index (a buffer, no parameter) has RB-Sigmoid's guarantees."""
     output = tmp_path / "run"
-    assert run_and_kill(tiny_model_dir, output, block=block, step=4, loss="weince-composite")
+    assert run_and_kill(fork_server, tiny_model_dir, output, block=block, step=4, loss="weince-composite")
     assert last_complete_checkpoint(output) == str(output / f"checkpoint-{resumed_from}")
     got = resume(tiny_model_dir, output, loss="weince-composite")
     saved = read_checkpoint_loss_state(output / "checkpoint-2")["batch_beta_ema"].item()
@@ -163,12 +160,12 @@ def test_composite_tail_index_killed_inside_a_save_resumes_like_an_uninterrupted
 
 
 def test_killed_at_a_random_moment_resumes_like_an_uninterrupted_run(
-    tiny_model_dir, tmp_path, uninterrupted, one_torch_thread
+    fork_server, tiny_model_dir, tmp_path, uninterrupted, one_torch_thread
 ):
     output = tmp_path / "run"
     # Steps 3-6 and the saves of checkpoint-4 and -6 take about 0.5 s here; the kill lands anywhere in them.
     delay = random.Random().uniform(0.0, 0.6)
-    killed = run_and_kill(tiny_model_dir, output, delay=delay)
+    killed = run_and_kill(fork_server, tiny_model_dir, output, delay=delay)
     print(f"killed={killed} after {delay:.3f} s; left: {sorted(p.name for p in output.iterdir())}")
     assert_same_run(resume(tiny_model_dir, output), uninterrupted)
 

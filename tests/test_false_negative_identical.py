@@ -1,13 +1,10 @@
 """The false-negative guard's exact rule, ``false_negative_filter="identical"``, in all four losses: the candidates
 whose input (token ids) is identical to the anchor's positive are masked, exactly those (an independent computation
 from the token ids), without a threshold; on inputs without duplicates the loss is the unguarded one bit for bit;
-cached equals uncached; under gathering 2 processes equal 1; the keys ignore padding."""
+cached equals uncached; under gathering 2 processes equal 1 (gloo; forked by tests/forked.py with torchrun's
+environment); the keys ignore padding."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,10 +13,9 @@ import torch.nn.functional as F
 from st_weince.functional import FalseNegativeFilter, input_keys, sigmoid_contrastive_loss
 from st_weince.losses import CachedRBSigmoidLoss, CachedWEINCELoss, RBSigmoidLoss, WEINCELoss
 from st_weince.utils.hotpath import count_host_syncs
-from tests.conftest import torchrun_command
+from tests.forked import run_ranks
 from tests.identical_guard_worker import GLOBAL_BATCH, LOSSES, global_batch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 ALL_LOSSES = [RBSigmoidLoss, CachedRBSigmoidLoss, WEINCELoss, CachedWEINCELoss]
 
 
@@ -197,11 +193,8 @@ def test_no_host_sync_for_the_keys_and_the_mask():
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_processes_gathering_equal_one_process(tmp_path, one_torch_thread):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"}
-    command = torchrun_command("-m", "tests.identical_guard_worker", str(tmp_path))
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+def test_two_processes_gathering_equal_one_process(fork_server, tmp_path, one_torch_thread):
+    run_ranks(fork_server, "tests.identical_guard_worker", [tmp_path], tmp_path, timeout=300)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     embeddings, ids = global_batch()
     keys = [input_keys(column) for column in ids]

@@ -42,13 +42,18 @@ def test_values_and_gradients_equal_an_independent_float64_convolution(channels)
     with torch.no_grad():
         out_bound = channels * eps * F.conv2d(images64.abs(), weight64.abs(), stride=2)
         n_weight = 6 * 5 * 5  # terms in one weight-gradient entry
-        weight_bound = n_weight * eps * torch.einsum(
-            "nchw,nohw->oc", images64.abs()[:, :, ::2, ::2], upstream.double().abs()
-        )[..., None, None]
+        weight_bound = (
+            n_weight
+            * eps
+            * torch.einsum("nchw,nohw->oc", images64.abs()[:, :, ::2, ::2], upstream.double().abs())[..., None, None]
+        )
     assert ((conv(images).double() - out64).abs() <= 2 * out_bound + 1e-30).all()
     assert ((conv.weight.grad.double() - weight64.grad).abs() <= 2 * weight_bound + 1e-30).all()
-    input_bound = 2 * channels * eps * F.conv_transpose2d(
-        upstream.double().abs(), weight64.abs().detach(), stride=2, output_padding=0
+    input_bound = (
+        2
+        * channels
+        * eps
+        * F.conv_transpose2d(upstream.double().abs(), weight64.abs().detach(), stride=2, output_padding=0)
     )
     input_bound = F.pad(input_bound, (0, 9 - input_bound.shape[-1], 0, 9 - input_bound.shape[-2]))
     assert ((images.grad.double() - images64.grad).abs() <= input_bound + 1e-30).all()
@@ -73,26 +78,37 @@ def test_only_narrow_strided_pointwise_layers_leave_channels_last():
     assert "layer2.0.downsample.0.weight" in model.state_dict()
 
 
-@pytest.mark.parametrize("backbone, width", [("resnet18", 2), ("resnet18", 3), ("resnet50", 1)])
-def test_a_narrow_channels_last_resnet_trains_under_glibc_heap_checks(backbone, width):
-    """The configuration that aborted on an AVX2 CPU (width 2 on 16x16 images, the study tests' model): 20 steps in
-    a child process under MALLOC_CHECK_=3 and MALLOC_PERTURB_, so a heap corruption aborts it instead of this one."""
+NARROW_RESNETS = [("resnet18", 2), ("resnet18", 3), ("resnet50", 1)]
+
+
+@pytest.fixture(scope="module")
+def heap_checked_runs() -> subprocess.CompletedProcess:
+    """One child process under MALLOC_CHECK_=3 and MALLOC_PERTURB_ trains every network of NARROW_RESNETS in turn
+    (20 steps each), printing a line per network done: a heap corruption aborts it instead of this one."""
     script = textwrap.dedent(
         f"""
         import torch
         from st_weince.vision.models import CifarResNet
-        torch.manual_seed(0)
-        model = CifarResNet({backbone!r}, width={width}).to(memory_format=torch.channels_last)
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-        for _ in range(20):
-            images = torch.randn(16, 3, 16, 16).contiguous(memory_format=torch.channels_last)
-            optimizer.zero_grad()
-            model(images).square().mean().backward()
-            optimizer.step()
-        print("trained")
+        for backbone, width in {NARROW_RESNETS!r}:
+            torch.manual_seed(0)
+            model = CifarResNet(backbone, width=width).to(memory_format=torch.channels_last)
+            optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+            for _ in range(20):
+                images = torch.randn(16, 3, 16, 16).contiguous(memory_format=torch.channels_last)
+                optimizer.zero_grad()
+                model(images).square().mean().backward()
+                optimizer.step()
+            print("trained", backbone, width, flush=True)
         """
     )
-    env = {**os.environ, "MALLOC_CHECK_": "3", "MALLOC_PERTURB_": "165", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True)
+    env = {**os.environ, "MALLOC_CHECK_": "3", "MALLOC_PERTURB_": "165", "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    return subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("backbone, width", NARROW_RESNETS)
+def test_a_narrow_channels_last_resnet_trains_under_glibc_heap_checks(backbone, width, heap_checked_runs):
+    """The configuration that aborted on an AVX2 CPU (width 2 on 16x16 images, the study tests' model): 20 steps in
+    a child process under glibc's heap checks (one child for the three networks, :func:`heap_checked_runs`)."""
+    done = heap_checked_runs
+    assert f"trained {backbone} {width}" in done.stdout.splitlines(), f"exit {done.returncode}: {done.stderr[-2000:]}"
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
-    assert done.stdout.strip() == "trained"

@@ -1,33 +1,25 @@
-"""RBSigmoidLoss and CachedRBSigmoidLoss under torchrun --nproc_per_node 2 (gloo, CPU): the loss equals one process on
-the same global batch, loss-parameter gradients averaged across processes equal the single-process ones, and after
-several trainer steps with prepare_trainer the loss parameters are identical on both ranks (without it they drift
-apart), with the cached loss ending where the uncached one does."""
+"""RBSigmoidLoss and CachedRBSigmoidLoss in 2 processes (gloo, CPU; forked by tests/forked.py with torchrun's
+environment): the loss equals one process on the same global batch, loss-parameter gradients averaged across
+processes equal the single-process ones, and after several trainer steps with prepare_trainer the loss parameters are
+identical on both ranks (without it they drift apart), with the cached loss ending where the uncached one does."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
 from st_weince.losses import RBSigmoidLoss
-from tests.conftest import torchrun_command
+from tests.forked import run_ranks
 from tests.rb_sigmoid_distributed_worker import GLOBAL_BATCH, SETTINGS, global_batch
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
+def ranks(fork_server, tmp_path_factory, tiny_model_dir) -> list[dict]:
     output_dir = tmp_path_factory.mktemp("rb-sigmoid-ddp")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"}
-    command = torchrun_command("-m", "tests.rb_sigmoid_distributed_worker", str(output_dir))
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=420)
-    assert result.returncode == 0, result.stderr[-4000:]
+    argv = [output_dir, tiny_model_dir]  # every run loads conftest's tiny BERT (build_tiny_bert, seed 0)
+    run_ranks(fork_server, "tests.rb_sigmoid_distributed_worker", argv, output_dir, timeout=420)
     return [torch.load(output_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

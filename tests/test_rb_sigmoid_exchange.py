@@ -1,4 +1,5 @@
-"""RB-Sigmoid's neighbour exchange (``exchange="neighbour"``) under torchrun with 2 and 4 processes (gloo, CPU), in
+"""RB-Sigmoid's neighbour exchange (``exchange="neighbour"``) in 2 and 4 processes (gloo, CPU; torchrun's environment,
+forked by tests/forked.py), in
 float64: loss, row gradients, model gradients and the gradients of ``t`` / ``b_rel`` equal the all-gather version and
 one process on the same global batch to 1e-6, uncached and cached, with hard-negative columns, symmetric, modalities,
 the locked adapter, the false-negative guard, under MatryoshkaLoss and with gradient accumulation; the ring delivers
@@ -7,33 +8,29 @@ The worker is tests/rb_sigmoid_exchange_worker.py (one launch per process count 
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from st_weince.losses import CachedRBSigmoidLoss, RBSigmoidLoss
-from tests.conftest import torchrun_command
+from tests.forked import run_ranks
 from tests.rb_sigmoid_exchange_worker import GLOBAL_BATCH, SETTINGS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-6  # float64 on both paths: only the order of the sums differs
 
 
-def launch(tmp_path_factory, world_size: int) -> list[dict]:
+def launch(fork_server, tmp_path_factory, world_size: int, model_dir) -> list[dict]:
     output_dir = tmp_path_factory.mktemp(f"rb-sigmoid-exchange-{world_size}")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"}
-    command = torchrun_command("-m", "tests.rb_sigmoid_exchange_worker", str(output_dir), nproc=world_size)
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    argv = [output_dir, model_dir]  # every rank loads conftest's tiny BERT (build_tiny_bert, seed 0)
+    run_ranks(fork_server, "tests.rb_sigmoid_exchange_worker", argv, output_dir, nproc=world_size)
     return [torch.load(output_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2-processes", "4-processes"])
-def ranks(request, tmp_path_factory) -> list[dict]:
-    return launch(tmp_path_factory, request.param)
+def ranks(request, fork_server, tmp_path_factory, tiny_model_dir) -> list[dict]:
+    return launch(fork_server, tmp_path_factory, request.param, tiny_model_dir)
 
 
 def assert_pairs(ranks: list[dict], prefix: str) -> int:

@@ -6,8 +6,6 @@ without state, evaluation and no-grad passes are never refused."""
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -128,7 +126,8 @@ class LossParametersModule(Module):
         return cls()
 
 
-def test_the_model_module_design_needs_trust_remote_code_and_the_package(tiny_model_dir, tmp_path):
+@pytest.mark.slow  # the fork server (5-7 s to start) unless another test started it
+def test_the_model_module_design_needs_trust_remote_code_and_the_package(fork_server, tiny_model_dir, tmp_path):
     """Why the loss keeps its parameters and prepare_trainer remains: sentence-transformers 6 refuses to load a model
     with a module class from outside its namespace without trust_remote_code=True, and a user without the package
     that defines the class cannot load it at all. If this test fails, the trainer-owned design becomes possible."""
@@ -143,7 +142,7 @@ def test_the_model_module_design_needs_trust_remote_code_and_the_package(tiny_mo
         "from sentence_transformers import SentenceTransformer\n"
         f"SentenceTransformer({str(tmp_path / 'with-module')!r}, device='cpu', trust_remote_code=True)"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", without_package], cwd=tmp_path, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode != 0 and "No module named 'tests'" in result.stderr
+    # A process (forked by tests/forked.py) in which this checkout's tests are not importable.
+    log = tmp_path / "without-package.log"
+    worker = fork_server.start(log, code=without_package, cwd=tmp_path, isolate=True)
+    assert worker.wait(timeout=300) != 0 and "No module named 'tests'" in worker.output()

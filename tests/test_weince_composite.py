@@ -346,6 +346,7 @@ def test_hot_path_has_no_host_syncs():
     assert syncs.total == 1, syncs
 
 
+@pytest.mark.slow
 def test_compiles_with_fullgraph_and_equals_eager():
     """The top-M terms, the batch tail fit and the moving average in one graph (the blend's own compile test is in
     test_weince_hotpath.py)."""

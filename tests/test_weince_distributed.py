@@ -1,10 +1,8 @@
-"""WEINCELoss and CachedWEINCELoss under torchrun --nproc_per_node 2 (gloo, CPU) equal one process on the same
-global batch."""
+"""WEINCELoss and CachedWEINCELoss in 2 processes (gloo, CPU; forked by tests/forked.py with torchrun's environment)
+equal one process on the same global batch."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,8 +10,8 @@ import torch
 
 from st_weince.functional import TopM
 from st_weince.losses import WEINCELoss
-from tests.conftest import torchrun_command
 from tests.float32_tolerance import block_scores, query_group, row_chunks, tail_fit_tolerances, ulps_apart
+from tests.forked import run_ranks
 from tests.weince_distributed_worker import (
     COMPOSITE_SETTINGS,
     COMPOSITE_STEPS,
@@ -23,17 +21,12 @@ from tests.weince_distributed_worker import (
     global_batch,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
-def distributed_output(tmp_path_factory) -> Path:
-    """One torchrun launch for every test of this file (starting processes is slow)."""
+def distributed_output(fork_server, tmp_path_factory) -> Path:
+    """One 2-process launch for every test of this file (forked from the fork server: starting processes is slow)."""
     output_dir = tmp_path_factory.mktemp("weince-ddp")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    command = torchrun_command("-m", "tests.weince_distributed_worker", str(output_dir))
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_ranks(fork_server, "tests.weince_distributed_worker", [output_dir], output_dir, timeout=180)
     return output_dir
 
 
@@ -48,6 +41,7 @@ def composite_results(distributed_output) -> list[list[list[dict]]]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("setting", range(len(SETTINGS)))
 def test_two_processes_equal_one(distributed_results, setting):
@@ -100,6 +94,7 @@ def test_local_pivot_would_differ():
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", range(len(SETTINGS)))
 def test_two_processes_equal_one_with_the_false_negative_guard(distributed_results, setting):
     """The guard sees the same global candidates with and without gather_across_devices (uncached and cached)."""
@@ -119,6 +114,7 @@ def test_two_processes_equal_one_with_the_false_negative_guard(distributed_resul
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", range(len(COMPOSITE_SETTINGS)))
 def test_two_processes_equal_one_with_the_top_m_terms(composite_results, setting):
     """The released composite under gather_across_devices: the batch tail index is fitted on the global batch's

@@ -74,7 +74,7 @@ def test_errors_are_still_raised_with_one_sync():
 
 
 @pytest.mark.slow
-def test_compiled_equals_eager():
+def test_compiled_equals_eager(one_torch_thread):
     embeddings = columns(48, 3, seed=3)
     loss_fn = WEINCELoss(
         None, directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"), check_inputs=False
