@@ -14,6 +14,7 @@ from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss
 from st_weince.functional import weince_statistics
 from st_weince.losses import CachedWEINCELoss, WEINCELoss
 from st_weince.utils.hotpath import count_host_syncs
+from st_weince.utils.profiling import cpu_peak_bytes
 from tests.conftest import TINY_SENTENCES, build_trainer
 from tests.float32_tolerance import (
     assert_statistics_close,
@@ -266,3 +267,19 @@ def test_trainer_with_prepare_trainer_logs_and_trains(tiny_model, tmp_path, one_
     for record in logged:
         assert 0.0 <= record["weince_lambda_mean"] <= 1.0 and record["weince_rho0"] > 0.0
     assert (tmp_path / "out" / "checkpoint-2").is_dir()
+
+
+def test_the_loss_stage_holds_one_chunk_of_scores_at_a_time(one_torch_thread):
+    """Memory is the point of the cached loss: the loss stage may hold the blocks of ONE [mini_batch, B] row chunk
+    at a time (the score block and the fused cross-entropy's shortfall, logits and log-probabilities: four) plus
+    embedding-sized tensors (the leaves, their gradients, the unit-length copies, theirs). A reference kept from one
+    chunk into the next (as a named ``layout.groups[0]`` once did) costs a fifth block."""
+    batch, mini_batch, dim = 4096, 256, 4  # the blocks (4 MiB each) dwarf the embeddings (0.125 MiB a column pair)
+    generator = torch.Generator().manual_seed(0)
+    anchors = torch.randn(batch, dim, generator=generator)
+    columns = (anchors, anchors + 0.5 * torch.randn(batch, dim, generator=generator))
+    reps = [[c[b : b + mini_batch].clone().requires_grad_() for b in range(0, batch, mini_batch)] for c in columns]
+    loss = CachedWEINCELoss(None, mini_batch_size=mini_batch)
+    peak = cpu_peak_bytes(lambda: loss.calculate_loss(reps, None, with_backward=True))
+    block, embeddings = mini_batch * batch * 4, 2 * batch * dim * 4
+    assert peak <= 4 * block + 4 * embeddings, f"peak {peak / block:.2f} blocks of [{mini_batch}, {batch}]"

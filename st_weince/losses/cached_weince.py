@@ -186,8 +186,8 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
             layout = self._layout(queries, docs, keys, offset, begin, end)[0]
             chunk_statistics = [statistics_rows(s, slice(begin, end)) for s in statistics]
             chunk_rows = rows_loss(layout, chunk_statistics, options.scale, options.math.eps)  # the blend
-            query_rows = layout.groups[0]
-            blend_scale = self._blend_scale(query_rows.scores, query_rows.valid_mask, chunk_statistics[0])
+            # (no name for the query rows: one would keep this chunk's scores alive into the next chunk's forward)
+            blend_scale = self._blend_scale(layout.groups[0].scores, layout.groups[0].valid_mask, chunk_statistics[0])
             scale_sums[0] = scale_sums[0] + blend_scale * (end - begin)
             if top_m is not None:
                 units = top_m_units(layout, sorts)
