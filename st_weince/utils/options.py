@@ -6,12 +6,26 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import warnings
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 T = TypeVar("T")
+
+
+def current_name(name: str, renamed: Mapping[str, str], what: str, *, warn: bool = True) -> str:
+    """The current name of ``name``: an old one (a key of ``renamed``) gives its new name, with a
+    ``DeprecationWarning`` naming it unless ``warn`` is False (reading a file written under the old name); any
+    other name is returned as it is. The old names go in 0.3."""
+    new = renamed.get(name)
+    if new is not None and warn:
+        # stacklevel 3: the line that used the old name, through the one function that resolves it
+        message = f"{what} {name!r} is now named {new!r}; the old name goes in 0.3"
+        warnings.warn(message, DeprecationWarning, stacklevel=3)
+    return name if new is None else new
 
 
 def real_option(

@@ -109,8 +109,9 @@ def __getattr__(name: str) -> Any:
         return value
     if name in _SUBMODULES:
         return importlib.import_module(f"st_weince.vision.{name}")
-    if name == "PREVIOUS_PROTOCOL":  # the old name of STANDARDIZED_PROTOCOL: not cached, so that every use warns
-        return getattr(importlib.import_module("st_weince.vision.evaluation"), name)
+    evaluation = importlib.import_module("st_weince.vision.evaluation")
+    if name in evaluation.RENAMED_CONSTANTS:  # an old name: not cached, so that every use warns
+        return getattr(evaluation, name)
     raise AttributeError(f"module 'st_weince.vision' has no attribute {name!r}")
 
 

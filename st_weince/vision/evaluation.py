@@ -18,7 +18,6 @@ class with weight ``exp(similarity / temperature)``, temperature 0.1, k in {1, 2
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
+
+from st_weince.utils.options import current_name
 
 KNN_KS = (1, 2, 5, 10, 20, 50)
 KNN_TEMPERATURE = 0.1
@@ -281,7 +282,7 @@ PROBE_PROTOCOLS = {protocol.name: protocol for protocol in (STANDARDIZED_PROTOCO
 # Names from before the protocols were named after their content: old -> new, resolved with a DeprecationWarning
 # until 0.3 (result files written by 0.1 record ``"protocol": "previous"``).
 RENAMED_PROTOCOLS = {"previous": "standardized"}
-_RENAMED_CONSTANTS = {"PREVIOUS_PROTOCOL": "STANDARDIZED_PROTOCOL"}
+RENAMED_CONSTANTS = {"PREVIOUS_PROTOCOL": "STANDARDIZED_PROTOCOL"}  # module attributes
 
 
 def resolve_protocol(name: str, *, warn: bool = True) -> ProbeProtocol:
@@ -291,12 +292,7 @@ def resolve_protocol(name: str, *, warn: bool = True) -> ProbeProtocol:
     Raises:
         KeyError: ``name`` is no protocol; the message lists the protocols.
     """
-    new = RENAMED_PROTOCOLS.get(name)
-    if new is not None:
-        if warn:
-            warnings.warn(f"the probe protocol {name!r} is now named {new!r}; the old name goes in 0.3",
-                          DeprecationWarning, stacklevel=2)  # fmt: skip
-        name = new
+    name = current_name(name, RENAMED_PROTOCOLS, "the probe protocol", warn=warn)
     if name not in PROBE_PROTOCOLS:
         raise KeyError(f"unknown probe protocol {name!r}; the protocols are {', '.join(sorted(PROBE_PROTOCOLS))}")
     return PROBE_PROTOCOLS[name]
@@ -304,11 +300,9 @@ def resolve_protocol(name: str, *, warn: bool = True) -> ProbeProtocol:
 
 def __getattr__(name: str) -> Any:
     """``PREVIOUS_PROTOCOL``, the old name of :data:`STANDARDIZED_PROTOCOL`, with a ``DeprecationWarning``."""
-    new = _RENAMED_CONSTANTS.get(name)
-    if new is None:
+    if name not in RENAMED_CONSTANTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"{__name__}.{name} is now {new}; the old name goes in 0.3", DeprecationWarning, stacklevel=2)
-    return globals()[new]
+    return globals()[current_name(name, RENAMED_CONSTANTS, f"{__name__} attribute")]
 
 
 def evaluate_frozen_features(

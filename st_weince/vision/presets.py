@@ -13,12 +13,12 @@ temperature 0.5, WEINCE beta 1, 64-d projections, 100 epochs) is in :mod:`.objec
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from st_weince.losses.weince import RELEASED_TOP_M
+from st_weince.utils.options import current_name
 from st_weince.vision.augment import RELEASED_AUGMENT, SimCLRAugmentConfig
 from st_weince.vision.evaluation import RELEASED_PROTOCOL, STANDARDIZED_PROTOCOL, ProbeProtocol
 from st_weince.vision.objectives import SIMCLR_BETA, SIMCLR_SCALE, SimCLRObjective
@@ -70,13 +70,7 @@ def setup_name(name: str, *, warn: bool = True) -> str:
     """The current name of setup ``name``: a renamed one (:data:`RENAMED_SETUPS`) gives its new name, with a
     ``DeprecationWarning`` naming it unless ``warn`` is False (reading a run file that recorded the old name);
     any other name is returned as it is (``argparse``'s ``choices`` then refuses an unknown one)."""
-    new = RENAMED_SETUPS.get(name)
-    if new is None:
-        return name
-    if warn:
-        warnings.warn(f"the SimCLR setup {name!r} is now named {new!r}; the old name goes in 0.3",
-                      DeprecationWarning, stacklevel=2)  # fmt: skip
-    return new
+    return current_name(name, RENAMED_SETUPS, "the SimCLR setup", warn=warn)
 
 
 def resolve_setup(name: str, *, warn: bool = True) -> Setup:
