@@ -1,4 +1,5 @@
-"""Run by tests/test_rb_sigmoid_distributed.py under ``torchrun --nproc_per_node 2`` (gloo, CPU).
+"""Run by tests/test_rb_sigmoid_distributed.py in 2 processes with torchrun's environment (gloo, CPU;
+:func:`tests.forked.run_ranks`).
 
 Part 1 (embeddings): each rank takes its slice of one global batch, computes RBSigmoidLoss with
 gather_across_devices=True, back-propagates and records its loss, the gradients of its rows and the gradients of the
@@ -7,14 +8,13 @@ Also the loss stage of CachedRBSigmoidLoss (``calculate_loss``) on the same rows
 Part 2 (trainer): a tiny BERT trained for a few DDP steps with gather_across_devices=True, with and without
 :func:`st_weince.training.prepare_trainer`, and (without dropout, SGD) with RBSigmoidLoss against
 CachedRBSigmoidLoss; records t and b_rel on each rank.
-Everything goes to OUTPUT_DIR/rank{r}.pt. ``python -m tests.rb_sigmoid_distributed_worker OUTPUT_DIR [MODEL_DIR]``:
-MODEL_DIR, the tiny BERT of ``build_tiny_bert(MODEL_DIR, sentences=TINY_SENTENCES, seed=0)`` (default: each rank
-builds its own).
+Everything goes to OUTPUT_DIR/rank{r}.pt. ``python -m tests.rb_sigmoid_distributed_worker OUTPUT_DIR MODEL_DIR``:
+MODEL_DIR, the tiny BERT of ``build_tiny_bert(MODEL_DIR, sentences=TINY_SENTENCES, seed=0)`` (conftest's
+``tiny_model_dir``), which every run loads.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -80,18 +80,6 @@ def embedding_part(rank: int, world_size: int) -> list[dict]:
         }
         results.append(result)
     return results
-
-
-def build_models(output_dir: Path, rank: int) -> dict[str, Path]:
-    """Before the process group exists: under one, save_pretrained writes the weights on rank 0 only."""
-    from st_weince.utils.tiny_models import build_tiny_bert
-    from tests.conftest import TINY_SENTENCES
-
-    paths = {}
-    for run in RUNS:
-        paths[run] = output_dir / f"model-rank{rank}-{run}"
-        build_tiny_bert(paths[run], sentences=TINY_SENTENCES, seed=0)
-    return paths
 
 
 def ddp_training_arguments(output_dir: Path, **options: Any):
@@ -160,10 +148,7 @@ def trainer_part(output_dir: Path, rank: int, model_dirs: dict[str, Path]) -> di
 def main() -> None:
     output_dir = Path(sys.argv[1])
     torch.set_num_threads(1)
-    if len(sys.argv) > 2:  # a tiny BERT built by the caller (build_tiny_bert, seed 0, TINY_SENTENCES), for every run
-        model_dirs = dict.fromkeys(RUNS, Path(sys.argv[2]))
-    else:
-        model_dirs = build_models(output_dir, int(os.environ["RANK"]))
+    model_dirs = dict.fromkeys(RUNS, Path(sys.argv[2]))
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     results = {"embedding": embedding_part(rank, world_size), "trainer": trainer_part(output_dir, rank, model_dirs)}

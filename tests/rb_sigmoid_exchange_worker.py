@@ -1,4 +1,4 @@
-"""Run by tests/test_rb_sigmoid_exchange.py under ``torchrun --nproc_per_node N`` (gloo, CPU), N = 2 and 4.
+"""Run by tests/test_rb_sigmoid_exchange.py in N processes with torchrun's environment (gloo, CPU), N = 2 and 4.
 
 Everything in float64 (embeddings and loss parameters), so that two code paths agree to rounding. Each rank takes its
 slice of one global batch and records ``checks[name] = (distributed value, reference value)`` pairs:
@@ -16,13 +16,12 @@ slice of one global batch and records ``checks[name] = (distributed value, refer
 - the host-device syncs of a step, and the largest candidate matrix a process holds, by exchange.
 
 Also a DDP trainer run (SGD, no dropout) with the neighbour exchange against one with all-gather: the same ``t`` and
-``b_rel`` after a few steps. Written to OUTPUT_DIR/rank{r}.pt. Arguments: OUTPUT_DIR [MODEL_DIR], MODEL_DIR the tiny
-BERT of ``build_tiny_bert(MODEL_DIR, sentences=TINY_SENTENCES, seed=0)`` (default: each rank builds its own).
+``b_rel`` after a few steps. Written to OUTPUT_DIR/rank{r}.pt. Arguments: OUTPUT_DIR MODEL_DIR, MODEL_DIR the tiny
+BERT of ``build_tiny_bert(MODEL_DIR, sentences=TINY_SENTENCES, seed=0)`` (conftest's ``tiny_model_dir``).
 """
 
 from __future__ import annotations
 
-import os
 import random
 import sys
 from pathlib import Path
@@ -322,19 +321,10 @@ def trainer_run(output_dir: Path, model_dir: Path, exchange: str) -> list[float]
 
 def main() -> None:
     output_dir = Path(sys.argv[1])
+    model_dir = Path(sys.argv[2])
     torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
-    # Before the process group exists: under one, save_pretrained writes the weights on rank 0 only.
-    from st_weince.utils.tiny_models import build_tiny_bert
-    from tests.conftest import TINY_SENTENCES
-
-    if len(sys.argv) > 2:  # built by the caller, as below
-        model_dir = Path(sys.argv[2])
-    else:
-        model_dir = output_dir / f"model-rank{rank}"
-        build_tiny_bert(model_dir, sentences=TINY_SENTENCES, seed=0)
     dist.init_process_group("gloo")
-    world_size = dist.get_world_size()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     checks, extra = embedding_checks(rank, world_size)
     checks.update(exchange_checks(rank, world_size))
     extra["host_syncs"] = host_syncs(rank, world_size)
