@@ -29,7 +29,7 @@ SETTINGS = [
     {"beta": 1.0, "mode": "rho"},
     {"directions": ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")},
     {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction", "beta": 10.0},
-    {"directions": ("query_to_doc", "doc_to_doc"), "q": 0.5, "tail_frac": 0.3, "min_tail_points": 8},
+    {"directions": ("query_to_doc", "doc_to_doc"), "gate": {"q": 0.5}, "tail_frac": 0.3, "min_tail_points": 8},
 ]
 
 
@@ -163,7 +163,7 @@ def rebuild_configs() -> list[tuple[type, dict]]:
     configs += [(CachedWEINCELoss, {**options, "mini_batch_size": 7}) for options in SETTINGS]
     configs += [
         (WEINCELoss, {"scale": 2.0, "gather_across_devices": True, "check_inputs": False, "eps": 1e-4}),
-        (WEINCELoss, {"aic_margin": -3.0, "kappa_aic": 0.0, "kappa_rho": 0.0, "beta": "auto"}),
+        (WEINCELoss, {"gate": {"aic_margin": -3.0, "kappa_aic": 0.0, "kappa_rho": 0.0}, "beta": "auto"}),
         (CachedWEINCELoss, {"mini_batch_num_tokens": 512, "show_progress_bar": True, "check_inputs": False}),
         (WEINCELoss, {"false_negative_filter": ("absolute", 0.1), "mode": "none"}),
         (CachedWEINCELoss, {"false_negative_filter": ["relative", 0.95], "mini_batch_size": 7}),
@@ -192,7 +192,7 @@ def test_bad_cached_arguments_are_refused(tiny_model):
     with pytest.raises(ValueError, match="mini_batch_num_tokens"):
         CachedWEINCELoss(tiny_model, mini_batch_num_tokens=-5)
     with pytest.raises(ValueError, match="kappa_rho must be finite"):
-        CachedWEINCELoss(tiny_model, kappa_rho=float("inf"))
+        CachedWEINCELoss(tiny_model, gate={"kappa_rho": float("inf")})
     with pytest.raises(ValueError, match="at least 2 input columns"):
         CachedWEINCELoss(tiny_model)(triplet_features(tiny_model, batch_size=4)[:1], None)
 

@@ -129,7 +129,7 @@ def test_float16_zero_row_issue_case():
         (RBSigmoidLoss, {"adapter_logit": -1e40, "locked_adapter": True}, "adapter_logit = .* overflows"),
         (WEINCELoss, {"scale": 1e300}, "scale = 1e\\+300 overflows torch.float32"),
         (WEINCELoss, {"scale": 1e-300}, "scale = 1e-300 underflows torch.float32"),
-        (WEINCELoss, {"kappa_rho": 1e300}, "kappa_rho = 1e\\+300 overflows"),
+        (WEINCELoss, {"gate": {"kappa_rho": 1e300}}, "kappa_rho = 1e\\+300 overflows"),
         (WEINCELoss, {"beta": 1e-50}, "beta = 1e-50 underflows"),
         (WEINCELoss, {"eps": 1e-45}, "eps = 1e-45 underflows"),
     ],

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import st_weince
-from st_weince.functional import WeinceOptions
+from st_weince.functional import Gate, WeinceOptions
 from st_weince.losses import CachedRBSigmoidLoss, CachedWEINCELoss, RBSigmoidLoss, WEINCELoss
 from st_weince.losses._gradcache import GradCachedLoss, GradCacheOptions
 from st_weince.losses.rb_sigmoid import RBSigmoidOptions
@@ -23,7 +23,8 @@ PACKAGE = Path(st_weince.__file__).parent
 DEFAULTS = [
     (WEINCELossOptions(), "scale", r"\w*scale\w*"),
     (WEINCELossOptions(), "beta", r"\w*beta\w*"),
-    (WEINCELossOptions(), "q", r"q|\w*quantile\w*"),
+    (Gate(), "q", r"q|\w*quantile\w*"),
+    (Gate(), "kappa_rho", r"\w*kappa_rho\w*"),
     (WeinceOptions(), "beta", r"\w*beta\w*"),
     (RBSigmoidOptions(), "scale", r"\w*scale\w*|t|t_start|\w*temperature\w*"),
     (RBSigmoidOptions(), "relative_bias", r"\w*relative_bias\w*|b_rel\w*|\w*RELATIVE_BIAS\w*"),
@@ -114,3 +115,12 @@ def test_adding_nothing_else_to_the_signature():
     for loss_class, options in ((WEINCELoss, WEINCELossOptions), (RBSigmoidLoss, RBSigmoidOptions)):
         names = set(inspect.signature(loss_class.__init__).parameters) - {"self", "model"}
         assert names - mnrl_only <= {field.name for field in dataclasses.fields(options)}, loss_class.__name__
+
+
+def test_the_weince_signature_stays_readable():
+    """At most 16 parameters, counted as MultipleNegativesRankingLoss's 9 (self and ``**compatibility`` included): the
+    released composite's settings are one ``top_m``, the gate's four one ``gate``."""
+    assert len(inspect.signature(WEINCELoss.__init__).parameters) <= 16
+    cached_own = {"mini_batch_size", "mini_batch_num_tokens", "show_progress_bar"}
+    cached = set(inspect.signature(CachedWEINCELoss.__init__).parameters)
+    assert cached - cached_own == set(inspect.signature(WEINCELoss.__init__).parameters)

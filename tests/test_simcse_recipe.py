@@ -232,16 +232,17 @@ def test_demo_defaults_and_loss_options(recipe, tiny_model_dir):
     assert demo.loss == "weince" and demo.eval_before and not demo.save_optimizer_state
     assert demo.scale == 20.0 and recipe.parse_args(["--preset", "paper"]).save_optimizer_state
     args = recipe.parse_args(
-        ["--scale", "10", "--threads", "2", "--loss-option", "beta=1", "--loss-option", "kappa_rho=3"]
+        ["--scale", "10", "--threads", "2", "--loss-option", "beta=1", "--loss-option", "gate.kappa_rho=3"]
     )
     assert args.scale == pytest.approx(10.0) and args.threads == 2
-    assert args.loss_option == ["beta=1", "kappa_rho=3"]
+    assert args.loss_option == ["beta=1", "gate.kappa_rho=3"]
     for removed in (["--temperature", "0.1"], ["--num-threads", "2"], ["--beta", "1"], ["--kappa-rho", "3"]):
         with pytest.raises(SystemExit):
             recipe.parse_args(removed)
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
     loss = recipe.build_loss(args, model)
     assert loss.get_config_dict()["scale"] == pytest.approx(10.0) and loss.get_config_dict()["beta"] == 1
+    assert loss.options.gate.kappa_rho == 3.0
     with pytest.raises(ValueError, match="no_such_option"):  # the loss class refuses what it does not know
         recipe.build_loss(recipe.parse_args(["--loss-option", "no_such_option=1"]), model)
     with pytest.raises(ValueError, match="--scale"):

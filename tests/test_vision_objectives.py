@@ -76,7 +76,7 @@ def test_weince_objective_blends_in_the_shortfall_logit_on_the_nt_xent_rows():
 
 def test_weince_with_lambda_zero_is_the_infonce_objective():
     z1, z2 = _views(seed=2)
-    no_blend = SimCLRObjective("weince", scale=2.0, loss_kwargs={"kappa_aic": 1.0, "aic_margin": 1e9})
+    no_blend = SimCLRObjective("weince", scale=2.0, loss_kwargs={"gate": {"kappa_aic": 1.0, "aic_margin": 1e9}})
     assert no_blend(z1, z2).item() == pytest.approx(SimCLRObjective("infonce", scale=2.0)(z1, z2).item(), rel=1e-6)
 
 

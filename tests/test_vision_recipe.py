@@ -119,8 +119,8 @@ def test_scale_is_rb_sigmoids_starting_t(recipe, tiny_zip, tmp_path):
 
 
 def test_loss_flags_are_spelled_as_in_the_simcse_recipe(recipe):
-    args = recipe.parse_args(["--loss-option", "beta=auto", "--loss-option", "kappa_rho=3", "--scale", "4"])
-    assert args.scale == 4.0 and args.loss_kwargs == {"beta": "auto", "kappa_rho": 3}
+    args = recipe.parse_args(["--loss-option", "beta=auto", "--loss-option", "gate.kappa_rho=3", "--scale", "4"])
+    assert args.scale == 4.0 and args.loss_kwargs == {"beta": "auto", "gate": {"kappa_rho": 3}}
     assert recipe.parse_args([]).scale == pytest.approx(2.0)  # SimCLR's temperature 0.5
     for removed in (["--temperature", "0.25"], ["--beta", "auto"], ["--loss-kwargs", '{"kappa_rho": 3}']):
         with pytest.raises(SystemExit):

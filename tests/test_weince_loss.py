@@ -38,7 +38,8 @@ def test_lambda_zero_equals_mnrl(directions, partition_mode, num_columns):
     columns = embeddings(48, num_columns, seed=len(directions) + num_columns)
     mnrl = MultipleNegativesRankingLoss(None, scale=20.0, directions=directions, partition_mode=partition_mode)
     # aic_margin = 1e9 forces the geometry gate, hence lambda, to exactly 0
-    weince = WEINCELoss(None, scale=20.0, directions=directions, partition_mode=partition_mode, aic_margin=1e9)
+    no_gate = {"aic_margin": 1e9}
+    weince = WEINCELoss(None, scale=20.0, directions=directions, partition_mode=partition_mode, gate=no_gate)
     expected = mnrl.compute_loss_from_embeddings(columns, None)
     loss = weince.compute_loss_from_embeddings(columns, None)
     assert float(weince.last_statistics.lam.abs().max()) == 0.0
@@ -148,7 +149,7 @@ def test_config_and_citation_are_json_ready():
     loss_fn = WEINCELoss(None, beta=1.0, directions=("query_to_doc", "doc_to_query"))
     config = loss_fn.get_config_dict()
     assert json.loads(json.dumps(config)) == config
-    assert config["scale"] == 20.0 and config["beta"] == 1.0 and config["q"] == 0.2
+    assert config["scale"] == 20.0 and config["beta"] == 1.0 and config["gate"]["q"] == 0.2
     assert "2606.00262" in loss_fn.citation
 
 

@@ -11,7 +11,8 @@ import torch
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 from sentence_transformers.util import dot_score
 
-from st_weince.functional import WeinceOptions, check_scores, weince_statistics
+from st_weince.functional import Gate, WeinceOptions, check_scores, weince_statistics
+from st_weince.functional.options import GATE_FIELDS
 from st_weince.losses import WEINCELoss
 
 BAD_OPTIONS = [
@@ -42,8 +43,10 @@ BAD_OPTIONS = [
 def test_bad_options_are_refused_at_construction(options, error, message):
     with pytest.raises(error, match=message):
         WeinceOptions(**options)
+    # the loss takes the gate's four as one gate (a Gate or its dict), the others by name
+    loss_options = {"gate": options} if set(options) <= set(GATE_FIELDS) else options
     with pytest.raises(error, match=message):
-        WEINCELoss(None, **options)
+        WEINCELoss(None, **loss_options)
 
 
 @pytest.mark.parametrize(
@@ -65,8 +68,9 @@ def test_numpy_numbers_are_accepted_as_python_numbers():
     options = WeinceOptions(q=np.float32(0.25), kappa_rho=np.float64(5.0), min_tail_points=np.int64(12))
     assert options.q == pytest.approx(0.25) and type(options.q) is float
     assert type(options.kappa_rho) is float and type(options.min_tail_points) is int
-    loss = WEINCELoss(None, scale=np.float32(10.0), q=np.float64(0.3))
+    loss = WEINCELoss(None, scale=np.float32(10.0), gate={"q": np.float64(0.3)})
     assert type(loss.scale) is float and loss.scale == 10.0
+    assert type(loss.options.gate.q) is float and loss.options.math.q == 0.3
 
 
 def test_one_source_of_defaults():
@@ -77,6 +81,8 @@ def test_one_source_of_defaults():
         if field.name == "beta":
             # the loss class's one documented departure: "auto" instead of the reference's 1.0
             assert signature["beta"].default == "auto" and defaults.beta == 1.0
+        elif field.name in GATE_FIELDS:
+            assert getattr(signature["gate"].default, field.name) == getattr(defaults, field.name), field.name
         else:
             assert signature[field.name].default == getattr(defaults, field.name), field.name
     assert WEINCELoss(None).options.math == dataclasses.replace(defaults, beta="auto")
@@ -143,3 +149,31 @@ def test_shape_and_dtype_mistakes_get_errors_in_the_projects_words():
 
     value = weince_cross_entropy(scores, torch.arange(8), scale=np.float32(20.0))
     assert torch.isfinite(value)
+
+
+def test_the_flat_gate_options_of_0_1_build_the_same_loss_with_a_warning():
+    """0.1 took the gate's four by name; until 0.3 they are folded into ``gate`` with a DeprecationWarning naming
+    them and the replacement, over a ``gate`` given beside them, and a 0.1 checkpoint's recorded configuration reads
+    as today's."""
+    from st_weince.losses import CachedWEINCELoss
+    from st_weince.training.checkpoints import describe_loss_change, loss_description
+
+    nested = Gate(q=0.4, kappa_rho=5.0)
+    for cls in (WEINCELoss, CachedWEINCELoss):
+        with pytest.warns(DeprecationWarning, match=r"flat gate options \['q', 'kappa_rho'\]: pass gate=Gate\(q=0.4"):
+            flat = cls(None, q=0.4, kappa_rho=5.0)
+        assert flat.options == cls(None, gate=nested).options and flat.options.math.kappa_rho == 5.0
+    with pytest.warns(DeprecationWarning, match="aic_margin"):
+        over = WEINCELoss(None, gate=Gate(q=0.4), aic_margin=0.0)
+    assert over.options.gate == Gate(q=0.4, aic_margin=0.0)
+    current = loss_description(WEINCELoss(None, gate=nested))
+    recorded = {"loss": {**current["loss"], "config": {**current["loss"]["config"]}}}
+    del recorded["loss"]["config"]["gate"]
+    recorded["loss"]["config"].update(q=0.4, kappa_rho=5.0, kappa_aic=1.0, aic_margin=2.0)
+    assert describe_loss_change(recorded, current) is None
+    recorded["loss"]["config"]["q"] = 0.3
+    assert "gate=" in describe_loss_change(recorded, current)
+    with pytest.raises(TypeError, match="gate must be a Gate or its dict, got float"):
+        WEINCELoss(None, gate=0.4)
+    with pytest.raises(TypeError, match="unknown gate option"):
+        Gate(q=0.4).replace(kappa=1.0)

@@ -61,7 +61,8 @@ STUDY: dict[str, Any] = {
     "pot_quantile": 0.999,
     "subset_seed": 0,
     "holdout": None,  # int: class-balanced training images held out and evaluated on in place of the test set
-    "weince_options": {},  # WEINCE options beyond the vision defaults, e.g. {"aic_margin": 0.0, "kappa_rho": 5.0}
+    # WEINCE options beyond the vision defaults, e.g. {"gate": {"aic_margin": 0.0, "kappa_rho": 5.0}}
+    "weince_options": {},
     "eval_at_start": True,  # the epoch-0 checkpoint (the same for every loss of a seed)
     "setup": "batchnorm-head",  # or "released": augmentations, projection head and probe protocol (SETUPS)
     "arms": {},  # run name prefix -> {"loss", optional "temperature", optional "options"}; {}: the loss names

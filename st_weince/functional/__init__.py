@@ -36,7 +36,7 @@ from st_weince.functional.layouts import (
     normalize_rows,
     nt_xent_layout,
 )
-from st_weince.functional.options import DEFAULTS, TOP_M_DEFAULTS, TopM, WeinceOptions, check_scale
+from st_weince.functional.options import DEFAULTS, GATE_DEFAULTS, TOP_M_DEFAULTS, Gate, TopM, WeinceOptions, check_scale
 from st_weince.functional.sigmoid import (
     CandidateGuard,
     SigmoidBlockLoss,
@@ -70,11 +70,13 @@ __all__ = [
     "check_scores",
     "compute_dtype",
     "TOP_M_DEFAULTS",
+    "GATE_DEFAULTS",
     "BatchTail",
     "BatchTailFit",
     "CompositeLoss",
     "CompositeStep",
     "TopM",
+    "Gate",
     "batch_negative_tail",
     "batch_tail_fit",
     "batch_tail_size",

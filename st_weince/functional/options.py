@@ -1,5 +1,6 @@
-"""The options of the WEINCE functions (:class:`WeinceOptions`) and of the released composite's top-M terms and batch
-tail index (:class:`TopM`): the one source of their defaults and of their validation.
+"""The options of the WEINCE functions (:class:`WeinceOptions`), of their gate lambda (:class:`Gate`) and of the
+released composite's top-M terms and batch tail index (:class:`TopM`): the one source of their defaults and of their
+validation.
 
 Each field declares its default and its range (:class:`Within`); construction checks every field, with an error
 naming it. Numbers may be any real (Python or NumPy) number and are stored as Python ``float`` / ``int``; bools,
@@ -117,8 +118,39 @@ class _Options:
 
 
 @_options
+class Gate(_Options):
+    """The gate ``lambda(a) = sigmoid(kappa_rho (log rho0 - log rho(a))) * sigmoid(kappa_aic (dAIC(a) - aic_margin))``
+    that weights each anchor's shortfall logit (docs/algorithms.md 1.1): the one source of its four defaults (the
+    released implementation's) and of their validation. ``WEINCELoss(model, gate=Gate(q=0.4))`` moves the pivot;
+    the other fields keep their defaults. Which factors are on is the loss's ``mode``.
+
+    Args:
+        q: quantile of the hardest-negative shortfalls that defines the batch pivot ``rho0``, in [0, 1].
+        kappa_rho: slope of the hardness gate, >= 0.
+        kappa_aic: slope of the geometry (AIC) gate, >= 0.
+        aic_margin: AIC difference at which the geometry gate is one half (any finite number).
+    """
+
+    label: ClassVar[str] = "gate"
+    dtype: ClassVar[torch.dtype | None] = torch.float32
+
+    q: Annotated[float, Within("[0, 1]")] = 0.2
+    kappa_rho: Annotated[float, Within("[0, inf)")] = 10.0
+    kappa_aic: Annotated[float, Within("[0, inf)")] = 1.0
+    aic_margin: Annotated[float, Within()] = 2.0
+
+    def to_config(self) -> dict[str, Any]:
+        """The JSON form a loss's ``get_config_dict`` writes (``Gate(**config)`` rebuilds it)."""
+        return self.as_dict()
+
+
+GATE_FIELDS = tuple(spec.name for spec in fields(Gate))
+
+
+@_options
 class WeinceOptions(_Options):
-    """The nine WEINCE options: the one source of their defaults (the released implementation's) and validation.
+    """The nine WEINCE options: the one source of their defaults (the released implementation's; the gate's four
+    are :class:`Gate`'s) and validation.
 
     Built once (by the loss classes in ``__init__``); every field is checked here, also finite in float32 (the dtype
     the statistics and logits are computed in for float32 and half-precision inputs).
@@ -140,10 +172,11 @@ class WeinceOptions(_Options):
     label: ClassVar[str] = "WEINCE"
     dtype: ClassVar[torch.dtype | None] = torch.float32
 
-    q: Annotated[float, Within("[0, 1]")] = 0.2
-    kappa_rho: Annotated[float, Within("[0, inf)")] = 10.0
-    kappa_aic: Annotated[float, Within("[0, inf)")] = 1.0
-    aic_margin: Annotated[float, Within()] = 2.0
+    # the gate's four, defaults and checks in Gate (the loss classes take them as one ``gate``)
+    q: float = Gate.q
+    kappa_rho: float = Gate.kappa_rho
+    kappa_aic: float = Gate.kappa_aic
+    aic_margin: float = Gate.aic_margin
     tail_frac: Annotated[float, Within("(0, 1]")] = 0.10
     min_tail_points: Annotated[int, Within("[1, inf)")] = 32
     eps: Annotated[float, Within("(0, 0.5)")] = 1e-6
@@ -151,6 +184,9 @@ class WeinceOptions(_Options):
     beta: float | str = 1.0
 
     def _check_other_fields(self) -> None:
+        gate = Gate(**{name: getattr(self, name) for name in GATE_FIELDS})
+        for name in GATE_FIELDS:
+            self._store(name, getattr(gate, name))
         check_representable("eps", self.eps, torch.float32, positive=True)  # log(eps) must stay finite
         if not isinstance(self.mode, str):
             raise TypeError(f"mode must be 'both', 'rho', 'aic' or 'none', got {type(self.mode).__name__}")
@@ -236,7 +272,8 @@ class TopM(_Options):
 
 DEFAULTS = WeinceOptions()
 TOP_M_DEFAULTS = TopM()
-_DEFAULTS: dict[type, _Options] = {WeinceOptions: DEFAULTS, TopM: TOP_M_DEFAULTS}
+GATE_DEFAULTS = Gate()
+_DEFAULTS: dict[type, _Options] = {WeinceOptions: DEFAULTS, TopM: TOP_M_DEFAULTS, Gate: GATE_DEFAULTS}
 
 
 def check_scale(scale: Any, name: str = "scale") -> float:

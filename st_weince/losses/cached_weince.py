@@ -12,7 +12,7 @@ from st_weince.functional.batch_tail import BatchTail
 from st_weince.functional.composite import composite_loss
 from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts
 from st_weince.functional.layouts import Direction, MNRLLayout, PartitionMode
-from st_weince.functional.options import TopM
+from st_weince.functional.options import Gate, TopM
 from st_weince.functional.weince import HardestNegatives, TailFit, WeinceMode, statistics_from_fit
 from st_weince.losses._gradcache import GradCachedLoss, GradCacheOptions
 from st_weince.losses._weince_rows import (
@@ -43,10 +43,7 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
         *,
         beta: float | str = WEINCELossOptions.beta,
         mode: WeinceMode = WEINCELossOptions.mode,
-        q: float = WEINCELossOptions.q,
-        kappa_rho: float = WEINCELossOptions.kappa_rho,
-        kappa_aic: float = WEINCELossOptions.kappa_aic,
-        aic_margin: float = WEINCELossOptions.aic_margin,
+        gate: Gate | Mapping[str, Any] = WEINCELossOptions.gate,
         tail_frac: float = WEINCELossOptions.tail_frac,
         min_tail_points: int = WEINCELossOptions.min_tail_points,
         eps: float = WEINCELossOptions.eps,
@@ -86,8 +83,8 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
             mini_batch_num_tokens: if set, embedding mini-batches are packed by token count instead (as in CMNRL);
                 the loss's row chunks keep ``mini_batch_size`` rows.
             show_progress_bar: show progress bars over the mini-batches.
-            gather_across_devices, directions, partition_mode, beta, mode, q, kappa_rho, kappa_aic, aic_margin,
-                tail_frac, min_tail_points, eps, false_negative_filter, check_inputs, top_m, **compatibility: as in
+            gather_across_devices, directions, partition_mode, beta, mode, gate, tail_frac, min_tail_points, eps,
+                false_negative_filter, check_inputs, top_m, **compatibility: as in
                 :class:`WEINCELoss`, with its defaults and validation (:class:`~st_weince.losses.WEINCELossOptions`).
                 The guard is applied to every row chunk before the statistics, so the statistics and the loss equal
                 the uncached ones. The top-M terms need only a row's own candidates, so they are computed chunk by

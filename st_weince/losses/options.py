@@ -12,7 +12,7 @@ import torch
 
 from st_weince.functional.false_negatives import FalseNegativeFilter
 from st_weince.functional.layouts import Direction, PartitionMode, check_directions
-from st_weince.functional.options import TOP_M_DEFAULTS, TopM
+from st_weince.functional.options import GATE_DEFAULTS, GATE_FIELDS, TOP_M_DEFAULTS, Gate, TopM
 from st_weince.functional.weince import DEFAULTS, WeinceMode, WeinceOptions, check_scale
 from st_weince.utils.options import (
     check_representable,
@@ -33,10 +33,10 @@ _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 class WEINCELossOptions:
     """The options of :class:`WEINCELoss` (and :class:`~st_weince.losses.CachedWEINCELoss`): the one place of their
     defaults and their validation; the loss signatures read their defaults from here, ``get_config_dict`` writes
-    them out. The nine options of the math default to the released implementation's
-    (:class:`~st_weince.functional.WeinceOptions`), except ``beta``: "auto" here, because the released 1.0 was tuned
-    at temperature 0.5 and is 10-20x too soft at SimCSE's 0.05 (``docs/weince.md``). The scale is MNRL's
-    (temperature 0.05)."""
+    them out. The nine options of the math (the gate's four as one :class:`~st_weince.functional.Gate`) default to
+    the released implementation's (:class:`~st_weince.functional.WeinceOptions`), except ``beta``: "auto" here,
+    because the released 1.0 was tuned at temperature 0.5 and is 10-20x too soft at SimCSE's 0.05
+    (``docs/weince.md``). The scale is MNRL's (temperature 0.05)."""
 
     scale: float = 20.0
     gather_across_devices: bool = False
@@ -44,10 +44,8 @@ class WEINCELossOptions:
     partition_mode: PartitionMode = "joint"
     beta: float | str = "auto"
     mode: WeinceMode = DEFAULTS.mode
-    q: float = DEFAULTS.q
-    kappa_rho: float = DEFAULTS.kappa_rho
-    kappa_aic: float = DEFAULTS.kappa_aic
-    aic_margin: float = DEFAULTS.aic_margin
+    # the gate lambda's pivot quantile, slopes and margin (Gate, whose defaults are the released implementation's)
+    gate: Gate = GATE_DEFAULTS
     tail_frac: float = DEFAULTS.tail_frac
     min_tail_points: int = DEFAULTS.min_tail_points
     eps: float = DEFAULTS.eps
@@ -68,11 +66,22 @@ class WEINCELossOptions:
             put(name, flag_option(name, getattr(self, name)))
         check_directions(self.directions, self.partition_mode)
         put("directions", tuple(self.directions))
-        put("math", WeinceOptions(**{f.name: getattr(self, f.name) for f in fields(WeinceOptions)}))
-        for name in self.math.as_dict():  # validated and normalised there (NumPy numbers -> Python numbers)
+        put("gate", _gate_option(self.gate))
+        own = {f.name: getattr(self, f.name) for f in fields(WeinceOptions) if f.name not in GATE_FIELDS}
+        put("math", WeinceOptions(**own, **self.gate.as_dict()))
+        for name in own:  # validated and normalised there (NumPy numbers -> Python numbers)
             put(name, getattr(self.math, name))
         put("false_negative_filter", FalseNegativeFilter.parse(self.false_negative_filter))
         put("top_m", _top_m_option(self.top_m, self.eps))
+
+
+def _gate_option(value: Any) -> Gate:
+    """The ``gate`` option: a :class:`Gate` or its JSON form (``get_config_dict``'s dict)."""
+    if isinstance(value, Mapping):
+        value = Gate(**value)
+    if not isinstance(value, Gate):
+        raise TypeError(f"gate must be a Gate or its dict, got {type(value).__name__} {value!r}")
+    return value
 
 
 def _top_m_option(value: Any, eps: float) -> TopM | None:
@@ -132,19 +141,49 @@ def fold_flat_top_m(config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def deprecated_flat_top_m(owner: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    """A loss's keyword ``arguments`` with 0.1's flat top-M options folded into ``top_m`` and a DeprecationWarning
-    naming them (they go in 0.3)."""
-    if not is_flat_top_m_config(arguments):
+def fold_flat_gate(config: Mapping[str, Any]) -> dict[str, Any]:
+    """0.1's flat gate options of a WEINCE configuration (``q``, ``kappa_rho``, ``kappa_aic``, ``aic_margin``) folded
+    into one ``gate`` (its JSON form), applied over the ``gate`` it has; a configuration without them is returned as
+    it is. Used like :func:`fold_flat_top_m`."""
+    flat = {name: config[name] for name in GATE_FIELDS if name in config}
+    if not flat:
+        return dict(config)
+    gate = config.get("gate", GATE_DEFAULTS)
+    base = Gate(**gate) if isinstance(gate, Mapping) else gate
+    return {
+        **{name: value for name, value in config.items() if name not in GATE_FIELDS},
+        "gate": base.replace(**flat).to_config(),
+    }
+
+
+def fold_flat_options(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A WEINCE configuration of 0.1 (flat top-M and gate options) in the form of 0.2 (one ``top_m``, one ``gate``);
+    a configuration of 0.2 is returned as it is. A resume compares a 0.1 checkpoint's recorded configuration so."""
+    return fold_flat_gate(fold_flat_top_m(config))
+
+
+def deprecated_flat_options(owner: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """A loss's keyword ``arguments`` with 0.1's flat top-M and gate options folded into ``top_m`` and ``gate``, and
+    a DeprecationWarning naming them (they go in 0.3)."""
+    flat_top_m = sorted(name for name in arguments if name in FLAT_TOP_M_OPTIONS and _is_flat(name, arguments[name]))
+    flat_gate = [name for name in GATE_FIELDS if name in arguments]
+    replacements = []
+    if flat_top_m:
+        replacements.append(
+            f"the flat top-M options {flat_top_m}: pass one top_m=TopM(m=..., shortfall_weight=..., "
+            "infonce_weight=..., ...) (st_weince.functional.TopM)"
+        )
+    if flat_gate:
+        example = ", ".join(f"{name}={arguments[name]!r}" for name in flat_gate)
+        replacements.append(f"the flat gate options {flat_gate}: pass gate=Gate({example}) (st_weince.functional.Gate)")
+    if not replacements:
         return arguments
-    flat = sorted(name for name in arguments if name in FLAT_TOP_M_OPTIONS and _is_flat(name, arguments[name]))
     warnings.warn(
-        f"{owner}: the flat top-M options {flat} are deprecated since 0.2 and go in 0.3; pass one "
-        "top_m=TopM(m=..., shortfall_weight=..., infonce_weight=..., ...) (st_weince.functional.TopM)",
+        f"{owner}: {'; '.join(replacements)}. They are deprecated since 0.2 and go in 0.3",
         DeprecationWarning,
         stacklevel=3,
     )
-    return fold_flat_top_m(arguments)
+    return fold_flat_options(arguments)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from st_weince.functional.composite import composite_loss
 from st_weince.functional.effective_scale import blend_effective_scale
 from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
 from st_weince.functional.layouts import Direction, MNRLLayout, PartitionMode, mnrl_layout
-from st_weince.functional.options import TopM
+from st_weince.functional.options import Gate, TopM
 from st_weince.functional.weince import (
     DEFAULTS,
     HardestNegatives,
@@ -38,7 +38,7 @@ from st_weince.losses._weince_rows import (
     top_m_rows,
     top_m_units,
 )
-from st_weince.losses.options import WEINCELossOptions, deprecated_flat_top_m
+from st_weince.losses.options import WEINCELossOptions, deprecated_flat_options
 from st_weince.utils.options import options_from_arguments
 
 WEINCE_CITATION = """
@@ -84,10 +84,7 @@ class WEINCELoss(ColumnsLoss):
         *,
         beta: float | str = WEINCELossOptions.beta,
         mode: WeinceMode = WEINCELossOptions.mode,
-        q: float = WEINCELossOptions.q,
-        kappa_rho: float = WEINCELossOptions.kappa_rho,
-        kappa_aic: float = WEINCELossOptions.kappa_aic,
-        aic_margin: float = WEINCELossOptions.aic_margin,
+        gate: Gate | Mapping[str, Any] = WEINCELossOptions.gate,
         tail_frac: float = WEINCELossOptions.tail_frac,
         min_tail_points: int = WEINCELossOptions.min_tail_points,
         eps: float = WEINCELossOptions.eps,
@@ -124,10 +121,11 @@ class WEINCELoss(ColumnsLoss):
             mode: "both" (hardness x geometry gate, default), "rho" (hardness only), "aic" (geometry only) or
                 "none" (lambda = 0: exactly MultipleNegativesRankingLoss through this class's code path, e.g. to
                 compare "InfoNCE with the false-negative guard" against WEINCE with it).
-            q: quantile of the hardest-negative shortfalls that defines the batch pivot ``rho0``.
-            kappa_rho: slope of the hardness gate.
-            kappa_aic: slope of the geometry (AIC) gate.
-            aic_margin: AIC difference at which the geometry gate is one half.
+            gate: the gate lambda's four settings as one :class:`~st_weince.functional.Gate` (or its dict, as
+                ``get_config_dict`` writes it): ``q``, the quantile of the hardest-negative shortfalls that defines
+                the pivot ``rho0``; ``kappa_rho`` and ``kappa_aic``, the slopes of the hardness and geometry (AIC)
+                gates; ``aic_margin``, the AIC difference at which the geometry gate is one half. E.g.
+                ``gate=Gate(q=0.4)``; the defaults are the released implementation's.
             tail_frac: share of an anchor's negatives used for the tail fit.
             min_tail_points: minimum tail size.
             eps: floor of the shortfall ``1 - s``.
@@ -155,8 +153,9 @@ class WEINCELoss(ColumnsLoss):
                 otherwise with the reason: WEINCE needs scores with endpoint 1, and MNRL's hardness weighting would
                 change the choice model whose tail WEINCE fits. Also, until 0.3, 0.1's flat top-M options
                 (``top_m`` as the integer M, ``top_m_shortfall_weight``, ``top_m_infonce_weight``,
-                ``top_m_infonce_scale``, ``beta_ema_*``, ``beta_min*``, ``beta_max``, ``beta_tail_*``), folded into
-                ``top_m`` with a DeprecationWarning.
+                ``top_m_infonce_scale``, ``beta_ema_*``, ``beta_min*``, ``beta_max``, ``beta_tail_*``) and flat gate
+                options (``q``, ``kappa_rho``, ``kappa_aic``, ``aic_margin``), folded into ``top_m`` and ``gate``
+                with a DeprecationWarning.
 
         The released vision composite (docs/algorithms.md), :meth:`WEINCELoss.released`, is ``L = L_blend +
         0.5 L_shortfall_topM + 0.5 L_infonce_topM`` (M = 50, scale 2, beta 1) on the SimCLR layout
@@ -207,8 +206,8 @@ class WEINCELoss(ColumnsLoss):
                 prepare_trainer(trainer)
                 trainer.train()
         """
-        arguments = deprecated_flat_top_m(type(self).__name__, {"top_m": top_m, **compatibility})
-        top_m = arguments.pop("top_m")
+        arguments = deprecated_flat_options(type(self).__name__, {"top_m": top_m, "gate": gate, **compatibility})
+        top_m, gate = arguments.pop("top_m"), arguments.pop("gate")
         refuse_mnrl_arguments(type(self).__name__, _MNRL_REASONS, **arguments)
         super().__init__(model, options_from_arguments(WEINCELossOptions, locals()))
         self.last_statistics: WeinceStatistics | None = None

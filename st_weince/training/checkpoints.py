@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from st_weince.losses.options import fold_flat_top_m
+from st_weince.losses.options import fold_flat_options
 from st_weince.training.loss_tensors import check_finite_loss_state, loss_state_dict, losses_by_prefix, own_tensors
 from st_weince.utils.options import options_config
 
@@ -142,10 +142,11 @@ def describe_loss_change(saved: dict[str, Any], current: dict[str, Any]) -> str 
         elif before.get("class") != now["class"]:
             changes.append(f"{key}: {before.get('class')} in the checkpoint, {now['class']} now")
         else:
-            # a 0.1 checkpoint records WEINCE's top-M options flat; the same configuration now has one top_m
+            # a 0.1 checkpoint records WEINCE's top-M and gate options flat; the same configuration now has one top_m
+            # and one gate
             old_config, new_config = before.get("config") or {}, now["config"]
             if now["class"] in ("WEINCELoss", "CachedWEINCELoss"):
-                old_config = fold_flat_top_m(old_config)
+                old_config = fold_flat_options(old_config)
             if old_config == new_config:
                 continue
             options = [
