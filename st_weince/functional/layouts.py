@@ -3,12 +3,14 @@
 - :func:`nt_xent_layout`: SimCLR's 2N x 2N layout.
 - :func:`mnrl_layout`: sentence-transformers' MultipleNegativesRankingLoss layout (columns, directions, partition
   modes, gathered candidates), for any block of rows, so a cached loss can process the score matrix in row chunks;
-  :func:`mnrl_cross_entropy` is its softmax over the groups' logits.
+  :func:`guard_layout` applies the false-negative guard to its groups, :func:`mnrl_cross_entropy` is its softmax over
+  the groups' logits.
 - :func:`normalize_rows`: unit-length rows, refusing norms that overflow.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -17,6 +19,7 @@ import torch
 from torch import Tensor
 
 from st_weince.functional.checks import compute_dtype, full_precision, upcast
+from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
 from st_weince.utils.hotpath import DeferredChecks
 
 Direction = Literal["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"]
@@ -203,6 +206,57 @@ def mnrl_layout(
             )
         )
     return MNRLLayout(groups=tuple(groups), partition_mode=partition_mode, num_rows=row_end - row_start)
+
+
+def guard_layout(
+    layout: MNRLLayout, spec: FalseNegativeFilter | None, keys: list[Tensor] | None = None, row_start: int = 0
+) -> tuple[MNRLLayout, FilterCounts | None]:
+    """The layout with the false-negative guard's candidates removed from every group's ``valid_mask``, and the
+    per-row counts (masked, negatives before) of the query-anchored group; the layout itself when the guard is off.
+    ``keys``: the (gathered) columns' input keys for the ``"identical"`` rule, with the layout's first row
+    ``row_start``."""
+    if spec is None:
+        return layout, None
+    query_group = layout.groups[0]
+    # The row's own positive pair score: query i against document i (query_to_doc, the first block of group 0).
+    pair_scores = query_group.scores.gather(1, query_group.positive_index[:, None]).squeeze(1)
+    groups, counts = [], None
+    for group in layout.groups:
+        key_arguments = _identical_rule_keys(group, keys, row_start, layout.num_rows) if spec.needs_keys else {}
+        valid_mask, group_counts = apply_false_negative_filter(
+            group.scores,
+            group.positive_index,
+            group.valid_mask,
+            spec,
+            positive_scores=None if group.has_positive else pair_scores,
+            **key_arguments,
+        )
+        counts = group_counts if counts is None else counts
+        groups.append(dataclasses.replace(group, valid_mask=valid_mask))
+    return MNRLLayout(groups=tuple(groups), partition_mode=layout.partition_mode, num_rows=layout.num_rows), counts
+
+
+def _identical_rule_keys(
+    group: CandidateGroup, keys: list[Tensor] | None, row_start: int, num_rows: int
+) -> dict[str, Tensor]:
+    """The candidates' input keys of one MNRL group (its directions' candidate sets side by side) and each row's
+    reference keys: the positive document's for rows anchored at queries, the row's query for rows anchored at
+    documents (its pair partner)."""
+    if keys is None:
+        raise ValueError("false_negative_filter='identical' needs the inputs' keys")
+    query_keys, doc_keys = keys[0], keys[1:]
+    all_doc_keys = torch.cat(doc_keys) if len(doc_keys) > 1 else doc_keys[0]
+    per_direction = {
+        "query_to_doc": all_doc_keys,
+        "query_to_query": query_keys,
+        "doc_to_query": query_keys,
+        "doc_to_doc": all_doc_keys,
+    }
+    candidate_keys = torch.cat([per_direction[direction] for direction in group.directions])
+    rows = slice(row_start, row_start + num_rows)
+    anchored_at_queries = group.directions[0] in ("query_to_doc", "query_to_query")
+    reference_keys = doc_keys[0][rows] if anchored_at_queries else query_keys[rows]
+    return {"candidate_keys": candidate_keys, "reference_keys": reference_keys}
 
 
 def mnrl_cross_entropy(layout: MNRLLayout, group_logits: list[Tensor]) -> Tensor:

@@ -10,14 +10,17 @@ from torch import Tensor, nn
 
 from st_weince.functional.batch_tail import BatchTail
 from st_weince.functional.composite import composite_loss
+from st_weince.functional.effective_scale import blend_effective_scale
 from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts
 from st_weince.functional.layouts import Direction, MNRLLayout, PartitionMode
 from st_weince.functional.options import Gate, TopM
 from st_weince.functional.weince import HardestNegatives, TailFit, WeinceMode, statistics_from_fit
-from st_weince.losses._gradcache import GradCachedLoss, GradCacheOptions
-from st_weince.losses._weince_rows import (
+from st_weince.functional.weince_rows import (
+    TopMStep,
+    Unit,
+    batch_beta_step,
     batch_tail,
-    composite_values,
+    layout_tail_fits,
     rows_loss,
     shares_the_sort,
     statistics_rows,
@@ -25,6 +28,7 @@ from st_weince.losses._weince_rows import (
     top_m_rows,
     top_m_units,
 )
+from st_weince.losses._gradcache import GradCachedLoss, GradCacheOptions
 from st_weince.losses.weince import WEINCELoss, WEINCELossOptions
 from st_weince.utils.options import options_from_arguments
 
@@ -131,12 +135,12 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
         WEINCELoss.__init__(self, model, **weince_arguments, **compatibility)
         self._set_cache_options(model, options_from_arguments(GradCacheOptions, locals()))
 
-    def _kept_for_top_m(self, layout: MNRLLayout, sorts: list[HardestNegatives]) -> list[HardestNegatives] | None:
+    def _kept_for_top_m(self, layout: MNRLLayout, units: list[Unit]) -> list[HardestNegatives] | None:
         """What the second pass's top-M terms need of a chunk's sorts: at most M hardest per row, not the tail fit's
         width (None: no top-M terms, or they pick from the groups side by side)."""
         if self.options.top_m is None or not shares_the_sort(layout):
             return None
-        return [h.first(min(self.options.top_m.m, h.values.shape[1])) for h in sorts]
+        return [u.hardest.first(min(self.options.top_m.m, u.hardest.values.shape[1])) for u in units]
 
     def _cached_loss(self, embeddings: list[Tensor], row_keys: list[Tensor] | None, with_backward: bool) -> Tensor:
         queries, docs, offset, keys = self._columns(embeddings, row_keys)
@@ -157,19 +161,21 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
         with torch.no_grad():
             for begin, end in chunks:
                 layout, counts = self._layout(queries, docs, keys, offset, begin, end)
-                fits, sorts = self._group_fits(layout)
+                fits, units = layout_tail_fits(layout, options.math, options.top_m)
                 chunk_fits.append(fits)
-                chunk_sorts.append(self._kept_for_top_m(layout, sorts))
+                chunk_sorts.append(self._kept_for_top_m(layout, units))
                 chunk_counts.append(counts)
                 if self.batch_beta_ema is not None:
-                    units, gathered = top_m_units(layout, sorts), options.gather_across_devices
-                    chunk_tails.append(batch_tail(units, batch_size, options.top_m, gathered))
+                    chunk_tails.append(batch_tail(units, batch_size, options.top_m, options.gather_across_devices))
+                del units  # (its scores are this chunk's: not kept into the next one)
         guard_counts = FilterCounts.cat(chunk_counts) if options.false_negative_filter is not None else None
         fits = [TailFit.cat([fits[group] for fits in chunk_fits]) for group in range(len(chunk_fits[0]))]
         statistics = [statistics_from_fit(fit, options.math, gather=self._gather) for fit in fits]
         top_m = options.top_m
         infonce_scale = None if top_m is None else top_m.infonce_logit_scale(options.scale)
-        beta_t, beta_fit = self._advance_batch_beta(BatchTail.cat(chunk_tails) if chunk_tails else None)
+        beta_t = beta_fit = None
+        if chunk_tails:
+            beta_t, beta_fit = batch_beta_step(BatchTail.cat(chunk_tails), self.batch_beta_ema, top_m, self._gather)
 
         total = torch.zeros((), dtype=statistics[0].lam.dtype, device=queries.device)
         # the terms' sums over the rows (detached), for their logged shares
@@ -184,8 +190,11 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
             chunk_statistics = [statistics_rows(s, slice(begin, end)) for s in statistics]
             chunk_rows = rows_loss(layout, chunk_statistics, options.scale, options.math.eps)  # the blend
             # (no name for the query rows: one would keep this chunk's scores alive into the next chunk's forward)
-            blend_scale = self._blend_scale(layout.groups[0].scores, layout.groups[0].valid_mask, chunk_statistics[0])
-            scale_sums[0] = scale_sums[0] + blend_scale * (end - begin)
+            blend_scale = blend_effective_scale(
+                layout.groups[0].scores, layout.groups[0].valid_mask, chunk_statistics[0].lam,
+                chunk_statistics[0].beta, scale=options.scale, eps=options.eps,
+            )
+            scale_sums[0] = scale_sums[0] + blend_scale.mean() * (end - begin)
             if top_m is not None:
                 units = top_m_units(layout, sorts)
                 shortfall, infonce, shortfall_scale = top_m_rows(units, beta_t, top_m, infonce_scale)
@@ -204,10 +213,10 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
                 [n for n, leaf in zip(normalized, leaves) if leaf.grad is not None],
                 [leaf.grad for leaf in leaves if leaf.grad is not None],
             )
-        composite = None
+        step = TopMStep(total=total)
         if top_m is not None:
             shares = composite_loss(*[s / batch_size for s in term_sums], top_m).shares()
             scales = top_m_effective_scales(scale_sums[1] / batch_size, infonce_scale, top_m)
-            composite = composite_values(shares, beta_t, beta_fit, scales)
-        self._record(statistics[0], guard_counts, composite, scale_sums[0] / batch_size)
+            step = TopMStep(total, shares, beta_t, beta_fit, scales)
+        self._end_step(statistics[0], guard_counts, step, scale_sums[0] / batch_size)
         return total

@@ -7,39 +7,57 @@ import torch
 from sentence_transformers.util import all_gather, all_gather_with_grad, get_rank
 from torch import Tensor, nn
 
-from st_weince.functional.batch_tail import BatchTail, BatchTailFit, batch_tail_fit, initial_beta_ema, update_beta_ema
+from st_weince.functional.batch_tail import initial_beta_ema
 from st_weince.functional.checks import full_precision
-from st_weince.functional.composite import composite_loss
 from st_weince.functional.effective_scale import blend_effective_scale
 from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
-from st_weince.functional.layouts import Direction, MNRLLayout, PartitionMode, mnrl_layout
+from st_weince.functional.layouts import Direction, MNRLLayout, PartitionMode, guard_layout, mnrl_layout
 from st_weince.functional.options import Gate, TopM
 from st_weince.functional.weince import (
     DEFAULTS,
-    HardestNegatives,
-    TailFit,
     WeinceMode,
     WeinceStatistics,
     statistics_from_fit,
     weince_cross_entropy,
     weince_statistics,
 )
-from st_weince.losses._common import ColumnsLoss, refuse_mnrl_arguments
-from st_weince.losses._weince_rows import (
+from st_weince.functional.weince_rows import (
+    TopMStep,
     Unit,
-    batch_tail,
-    composite_values,
-    guarded_layout,
-    logged_values,
+    layout_tail_fits,
     rows_loss,
-    shares_the_sort,
     sorted_tail_fit,
-    top_m_effective_scales,
-    top_m_rows,
-    top_m_units,
+    top_m_step,
 )
+from st_weince.losses._common import ColumnsLoss, guard_share_values, refuse_mnrl_arguments
 from st_weince.losses.options import WEINCELossOptions, deprecated_flat_options
 from st_weince.utils.options import options_from_arguments
+
+
+def logged_values(
+    stats: WeinceStatistics, guard_counts: FilterCounts | None, step: TopMStep, blend_scale: Tensor
+) -> dict[str, Tensor]:
+    """The logged statistics of the query rows (device tensors: no step reads them on the host): the blend's
+    effective scale (mean over those rows), the gate and tail statistics, the guard's shares and, with the top-M
+    terms, each term's share, their effective scales, the batch tail index and its fit's R^2."""
+    fitted = stats.fitted.to(stats.lam.dtype)
+    values = {
+        "weince_effective_scale_blend": blend_scale.detach(),
+        "weince_lambda_mean": stats.lam.mean(),
+        "weince_lambda_gt_half": (stats.lam > 0.5).to(stats.lam.dtype).mean(),
+        "weince_rho0": stats.rho0,
+        "weince_delta_aic_mean": (stats.delta_aic * fitted).sum() / fitted.sum().clamp_min(1.0),
+        "weince_beta_mean": stats.beta.mean(),
+        **guard_share_values("weince", guard_counts),  # of the query-anchored rows, like the statistics above
+    }
+    values.update({f"weince_share_{name}": share for name, share in step.shares.items()})
+    for name, value in step.effective_scales.items():
+        values[f"weince_effective_scale_{name}"] = value.detach()
+    if step.beta_t is not None and step.fit is not None:
+        values["weince_batch_beta"] = step.beta_t.detach()
+        values["weince_batch_beta_r2"] = step.fit.r_squared
+    return values
+
 
 WEINCE_CITATION = """
 @inproceedings{erol2026weince,
@@ -231,9 +249,11 @@ class WEINCELoss(ColumnsLoss):
         """``1 / temperature``, as MNRL's ``scale`` (read from the options)."""
         return self.options.scale
 
-    def _gather(self, local: Tensor) -> Tensor:
-        """A per-anchor tensor of this process -> the global batch's (no gradient); identity without gathering."""
-        return all_gather(local) if self.options.gather_across_devices else local
+    @property
+    def _gather(self) -> Callable[[Tensor], Tensor] | None:
+        """How a per-anchor tensor of this process becomes the global batch's (no gradient): ``all_gather`` when
+        gathering across devices, else None (this process's batch is the batch)."""
+        return all_gather if self.options.gather_across_devices else None
 
     def statistics(
         self, scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None = None
@@ -247,9 +267,9 @@ class WEINCELoss(ColumnsLoss):
     ) -> tuple[Tensor, list[Tensor], int, list[Tensor] | None]:
         """Checked, (gathered,) unit-length query and document columns, the global row of this process's first
         anchor, and the columns' input keys of the global batch (for the guard's "identical" rule, else None)."""
-        keys = None if row_keys is None else [self._gather(keys) for keys in row_keys]
-        gather = all_gather_with_grad if self.options.gather_across_devices else None
-        queries, *docs = self._checked_columns(embeddings, gather)
+        gather = self.options.gather_across_devices
+        keys = row_keys if row_keys is None or not gather else [all_gather(keys) for keys in row_keys]
+        queries, *docs = self._checked_columns(embeddings, all_gather_with_grad if gather else None)
         offset = get_rank() * embeddings[0].shape[0] if gather else 0
         return queries, docs, offset, keys
 
@@ -261,113 +281,72 @@ class WEINCELoss(ColumnsLoss):
         options = self.options
         rows = {"row_start": offset + begin, "row_end": offset + end}
         layout = mnrl_layout(queries, docs, options.directions, options.partition_mode, **rows)
-        return guarded_layout(layout, options.false_negative_filter, keys, offset + begin)
-
-    def _group_fits(self, layout: MNRLLayout) -> tuple[list[TailFit], list[HardestNegatives]]:
-        """Each group's tail fit and the one sort of its rows it is made from, which the top-M terms reuse where they
-        pick from the same softmax (:func:`shares_the_sort`)."""
-        top_m = self.options.top_m if shares_the_sort(layout) else None
-        pairs = [
-            sorted_tail_fit(g.scores, g.positive_index, g.valid_mask, self.options.math, top_m) for g in layout.groups
-        ]
-        return [fit for fit, _ in pairs], [hardest for _, hardest in pairs]
+        return guard_layout(layout, options.false_negative_filter, keys, offset + begin)
 
     def loss_from_scores(self, scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None) -> Tensor:
         """Cross-entropy over one score matrix, e.g. the SimCLR 2N x 2N layout of
         :func:`st_weince.functional.nt_xent_layout`. Used by the vision adapter."""
         self._check_scores(scores, positive_index, valid_mask, every_row_has_positive=True)
         positive_index = positive_index.long()
+        options = self.options
         with full_precision(scores):
             valid_mask, counts = apply_false_negative_filter(
-                scores, positive_index, valid_mask, self.options.false_negative_filter
+                scores, positive_index, valid_mask, options.false_negative_filter
             )
-            fit, hardest = sorted_tail_fit(scores, positive_index, valid_mask, self.options.math, self.options.top_m)
-            stats = statistics_from_fit(fit, self.options.math, gather=self._gather)
-            loss = weince_cross_entropy(
+            fit, hardest = sorted_tail_fit(scores, positive_index, valid_mask, options.math, options.top_m)
+            stats = statistics_from_fit(fit, options.math, gather=self._gather)
+            blend = weince_cross_entropy(
                 scores,
                 positive_index,
                 valid_mask,
-                self.options.math,
-                scale=self.options.scale,
+                options.math,
+                scale=options.scale,
                 statistics=stats,
                 check_inputs=False,  # checked above, with the loss's own switch
             )
+            blend_scale = blend_effective_scale(
+                scores, valid_mask, stats.lam, stats.beta, scale=options.scale, eps=options.eps
+            )
             units = [Unit(scores, positive_index, valid_mask, hardest)]
-            blend_scale = self._blend_scale(scores, valid_mask, stats)
-            return self._with_top_m_terms(loss, stats, counts, lambda: units, scores.shape[0], blend_scale)
+            step = top_m_step(
+                blend, units, options.top_m, self.batch_beta_ema,
+                scale=options.scale, step_rows=scores.shape[0], gather=self._gather,
+            )
+            self._end_step(stats, counts, step, blend_scale.mean())
+            return step.total
 
     def _loss_from_embeddings(self, embeddings: list[Tensor], row_keys: list[Tensor] | None) -> Tensor:
+        options = self.options
         queries, docs, offset, keys = self._columns(embeddings, row_keys)
         layout, counts = self._layout(queries, docs, keys, offset, 0, embeddings[0].shape[0])
-        fits, hardest = self._group_fits(layout)
-        statistics = [statistics_from_fit(f, self.options.math, gather=self._gather) for f in fits]
-        loss = rows_loss(layout, statistics, self.options.scale, self.options.math.eps).mean()
-        query_rows = layout.groups[0]
-        blend_scale = self._blend_scale(query_rows.scores, query_rows.valid_mask, statistics[0])
-        return self._with_top_m_terms(
-            loss, statistics[0], counts, lambda: top_m_units(layout, hardest), layout.num_rows, blend_scale
+        fits, units = layout_tail_fits(layout, options.math, options.top_m)
+        statistics = [statistics_from_fit(fit, options.math, gather=self._gather) for fit in fits]
+        blend = rows_loss(layout, statistics, options.scale, options.eps).mean()
+        query_rows, query_stats = layout.groups[0], statistics[0]  # the logged values are the query rows'
+        blend_scale = blend_effective_scale(
+            query_rows.scores, query_rows.valid_mask, query_stats.lam, query_stats.beta, scale=options.scale,
+            eps=options.eps,
         )
+        step = top_m_step(
+            blend, units, options.top_m, self.batch_beta_ema,
+            scale=options.scale, step_rows=layout.num_rows, gather=self._gather,
+        )
+        self._end_step(query_stats, counts, step, blend_scale.mean())
+        return step.total
 
-    def _blend_scale(self, scores: Tensor, valid_mask: Tensor | None, stats: WeinceStatistics) -> Tensor:
-        """The blend's effective scale (docs/weince.md), mean over these rows."""
-        options = self.options
-        rows = blend_effective_scale(scores, valid_mask, stats.lam, stats.beta, scale=options.scale, eps=options.eps)
-        return rows.mean()
-
-    def _with_top_m_terms(
-        self,
-        loss: Tensor,
-        stats: WeinceStatistics,
-        counts: FilterCounts | None,
-        units_of: Callable[[], list[Unit]],
-        step_rows: int,
-        blend_scale: Tensor | None = None,
-    ) -> Tensor:
-        """The blend ``loss`` with the top-M terms over the softmaxes ``units_of()`` added when they are on; records
-        the step's statistics (and the blend's effective scale ``blend_scale``)."""
-        top_m = self.options.top_m
-        if top_m is None:
-            self._record(stats, counts, blend_scale=blend_scale)
-            return loss
-        units, tail = units_of(), None
-        if self.batch_beta_ema is not None:
-            tail = batch_tail(units, step_rows, top_m, self.options.gather_across_devices)
-        beta_t, fit = self._advance_batch_beta(tail)
-        infonce_scale = top_m.infonce_logit_scale(self.options.scale)
-        shortfall, infonce, shortfall_scale = top_m_rows(units, beta_t, top_m, infonce_scale)
-        composite = composite_loss(loss, shortfall.mean(), infonce.mean(), top_m)
-        scales = top_m_effective_scales(shortfall_scale.mean(), infonce_scale, top_m)
-        self._record(stats, counts, composite_values(composite.shares(), beta_t, fit, scales), blend_scale)
-        return composite.total
-
-    def _advance_batch_beta(self, tail: BatchTail | None) -> tuple[Tensor | None, BatchTailFit | None]:
-        """This step's ``beta_t`` and fit from the batch tail (gathered over processes): the moving average updated
-        with the fit, stored in the buffer on training steps. (None, None) when the shortfall term is off."""
-        if tail is None or self.batch_beta_ema is None:
-            return None, None
-        if self.options.gather_across_devices:
-            tail = BatchTail(
-                shortfalls=all_gather(tail.shortfalls), num_negatives=all_gather(tail.num_negatives[None]).sum()
-            )
-        fit = batch_tail_fit(tail, self.options.top_m)
-        beta_t = update_beta_ema(self.batch_beta_ema, fit, self.options.top_m)
-        if self.training and torch.is_grad_enabled():
-            with torch.no_grad():
-                self.batch_beta_ema.copy_(beta_t)
-        return beta_t, fit
-
-    def _record(
-        self,
-        stats: WeinceStatistics,
-        guard_counts: FilterCounts | None = None,
-        composite: dict | None = None,
-        blend_scale: Tensor | None = None,
+    def _end_step(
+        self, stats: WeinceStatistics, guard_counts: FilterCounts | None, step: TopMStep, blend_scale: Tensor
     ) -> None:
-        """Keep the statistics of the query rows: the latest ones, and their running means for the trainer's logs
-        (on the device, so no step reads them on the host)."""
+        """Store the step's ``beta_t`` in the buffer on training steps (grad enabled, loss in training mode), and
+        keep the statistics of the query rows: the latest ones, and their running means for the trainer's logs (on
+        the device, so no step reads them on the host); ``blend_scale``: the blend's effective scale, mean over
+        those rows."""
+        if step.beta_t is not None and self.batch_beta_ema is not None and self.training and torch.is_grad_enabled():
+            with torch.no_grad():
+                self.batch_beta_ema.copy_(step.beta_t)
         if not torch.compiler.is_compiling():
             self.last_statistics = stats
-        self.logged_statistics.add(logged_values(stats, guard_counts, composite, blend_scale))
+        self.logged_statistics.add(logged_values(stats, guard_counts, step, blend_scale))
 
     @property
     def citation(self) -> str:

@@ -1,19 +1,26 @@
-"""The WEINCE loss over a block of rows of the MNRL layout, shared by WEINCELoss and CachedWEINCELoss (which takes
-the rows a chunk at a time): the false-negative guard on the layout, the blended cross-entropy of the rows, the
-softmaxes the top-M terms pick from, and the logged values."""
+"""WEINCE over the rows of an MNRL layout (:mod:`st_weince.functional.layouts`): each group's tail fit, made from one
+sort of its rows that the top-M terms share; the blended cross-entropy of the rows; the softmaxes the top-M terms pick
+from, their terms and the batch tail. :class:`~st_weince.losses.WEINCELoss` takes them over the batch's rows,
+:class:`~st_weince.losses.CachedWEINCELoss` a row chunk at a time."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from st_weince.functional.batch_tail import BatchTail, BatchTailFit, batch_negative_tail
-from st_weince.functional.composite import top_m_terms, top_m_width
-from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
+from st_weince.functional.batch_tail import (
+    BatchTail,
+    BatchTailFit,
+    batch_negative_tail,
+    batch_tail_fit,
+    update_beta_ema,
+)
+from st_weince.functional.composite import composite_loss, top_m_terms, top_m_width
 from st_weince.functional.layouts import MNRLLayout, mnrl_cross_entropy
 from st_weince.functional.options import TopM, WeinceOptions
 from st_weince.functional.weince import (
@@ -26,7 +33,6 @@ from st_weince.functional.weince import (
     weince_logits,
     weince_tail_fit,
 )
-from st_weince.losses._common import guard_share_values
 
 
 class Unit(NamedTuple):
@@ -60,53 +66,15 @@ def sorted_tail_fit(
     return weince_tail_fit(scores, positive_index, valid_mask, options, hardest=hardest), hardest
 
 
-def guarded_layout(
-    layout: MNRLLayout, spec: FalseNegativeFilter | None, keys: list[Tensor] | None = None, row_start: int = 0
-) -> tuple[MNRLLayout, FilterCounts | None]:
-    """The layout with the false-negative guard's candidates removed from every group's ``valid_mask``, and the
-    per-row counts (masked, negatives before) of the query-anchored group; the layout itself when the guard is off.
-    ``keys``: the (gathered) columns' input keys for the ``"identical"`` rule, with the layout's first row
-    ``row_start``."""
-    if spec is None:
-        return layout, None
-    query_group = layout.groups[0]
-    # The row's own positive pair score: query i against document i (query_to_doc, the first block of group 0).
-    pair_scores = query_group.scores.gather(1, query_group.positive_index[:, None]).squeeze(1)
-    groups, counts = [], None
-    for group in layout.groups:
-        key_arguments = _identical_rule_keys(group, keys, row_start, layout.num_rows) if spec.needs_keys else {}
-        valid_mask, group_counts = apply_false_negative_filter(
-            group.scores,
-            group.positive_index,
-            group.valid_mask,
-            spec,
-            positive_scores=None if group.has_positive else pair_scores,
-            **key_arguments,
-        )
-        counts = group_counts if counts is None else counts
-        groups.append(dataclasses.replace(group, valid_mask=valid_mask))
-    return MNRLLayout(groups=tuple(groups), partition_mode=layout.partition_mode, num_rows=layout.num_rows), counts
-
-
-def _identical_rule_keys(group: Any, keys: list[Tensor] | None, row_start: int, num_rows: int) -> dict[str, Tensor]:
-    """The candidates' input keys of one MNRL group (its directions' candidate sets side by side) and each row's
-    reference keys: the positive document's for rows anchored at queries, the row's query for rows anchored at
-    documents (its pair partner)."""
-    if keys is None:
-        raise ValueError("false_negative_filter='identical' needs the inputs' keys")
-    query_keys, doc_keys = keys[0], keys[1:]
-    all_doc_keys = torch.cat(doc_keys) if len(doc_keys) > 1 else doc_keys[0]
-    per_direction = {
-        "query_to_doc": all_doc_keys,
-        "query_to_query": query_keys,
-        "doc_to_query": query_keys,
-        "doc_to_doc": all_doc_keys,
-    }
-    candidate_keys = torch.cat([per_direction[direction] for direction in group.directions])
-    rows = slice(row_start, row_start + num_rows)
-    anchored_at_queries = group.directions[0] in ("query_to_doc", "query_to_query")
-    reference_keys = doc_keys[0][rows] if anchored_at_queries else query_keys[rows]
-    return {"candidate_keys": candidate_keys, "reference_keys": reference_keys}
+def layout_tail_fits(
+    layout: MNRLLayout, options: WeinceOptions, top_m: TopM | None
+) -> tuple[list[TailFit], list[Unit]]:
+    """Each group's tail fit, and the softmaxes the top-M terms pick from (none when ``top_m`` is None), each with the
+    one sort of its rows the tail fit was made from where they pick from the same softmax (:func:`shares_the_sort`)."""
+    sort_for = top_m if shares_the_sort(layout) else None
+    pairs = [sorted_tail_fit(g.scores, g.positive_index, g.valid_mask, options, sort_for) for g in layout.groups]
+    units = [] if top_m is None else top_m_units(layout, [hardest for _, hardest in pairs])
+    return [fit for fit, _ in pairs], units
 
 
 def rows_loss(layout: MNRLLayout, statistics: list[WeinceStatistics], scale: float, eps: float) -> Tensor:
@@ -190,40 +158,50 @@ def top_m_effective_scales(shortfall_scale: Tensor, scale: float, options: TopM)
     return scales
 
 
-def composite_values(
-    shares: dict[str, Tensor],
-    beta_t: Tensor | None,
-    fit: BatchTailFit | None,
-    effective_scales: dict[str, Tensor] | None = None,
-) -> dict[str, Tensor]:
-    """The logged values of the composite: each term's share, the batch tail index and its fit's R^2, and the top-M
-    terms' effective scales (mean over rows, :mod:`st_weince.functional.effective_scale`)."""
-    values = {f"weince_share_{name}": share for name, share in shares.items()}
-    for name, value in (effective_scales or {}).items():
-        values[f"weince_effective_scale_{name}"] = value.detach()
-    if beta_t is not None and fit is not None:
-        values["weince_batch_beta"] = beta_t.detach()
-        values["weince_batch_beta_r2"] = fit.r_squared
-    return values
+def batch_beta_step(
+    tail: BatchTail, beta_ema: Tensor, options: TopM, gather: Callable[[Tensor], Tensor] | None = None
+) -> tuple[Tensor, BatchTailFit]:
+    """This step's ``beta_t`` (the moving average ``beta_ema`` updated with the batch tail's fit; the caller stores it
+    on training steps) and the fit; ``gather`` joins the processes' tails (None: this process's alone)."""
+    if gather is not None:
+        tail = BatchTail(shortfalls=gather(tail.shortfalls), num_negatives=gather(tail.num_negatives[None]).sum())
+    fit = batch_tail_fit(tail, options)
+    return update_beta_ema(beta_ema, fit, options), fit
 
 
-def logged_values(
-    stats: WeinceStatistics,
-    guard_counts: FilterCounts | None,
-    composite: dict[str, Tensor] | None,
-    blend_scale: Tensor | None = None,
-) -> dict[str, Tensor]:
-    """The logged statistics of the query rows (device tensors: no step reads them on the host); ``blend_scale``:
-    the blend's effective scale, mean over those rows."""
-    fitted = stats.fitted.to(stats.lam.dtype)
-    scale = {} if blend_scale is None else {"weince_effective_scale_blend": blend_scale.detach()}
-    return {
-        **scale,
-        "weince_lambda_mean": stats.lam.mean(),
-        "weince_lambda_gt_half": (stats.lam > 0.5).to(stats.lam.dtype).mean(),
-        "weince_rho0": stats.rho0,
-        "weince_delta_aic_mean": (stats.delta_aic * fitted).sum() / fitted.sum().clamp_min(1.0),
-        "weince_beta_mean": stats.beta.mean(),
-        **guard_share_values("weince", guard_counts),  # of the query-anchored rows, like the statistics above
-        **(composite or {}),
-    }
+@dataclasses.dataclass(frozen=True)
+class TopMStep:
+    """The blend with the top-M terms added (the blend alone without them), and what the step logs and keeps of the
+    terms: each term's share, ``beta_t`` and its batch tail fit (the shortfall term on), the effective scales."""
+
+    total: Tensor
+    shares: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    beta_t: Tensor | None = None
+    fit: BatchTailFit | None = None
+    effective_scales: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+
+
+def top_m_step(
+    blend: Tensor,
+    units: list[Unit],
+    options: TopM | None,
+    beta_ema: Tensor | None,
+    *,
+    scale: float,
+    step_rows: int,
+    gather: Callable[[Tensor], Tensor] | None = None,
+) -> TopMStep:
+    """The composite of one step: ``blend`` (the blend's mean over rows) plus the top-M terms over the softmaxes
+    ``units`` (``step_rows`` rows), with ``beta_t`` the moving average ``beta_ema`` updated from these rows' batch tail
+    (gathered over processes by ``gather``); ``blend`` itself when ``options`` is None."""
+    if options is None:
+        return TopMStep(total=blend)
+    beta_t = fit = None
+    if beta_ema is not None:
+        tail = batch_tail(units, step_rows, options, gathered=gather is not None)
+        beta_t, fit = batch_beta_step(tail, beta_ema, options, gather)
+    infonce_scale = options.infonce_logit_scale(scale)
+    shortfall, infonce, shortfall_scale = top_m_rows(units, beta_t, options, infonce_scale)
+    composite = composite_loss(blend, shortfall.mean(), infonce.mean(), options)
+    scales = top_m_effective_scales(shortfall_scale.mean(), infonce_scale, options)
+    return TopMStep(composite.total, composite.shares(), beta_t, fit, scales)
