@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from st_weince.functional.false_negatives import FilterCounts
+from st_weince.functional.sigmoid import constellation_margin_from_extremes
 from st_weince.losses._gradcache import GradCachedLoss, GradCacheOptions
 from st_weince.losses._sigmoid_blocks import all_gathers, candidate_columns, directional_blocks, key_blocks
 from st_weince.losses.rb_sigmoid import RBSigmoidLoss, RBSigmoidOptions
@@ -110,7 +111,8 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
             for name, value in params.items():
                 if value.requires_grad and stand_ins[name].grad is not None:
                     total = total + (value - value.detach()) * stand_ins[name].grad
-        self._record(params, *extremes, guard_counts)
+        margin, _ = constellation_margin_from_extremes(*extremes)
+        self._record(params, margin, guard_counts)
         return total
 
     def _row_chunk_losses(

@@ -329,23 +329,32 @@ class RBSigmoidLoss(ColumnsLoss):
             scores = scores.to(dtype) if transform is None else transform(scores)
             arguments = self._logit_arguments(params, dtype)
             loss = sigmoid_contrastive_loss(scores, targets, valid_mask=valid_mask, check_inputs=False, **arguments)
-            self._record(params, *score_extremes(scores, targets, valid_mask), guard_counts)
+            margin, _ = constellation_margin_from_extremes(*score_extremes(scores, targets, valid_mask))
+            self._record(params, margin, guard_counts)
             return loss
 
     def _loss_from_embeddings(self, embeddings: list[Tensor], row_keys: list[Tensor] | None) -> Tensor:
+        blocks, positive_index = self._blocks(embeddings, row_keys)
+        params = self.loss_parameters()
+        results = [self._block_loss(anchors, block, positive_index, params, keys) for anchors, block, _, keys in blocks]
+        loss = sum(weight * value for (_, _, weight, _), (value, *_) in zip(blocks, results))
+        _, low, high, guard_counts = results[0]  # the first block's margin and guard shares are logged
+        margin, _ = constellation_margin_from_extremes(low, high)
+        self._record(params, margin, guard_counts)
+        return loss
+
+    def _blocks(
+        self, embeddings: list[Tensor], row_keys: list[Tensor] | None
+    ) -> tuple[list[tuple[Tensor, Tensor, float, Tensor | None]], Tensor]:
+        """The checked, unit-length columns as the loss scores them: every ``(anchors, candidates, weight, candidate
+        keys)`` block whose weighted sum is the loss (candidates all-gathered with gradient when the exchange is
+        ``"all_gather"``; keys None without the guard's "identical" rule), and the row of each local anchor's
+        positive among the candidates."""
         columns = self._checked_columns(embeddings)
         candidates, positive_index = candidate_columns(columns, self.options)
-        params = self.loss_parameters()
-        loss = columns[0].new_zeros(())
-        extremes = guard_counts = None
-        blocks = zip(directional_blocks(columns, candidates, self.options), key_blocks(columns, row_keys, self.options))
-        for (anchor_column, block, weight), keys in blocks:
-            value, low, high, counts = self._block_loss(columns[anchor_column], block, positive_index, params, keys)
-            loss = loss + weight * value
-            if extremes is None:  # the first block's, logged
-                extremes, guard_counts = (low, high), counts
-        self._record(params, *extremes, guard_counts)
-        return loss
+        keys = key_blocks(columns, row_keys, self.options)
+        layout = directional_blocks(columns, candidates, self.options)
+        return [(columns[a], block, weight, k) for (a, block, weight), k in zip(layout, keys)], positive_index
 
     # ----- the pieces, shared with CachedRBSigmoidLoss -----
     def _block_loss(
@@ -389,19 +398,19 @@ class RBSigmoidLoss(ColumnsLoss):
     def _record(
         self,
         params: dict[str, Tensor],
-        min_positive: Tensor,
-        max_negative: Tensor,
+        margin: Tensor,
         guard_counts: FilterCounts | None = None,
     ) -> None:
-        """Keep ``t``, ``b_rel``, ``b``, the margin (and ``delta``, and the false-negative guard's shares) as device
-        tensors: no sync in the hot path. The margin is that of the (local) batch: ``(min matching score - max
-        non-matching score) / 2`` of the first anchors-vs-candidates block; a block without matching or without
-        non-matching pairs has an infinite margin, not counted."""
+        """Keep ``t``, ``b_rel``, ``b``, the ``margin`` (and ``delta``, and the false-negative guard's shares) as
+        device tensors: no sync in the hot path. The margin is that of the (local) batch: ``(min matching score - max
+        non-matching score) / 2`` of the first anchors-vs-candidates block
+        (:func:`~st_weince.functional.sigmoid.constellation_margin_from_extremes`); a block without matching or
+        without non-matching pairs has an infinite margin, not counted."""
         values = {f"rb_sigmoid_{name}": value for name, value in self._scalars(params).items()}
         # 1 when t is at its cap max_scale (the mean over the logging interval: the share of steps at the cap)
         capped = params["log_t"].detach() >= self.log_scale_cap
         values["rb_sigmoid_t_capped"] = capped.to(values["rb_sigmoid_t"].dtype)
-        values["rb_sigmoid_margin"] = constellation_margin_from_extremes(min_positive, max_negative)[0]
+        values["rb_sigmoid_margin"] = margin
         self.logged_statistics.add({**values, **guard_share_values("rb_sigmoid", guard_counts)})
 
     @torch.no_grad()
