@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
-from st_weince.functional import nt_xent_layout, weince_cross_entropy
+from st_weince.functional import Gate, nt_xent_layout, weince_cross_entropy
 from st_weince.losses import WEINCELoss
 from tests.float32_tolerance import query_group, tail_fit_tolerances, ulps_apart
 
@@ -162,8 +163,9 @@ def test_trainer_trains_logs_saves_reloads(tiny_model, tmp_path):
     from tests.conftest import TINY_SENTENCES, build_trainer
 
     dataset = Dataset.from_dict({"anchor": TINY_SENTENCES * 2, "positive": (TINY_SENTENCES * 2)[::-1]})
+    loss = WEINCELoss(tiny_model, gate=Gate(q=0.4))
     trainer = build_trainer(
-        tiny_model, WEINCELoss(tiny_model), tmp_path / "out", dataset=dataset, per_device_train_batch_size=12,
+        tiny_model, loss, tmp_path / "out", dataset=dataset, per_device_train_batch_size=12,
         max_steps=3, logging_steps=1, learning_rate=1e-3, save_strategy="no",
     )
     log_loss_statistics(trainer)
@@ -181,5 +183,9 @@ def test_trainer_trains_logs_saves_reloads(tiny_model, tmp_path):
     tiny_model.save_pretrained(str(tmp_path / "saved"))
     card = (tmp_path / "saved" / "README.md").read_text()
     assert "WEINCELoss" in card and "2606.00262" in card
+    # the card's loss configuration rebuilds the loss, the gate included
+    configs = [json.loads(block) for block in re.findall(r"```json\n(\s*\{.*?\n\s*\})\n\s*```", card, flags=re.DOTALL)]
+    (config,) = [config for config in configs if "gate" in config]
+    assert WEINCELoss(None, **config).options == loss.options and config["gate"]["q"] == 0.4
     reloaded = SentenceTransformer(str(tmp_path / "saved"), device="cpu")
     torch.testing.assert_close(reloaded.encode(["the cat sat on the mat"], convert_to_tensor=True), after)
