@@ -118,16 +118,28 @@ def hardest_negatives(
     scores = scores.detach()
     if valid_mask is not None:
         scores = scores.masked_fill(~valid_mask, float("-inf"))
+    taken = width if positive_index is None else min(width + 1, scores.shape[1])
+    if scores.device.type == "cpu":
+        # On CPU, torch's float top-k compares with a NaN-aware comparator, about a third of its time. The same
+        # selection on order-preserving integer keys (the float's bits with the magnitude bits flipped for negative
+        # numbers, a map that is its own inverse) makes the same comparisons with plain integer ones, so the same
+        # columns come out (ties alike; only -0.0 now ranks below 0.0, and a NaN, which makes its row's loss NaN
+        # anyway, no longer ranks first), and the keys map back to the top-k's values bit for bit.
+        bits = scores.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[scores.element_size()])
+        sign, magnitude = 8 * scores.element_size() - 1, (1 << 8 * scores.element_size() - 1) - 1
+        keys, columns = (bits >> sign).bitwise_and_(magnitude).bitwise_xor_(bits).topk(taken, dim=1, sorted=True)
+        values = (keys >> sign).bitwise_and_(magnitude).bitwise_xor_(keys).view(scores.dtype)
+    else:  # CUDA's top-k is a radix select on such keys already
+        values, columns = scores.topk(taken, dim=1, sorted=True)
     if positive_index is None:
-        top = scores.topk(width, dim=1)
-        return HardestNegatives(values=top.values, columns=top.indices if with_columns else None)
-    values, columns = scores.topk(min(width + 1, scores.shape[1]), dim=1, sorted=True)
+        return HardestNegatives(values=values, columns=columns if with_columns else None)
     # Drop the positive without re-sorting: position j takes the value at j, or at j + 1 once the positive has been
     # passed. A row whose positive is not among its top width + 1 (or that has none) keeps its first width values.
-    taken = values.shape[1]
-    passed = (columns[:, :width] == positive_index[:, None]).cumsum(dim=1)
-    positions = (torch.arange(width, device=scores.device)[None, :] + passed).clamp_max_(taken - 1)
-    beyond = torch.arange(width, device=scores.device)[None, :] + passed >= taken  # only when width = columns
+    shifted = (columns[:, :width] == positive_index[:, None]).cumsum(dim=1).add_(
+        torch.arange(width, device=scores.device)
+    )
+    beyond = shifted >= taken  # only when width = columns
+    positions = shifted.clamp_max_(taken - 1)
     return HardestNegatives(
         values=values.gather(1, positions).masked_fill_(beyond, float("-inf")),
         columns=columns.gather(1, positions) if with_columns else None,
