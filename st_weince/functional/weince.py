@@ -384,20 +384,29 @@ class _BlendedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scores, lam, beta, positive_index, valid_mask, scale, eps):
-        logits, shortfall, linear_weight, shortfall_weight = _blended_logits(scores, lam, beta, scale, eps)
+        # The logits of _blended_logits, the same operations in the same order, with the shortfall's log taken in
+        # place: the scores (alive anyway) are saved and backward rebuilds the shortfall, so forward writes two
+        # [A, C] tensors instead of three.
+        linear_weight = (1.0 - lam) * scale
+        shortfall_weight = lam * beta
+        logits = torch.rsub(scores, 1.0).clamp_min_(eps).log_().mul_(-shortfall_weight).addcmul_(scores, linear_weight)
         if valid_mask is not None:
             logits.masked_fill_(~valid_mask, float("-inf"))
         log_probabilities = torch.log_softmax(logits, dim=1)
-        ctx.save_for_backward(log_probabilities, shortfall, linear_weight, shortfall_weight, positive_index)
+        ctx.save_for_backward(log_probabilities, scores, linear_weight, shortfall_weight, positive_index)
+        ctx.eps = eps
         return log_probabilities.gather(1, positive_index[:, None]).squeeze(1).neg_()
 
     @staticmethod
     def backward(ctx, grad_rows: Tensor):
-        log_probabilities, shortfall, linear_weight, shortfall_weight, positive_index = ctx.saved_tensors
+        log_probabilities, scores, linear_weight, shortfall_weight, positive_index = ctx.saved_tensors
         grad_rows = grad_rows[:, None]
         probabilities = log_probabilities.exp()
         probabilities.scatter_add_(1, positive_index[:, None], -torch.ones_like(grad_rows))
-        slope = torch.addcdiv(linear_weight * grad_rows, shortfall_weight * grad_rows, shortfall)
+        # dl/ds = (1 - lam) / tau + lam beta / max(1 - s, eps), the second term 0 where the clamp is active: the
+        # shortfall as _blended_logits saves it (+inf at the clamp), then the row weights folded in, in place
+        slope = torch.threshold_(torch.rsub(scores, 1.0), ctx.eps, float("inf"))
+        slope = torch.div(shortfall_weight * grad_rows, slope, out=slope).add_(linear_weight * grad_rows)
         return probabilities.mul_(slope), None, None, None, None, None, None
 
 
