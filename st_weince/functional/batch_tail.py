@@ -87,10 +87,27 @@ def batch_negative_tail(
     # The smallest shortfalls max(1 - s, eps) are the largest scores. The keep + A largest entries hold the keep
     # largest negatives (at most one positive per row among them): one top-k of the flat matrix, no masked copy.
     rows_with_positive = scores.shape[0]
-    top = s.reshape(-1).topk(min(entries, keep + rows_with_positive), sorted=False)
-    row, column = top.indices // scores.shape[1], top.indices % scores.shape[1]
-    negative_values = top.values.masked_fill(column == positive_index[row], float("-inf"))
-    largest = negative_values.topk(keep, sorted=True).values
+    taken = min(entries, keep + rows_with_positive)
+    flat = s.reshape(-1)
+    if flat.device.type == "cpu":
+        # Both selections on order-preserving integer keys, as in hardest_negatives (the same comparisons without
+        # torch's NaN-aware float comparator on CPU; the keys map back to the top-k's values bit for bit)
+        bits_dtype = {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+        sign, magnitude = 8 * flat.element_size() - 1, (1 << 8 * flat.element_size() - 1) - 1
+
+        def keyed(values: Tensor) -> Tensor:  # float -> key and key -> float (the map is its own inverse)
+            return (values >> sign).bitwise_and_(magnitude).bitwise_xor_(values)
+
+        keys, indices = keyed(flat.view(bits_dtype)).topk(taken, sorted=False)
+        row, column = indices // scores.shape[1], indices % scores.shape[1]
+        minus_infinity = keyed(flat.new_full((), float("-inf")).view(bits_dtype))
+        keys.masked_fill_(column == positive_index[row], minus_infinity)
+        largest = keyed(keys.topk(keep, sorted=True).values).view(flat.dtype)
+    else:
+        values, indices = flat.topk(taken, sorted=False)
+        row, column = indices // scores.shape[1], indices % scores.shape[1]
+        negative_values = values.masked_fill(column == positive_index[row], float("-inf"))
+        largest = negative_values.topk(keep, sorted=True).values
     shortfall = torch.rsub(largest, 1.0).clamp_min_(options.eps)  # -inf (no negative left) gives +inf
     num_negatives = count_negatives(positive_index, valid_mask, scores.shape, scores.device).sum()
     return BatchTail(shortfalls=shortfall, num_negatives=num_negatives, ascending=True)

@@ -57,12 +57,13 @@ def top_m_negatives(
     """
     top_m = integer_option("top_m", top_m, 1)
     s = scores.to(compute_dtype(scores))
-    positive = s.gather(1, positive_index.clamp_min(0)[:, None]).squeeze(1)
+    positive_column = positive_index.clamp_min(0)[:, None]
     width = top_m_width(s.shape[1], top_m)
     if width == 0:  # at most one negative per row: K - 1 = 0 hard negatives
         empty = s.new_zeros((s.shape[0], 0))
-        return positive, empty, empty.bool()
+        return s.gather(1, positive_column).squeeze(1), empty, empty.bool()
     if hardest is None:
+        positive = s.gather(1, positive_column).squeeze(1)
         negative = negative_mask(s, positive_index, valid_mask)
         values = s.masked_fill(~negative, float("-inf")).topk(width, dim=1, sorted=True).values
         num_negatives = negative.sum(1)
@@ -72,7 +73,9 @@ def top_m_negatives(
                 f"hardest has shape {tuple(hardest.values.shape)}: the top-M terms of {tuple(s.shape)} scores need "
                 f"[{s.shape[0]}, >= {width}] with its columns (hardest_negatives(..., with_columns=True))"
             )
-        values = s.gather(1, hardest.columns[:, :width])
+        # one gather of the positive and the negatives: its backward scatters into one [A, C] gradient, not two
+        picked = s.gather(1, torch.cat([positive_column, hardest.columns[:, :width]], dim=1))
+        positive, values = picked[:, 0], picked[:, 1:]
         num_negatives = count_negatives(positive_index, valid_mask, s.shape, s.device)
     per_row = (num_negatives - 1).clamp(0, top_m)
     used = torch.arange(width, device=s.device)[None, :] < per_row[:, None]

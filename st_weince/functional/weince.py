@@ -118,16 +118,28 @@ def hardest_negatives(
     scores = scores.detach()
     if valid_mask is not None:
         scores = scores.masked_fill(~valid_mask, float("-inf"))
+    taken = width if positive_index is None else min(width + 1, scores.shape[1])
+    if scores.device.type == "cpu":
+        # On CPU, torch's float top-k compares with a NaN-aware comparator, about a third of its time. The same
+        # selection on order-preserving integer keys (the float's bits with the magnitude bits flipped for negative
+        # numbers, a map that is its own inverse) makes the same comparisons with plain integer ones, so the same
+        # columns come out (ties alike; only -0.0 now ranks below 0.0, and a NaN, which makes its row's loss NaN
+        # anyway, no longer ranks first), and the keys map back to the top-k's values bit for bit.
+        bits = scores.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[scores.element_size()])
+        sign, magnitude = 8 * scores.element_size() - 1, (1 << 8 * scores.element_size() - 1) - 1
+        keys, columns = (bits >> sign).bitwise_and_(magnitude).bitwise_xor_(bits).topk(taken, dim=1, sorted=True)
+        values = (keys >> sign).bitwise_and_(magnitude).bitwise_xor_(keys).view(scores.dtype)
+    else:  # CUDA's top-k is a radix select on such keys already
+        values, columns = scores.topk(taken, dim=1, sorted=True)
     if positive_index is None:
-        top = scores.topk(width, dim=1)
-        return HardestNegatives(values=top.values, columns=top.indices if with_columns else None)
-    values, columns = scores.topk(min(width + 1, scores.shape[1]), dim=1, sorted=True)
+        return HardestNegatives(values=values, columns=columns if with_columns else None)
     # Drop the positive without re-sorting: position j takes the value at j, or at j + 1 once the positive has been
     # passed. A row whose positive is not among its top width + 1 (or that has none) keeps its first width values.
-    taken = values.shape[1]
-    passed = (columns[:, :width] == positive_index[:, None]).cumsum(dim=1)
-    positions = (torch.arange(width, device=scores.device)[None, :] + passed).clamp_max_(taken - 1)
-    beyond = torch.arange(width, device=scores.device)[None, :] + passed >= taken  # only when width = columns
+    shifted = (columns[:, :width] == positive_index[:, None]).cumsum(dim=1).add_(
+        torch.arange(width, device=scores.device)
+    )
+    beyond = shifted >= taken  # only when width = columns
+    positions = shifted.clamp_max_(taken - 1)
     return HardestNegatives(
         values=values.gather(1, positions).masked_fill_(beyond, float("-inf")),
         columns=columns.gather(1, positions) if with_columns else None,
@@ -372,20 +384,29 @@ class _BlendedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scores, lam, beta, positive_index, valid_mask, scale, eps):
-        logits, shortfall, linear_weight, shortfall_weight = _blended_logits(scores, lam, beta, scale, eps)
+        # The logits of _blended_logits, the same operations in the same order, with the shortfall's log taken in
+        # place: the scores (alive anyway) are saved and backward rebuilds the shortfall, so forward writes two
+        # [A, C] tensors instead of three.
+        linear_weight = (1.0 - lam) * scale
+        shortfall_weight = lam * beta
+        logits = torch.rsub(scores, 1.0).clamp_min_(eps).log_().mul_(-shortfall_weight).addcmul_(scores, linear_weight)
         if valid_mask is not None:
             logits.masked_fill_(~valid_mask, float("-inf"))
         log_probabilities = torch.log_softmax(logits, dim=1)
-        ctx.save_for_backward(log_probabilities, shortfall, linear_weight, shortfall_weight, positive_index)
+        ctx.save_for_backward(log_probabilities, scores, linear_weight, shortfall_weight, positive_index)
+        ctx.eps = eps
         return log_probabilities.gather(1, positive_index[:, None]).squeeze(1).neg_()
 
     @staticmethod
     def backward(ctx, grad_rows: Tensor):
-        log_probabilities, shortfall, linear_weight, shortfall_weight, positive_index = ctx.saved_tensors
+        log_probabilities, scores, linear_weight, shortfall_weight, positive_index = ctx.saved_tensors
         grad_rows = grad_rows[:, None]
         probabilities = log_probabilities.exp()
         probabilities.scatter_add_(1, positive_index[:, None], -torch.ones_like(grad_rows))
-        slope = torch.addcdiv(linear_weight * grad_rows, shortfall_weight * grad_rows, shortfall)
+        # dl/ds = (1 - lam) / tau + lam beta / max(1 - s, eps), the second term 0 where the clamp is active: the
+        # shortfall as _blended_logits saves it (+inf at the clamp), then the row weights folded in, in place
+        slope = torch.threshold_(torch.rsub(scores, 1.0), ctx.eps, float("inf"))
+        slope = torch.div(shortfall_weight * grad_rows, slope, out=slope).add_(linear_weight * grad_rows)
         return probabilities.mul_(slope), None, None, None, None, None, None
 
 
