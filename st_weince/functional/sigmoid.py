@@ -21,7 +21,8 @@ with scores of exactly +-1 gives a finite loss and finite gradients).
 
 One implementation: :func:`_block_loss_sum` (the loss of one score block) and :func:`_block_extremes` (its smallest
 matching and largest non-matching score) serve the dense score-matrix functions and the block-by-block computation on
-embeddings alike; the unchunked case is a single block.
+embeddings alike (the unchunked case is a single block); a block without a ``valid_mask`` takes both from one fused
+autograd Function, :class:`_GatheredBlockSum`.
 
 Dtype: computed in the inputs' dtype, at least float32: float64 stays float64, float16 / bfloat16 are computed in
 float32. Scalars (scale, biases) are cast to that dtype, so a float32 parameter in a float64 computation is exact.
@@ -94,13 +95,10 @@ def _block_loss_sum(
     relative: bool,
 ) -> Tensor:
     """Sum over the valid entries of one score block of ``-log sigmoid(z)`` (matching) / ``-log sigmoid(-z)`` (not),
-    as ``softplus(z)`` over every valid entry minus ``z`` over the matching ones (``softplus(-z) = softplus(z) - z``):
-    one elementwise pass over the block, not a sign chosen per entry (two more passes forward and back). Stable at any
-    scale (``softplus`` is linear above 20); a matching pair's term ``softplus(z) - z`` then rounds to the float32 ulp
-    of ``z`` (1e-6 at z = 15), where it is below 3e-7.
-
-    ``matching``: [A, C] bool, the matching entries (valid ones); or ``(column, in_block)``, [A] each: the block
-    column of each row's one matching entry and whether the row has it here (valid), gathered instead of masked."""
+    as ``softplus(z)`` over every valid entry minus ``z`` over the matching ones (``softplus(-z) = softplus(z) - z``),
+    not a sign chosen per entry. Stable at any scale; a matching pair's term ``softplus(z) - z`` rounds to the ulp of
+    ``z`` (1e-6 at z = 15 in float32). ``matching``: [A, C] bool, the matching (valid) entries; or ``(column,
+    in_block)``, [A] each: each row's one matching column and whether the row has it here (valid), gathered."""
     if valid_mask is not None:
         # Excluded entries are zeroed before the logits, so that even NaN there (a masked self-pair) gives neither a
         # NaN loss nor a NaN gradient.
@@ -118,32 +116,56 @@ def _block_loss_sum(
     return per_pair.sum() - matching_logit_sum
 
 
-def _block_extremes(
-    scores: Tensor, positive_mask: Tensor, valid_mask: Tensor | None, matching: tuple[Tensor, Tensor] | None = None
-) -> tuple[Tensor, Tensor]:
+class _GatheredBlockSum(torch.autograd.Function):
+    """:func:`_block_loss_sum` and :func:`_block_extremes` without ``valid_mask`` on three [A, C] buffers, one kept
+    (autograd: seven, two kept; ``F.softplus``'s ``log1p`` is slow on CPU): ``softplus(z) = max(z, 0) + log(w) +
+    (u - (w - 1)) / w``, ``u = exp(-|z|)``, ``w = 1 + u`` (``w - 1`` is exact; within 2 ulp of ``log1p``)."""
+
+    @staticmethod
+    def forward(ctx, scores, column, in_block, scale, negated_bias, relative):
+        index, buffer = column[:, None], scores.clone(memory_format=torch.contiguous_format)
+        matching = buffer.gather(1, index)
+        max_negative = buffer.scatter_(1, index, matching.masked_fill(in_block[:, None], float("-inf"))).amax()
+        buffer.scatter_(1, index, matching)
+        if relative:
+            buffer.add_(negated_bias)  # s - b_rel, kept for backward (s itself in the absolute parametrization)
+        logits = buffer * scale if relative else (buffer * scale).add_(negated_bias)
+        matching_sum = (logits.gather(1, index).squeeze(1) * in_block).sum()
+        exponential = logits.abs().neg_().exp_()
+        positive_sum = logits.clamp_min_(0).sum()
+        torch.add(exponential, 1.0, out=logits).sub_(1.0)  # w - 1
+        exponential.sub_(logits).div_(logits.add_(1.0))
+        ctx.relative, ctx.numbers = relative, [None if isinstance(v, Tensor) else v for v in (scale, negated_bias)]
+        ctx.save_for_backward(buffer, column, in_block, *(v for v in (scale, negated_bias) if isinstance(v, Tensor)))
+        min_positive = matching.squeeze(1).masked_fill(~in_block, float("inf")).amin()
+        ctx.mark_non_differentiable(min_positive, max_negative)
+        return positive_sum + logits.log_().sum() + exponential.sum() - matching_sum, min_positive, max_negative
+
+    @staticmethod
+    def backward(ctx, grad_sum, _grad_min, _grad_max):
+        buffer, column, in_block, *scalars = ctx.saved_tensors
+        scale, negated_bias = (value if value is not None else scalars.pop(0) for value in ctx.numbers)
+        residual = buffer * scale if ctx.relative else (buffer * scale).add_(negated_bias)
+        residual.sigmoid_().scatter_add_(1, column[:, None], -in_block.to(residual.dtype)[:, None])  # sigmoid(z) - y
+        grad_scale = grad_sum * (residual * buffer).sum() if ctx.needs_input_grad[3] else None  # torch.dot: 1e-5 off
+        grad_bias = grad_sum * residual.sum() * (scale if ctx.relative else 1.0) if ctx.needs_input_grad[4] else None
+        return residual.mul_(grad_sum * scale), None, None, grad_scale, grad_bias, None
+
+
+def _block_extremes(scores: Tensor, positive_mask: Tensor, valid_mask: Tensor | None) -> tuple[Tensor, Tensor]:
     """Smallest matching and largest non-matching valid score of one block (no gradient): ``+inf`` / ``-inf`` when the
-    block has none. Masked reductions, no boolean indexing, so no host-device sync. ``matching``: as in
-    :func:`_block_loss_sum`, so that the smallest matching score is a reduction over the rows, not the block."""
+    block has none. Masked reductions, no boolean indexing, so no host-device sync."""
     detached = scores.detach()
     negative_mask = ~positive_mask
     if valid_mask is not None:
         positive_mask, negative_mask = positive_mask & valid_mask, negative_mask & valid_mask
-    if matching is None:
-        min_positive = detached.masked_fill(~positive_mask, float("inf")).amin()
-    else:
-        column, in_block = matching
-        matching_scores = detached.gather(1, column[:, None]).squeeze(1)
-        min_positive = matching_scores.masked_fill(~in_block, float("inf")).amin()
+    min_positive = detached.masked_fill(~positive_mask, float("inf")).amin()
     max_negative = detached.masked_fill(~negative_mask, float("-inf")).amax()
     return min_positive, max_negative
 
 
 def sigmoid_logits(
-    scores: Tensor,
-    *,
-    scale: ScalarLike,
-    relative_bias: ScalarLike | None = None,
-    bias: ScalarLike | None = None,
+    scores: Tensor, *, scale: ScalarLike, relative_bias: ScalarLike | None = None, bias: ScalarLike | None = None
 ) -> Tensor:
     """Logits ``z = t (s - b_rel)`` (relative) or ``z = t s - b`` (absolute) with ``t = scale``, in the computation
     dtype (see the module docstring). Exactly one of ``relative_bias`` and ``bias`` must be given; ``scale`` must be
@@ -178,16 +200,11 @@ def sigmoid_contrastive_loss(
             supported), a ``valid_mask`` without any True entry, and NaN/Inf scores, with one host-device sync;
             False (the loss classes, which check their own inputs) checks the shapes only.
     """
-    if check_inputs:
-        check_scores(scores, None, valid_mask, targets=targets)
-    else:
-        check_score_shapes(scores, None, valid_mask, targets=targets)
+    (check_scores if check_inputs else check_score_shapes)(scores, None, valid_mask, targets=targets)
     dtype = compute_dtype(scores)
     t = _scalar(scale, "scale", dtype, positive=True)
     bias_value, relative = _bias_argument(relative_bias, bias, dtype)
-    matching = targets == 1
-    if valid_mask is not None:
-        matching = matching & valid_mask
+    matching = targets == 1 if valid_mask is None else (targets == 1) & valid_mask
     loss_sum = _block_loss_sum(scores.to(dtype), matching, valid_mask, t, bias_value, relative)
     return loss_sum / scores.shape[0]
 
@@ -264,14 +281,9 @@ def _embedding_block(
     :func:`chunked_sigmoid_contrastive_loss`."""
     scores = anchors @ candidates.T
     # On the cosine scores (before a score transform), against each row's matching-pair score.
+    keys = {"candidate_keys": candidate_keys, "reference_keys": reference_keys}
     valid_mask, guard_counts = apply_false_negative_filter(
-        scores,
-        positive_index - start,
-        None,
-        false_negative_filter,
-        positive_scores,
-        candidate_keys=candidate_keys,
-        reference_keys=reference_keys,
+        scores, positive_index - start, None, false_negative_filter, positive_scores, **keys
     )
     if score_transform is not None:
         scores = score_transform(scores)
@@ -280,11 +292,12 @@ def _embedding_block(
     local = positive_index - start
     in_block = (local >= 0) & (local < width)
     column = local.clamp(0, width - 1)
-    if valid_mask is not None:
-        in_block = in_block & valid_mask.gather(1, column[:, None]).squeeze(1)
-    matching = (column, in_block)
-    loss_sum = _block_loss_sum(scores, matching, valid_mask, scale, bias_value, relative)
-    low, high = _block_extremes(scores, _positive_mask(positive_index, start, width), valid_mask, matching)
+    if valid_mask is None:
+        loss_sum, low, high = _GatheredBlockSum.apply(scores, column, in_block, scale, -bias_value, relative)
+    else:
+        matching = (column, in_block & valid_mask.gather(1, column[:, None]).squeeze(1))
+        loss_sum = _block_loss_sum(scores, matching, valid_mask, scale, bias_value, relative)
+        low, high = _block_extremes(scores, _positive_mask(positive_index, start, width), valid_mask)
     guard = None if guard_counts is None else (guard_counts.masked, guard_counts.negatives)
     return loss_sum, low, high, guard
 
@@ -328,8 +341,8 @@ class CandidateGuard:
 
 class SigmoidBlockLoss(NamedTuple):
     """:func:`chunked_sigmoid_contrastive_loss`'s result: the loss (mean over anchors), the smallest matching and the
-    largest non-matching score (no gradient; ``+inf`` / ``-inf`` when there is none; for the margin, see
-    :func:`constellation_margin_from_extremes`) and what the guard removed per anchor (None without a guard)."""
+    largest non-matching score (no gradient; ``+inf`` / ``-inf`` if none; the margin: see
+    :func:`constellation_margin_from_extremes`), what the guard removed per anchor (None without a guard)."""
 
     loss: Tensor
     min_matching: Tensor
@@ -349,14 +362,12 @@ def chunked_sigmoid_contrastive_loss(
 ) -> SigmoidBlockLoss:
     """:func:`sigmoid_contrastive_loss` of ``anchors @ candidates.T`` computed block by block over candidates.
 
-    The sigmoid loss has no normalization across candidates, so it is the sum of the losses of candidate blocks.
-    Each block is recomputed during backward (activation checkpointing), so the autograd graph holds one
-    [A, chunk_size] block at a time: memory grows with ``A x chunk_size`` instead of ``A x C``. The extremes and
-    the guard's counts come from the same score blocks.
+    The sum of the losses of candidate blocks (the sigmoid loss has no normalization across candidates), each
+    recomputed during backward (activation checkpointing): the autograd graph holds one [A, chunk_size] block at a
+    time, so memory grows with ``A x chunk_size``, not ``A x C``. The extremes and guard counts come from the blocks.
 
     Args:
-        anchors: [A, D] (normalize beforehand for cosine scores).
-        candidates: [C, D].
+        anchors, candidates: [A, D] and [C, D] (normalize both beforehand for cosine scores).
         positive_index: [A] column of each anchor's positive, -1 for none.
         logits: the scale, the bias and the score transform (:class:`SigmoidLogits`).
         guard: the false-negative guard and its inputs (:class:`CandidateGuard`); None: no guard.
@@ -368,22 +379,16 @@ def chunked_sigmoid_contrastive_loss(
     scale, relative_bias, bias = logits.scale, logits.relative_bias, logits.bias
     positive_scores, candidate_keys, reference_keys = guard.positive_scores, guard.candidate_keys, guard.reference_keys
     false_negative_filter = FalseNegativeFilter.parse(guard.false_negative_filter)
+    shapes = f"{tuple(anchors.shape)} and {tuple(candidates.shape)}"
     if anchors.dim() != 2 or candidates.dim() != 2 or anchors.shape[1] != candidates.shape[1]:
-        raise ValueError(
-            f"anchors and candidates must be [A, D] and [C, D] with the same D, "
-            f"got {tuple(anchors.shape)} and {tuple(candidates.shape)}"
-        )
+        raise ValueError(f"anchors and candidates must be [A, D] and [C, D] with the same D, got {shapes}")
     if anchors.shape[0] == 0 or candidates.shape[0] == 0:
-        raise ValueError(
-            f"anchors and candidates must not be empty, got {tuple(anchors.shape)} and {tuple(candidates.shape)}"
-        )
+        raise ValueError(f"anchors and candidates must not be empty, got {shapes}")
     _check_positive_index(positive_index, anchors.shape[0])
     if check_inputs:
+        message = f"positive_index must lie in [-1, {candidates.shape[0] - 1}] (-1 = no positive in this row)"
         checks = DeferredChecks()
-        checks.require(
-            (positive_index >= -1) & (positive_index < candidates.shape[0]),
-            f"positive_index must lie in [-1, {candidates.shape[0] - 1}] (-1 = no positive in this row)",
-        )
+        checks.require((positive_index >= -1) & (positive_index < candidates.shape[0]), message)
         checks.raise_if_failed()
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
@@ -391,7 +396,6 @@ def chunked_sigmoid_contrastive_loss(
     t = _scalar(scale, "scale", dtype, positive=True)
     bias_value, relative = _bias_argument(relative_bias, bias, dtype)
     num_candidates = candidates.shape[0]
-
     anchors, candidates = anchors.to(dtype), candidates.to(dtype)
     step = num_candidates if chunk_size is None else min(chunk_size, num_candidates)
     recompute = step < num_candidates and torch.is_grad_enabled()
@@ -435,11 +439,7 @@ def chunked_sigmoid_contrastive_loss(
 
 
 def match_probabilities(
-    scores: Tensor,
-    *,
-    scale: ScalarLike,
-    relative_bias: ScalarLike,
-    delta: ScalarLike | None = None,
+    scores: Tensor, *, scale: ScalarLike, relative_bias: ScalarLike, delta: ScalarLike | None = None
 ) -> Tensor:
     """RB-Sigmoid's match probability of each pair, ``sigmoid(t (s - b_rel))`` on cosine ``scores`` (after the locked
     adapter's ``delta^2 s - (1 - delta^2)`` when ``delta`` is given): the probability the loss was trained to
