@@ -21,7 +21,7 @@ with scores of exactly +-1 gives a finite loss and finite gradients).
 
 One implementation: :func:`_block_loss_sum` (the loss of one score block) and :func:`_block_extremes` (its smallest
 matching and largest non-matching score) serve the dense score-matrix functions and the block-by-block computation on
-embeddings alike (the unchunked case is a single block); a block without a ``valid_mask`` takes both from one fused
+embeddings alike (the unchunked case is a single block); a block of embedding scores takes both from one fused
 autograd Function, :class:`_GatheredBlockSum`.
 
 Dtype: computed in the inputs' dtype, at least float32: float64 stays float64, float16 / bfloat16 are computed in
@@ -88,7 +88,7 @@ def _logits(scores: Tensor, scale: ScalarLike, bias_value: ScalarLike, relative:
 
 def _block_loss_sum(
     scores: Tensor,
-    matching: Tensor | tuple[Tensor, Tensor],
+    matching: Tensor,
     valid_mask: Tensor | None,
     scale: ScalarLike,
     bias_value: ScalarLike,
@@ -97,8 +97,7 @@ def _block_loss_sum(
     """Sum over the valid entries of one score block of ``-log sigmoid(z)`` (matching) / ``-log sigmoid(-z)`` (not),
     as ``softplus(z)`` over every valid entry minus ``z`` over the matching ones (``softplus(-z) = softplus(z) - z``),
     not a sign chosen per entry. Stable at any scale; a matching pair's term ``softplus(z) - z`` rounds to the ulp of
-    ``z`` (1e-6 at z = 15 in float32). ``matching``: [A, C] bool, the matching (valid) entries; or ``(column,
-    in_block)``, [A] each: each row's one matching column and whether the row has it here (valid), gathered."""
+    ``z`` (1e-6 at z = 15 in float32). ``matching``: [A, C] bool, the matching (valid) entries."""
     if valid_mask is not None:
         # Excluded entries are zeroed before the logits, so that even NaN there (a masked self-pair) gives neither a
         # NaN loss nor a NaN gradient.
@@ -107,49 +106,55 @@ def _block_loss_sum(
     per_pair = F.softplus(logits)
     if valid_mask is not None:
         per_pair = per_pair.masked_fill(~valid_mask, 0.0)
-    if isinstance(matching, Tensor):
-        matching_logit_sum = logits.masked_fill(~matching, 0.0).sum()
-    else:
-        column, in_block = matching
-        matching_scores = scores.gather(1, column[:, None]).squeeze(1)
-        matching_logit_sum = (_logits(matching_scores, scale, bias_value, relative) * in_block).sum()
-    return per_pair.sum() - matching_logit_sum
+    return per_pair.sum() - logits.masked_fill(~matching, 0.0).sum()
 
 
 class _GatheredBlockSum(torch.autograd.Function):
-    """:func:`_block_loss_sum` and :func:`_block_extremes` without ``valid_mask`` on three [A, C] buffers, one kept
-    (autograd: seven, two kept; ``F.softplus``'s ``log1p`` is slow on CPU): ``softplus(z) = max(z, 0) + log(w) +
-    (u - (w - 1)) / w``, ``u = exp(-|z|)``, ``w = 1 + u`` (``w - 1`` is exact; within 2 ulp of ``log1p``)."""
+    """:func:`_block_loss_sum` and :func:`_block_extremes` of a block of embedding scores on three [A, C] buffers, one
+    kept (autograd: seven, two kept; ``F.softplus``'s ``log1p`` is slow on CPU): ``softplus(z) = max(z, 0) + log(w) +
+    (u - (w - 1)) / w``, ``u = exp(-|z|)``, ``w = 1 + u`` (``w - 1`` is exact; within 2 ulp of ``log1p``). Entries
+    outside ``valid_mask`` are zeroed before the logits (a NaN there gives no NaN) and left out of every sum, so a
+    mask that excludes nothing gives the unmasked values bit for bit."""
 
     @staticmethod
-    def forward(ctx, scores, column, in_block, scale, negated_bias, relative):
+    def forward(ctx, scores, column, in_block, valid_mask, scale, negated_bias, relative):
         index, buffer = column[:, None], scores.clone(memory_format=torch.contiguous_format)
+        excluded = None if valid_mask is None else ~valid_mask
+
+        def kept(values: Tensor) -> Tensor:
+            return values if excluded is None else values.masked_fill_(excluded, 0.0)
+
+        if excluded is not None:
+            in_block = in_block & valid_mask.gather(1, index).squeeze(1)
         matching = buffer.gather(1, index)
-        max_negative = buffer.scatter_(1, index, matching.masked_fill(in_block[:, None], float("-inf"))).amax()
-        buffer.scatter_(1, index, matching)
+        negatives = buffer.scatter_(1, index, matching.masked_fill(in_block[:, None], float("-inf")))
+        max_negative = (negatives if excluded is None else negatives.masked_fill(excluded, float("-inf"))).amax()
+        kept(buffer.scatter_(1, index, matching))
         if relative:
             buffer.add_(negated_bias)  # s - b_rel, kept for backward (s itself in the absolute parametrization)
         logits = buffer * scale if relative else (buffer * scale).add_(negated_bias)
         matching_sum = (logits.gather(1, index).squeeze(1) * in_block).sum()
         exponential = logits.abs().neg_().exp_()
-        positive_sum = logits.clamp_min_(0).sum()
+        positive_sum = kept(logits.clamp_min_(0)).sum()
         torch.add(exponential, 1.0, out=logits).sub_(1.0)  # w - 1
-        exponential.sub_(logits).div_(logits.add_(1.0))
+        correction_sum = kept(exponential.sub_(logits).div_(logits.add_(1.0))).sum()
         ctx.relative, ctx.numbers = relative, [None if isinstance(v, Tensor) else v for v in (scale, negated_bias)]
-        ctx.save_for_backward(buffer, column, in_block, *(v for v in (scale, negated_bias) if isinstance(v, Tensor)))
+        ctx.save_for_backward(buffer, column, in_block, valid_mask, *filter(torch.is_tensor, (scale, negated_bias)))
         min_positive = matching.squeeze(1).masked_fill(~in_block, float("inf")).amin()
         ctx.mark_non_differentiable(min_positive, max_negative)
-        return positive_sum + logits.log_().sum() + exponential.sum() - matching_sum, min_positive, max_negative
+        return positive_sum + kept(logits.log_()).sum() + correction_sum - matching_sum, min_positive, max_negative
 
     @staticmethod
     def backward(ctx, grad_sum, _grad_min, _grad_max):
-        buffer, column, in_block, *scalars = ctx.saved_tensors
+        buffer, column, in_block, valid_mask, *scalars = ctx.saved_tensors
         scale, negated_bias = (value if value is not None else scalars.pop(0) for value in ctx.numbers)
         residual = buffer * scale if ctx.relative else (buffer * scale).add_(negated_bias)
         residual.sigmoid_().scatter_add_(1, column[:, None], -in_block.to(residual.dtype)[:, None])  # sigmoid(z) - y
-        grad_scale = grad_sum * (residual * buffer).sum() if ctx.needs_input_grad[3] else None  # torch.dot: 1e-5 off
-        grad_bias = grad_sum * residual.sum() * (scale if ctx.relative else 1.0) if ctx.needs_input_grad[4] else None
-        return residual.mul_(grad_sum * scale), None, None, grad_scale, grad_bias, None
+        if valid_mask is not None:
+            residual.masked_fill_(~valid_mask, 0.0)
+        grad_scale = grad_sum * (residual * buffer).sum() if ctx.needs_input_grad[4] else None  # torch.dot: 1e-5 off
+        grad_bias = grad_sum * residual.sum() * (scale if ctx.relative else 1.0) if ctx.needs_input_grad[5] else None
+        return residual.mul_(grad_sum * scale), None, None, None, grad_scale, grad_bias, None
 
 
 def _block_extremes(scores: Tensor, positive_mask: Tensor, valid_mask: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -292,12 +297,7 @@ def _embedding_block(
     local = positive_index - start
     in_block = (local >= 0) & (local < width)
     column = local.clamp(0, width - 1)
-    if valid_mask is None:
-        loss_sum, low, high = _GatheredBlockSum.apply(scores, column, in_block, scale, -bias_value, relative)
-    else:
-        matching = (column, in_block & valid_mask.gather(1, column[:, None]).squeeze(1))
-        loss_sum = _block_loss_sum(scores, matching, valid_mask, scale, bias_value, relative)
-        low, high = _block_extremes(scores, _positive_mask(positive_index, start, width), valid_mask)
+    loss_sum, low, high = _GatheredBlockSum.apply(scores, column, in_block, valid_mask, scale, -bias_value, relative)
     guard = None if guard_counts is None else (guard_counts.masked, guard_counts.negatives)
     return loss_sum, low, high, guard
 
