@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from st_weince.functional.checks import check_score_shapes, compute_dtype
+from st_weince.functional.checks import check_score_shapes, compute_dtype, from_order_keys, order_keys
 from st_weince.functional.line_fit import fit_design, fit_lines
 from st_weince.functional.options import TopM, integer_option
 from st_weince.functional.weince import count_negatives
@@ -89,20 +89,11 @@ def batch_negative_tail(
     rows_with_positive = scores.shape[0]
     taken = min(entries, keep + rows_with_positive)
     flat = s.reshape(-1)
-    if flat.device.type == "cpu":
-        # Both selections on order-preserving integer keys, as in hardest_negatives (the same comparisons without
-        # torch's NaN-aware float comparator on CPU; the keys map back to the top-k's values bit for bit)
-        bits_dtype = {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
-        sign, magnitude = 8 * flat.element_size() - 1, (1 << 8 * flat.element_size() - 1) - 1
-
-        def keyed(values: Tensor) -> Tensor:  # float -> key and key -> float (the map is its own inverse)
-            return (values >> sign).bitwise_and_(magnitude).bitwise_xor_(values)
-
-        keys, indices = keyed(flat.view(bits_dtype)).topk(taken, sorted=False)
+    if flat.device.type == "cpu":  # both selections on order-preserving integer keys, as in hardest_negatives
+        keys, indices = order_keys(flat).topk(taken, sorted=False)
         row, column = indices // scores.shape[1], indices % scores.shape[1]
-        minus_infinity = keyed(flat.new_full((), float("-inf")).view(bits_dtype))
-        keys.masked_fill_(column == positive_index[row], minus_infinity)
-        largest = keyed(keys.topk(keep, sorted=True).values).view(flat.dtype)
+        keys.masked_fill_(column == positive_index[row], order_keys(flat.new_full((), float("-inf"))))
+        largest = from_order_keys(keys.topk(keep, sorted=True).values, flat.dtype)
     else:
         values, indices = flat.topk(taken, sorted=False)
         row, column = indices // scores.shape[1], indices % scores.shape[1]

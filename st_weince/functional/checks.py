@@ -27,6 +27,27 @@ def compute_dtype(*tensors: Tensor) -> torch.dtype:
     return dtype
 
 
+_INTEGER_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def order_keys(values: Tensor) -> Tensor:
+    """Integer keys that order like the floating ``values``: their bits, with the magnitude bits flipped where the sign
+    bit is set (ties stay ties; -0.0 ranks below 0.0, and NaN gets no rank of its own). On CPU torch's top-k on such
+    keys makes the float top-k's comparisons without its NaN-aware comparator, about a third of its time;
+    :func:`from_order_keys` maps selected keys back to the floats bit for bit."""
+    return _flip_negative(values.view(_INTEGER_OF_SIZE[values.element_size()]))
+
+
+def from_order_keys(keys: Tensor, dtype: torch.dtype) -> Tensor:
+    """The floats of :func:`order_keys`' keys (the map is its own inverse)."""
+    return _flip_negative(keys).view(dtype)
+
+
+def _flip_negative(bits: Tensor) -> Tensor:
+    sign = 8 * bits.element_size() - 1
+    return (bits >> sign).bitwise_and_((1 << sign) - 1).bitwise_xor_(bits)
+
+
 class _Upcast(torch.autograd.Function):
     """``tensor.to(dtype)`` whose backward returns the gradient in the input's dtype, saturated at that dtype's
     largest finite value instead of overflowing to Inf (a float16 zero row's normalisation gradient, 1e12 times the

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from st_weince.functional.checks import check_score_shapes, check_scores, compute_dtype
+from st_weince.functional.checks import check_score_shapes, check_scores, compute_dtype, from_order_keys, order_keys
 from st_weince.functional.line_fit import fit_lines, row_design
 from st_weince.functional.options import BETA_AUTO_RANGE, DEFAULTS, WeinceOptions, check_scale
 from st_weince.functional.options import WeinceMode as WeinceMode  # imported from here by the loss classes
@@ -119,16 +119,9 @@ def hardest_negatives(
     if valid_mask is not None:
         scores = scores.masked_fill(~valid_mask, float("-inf"))
     taken = width if positive_index is None else min(width + 1, scores.shape[1])
-    if scores.device.type == "cpu":
-        # On CPU, torch's float top-k compares with a NaN-aware comparator, about a third of its time. The same
-        # selection on order-preserving integer keys (the float's bits with the magnitude bits flipped for negative
-        # numbers, a map that is its own inverse) makes the same comparisons with plain integer ones, so the same
-        # columns come out (ties alike; only -0.0 now ranks below 0.0, and a NaN, which makes its row's loss NaN
-        # anyway, no longer ranks first), and the keys map back to the top-k's values bit for bit.
-        bits = scores.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[scores.element_size()])
-        sign, magnitude = 8 * scores.element_size() - 1, (1 << 8 * scores.element_size() - 1) - 1
-        keys, columns = (bits >> sign).bitwise_and_(magnitude).bitwise_xor_(bits).topk(taken, dim=1, sorted=True)
-        values = (keys >> sign).bitwise_and_(magnitude).bitwise_xor_(keys).view(scores.dtype)
+    if scores.device.type == "cpu":  # the same selection, faster on CPU (checks.order_keys)
+        keys, columns = order_keys(scores).topk(taken, dim=1, sorted=True)
+        values = from_order_keys(keys, scores.dtype)
     else:  # CUDA's top-k is a radix select on such keys already
         values, columns = scores.topk(taken, dim=1, sorted=True)
     if positive_index is None:
@@ -307,37 +300,36 @@ def weince_statistics(
 
 
 def _blended_logits(scores: Tensor, lam: Tensor, beta: Tensor, scale: float, eps: float) -> tuple[Tensor, ...]:
-    """The blended logits and what their backward needs: the shortfall (+inf where the clamp at ``eps`` is active,
-    so the shortfall term's slope is exactly 0 there) and the per-row weights (1 - lam) / tau and lam beta."""
+    """The blended logits and the per-row weights (1 - lam) / tau and lam beta; the shortfall's log is taken in place,
+    so one [A, C] tensor is written (backward rebuilds the shortfall from the scores, :func:`_blended_slope`)."""
     linear_weight = (1.0 - lam) * scale
     shortfall_weight = lam * beta
-    shortfall = torch.rsub(scores, 1.0).clamp_min_(eps)
-    logits = torch.log(shortfall).mul_(-shortfall_weight).addcmul_(scores, linear_weight)
-    torch.threshold_(shortfall, eps, float("inf"))  # one pass: entries at the clamp (<= eps) become +inf
-    return logits, shortfall, linear_weight, shortfall_weight
+    logits = torch.rsub(scores, 1.0).clamp_min_(eps).log_().mul_(-shortfall_weight).addcmul_(scores, linear_weight)
+    return logits, linear_weight, shortfall_weight
+
+
+def _blended_slope(scores: Tensor, linear_weight: Tensor, shortfall_weight: Tensor, eps: float) -> Tensor:
+    """dl/ds = (1 - lam) / tau + lam beta / (1 - s) below the cap, and (1 - lam) / tau where the clamp at 1 - eps is
+    active: there the shortfall is set to +inf, so the second term is exactly 0 without a data-dependent branch."""
+    shortfall = torch.threshold_(torch.rsub(scores, 1.0), eps, float("inf"))
+    return torch.div(shortfall_weight, shortfall, out=shortfall).add_(linear_weight)
 
 
 class _BlendedLogit(torch.autograd.Function):
-    """l = (1 - lam) s / tau - lam beta log(max(1 - s, eps)) with a hand-written backward.
-
-    ``max(1 - s, eps)`` is ``1 - min(s, 1 - eps)``. Fusing keeps one [A, C] tensor for backward (the shortfall)
-    instead of the several intermediates autograd would store, and needs fewer passes over the matrix. Where the
-    clamp is active the saved shortfall is +inf, so the shortfall term's slope lam beta / shortfall is exactly 0
-    there without a data-dependent branch.
-    """
+    """l = (1 - lam) s / tau - lam beta log(max(1 - s, eps)) (``max(1 - s, eps) = 1 - min(s, 1 - eps)``), fused: only
+    the scores are kept for backward, not the intermediates autograd would store, in fewer passes over the matrix."""
 
     @staticmethod
     def forward(ctx, scores: Tensor, lam: Tensor, beta: Tensor, scale: float, eps: float) -> Tensor:
-        logits, *saved = _blended_logits(scores, lam, beta, scale, eps)
-        ctx.save_for_backward(*saved)
+        logits, linear_weight, shortfall_weight = _blended_logits(scores, lam, beta, scale, eps)
+        ctx.save_for_backward(scores, linear_weight, shortfall_weight)
+        ctx.eps = eps
         return logits
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
-        shortfall, linear_weight, shortfall_weight = ctx.saved_tensors
-        # d/ds [(1 - lam) s / tau - lam beta log(1 - s)] = (1 - lam) / tau + lam beta / (1 - s) below the cap,
-        # and (1 - lam) / tau where the clamp at 1 - eps is active (saved shortfall +inf)
-        slope = torch.addcdiv(linear_weight, shortfall_weight, shortfall)
+        scores, linear_weight, shortfall_weight = ctx.saved_tensors
+        slope = _blended_slope(scores, linear_weight, shortfall_weight, ctx.eps)
         return slope.mul_(grad_output), None, None, None, None
 
 
@@ -384,12 +376,7 @@ class _BlendedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scores, lam, beta, positive_index, valid_mask, scale, eps):
-        # The logits of _blended_logits, the same operations in the same order, with the shortfall's log taken in
-        # place: the scores (alive anyway) are saved and backward rebuilds the shortfall, so forward writes two
-        # [A, C] tensors instead of three.
-        linear_weight = (1.0 - lam) * scale
-        shortfall_weight = lam * beta
-        logits = torch.rsub(scores, 1.0).clamp_min_(eps).log_().mul_(-shortfall_weight).addcmul_(scores, linear_weight)
+        logits, linear_weight, shortfall_weight = _blended_logits(scores, lam, beta, scale, eps)
         if valid_mask is not None:
             logits.masked_fill_(~valid_mask, float("-inf"))
         log_probabilities = torch.log_softmax(logits, dim=1)
@@ -403,10 +390,8 @@ class _BlendedCrossEntropy(torch.autograd.Function):
         grad_rows = grad_rows[:, None]
         probabilities = log_probabilities.exp()
         probabilities.scatter_add_(1, positive_index[:, None], -torch.ones_like(grad_rows))
-        # dl/ds = (1 - lam) / tau + lam beta / max(1 - s, eps), the second term 0 where the clamp is active: the
-        # shortfall as _blended_logits saves it (+inf at the clamp), then the row weights folded in, in place
-        slope = torch.threshold_(torch.rsub(scores, 1.0), ctx.eps, float("inf"))
-        slope = torch.div(shortfall_weight * grad_rows, slope, out=slope).add_(linear_weight * grad_rows)
+        # the row's upstream gradient folded into the two per-row weights
+        slope = _blended_slope(scores, linear_weight * grad_rows, shortfall_weight * grad_rows, ctx.eps)
         return probabilities.mul_(slope), None, None, None, None, None, None
 
 
