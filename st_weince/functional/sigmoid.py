@@ -249,7 +249,7 @@ def targets_from_positive_index(
     """0/1 targets [A, C] (float32 unless ``dtype``) with a 1 at ``positive_index[a]``; rows with index -1 have no
     positive. Built by comparison with the column numbers, without data-dependent shapes (no sync)."""
     _check_positive_index(positive_index, None)
-    return _positive_mask(positive_index, 0, num_candidates).to(dtype or torch.float32)
+    return _positive_mask(positive_index, num_candidates).to(dtype or torch.float32)
 
 
 def _check_positive_index(positive_index: Tensor, num_anchors: int | None) -> None:
@@ -261,9 +261,9 @@ def _check_positive_index(positive_index: Tensor, num_anchors: int | None) -> No
         raise ValueError(f"positive_index must be [A] = [{num_anchors}], got {tuple(positive_index.shape)}")
 
 
-def _positive_mask(positive_index: Tensor, start: int, width: int) -> Tensor:
-    """[A, width] bool, True where column ``start + j`` is the row's positive."""
-    columns = torch.arange(start, start + width, device=positive_index.device)
+def _positive_mask(positive_index: Tensor, width: int) -> Tensor:
+    """[A, width] bool, True where column ``j`` is the row's positive."""
+    columns = torch.arange(width, device=positive_index.device)
     return columns[None, :] == positive_index[:, None]
 
 
