@@ -10,7 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from st_weince.functional import (
+    CandidateGuard,
+    FalseNegativeFilter,
     SigmoidLogits,
+    apply_false_negative_filter,
     check_scores,
     chunked_sigmoid_contrastive_loss,
     constellation_margin,
@@ -132,6 +135,39 @@ def test_matching_pairs_with_large_logits_cost_their_float32_ulp_at_most(t):
     # d/ds = t (sigmoid(z) - y) / A, at most t / A: float32 rounds sigmoid to 2^-24 absolute near 1 (a match) and
     # to 2^-24 relative elsewhere, and the products by one more rounding each
     assert (scores32.grad.double() - scores64.grad).abs().max() <= t / 64 * 2**-22
+
+
+@pytest.mark.parametrize("t", [10.0, 100.0])
+@pytest.mark.parametrize("guarded", [False, True])
+def test_the_fused_block_loss_on_embeddings_holds_the_same_float32_bound(t, guarded):
+    """The embedding path's fused block loss (its own softplus, ``max(z, 0) + log(w) + (u - (w - 1)) / w``) against
+    the float64 loss of the same float32 scores, within the bound of the test above; with a guard (a valid_mask)
+    too, and a guard that removes nothing gives the unguarded value bit for bit."""
+    g = torch.Generator().manual_seed(11)
+    anchors = F.normalize(torch.randn(64, 16, generator=g), dim=-1)
+    candidates = F.normalize(anchors + 0.1 * torch.randn(64, 16, generator=g), dim=-1)
+    positive_index = torch.arange(64)
+    scores = anchors @ candidates.T  # the same float32 product the block computes
+    filter_spec = ("absolute", 0.9) if guarded else None  # leaves out the negatives above s_pos - 0.9
+    logits = SigmoidLogits(t, relative_bias=0.7)
+    value = chunked_sigmoid_contrastive_loss(
+        anchors, candidates, positive_index, logits, guard=CandidateGuard(filter_spec)
+    ).loss
+    valid_mask, _ = apply_false_negative_filter(scores, positive_index, None, FalseNegativeFilter.parse(filter_spec))
+    assert valid_mask is None or 0 < int((~valid_mask).sum()) < 64 * 63
+    targets = torch.eye(64, dtype=torch.float64)
+    expected = sigmoid_contrastive_loss(
+        scores.double(), targets, valid_mask=valid_mask, scale=t, relative_bias=0.7
+    )
+    matching_logit = t * float((scores.diagonal() - 0.7).abs().max())
+    others = float(expected) * 2**-23 * 64
+    assert abs(float(value) - float(expected)) <= 2**-22 * matching_logit + others
+    block = (anchors, candidates, positive_index, logits)
+    # ("absolute", 0): only negatives above the row's own positive score, of which these rows have none
+    nothing = FalseNegativeFilter.parse(("absolute", 0.0))
+    assert apply_false_negative_filter(scores, positive_index, None, nothing)[0].all()
+    removes_nothing = chunked_sigmoid_contrastive_loss(*block, guard=CandidateGuard(nothing)).loss
+    assert torch.equal(removes_nothing, chunked_sigmoid_contrastive_loss(*block).loss)
 
 
 @pytest.mark.parametrize("b_rel", [-1.0, 0.0, 1.0])
