@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from benchmarks.lab import runlog
+from benchmarks.lab.schedules import ScheduledScale, load_schedule
 from benchmarks.lab.simclr_eval import DEFAULT_DATA, EvalData, evaluate, load_data
 from benchmarks.lab.summaries import update_docs
 from st_weince.utils.provenance import provenance
@@ -66,6 +68,7 @@ STUDY: dict[str, Any] = {
     "eval_at_start": True,  # the epoch-0 checkpoint (the same for every loss of a seed)
     "setup": "batchnorm-head",  # or "released": augmentations, projection head and probe protocol (SETUPS)
     "arms": {},  # run name prefix -> {"loss", optional "temperature", optional "options"}; {}: the loss names
+    "log_steps": False,  # True: one "steps" line per epoch with every step's loss and logged statistics
 }
 # Keys added to STUDY after the first states were written, with the value those states were trained under.
 LATER_KEYS: dict[str, Any] = {
@@ -76,6 +79,7 @@ LATER_KEYS: dict[str, Any] = {
     "setup": "batchnorm-head",
     "arms": {},
     "encode_views_separately": False,
+    "log_steps": False,
 }
 LOSSES = ("infonce", "weince", "rb-sigmoid")
 
@@ -98,6 +102,35 @@ def run_config(config: dict[str, Any], arm: str) -> dict[str, Any]:
     if not config.get("arms"):
         return config
     return {**config, "arms": {arm: config["arms"].get(arm)}}
+
+
+class StepLog:
+    """Every training step's loss and the objective's logged statistics (read each step: a CPU study, where reading
+    a value costs nothing), and their epoch means as the loss's own running means give them (non-finite values left
+    out)."""
+
+    def __init__(self, objective: Any) -> None:
+        self.objective = objective
+        self.loss: list[float] = []
+        self.statistics: dict[str, list[float]] = {}
+
+    def on_step(self, step: int, loss: torch.Tensor) -> None:
+        self.loss.append(float(loss))
+        for key, value in self.objective.pop_logged_statistics().items():
+            self.statistics.setdefault(key, [float("nan")] * (len(self.loss) - 1)).append(value)
+        for values in self.statistics.values():  # a statistic missing this step
+            values.extend([float("nan")] * (len(self.loss) - len(values)))
+
+    def record(self) -> dict[str, Any]:
+        return {"loss": self.loss, "loss_statistics": self.statistics}
+
+    def means(self) -> dict[str, float]:
+        means = {}
+        for key, values in self.statistics.items():
+            finite = [v for v in values if math.isfinite(v)]
+            if finite:
+                means[key] = sum(finite) / len(finite)
+        return means
 
 
 @dataclass
@@ -158,6 +191,9 @@ class StudyRuns:
             return "skipped"
 
         model, objective, optimizer = build_run(arm, seed, config)  # the same initial network for every arm of a seed
+        source = (config.get("arms", {}).get(arm) or {}).get("infonce_scale_schedule")
+        if source is not None:  # the top-M InfoNCE scale follows another run's logged per-step effective scale
+            objective = ScheduledScale(objective, load_schedule(self.output_dir, source, seed))
         augment_generator = torch.Generator().manual_seed(seed)
         augment = SimCLRAugment(data.setup.augment, generator=augment_generator)
         # An arm's entry may set the encoding too (the ablation's per-view check), else the study's setting.
@@ -187,7 +223,9 @@ class StudyRuns:
             optimizer.load_state_dict(state["optimizer"])
             augment_generator.set_state(state["augment_rng"])
             start_epoch, elapsed, train_seconds = state["epoch"], state["elapsed"], state["train_seconds"]
-            kept = [r for r in records if r.get("type") not in ("checkpoint", "full") or r["epoch"] <= start_epoch]
+            kept = [
+                r for r in records if r.get("type") not in ("checkpoint", "full", "steps") or r["epoch"] <= start_epoch
+            ]
             if announce_resume:
                 kept.append(
                     {"type": "resume", "from_epoch": start_epoch, "script_sha256": script_sha256, **provenance(argv)}
@@ -243,12 +281,17 @@ class StudyRuns:
             checkpoint(0, None, {})
         for epoch in range(start_epoch, config["epochs"]):
             tick = time.perf_counter()
+            steps = StepLog(objective) if config.get("log_steps") else None
             try:
-                loss_mean = training.epoch(images, data_order(num_images, seed, epoch), batch_size)
+                loss_mean = training.epoch(
+                    images, data_order(num_images, seed, epoch), batch_size, on_step=steps and steps.on_step
+                )
             except ValueError as error:
                 raise ValueError(f"{name}, epoch {epoch + 1}: {error}") from None
             train_seconds += time.perf_counter() - tick
-            checkpoint(epoch + 1, loss_mean, objective.pop_logged_statistics())
+            if steps is not None:
+                runlog.append_line(path, {"type": "steps", "epoch": epoch + 1, **steps.record()})
+            checkpoint(epoch + 1, loss_mean, steps.means() if steps else objective.pop_logged_statistics())
             runlog.save_state(
                 state_path,
                 {

@@ -47,6 +47,34 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+def cpu_record() -> dict:
+    """The processor as float rounding depends on it: vendor, family and model numbers (a VM may hide the model
+    name), whether AVX-512 is there, and the kernel family torch chose (``ATEN_CPU_CAPABILITY`` can lower it).
+    ``family`` joins what decides the rounding of a float32 run: two runs pair only within one family."""
+    import torch
+
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("vendor_id", "cpu family", "model", "model name", "flags") and key not in fields:
+                fields[key] = value.strip()
+    except OSError:  # not Linux: the platform's own words
+        fields = {"model name": platform.processor() or platform.machine()}
+    capability = torch.backends.cpu.get_cpu_capability()
+    vendor = fields.get("vendor_id", platform.machine())
+    return {
+        "model_name": fields.get("model name"),
+        "vendor": vendor,
+        "cpu_family": fields.get("cpu family"),
+        "cpu_model": fields.get("model"),
+        "avx512": "avx512f" in fields.get("flags", "").split(),
+        "aten_capability": capability,
+        "family": f"{vendor} family {fields.get('cpu family')} model {fields.get('model')}, {capability}",
+    }
+
+
 def provenance(argv: list[str] | None = None) -> dict:
     """A JSON-able record of where and how a result was produced."""
     import torch
@@ -63,6 +91,7 @@ def provenance(argv: list[str] | None = None) -> dict:
             "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.is_available(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "cpu": cpu_record(),
         },
         "world_size": int(os.environ.get("WORLD_SIZE", "1")),  # processes of a torchrun / accelerate launch
         "python": platform.python_version(),
