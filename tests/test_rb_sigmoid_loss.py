@@ -108,6 +108,43 @@ def test_finite_loss_at_t_1e4_with_scores_of_exactly_plus_minus_one():
     assert value.item() == pytest.approx((2e4 + 18 * math.log(2)) / 5, rel=1e-6)
 
 
+def float64_loss(loss: RBSigmoidLoss, columns: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The same loss (its float32 t and b_rel, widened) in float64 on the same float32 embeddings; and the
+    embeddings' gradients."""
+    wide = [column.detach().double().requires_grad_() for column in columns]
+    value = loss.double().compute_loss_from_embeddings(wide)
+    value.backward()
+    return value.detach(), [column.grad for column in wide]
+
+
+def test_a_match_at_t_1e4_gives_float64s_zero_not_a_negative_loss():
+    """Issue 44 reproducer: every match at s = 1 (z = 3000) and every non-match far below b_rel: float64 gives 0 (the
+    terms are below its smallest number); float32 gave -3.3e-4, the ulp of z = 3000 left over by softplus(z) - z."""
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(3))
+    loss = RBSigmoidLoss(None, scale=1e4, max_scale=1e4)
+    value = loss.compute_loss_from_embeddings([x, x.clone()])
+    expected, _ = float64_loss(loss, [x, x.clone()])
+    assert float(expected) == 0.0
+    assert float(value.detach()) == 0.0
+
+
+def test_a_saturated_match_keeps_its_loss_and_gradient():
+    """Issue 44 reproducer: one pair at cosine 0.9939, t = 10, b_rel = -0.78 (z = 17.7): float64 gives loss and gradient
+    2.0e-8; float32 gave exactly 0 for both. Relative to the value, float32's error is |dz| ~ t (d + 4) u from the
+    scores (d = 3, u = 2^-24) plus 2u |z| from the logit: about 100u = 6e-6; the embedding gradient's normalisation
+    adds a few u."""
+    u = torch.tensor([[1.0, 0.0, 0.0]], requires_grad=True)
+    v = torch.tensor([[0.9, 0.1, 0.0]])
+    loss = RBSigmoidLoss(None, scale=10.0, relative_bias=-0.78)
+    value = loss.compute_loss_from_embeddings([u, v])
+    value.backward()
+    expected, (expected_grad, _) = float64_loss(loss, [u, v])
+    assert float(expected) == pytest.approx(1.98e-8, rel=1e-2)
+    assert float(value.detach()) == pytest.approx(float(expected), rel=1e-5)
+    torch.testing.assert_close(u.grad.double(), expected_grad, rtol=1e-5, atol=0.0)
+    assert u.grad[0, 1] < 0  # the match still pulls u toward v
+
+
 @pytest.mark.parametrize("chunk_size", [1, 4, 9])
 def test_chunked_and_unchunked_agree_in_loss_and_gradients(chunk_size):
     a0, p0, n0 = embeddings(6, 6, 6, seed=5)

@@ -114,55 +114,121 @@ def test_gradients_match_the_analytic_ones(parametrization):
     assert bias.grad.item() == pytest.approx(float(expected_bias), rel=1e-4)
 
 
-@pytest.mark.parametrize("t", [10.0, 100.0])
-def test_matching_pairs_with_large_logits_cost_their_float32_ulp_at_most(t):
-    """A matching pair's term is computed as softplus(z) - z (= softplus(-z)); its float32 rounding is at most one
-    ulp of z each way, 2^-22 |z| per row (one match per row), on top of the float32 rounding of the other terms.
-    Checked against float64 on matching scores near 1, where the true terms are below 1e-6."""
-    g = torch.Generator().manual_seed(5)
-    scores = torch.rand(64, 64, generator=g) * 0.8 - 0.4
+UNIT_ROUNDOFF = 2.0**-24  # float32: every elementary operation is exact to this relative error
+
+
+def float32_bounds(scores: torch.Tensor, matching: torch.Tensor, t: float, b_rel: float) -> tuple[float, torch.Tensor]:
+    """How far the float32 loss and its gradient d/ds may lie from the float64 ones on the same float32 scores,
+    relative to each term's own value (u = 2^-24):
+
+    - ``z = t (s - b_rel)`` takes two roundings: ``|dz| <= 2u |z|``;
+    - a term ``softplus(v)`` (``v = -z`` at a match, ``z`` elsewhere) moves by ``sigmoid(v) |dz|`` from that, plus
+      ``4u softplus(v)`` for its own evaluation (within 2 ulp of log1p, and the adds);
+    - the sum of N positive terms adds ``(log2 N + 4) u`` of the total (torch's CPU sum is pairwise), and the mean
+      over anchors one rounding more;
+    - a gradient entry ``+-t sigmoid(v) / A`` moves by ``(1 - sigmoid(v)) |dz|`` relative, plus ``8u`` for its own
+      evaluation: exp (up to 2u), ``w = 1 + e`` and ``e / w`` (u each), the upstream factor and ``t`` (u each), and
+      one u to spare;
+    - a value below float32's smallest normal number (2^-126) may flush to zero: an absolute floor of ``2^-126`` per
+      term and per gradient entry (times ``t / A``).
+
+    Returns the loss's bound and the gradient's bound per entry, both from the float64 reference values."""
+    z = t * (scores.double() - b_rel)
+    v = torch.where(matching, -z, z)
+    terms = F.softplus(v)
+    moved = 2 * UNIT_ROUNDOFF * z.abs()
+    count = scores.numel()
+    tiny = torch.finfo(torch.float32).tiny
+    loss_bound = (torch.sigmoid(v) * moved + 4 * UNIT_ROUNDOFF * terms + tiny).sum() + (
+        math.log2(count) + 5
+    ) * UNIT_ROUNDOFF * terms.sum()
+    gradient = t * torch.sigmoid(v) / scores.shape[0]
+    gradient_bound = ((1 - torch.sigmoid(v)) * moved + 8 * UNIT_ROUNDOFF) * gradient + tiny * t / scores.shape[0]
+    return float(loss_bound) / scores.shape[0], gradient_bound
+
+
+def saturated_case(t: float, b_rel: float, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """64 x 64 scores: matching pairs near or at 1 (saturated terms, far below the ulp of their logit), some exactly
+    1 and -1, the rest spread over [-1, 1]."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(64, 64, generator=g) * 2 - 1
     scores.fill_diagonal_(0.97)
-    targets = torch.eye(64)
-    value = sigmoid_contrastive_loss(scores, targets, scale=t, relative_bias=0.7)
-    expected = sigmoid_contrastive_loss(scores.double(), targets.double(), scale=t, relative_bias=0.7)
-    matching_logit = t * (0.97 - 0.7)
-    others = float(expected) * 2**-23 * 64  # float32 rounding of the summed non-matching terms, generously
-    assert abs(float(value) - float(expected)) <= 2**-22 * matching_logit + others
-    scores64 = scores.double().requires_grad_()
-    sigmoid_contrastive_loss(scores64, targets.double(), scale=t, relative_bias=0.7).backward()
+    scores[:8, :8].fill_diagonal_(1.0)
+    scores[8, 9], scores[9, 8] = -1.0, 1.0
+    return scores, torch.eye(64, dtype=torch.bool)
+
+
+def float32_number(value: float) -> float:
+    """``value`` rounded to float32: the float64 reference must see the same inputs as the float32 loss."""
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+CASES = [
+    (t, float32_number(b_rel))
+    for t, b_rel in [(10.0, 0.7), (10.0, -0.78), (55.0, 0.3), (100.0, 0.7), (100.0, -0.5), (1e4, 0.7), (1e4, 0.0)]
+]
+
+
+@pytest.mark.parametrize("t,b_rel", CASES)
+def test_the_float32_loss_and_gradient_hold_a_bound_relative_to_their_value(t, b_rel):
+    """Against float64 on the same float32 scores, at saturated matches, scores of exactly +-1, t up to the cap (100)
+    and t = 1e4: the loss within :func:`float32_bounds` of the value (so a term of 2e-8 is not rounded away), never
+    negative, and every gradient entry within its own bound."""
+    scores, matching = saturated_case(t, b_rel)
+    targets = matching.float()
+    loss_bound, gradient_bound = float32_bounds(scores, matching, t, b_rel)
     scores32 = scores.clone().requires_grad_()
-    sigmoid_contrastive_loss(scores32, targets, scale=t, relative_bias=0.7).backward()
-    # d/ds = t (sigmoid(z) - y) / A, at most t / A: float32 rounds sigmoid to 2^-24 absolute near 1 (a match) and
-    # to 2^-24 relative elsewhere, and the products by one more rounding each
-    assert (scores32.grad.double() - scores64.grad).abs().max() <= t / 64 * 2**-22
+    value = sigmoid_contrastive_loss(scores32, targets, scale=t, relative_bias=b_rel)
+    value.backward()
+    scores64 = scores.double().requires_grad_()
+    expected = sigmoid_contrastive_loss(scores64, targets.double(), scale=t, relative_bias=b_rel)
+    expected.backward()
+    assert float(value.detach()) >= 0.0
+    assert abs(float(value.detach()) - float(expected.detach())) <= loss_bound
+    assert ((scores32.grad.double() - scores64.grad).abs() <= gradient_bound).all()
 
 
-@pytest.mark.parametrize("t", [10.0, 100.0])
+@pytest.mark.parametrize("t,b_rel", CASES)
 @pytest.mark.parametrize("guarded", [False, True])
-def test_the_fused_block_loss_on_embeddings_holds_the_same_float32_bound(t, guarded):
-    """The embedding path's fused block loss (its own softplus, ``max(z, 0) + log(w) + (u - (w - 1)) / w``) against
-    the float64 loss of the same float32 scores, within the bound of the test above; with a guard (a valid_mask)
-    too, and a guard that removes nothing gives the unguarded value bit for bit."""
+def test_the_fused_block_loss_on_embeddings_holds_the_same_float32_bound(t, b_rel, guarded):
+    """The embedding path's fused block loss (its own softplus, ``max(v, 0) + log(w) + (u - (w - 1)) / w``) and its
+    gradient d/ds (read through ``score_transform``) against the float64 loss of the same float32 scores, within
+    :func:`float32_bounds`; with a guard (a valid_mask) too, and a guard that removes nothing gives the unguarded
+    value bit for bit."""
     g = torch.Generator().manual_seed(11)
     anchors = F.normalize(torch.randn(64, 16, generator=g), dim=-1)
     candidates = F.normalize(anchors + 0.1 * torch.randn(64, 16, generator=g), dim=-1)
+    anchors[:4] = candidates[:4]  # matching scores of (nearly) exactly 1
     positive_index = torch.arange(64)
     scores = anchors @ candidates.T  # the same float32 product the block computes
     filter_spec = ("absolute", 0.9) if guarded else None  # leaves out the negatives above s_pos - 0.9
-    logits = SigmoidLogits(t, relative_bias=0.7)
+    blocks: list[torch.Tensor] = []
+
+    def keep(block: torch.Tensor) -> torch.Tensor:
+        block.retain_grad()
+        blocks.append(block)
+        return block
+
+    logits = SigmoidLogits(t, relative_bias=b_rel, score_transform=keep)
     value = chunked_sigmoid_contrastive_loss(
-        anchors, candidates, positive_index, logits, guard=CandidateGuard(filter_spec)
+        anchors.requires_grad_(), candidates, positive_index, logits, guard=CandidateGuard(filter_spec)
     ).loss
+    value.backward()
+    assert torch.equal(blocks[0].detach(), scores)
     valid_mask, _ = apply_false_negative_filter(scores, positive_index, None, FalseNegativeFilter.parse(filter_spec))
     assert valid_mask is None or 0 < int((~valid_mask).sum()) < 64 * 63
+    scores64 = scores.double().requires_grad_()
     targets = torch.eye(64, dtype=torch.float64)
-    expected = sigmoid_contrastive_loss(
-        scores.double(), targets, valid_mask=valid_mask, scale=t, relative_bias=0.7
+    expected = sigmoid_contrastive_loss(scores64, targets, valid_mask=valid_mask, scale=t, relative_bias=b_rel)
+    expected.backward()
+    kept = torch.ones_like(scores, dtype=torch.bool) if valid_mask is None else valid_mask
+    loss_bound, gradient_bound = float32_bounds(
+        scores.masked_fill(~kept, 0.0), torch.eye(64, dtype=torch.bool), t, b_rel
     )
-    matching_logit = t * float((scores.diagonal() - 0.7).abs().max())
-    others = float(expected) * 2**-23 * 64
-    assert abs(float(value) - float(expected)) <= 2**-22 * matching_logit + others
-    block = (anchors, candidates, positive_index, logits)
+    assert float(value.detach()) >= 0.0
+    assert abs(float(value.detach()) - float(expected.detach())) <= loss_bound
+    assert ((blocks[0].grad.double() - scores64.grad).abs() <= gradient_bound.masked_fill(~kept, 0.0)).all()
+    block = (anchors.detach(), candidates, positive_index, SigmoidLogits(t, relative_bias=b_rel))
     # ("absolute", 0): only negatives above the row's own positive score, of which these rows have none
     nothing = FalseNegativeFilter.parse(("absolute", 0.0))
     assert apply_false_negative_filter(scores, positive_index, None, nothing)[0].all()

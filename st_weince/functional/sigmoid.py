@@ -16,8 +16,9 @@ Parametrizations of the logit (exactly one bias is given), with the scale ``t > 
 - absolute (SigLIP):     ``z = t * s - b``, so ``b = t * b_rel``.
 
 Loss (SigLIP's normalization): ``-(1/A) sum_a sum_c [y log sigmoid(z) + (1 - y) log sigmoid(-z)]``, i.e. the mean over
-anchors of the sum over valid candidates. Computed as ``softplus(-+z)``, which is finite for any scale (``t = 1e4``
-with scores of exactly +-1 gives a finite loss and finite gradients).
+anchors of the sum over valid candidates. Computed as ``softplus(-+z)``, each term with the sign of its own label, which
+is finite for any scale (``t = 1e4`` with scores of exactly +-1 gives a finite loss and finite gradients) and keeps
+every term's float32 accuracy relative to its value.
 
 One implementation: :func:`_block_loss_sum` (the loss of one score block) and :func:`_block_extremes` (its smallest
 matching and largest non-matching score) serve the dense score-matrix functions and the block-by-block computation on
@@ -94,27 +95,36 @@ def _block_loss_sum(
     bias_value: ScalarLike,
     relative: bool,
 ) -> Tensor:
-    """Sum over the valid entries of one score block of ``-log sigmoid(z)`` (matching) / ``-log sigmoid(-z)`` (not),
-    as ``softplus(z)`` over every valid entry minus ``z`` over the matching ones (``softplus(-z) = softplus(z) - z``),
-    not a sign chosen per entry. Stable at any scale; a matching pair's term ``softplus(z) - z`` rounds to the ulp of
-    ``z`` (1e-6 at z = 15 in float32). ``matching``: [A, C] bool, the matching (valid) entries."""
+    """Sum over the valid entries of one score block of ``-log sigmoid(z)`` (matching) / ``-log sigmoid(-z)`` (not):
+    ``softplus(v)`` with ``v = -z`` at the matching entries and ``z`` elsewhere, so each term keeps its float32
+    accuracy relative to its own value (``softplus(z) - z`` would cancel: a saturated match's 2e-8 rounds to 0, and at
+    ``z = 3000`` the ulp of ``z`` makes the sum negative). ``matching``: [A, C] bool, the matching (valid) entries."""
     if valid_mask is not None:
         # Excluded entries are zeroed before the logits, so that even NaN there (a masked self-pair) gives neither a
         # NaN loss nor a NaN gradient.
         scores = scores.masked_fill(~valid_mask, 0.0)
     logits = _logits(scores, scale, bias_value, relative)
-    per_pair = F.softplus(logits)
+    per_pair = F.softplus(torch.where(matching, -logits, logits))
     if valid_mask is not None:
         per_pair = per_pair.masked_fill(~valid_mask, 0.0)
-    return per_pair.sum() - logits.masked_fill(~matching, 0.0).sum()
+    return per_pair.sum()
+
+
+def _flip_matching(values: Tensor, index: Tensor, in_block: Tensor) -> Tensor:
+    """``values`` with the sign of each row's matching entry (column ``index``, where ``in_block``) flipped, in place:
+    ``z -> v`` before the softplus, and ``sigmoid(v) -> -sigmoid(-z)`` after it, two [A, 1] operations."""
+    matched = values.gather(1, index)
+    return values.scatter_(1, index, torch.where(in_block[:, None], -matched, matched))
 
 
 class _GatheredBlockSum(torch.autograd.Function):
     """:func:`_block_loss_sum` and :func:`_block_extremes` of a block of embedding scores on three [A, C] buffers, one
-    kept (autograd: seven, two kept; ``F.softplus``'s ``log1p`` is slow on CPU): ``softplus(z) = max(z, 0) + log(w) +
-    (u - (w - 1)) / w``, ``u = exp(-|z|)``, ``w = 1 + u`` (``w - 1`` is exact; within 2 ulp of ``log1p``). Entries
-    outside ``valid_mask`` are zeroed before the logits (a NaN there gives no NaN) and left out of every sum, so a
-    mask that excludes nothing gives the unmasked values bit for bit."""
+    kept (autograd: seven, two kept; ``F.softplus``'s ``log1p`` is slow on CPU): ``softplus(v) = max(v, 0) + log(w) +
+    (u - (w - 1)) / w``, ``u = exp(-|v|)``, ``w = 1 + u`` (``w - 1`` is exact; within 2 ulp of ``log1p``), with
+    ``v = -z`` at the row's matching column and ``z`` elsewhere (each term accurate relative to itself, as in
+    :func:`_block_loss_sum`); the gradient ``-sigmoid(-z)`` at the match and ``sigmoid(z)`` elsewhere, likewise.
+    Entries outside ``valid_mask`` are zeroed before the logits (a NaN there gives no NaN) and left out of every sum,
+    so a mask that excludes nothing gives the unmasked values bit for bit."""
 
     @staticmethod
     def forward(ctx, scores, column, in_block, valid_mask, scale, negated_bias, relative):
@@ -132,8 +142,7 @@ class _GatheredBlockSum(torch.autograd.Function):
         kept(buffer.scatter_(1, index, matching))
         if relative:
             buffer.add_(negated_bias)  # s - b_rel, kept for backward (s itself in the absolute parametrization)
-        logits = buffer * scale if relative else (buffer * scale).add_(negated_bias)
-        matching_sum = (logits.gather(1, index).squeeze(1) * in_block).sum()
+        logits = _flip_matching(buffer * scale if relative else (buffer * scale).add_(negated_bias), index, in_block)
         exponential = logits.abs().neg_().exp_()
         positive_sum = kept(logits.clamp_min_(0)).sum()
         torch.add(exponential, 1.0, out=logits).sub_(1.0)  # w - 1
@@ -142,14 +151,15 @@ class _GatheredBlockSum(torch.autograd.Function):
         ctx.save_for_backward(buffer, column, in_block, valid_mask, *filter(torch.is_tensor, (scale, negated_bias)))
         min_positive = matching.squeeze(1).masked_fill(~in_block, float("inf")).amin()
         ctx.mark_non_differentiable(min_positive, max_negative)
-        return positive_sum + kept(logits.log_()).sum() + correction_sum - matching_sum, min_positive, max_negative
+        return positive_sum + kept(logits.log_()).sum() + correction_sum, min_positive, max_negative
 
     @staticmethod
     def backward(ctx, grad_sum, _grad_min, _grad_max):
         buffer, column, in_block, valid_mask, *scalars = ctx.saved_tensors
         scale, negated_bias = (value if value is not None else scalars.pop(0) for value in ctx.numbers)
-        residual = buffer * scale if ctx.relative else (buffer * scale).add_(negated_bias)
-        residual.sigmoid_().scatter_add_(1, column[:, None], -in_block.to(residual.dtype)[:, None])  # sigmoid(z) - y
+        index = column[:, None]
+        logits = buffer * scale if ctx.relative else (buffer * scale).add_(negated_bias)
+        residual = _flip_matching(_flip_matching(logits, index, in_block).sigmoid_(), index, in_block)  # sigmoid(z) - y
         if valid_mask is not None:
             residual.masked_fill_(~valid_mask, 0.0)
         grad_scale = grad_sum * (residual * buffer).sum() if ctx.needs_input_grad[4] else None  # torch.dot: 1e-5 off
