@@ -8,7 +8,7 @@ Two setups (``--setup``; st_weince.vision.SETUPS, as the studies and recipes/sim
   M = 50: the arms ``infonce`` and ``composite`` of st_weince.vision.ARMS), evaluated with the released
   probe protocol too (stratified 80/20 split, linear probe on raw features, Adam lr 3e-4, 100 epochs; k-NN over 5
   split seeds) besides the k-NN on the whole train split;
-- ``batchnorm-head`` (``previous`` until 0.3, with a DeprecationWarning): the BatchNorm-head setup (Adam lr 1e-3,
+- ``batchnorm-head``: the BatchNorm-head setup (Adam lr 1e-3,
   weight decay 1e-6, jitter 0.4/0.4/0.4/0.1, normalised inputs, standardized probe), InfoNCE against the blend
   alone (``weince``).
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -38,35 +39,29 @@ from typing import Any
 import torch
 from torch import Tensor
 
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # benchmarks.lab, before the imports below
+# ruff: noqa: E402
+
+from benchmarks.lab.arms import ARMS, build_objective  # noqa: E402
 from st_weince.diagnostics import pot_fit
 from st_weince.diagnostics.collect import negative_pool
 from st_weince.utils.provenance import provenance
-from st_weince.vision import (
-    ARMS,
+from st_weince.vision.augment import SimCLRAugment, eval_transform
+from st_weince.vision.data import balanced_subset, load_dataset
+from st_weince.vision.evaluation import (
     KNN_KS,
     KNN_TEMPERATURE,
-    SETUPS,
-    SIMCLR_BETA,
-    SIMCLR_SCALE,
     STANDARDIZED_PROTOCOL,
-    SimCLRAugment,
-    SimCLRModel,
-    SimCLRTraining,
-    balanced_subset,
-    build_model,
-    build_objective,
-    build_optimizer,
-    data_order,
-    eval_transform,
     evaluate_frozen_features,
     extract_features,
     knn_evaluate,
-    load_dataset,
-    setup_name,
-    to_memory_format,
 )
+from st_weince.vision.models import SimCLRModel
+from st_weince.vision.objectives import SIMCLR_BETA, SIMCLR_SCALE
+from st_weince.vision.setups import SETUPS
+from st_weince.vision.training import SimCLRTraining, build_model, build_optimizer, data_order, to_memory_format
 
-REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "cifar10" / "cifar10-jpg.zip"
 DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "gpu_study" / "gpu_study.json"
 # The two arms of each setup, baseline first; their objectives: st_weince.vision.ARMS.
@@ -90,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budget-seconds", type=float, default=480.0, help="whole script, both losses")
     parser.add_argument("--epochs", type=int, default=None, help="fixed epochs instead of what fits the budget")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--setup", type=setup_name, choices=sorted(SETUP_ARMS), default="released", help="see above")
+    parser.add_argument("--setup", choices=sorted(SETUP_ARMS), default="released", help="see above")
     parser.add_argument(
         "--pair", choices=("setup", "link"), default="setup", help="the setup's two arms, or LINK_ARMS (released)"
     )

@@ -61,9 +61,9 @@ sys.path.insert(0, str(REPO))  # benchmarks.lab
 
 from benchmarks.lab import plots, runlog, summaries  # noqa: E402
 from benchmarks.lab import simclr_runner as runner  # noqa: E402
+from benchmarks.lab.arms import ARMS, MATCHED_TOP_M_INFONCE_SCALE  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
-from st_weince.vision import ARMS, SETUPS  # noqa: E402
-from st_weince.vision.presets import MATCHED_TOP_M_INFONCE_SCALE  # noqa: E402
+from st_weince.vision.setups import SETUPS  # noqa: E402
 
 OUTPUT = REPO / "benchmarks" / "results" / "simclr_ablation"
 STATE = Path("/work/st-weince-ablation-state")

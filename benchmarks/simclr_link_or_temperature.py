@@ -37,8 +37,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # benchmarks.lab
 
 from benchmarks import simclr_ablation as ablation  # noqa: E402
-from benchmarks.lab import runlog, schedules  # noqa: E402
+from benchmarks.lab import pairing, plots, runlog, schedules, summaries  # noqa: E402
 from benchmarks.lab import simclr_runner as runner  # noqa: E402
+from benchmarks.lab.collapse import collapsed_epochs  # noqa: E402
+from st_weince.utils.provenance import provenance  # noqa: E402
 
 OUTPUT = REPO / "benchmarks" / "results" / "simclr_link_or_temperature"
 STATE = Path("/work/st-weince-link-state")
@@ -61,6 +63,118 @@ RUN_ORDER = [(arm, seed) for arm in (SHORTFALL, SCHEDULED) for seed in SEEDS] + 
     (arm, seed) for arm in (BASELINE, CONTROL, SCALE3) for seed in SEEDS
 ]
 CONFIG: dict[str, Any] = {**ablation.ABLATION, "arms": ARMS, "log_steps": True}
+
+
+METRICS = ("linear_top1", "knn_top1")
+# (arm, reference): what each comparison asks
+COMPARISONS = [
+    (SHORTFALL, SCHEDULED, "the link's shape at the same sharpness, step by step"),
+    (SHORTFALL, SCALE3, "the shortfall link against the sharpest fixed linear scale that trains"),
+    (SCHEDULED, SCALE3, "the shortfall term's schedule of sharpness against a fixed scale of 3"),
+    (CONTROL, SHORTFALL, "a lower temperature everywhere against the shortfall term"),
+    (CONTROL, SCHEDULED, "a lower temperature everywhere against the scheduled linear term"),
+    (SHORTFALL, BASELINE, "the shortfall term over InfoNCE"),
+    (SCHEDULED, BASELINE, "the scheduled linear term over InfoNCE"),
+    (SCALE3, BASELINE, "the fixed linear term over InfoNCE"),
+    (CONTROL, BASELINE, "the temperature control over InfoNCE"),
+]
+
+
+def summarize(output_dir: Path) -> dict[str, Any]:
+    """summary.json, summary.md and curves.png from the run files in ``output_dir``."""
+    runs = runlog.run_files(output_dir)
+    finals, states = {}, {}
+    for records in runs.values():
+        key = (records[0]["loss"], records[0]["seed"])
+        states[key] = pairing.code_state(records)
+        if (final := runlog.final_record(records)) is not None:
+            finals[key] = final
+    per_arm = {
+        arm: {
+            "seeds": sorted(s for a, s in finals if a == arm),
+            "code_states": sorted({f"{str(states[a, s].commit)[:7]} on {states[a, s].cpu_family}" for a, s in finals
+                                   if a == arm}),  # fmt: skip
+            **{m: summaries.mean_std([r[m] for (a, _), r in finals.items() if a == arm]) for m in METRICS},
+        }
+        for arm in ARMS
+        if any(a == arm for a, _ in finals)
+    }
+    collapsed = {
+        name: epochs
+        for name, records in runs.items()
+        if (epochs := collapsed_epochs(records, ARMS[records[0]["loss"]], CONFIG["batch_size"]))
+    }
+    summary = {
+        "description": __doc__.split("\n\n")[0],
+        "config": CONFIG,
+        "runs_present": sorted(runs),
+        "runs_finished": sorted(runlog.run_name(a, s) for a, s in finals),
+        "runs_missing": [runlog.run_name(a, s) for a, s in RUN_ORDER if (a, s) not in finals],
+        "code_states": {runlog.run_name(*key): vars(state) for key, state in sorted(states.items())},
+        "per_arm": per_arm,
+        "paired": pairing.paired_differences(finals, states, COMPARISONS, SEEDS, METRICS),
+        "finals": {
+            runlog.run_name(a, s): {m: r[m] for m in (*METRICS, "linear_val_top1", "knn_top1_by_k")}
+            for (a, s), r in sorted(finals.items())
+        },
+        "collapsed_epochs": collapsed,
+        "summary_provenance": provenance(),
+    }
+    summaries.write_summary(output_dir, summary, markdown(summary))
+    plot_steps(runs, output_dir / "curves.png")
+    return summary
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    lines = ["| arm | seeds | code state (commit on CPU family) | linear top-1 (%) | k-NN top-1, k=50 (%) |",
+             "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    for arm, row in summary["per_arm"].items():
+        lines.append(
+            f"| {arm} | {', '.join(map(str, row['seeds']))} | {'; '.join(row['code_states'])} "
+            f"| {summaries.format_stat(row['linear_top1'])} | {summaries.format_stat(row['knn_top1'])} |"
+        )
+    lines += ["", "Paired by seed, points (mean +- sample std, n; paired t with n - 1 degrees of freedom, two-sided p)",
+              "", "| comparison | n | linear top-1 | t, p | k-NN top-1 | t, p | refused |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for name, entry in summary["paired"].items():
+        cells = []
+        for metric in METRICS:
+            if metric not in entry:
+                cells += ["-", "-"]
+                continue
+            test = entry["tests"][metric]
+            t = "-" if test["t"] is None else f"t = {test['t']:+.2f}, p = {test['p_two_sided']:.3f}"
+            cells += [summaries.format_stat(entry[metric], sign=True), t]
+        n = len(entry.get("seeds", []))
+        refused = "; ".join(f"seed {s}: {why}" for s, why in entry["refused"].items()) or "-"
+        lines.append(f"| {name} | {n} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | {refused} |")
+    lines += ["", "Collapsed epochs (benchmarks/lab/collapse.py: the loss at most 0.05 above the collapsed encoder's, "
+              "k-NN below its own at initialisation): "
+              + (", ".join(f"{name} {epochs}" for name, epochs in summary["collapsed_epochs"].items()) or "none")]
+    if summary["runs_missing"]:
+        lines += ["", f"Not finished yet: {', '.join(summary['runs_missing'])}"]
+    return "\n".join(lines)
+
+
+def plot_steps(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    """Per seed, every step's training loss of each arm, and the top-M terms' effective scale (arm 2's logged one;
+    the scheduled arm's, which follows it; the fixed scale 3)."""
+    with plots.figure(path, 2, (11.0, 3.6)) as (loss_axes, scale_axes):
+        for name, records in sorted(runs.items()):
+            steps = sorted((r for r in records if r.get("type") == "steps"), key=lambda r: r["epoch"])
+            losses = [value for r in steps for value in r["loss"]]
+            if losses:
+                loss_axes.plot(losses, lw=0.6, label=name)
+            statistics = {k: [v for r in steps for v in r["loss_statistics"].get(k, [])] for k in (
+                "weince_effective_scale_top_m_shortfall", "weince_effective_scale_top_m_infonce")}  # fmt: skip
+            for key, values in statistics.items():
+                if values:
+                    scale_axes.plot(values, lw=0.6, label=f"{name}: {key.split('scale_')[1]}")
+        loss_axes.set(title="training loss per step", xlabel="step", yscale="log")
+        scale_axes.set(title="top-M effective scale per step", xlabel="step", yscale="log")
+        for axes in (loss_axes, scale_axes):
+            axes.grid(alpha=0.3)
+            axes.legend(fontsize=6)
 
 
 def fix_schedules(output_dir: Path) -> list[Path]:

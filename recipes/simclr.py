@@ -2,12 +2,12 @@
 
 Only the loss changes between runs; it is the SAME class as on the text side (st_weince/vision/objectives.py).
 ``--loss-option KEY=VALUE`` (repeatable) goes to the loss class, which validates it; ``--scale`` is 1 / temperature
-(default 2), or RB-Sigmoid's starting t. ``--preset`` (st_weince.vision.SETUPS; docs/vision.md compares them):
+(default 2), or RB-Sigmoid's starting t. ``--preset`` (st_weince.vision.setups.SETUPS; docs/vision.md compares them):
 ``batchnorm-head`` (the default; BatchNorm head, Adam lr 1e-3 with weight decay 1e-6, jitter 0.4/0.4/0.4/0.1,
-normalised inputs, the standardized probe protocol; ``previous``, its 0.1 name, works until 0.3 with a
-DeprecationWarning) or ``released`` (docs/algorithms.md 1.2b for both arms: head without BatchNorm or biases, Adam
-lr 3e-4, jitter 0.8/0.8/0.8/0.2, no normalisation, the released probe protocol; ``--loss weince`` is the released
-composite unless ``--no-preset-loss-options``). ``--lr``, ``--weight-decay`` and ``--hidden-dim`` override the preset.
+normalised inputs, the standardized probe protocol) or ``released`` (docs/algorithms.md 1.2b for both arms: head
+without BatchNorm or biases, Adam lr 3e-4, jitter 0.8/0.8/0.8/0.2, no normalisation, the released probe protocol;
+``--loss weince`` is the released composite unless ``--no-preset-loss-options``). ``--lr``, ``--weight-decay`` and
+``--hidden-dim`` override the preset.
 
     python recipes/simclr.py --dataset cifar10 --data-dir ../shared/data/cifar10/cifar10-jpg.zip --loss weince \
         --width 16 --batch-size 64 --max-steps 200 --limit-train 10000 --limit-eval 2000 --output-dir runs/demo
@@ -37,7 +37,7 @@ from st_weince.vision.data import DEFAULT_SPLITS, ImageTensorDataset, load_datas
 from st_weince.vision.evaluation import evaluate_frozen_features, extract_features
 from st_weince.vision.models import BACKBONES, SimCLRModel, save_encoder
 from st_weince.vision.objectives import LOSSES, SIMCLR_BETA, SIMCLR_SCALE, SimCLRObjective
-from st_weince.vision.presets import SETUPS, setup_name
+from st_weince.vision.setups import SETUPS
 from st_weince.vision.training import SimCLRTraining, build_model, build_optimizer, data_order
 
 FEATURE_WIDTH = "features"  # --hidden-dim value: as wide as the backbone features
@@ -52,7 +52,7 @@ def positive_int(value: str) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
-    add("--preset", default="batchnorm-head", type=setup_name, choices=sorted(SETUPS), help="the setup (see above)")
+    add("--preset", default="batchnorm-head", choices=sorted(SETUPS), help="the setup (see above)")
     add("--dataset", default="cifar10", choices=sorted(DEFAULT_SPLITS))
     add("--data-dir", default=None, help="ImageFolder dir / zip (offline) or torchvision root")
     add("--no-download", action="store_true", help="never download torchvision datasets")

@@ -29,7 +29,8 @@ __all__ = [
     "CONFIG_KEY",
     "MatchProbability",
     "carried_match_probability",
-    "carry_match_probability",
+    "carry_values",
+    "mark_carried_values_stale",
     "match_probability",
 ]
 
@@ -77,29 +78,49 @@ class MatchProbability:
 
 
 def _hf_config(model: nn.Module) -> Any | None:
-    """The Hugging Face configuration of the model's transformer module, or None (e.g. a StaticEmbedding model)."""
-    for module in model.children() if hasattr(model, "children") else ():
+    """The Hugging Face configuration of the model's transformer module, or None (e.g. a StaticEmbedding model). A
+    model wrapped for data parallelism (``DistributedDataParallel``) is read through its ``module``."""
+    model = getattr(model, "module", model)
+    for module in model.children() if isinstance(model, nn.Module) else ():
         config = getattr(getattr(module, "auto_model", None), "config", None)
         if config is not None and hasattr(config, "to_dict"):
             return config
     return None
 
 
-def carry_match_probability(model: nn.Module, values: MatchProbability) -> bool:
-    """Store ``values`` in the model's configuration (saved with it); False when the model has no Hugging Face
-    configuration to hold them."""
+def carry_values(model: nn.Module, values: dict[str, Any]) -> bool:
+    """Store trained ``values`` (the fields of :class:`MatchProbability`, checked) in the model's configuration, saved
+    with it, replacing any values there; False when the model has no Hugging Face configuration to hold them."""
     config = _hf_config(model)
     if config is None:
         return False
-    setattr(config, CONFIG_KEY, values.to_dict())
+    setattr(config, CONFIG_KEY, MatchProbability.from_dict(values).to_dict())
     return True
 
 
-def carried_match_probability(model: nn.Module) -> MatchProbability | None:
-    """The trained values the model carries, or None."""
+def _carried(model: nn.Module) -> dict[str, Any] | None:
     config = _hf_config(model)
     stored = getattr(config, CONFIG_KEY, None) if config is not None else None
-    return MatchProbability.from_dict(stored) if isinstance(stored, dict) else None
+    return stored if isinstance(stored, dict) else None
+
+
+def carried_match_probability(model: nn.Module) -> MatchProbability | None:
+    """The trained values the model carries (also values marked stale), or None."""
+    stored = _carried(model)
+    return None if stored is None else MatchProbability.from_dict(stored)
+
+
+def mark_carried_values_stale(model: nn.Module, trained_by: str) -> None:
+    """Mark the values the model carries as no longer describing it: ``trained_by`` (a loss that trains no ``t`` and
+    ``b_rel``) is training the encoder further. The values stay, with what produced them and why they are stale;
+    :func:`match_probability` refuses them. Nothing is read from a device."""
+    stored = _carried(model)
+    if stored is not None and "stale" not in stored:
+        produced = f"{stored.get('loss', 'an RB-Sigmoid loss')} at step {stored.get('global_step', '?')}"
+        stored["stale"] = (
+            f"they were trained by {produced}, and the encoder was then trained further with {trained_by}, which "
+            "trains no t and b_rel: they no longer describe this model's scores"
+        )
 
 
 def match_probability(model: nn.Module, texts_a: list[str], texts_b: list[str], **encode_kwargs: Any) -> Tensor:
@@ -112,14 +133,20 @@ def match_probability(model: nn.Module, texts_a: list[str], texts_b: list[str], 
     Raises ValueError when the model carries no trained values: a probability needs the ``t`` and ``b_rel`` of a
     sigmoid loss; the cosine score of a model trained otherwise has no calibrated scale.
     """
-    carried = carried_match_probability(model)
-    if carried is None:
+    stored = _carried(model)
+    if stored is None:
         raise ValueError(
             f"this model carries no trained RB-Sigmoid t and b_rel (no {CONFIG_KEY!r} in its transformer's "
             "config.json), so it has no match probability. Train it with st_weince.losses.RBSigmoidLoss (or "
             "CachedRBSigmoidLoss) and call st_weince.training.prepare_trainer(trainer) before trainer.train(); the "
             "saved model then carries them"
         )
+    if "stale" in stored:
+        raise ValueError(
+            f"this model's t and b_rel ({CONFIG_KEY!r} in its config.json) are stale: {stored['stale']}. Train it "
+            "with RBSigmoidLoss last (under st_weince.training.prepare_trainer) to give it a match probability again"
+        )
+    carried = MatchProbability.from_dict(stored)
     if isinstance(texts_a, str) or isinstance(texts_b, str):
         raise TypeError("texts_a and texts_b must be lists of texts (a single text: wrap it in a list)")
     encode_kwargs = {**encode_kwargs, "convert_to_tensor": True}

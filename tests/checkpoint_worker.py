@@ -27,8 +27,8 @@ from transformers.trainer_callback import ExportableState
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: import this checkout
 
+from st_weince.functional.options import RELEASED_COMPOSITE  # noqa: E402
 from st_weince.losses import RBSigmoidLoss, WEINCELoss  # noqa: E402
-from st_weince.losses.weince import RELEASED_TOP_M  # noqa: E402
 from st_weince.training import prepare_trainer  # noqa: E402
 from tests.conftest import SHORT_RUN  # noqa: E402
 from tests.conftest import build_trainer as tiny_trainer  # noqa: E402
@@ -40,7 +40,7 @@ SAVE_STEPS = 2
 LOSSES = {
     "rb-sigmoid": (RBSigmoidLoss, 4),
     "weince-composite": (
-        lambda model: WEINCELoss.released(model, top_m=RELEASED_TOP_M.replace(beta_min_r_squared=0.0)),
+        lambda model: WEINCELoss.released(model, top_m=RELEASED_COMPOSITE.top_m.replace(beta_min_r_squared=0.0)),
         6,
     ),
 }

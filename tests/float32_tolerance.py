@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from st_weince.functional import WeinceOptions, mnrl_layout, normalize_rows, weince_statistics
+from st_weince.functional import WEINCEOptions, mnrl_layout, normalize_rows, weince_statistics
 from st_weince.functional.layouts import CandidateGroup
 from st_weince.functional.weince import WeinceStatistics
 from st_weince.losses import WEINCELoss
@@ -58,7 +58,7 @@ def one_ulp_sensitivity(
     scores: Tensor,
     positive_index: Tensor | None,
     valid_mask: Tensor | None,
-    options: WeinceOptions,
+    options: WEINCEOptions,
     draws: int = 32,
     seed: int = 0,
 ) -> dict[str, float]:
@@ -86,7 +86,7 @@ def tail_fit_tolerances(
     scores: Tensor,
     positive_index: Tensor | None,
     valid_mask: Tensor | None,
-    options: WeinceOptions,
+    options: WEINCEOptions,
     ulps: float = 1.0,
 ) -> dict[str, float]:
     """Per statistic: ``SAFETY * max(ulps, 1) * one_ulp_sensitivity`` (see the module docstring)."""

@@ -88,7 +88,7 @@ def test_cached_statistics_equal_uncached_exactly_on_identical_embeddings(one_to
         if mini_batch_size == 48:
             expected = uncached.last_statistics
         else:
-            expected = weince_statistics(*chunk_scores(uncached, columns, mini_batch_size), uncached.options.math)
+            expected = weince_statistics(*chunk_scores(uncached, columns, mini_batch_size), uncached.options)
         for field in ("lam", "beta", "rho", "delta_aic", "rho0", "beta_hat", "fitted"):
             actual = getattr(cached.last_statistics, field)
             assert torch.equal(actual, getattr(expected, field)), (field, mini_batch_size)
@@ -126,7 +126,7 @@ def test_cached_equals_uncached_on_a_tiny_bert(tiny_model, one_torch_thread, opt
     # Rounding only: a wrong row or column would put scores about 1e-2 apart, i.e. about 1e5 ulps. 64 is twice the
     # textbook bound of two summation orders of a 32-term dot product of unit vectors (2 x 32 units of rounding).
     assert ulps <= 64, f"the two paths' scores are {ulps} ulps apart"
-    tolerances = tail_fit_tolerances(group.scores, group.positive_index, group.valid_mask, uncached.options.math, ulps)
+    tolerances = tail_fit_tolerances(group.scores, group.positive_index, group.valid_mask, uncached.options, ulps)
     assert_statistics_close(cached.last_statistics, uncached.last_statistics, tolerances)
     assert cached.pop_logged_statistics().keys() == uncached.pop_logged_statistics().keys()
 

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from st_weince.functional import nt_xent_layout
-from st_weince.functional.composite import top_m_infonce_cross_entropy, top_m_negatives, top_m_shortfall_cross_entropy
+from st_weince.functional import TopM, nt_xent_layout
+from st_weince.functional.composite import top_m_negatives, top_m_terms
 from st_weince.functional.effective_scale import (
     blend_effective_scale,
     shortfall_secant_slope,
@@ -59,8 +59,8 @@ def test_a_linear_top_m_term_at_the_effective_scale_is_close_to_the_shortfall_te
     beta = torch.tensor(10.0)
     selection = top_m_negatives(scores, positive_index, valid_mask, top_m=50)
     scale = top_m_shortfall_effective_scale(*selection, beta, EPS)
-    shortfall = top_m_shortfall_cross_entropy(scores, positive_index, valid_mask, beta=beta, m=50).mean()
-    matched = top_m_infonce_cross_entropy(scores, positive_index, valid_mask, scale=float(scale.mean()), m=50)
+    terms = top_m_terms(scores, positive_index, valid_mask, TopM(m=50), beta=beta, scale=float(scale.mean()), eps=EPS)
+    shortfall, matched = terms[0].mean(), terms[1]
     assert float(matched.mean()) == pytest.approx(float(shortfall), rel=0.25)
     # The secant slope lies between the tangents at the set's lowest and highest score (mean value theorem).
     positive, negatives, used = selection
@@ -74,7 +74,7 @@ def test_both_losses_log_each_terms_effective_scale(cached):
     torch.manual_seed(1)
     columns = [torch.randn(12, 8, dtype=torch.float64) for _ in range(2)]
     columns[1] = columns[0] + 0.5 * columns[1]
-    options = {"scale": 2.0, "beta": 1.0, "top_m_shortfall_weight": 0.5, "top_m_infonce_weight": 0.5}
+    options = {"scale": 2.0, "beta": 1.0, "top_m": {"shortfall_weight": 0.5, "infonce_weight": 0.5}}
     plain = WEINCELoss(None, **options).double()
     plain.compute_loss_from_embeddings(columns, None)
     logged = plain.pop_logged_statistics()

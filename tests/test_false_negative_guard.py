@@ -213,7 +213,7 @@ def assert_cached_equals_uncached(cached, uncached, columns, prefix: str) -> Non
         layout, _ = guard_layout(layout, options.false_negative_filter)
         group = layout.groups[0]  # the query rows, guarded, whose statistics the loss logs
         ulps = ulps_apart(block_scores(uncached, columns, row_chunks(columns[0].shape[0], 5)), group.scores)
-        tolerance = tail_fit_tolerances(group.scores, group.positive_index, group.valid_mask, options.math, ulps)["lam"]
+        tolerance = tail_fit_tolerances(group.scores, group.positive_index, group.valid_mask, options, ulps)["lam"]
         assert_share_above_close(
             logged.pop("weince_lambda_gt_half"),
             expected_logged.pop("weince_lambda_gt_half"),

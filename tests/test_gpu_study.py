@@ -88,12 +88,6 @@ def test_the_link_pair_trains_the_shortfall_arm_against_the_matched_linear_arm(
         gpu_study.parse_args(["--device", "cpu", "--pair", "link", "--setup", "batchnorm-head"])
 
 
-def test_setup_old_name_warns_and_resolves(gpu_study):
-    with pytest.warns(DeprecationWarning, match="batchnorm-head"):
-        args = gpu_study.parse_args(["--device", "cpu", "--setup", "previous"])
-    assert args.setup == "batchnorm-head" and args.arms == ("infonce", "blend") and args.lr == 1e-3
-
-
 def test_setup_unknown_name_lists_the_setups(gpu_study, capsys):
     with pytest.raises(SystemExit):
         gpu_study.parse_args(["--device", "cpu", "--setup", "nosuch"])

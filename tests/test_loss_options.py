@@ -1,5 +1,5 @@
-"""Each loss's options object is the one home of its defaults: the constructors' signatures read them from it,
-get_config_dict writes them out, and no second literal of a default stands anywhere in the package."""
+"""Each loss's options object is the one home of its defaults: the constructors' signatures are built from it,
+get_config_dict writes it out, and no second literal of a default stands anywhere in the package."""
 
 from __future__ import annotations
 
@@ -12,20 +12,17 @@ from pathlib import Path
 import pytest
 
 import st_weince
-from st_weince.functional import Gate, WeinceOptions
+from st_weince.functional import Gate, RBSigmoidOptions, WEINCEOptions
 from st_weince.losses import CachedRBSigmoidLoss, CachedWEINCELoss, RBSigmoidLoss, WEINCELoss
-from st_weince.losses._gradcache import GradCachedLoss, GradCacheOptions
-from st_weince.losses.rb_sigmoid import RBSigmoidOptions
-from st_weince.losses.weince import WEINCELossOptions
+from st_weince.losses._gradcache import GradCacheOptions
 
 PACKAGE = Path(st_weince.__file__).parent
 # (options object, field, a pattern for the names a copy of that default would be assigned to)
 DEFAULTS = [
-    (WEINCELossOptions(), "scale", r"\w*scale\w*"),
-    (WEINCELossOptions(), "beta", r"\w*beta\w*"),
+    (WEINCEOptions(), "scale", r"\w*scale\w*"),
+    (WEINCEOptions(), "beta", r"\w*beta\w*"),
     (Gate(), "q", r"q|\w*quantile\w*"),
     (Gate(), "kappa_rho", r"\w*kappa_rho\w*"),
-    (WeinceOptions(), "beta", r"\w*beta\w*"),
     (RBSigmoidOptions(), "scale", r"\w*scale\w*|t|t_start|\w*temperature\w*"),
     (RBSigmoidOptions(), "relative_bias", r"\w*relative_bias\w*|b_rel\w*|\w*RELATIVE_BIAS\w*"),
 ]
@@ -84,23 +81,22 @@ def test_each_default_is_written_once_in_the_package(options, name, names):
 @pytest.mark.parametrize(
     ("loss_class", "options_classes"),
     [
-        (WEINCELoss, [WEINCELossOptions]),
+        (WEINCELoss, [WEINCEOptions]),
         (RBSigmoidLoss, [RBSigmoidOptions]),
-        (CachedWEINCELoss, [WEINCELossOptions, GradCacheOptions]),
+        (CachedWEINCELoss, [WEINCEOptions, GradCacheOptions]),
         (CachedRBSigmoidLoss, [RBSigmoidOptions, GradCacheOptions]),
     ],
 )
 def test_signatures_and_configs_derive_from_the_options(loss_class, options_classes):
-    parameters = inspect.signature(loss_class.__init__).parameters
-    uncached_class = loss_class.__bases__[-1] if issubclass(loss_class, GradCachedLoss) else loss_class
-    uncached = inspect.signature(uncached_class.__init__)
-    fields = [field for options in options_classes for field in dataclasses.fields(options) if field.init]
+    """Every option of the uncached class is named in the signature, with its default, the cached variants' too;
+    get_config_dict writes every option and rebuilds the loss."""
+    parameters = inspect.signature(loss_class).parameters
+    fields = [field for options in options_classes for field in dataclasses.fields(options)]
     for field in fields:
-        # a cached class names its own options and scale, and forwards the rest (**options) to the uncached class
-        parameter = parameters.get(field.name) or uncached.parameters[field.name]
-        assert parameter.default == field.default, (loss_class.__name__, field.name)
+        assert parameters[field.name].default == field.default, (loss_class.__name__, field.name)
     config = loss_class(None).get_config_dict()
     assert sorted(config) == sorted(field.name for field in fields)
+    assert loss_class(None, **config).get_config_dict() == config
     # the options object holds the values; the loss keeps no copies of them as attributes
     loss = loss_class(None)
     for field in fields:
@@ -108,19 +104,18 @@ def test_signatures_and_configs_derive_from_the_options(loss_class, options_clas
 
 
 def test_adding_nothing_else_to_the_signature():
-    """Every keyword of an uncached loss is an option field or one of MNRL's arguments it accepts as a no-op (WEINCE
-    takes those through ``**compatibility``)."""
+    """Every keyword of a loss is an option field or one of MNRL's arguments it accepts as a no-op."""
     mnrl_only = {"similarity_fct", "hardness_mode", "hardness_strength", "partition_mode", "directions"}
-    mnrl_only.add("compatibility")
-    for loss_class, options in ((WEINCELoss, WEINCELossOptions), (RBSigmoidLoss, RBSigmoidOptions)):
-        names = set(inspect.signature(loss_class.__init__).parameters) - {"self", "model"}
+    for loss_class, options in ((WEINCELoss, WEINCEOptions), (RBSigmoidLoss, RBSigmoidOptions)):
+        names = set(inspect.signature(loss_class).parameters) - {"model"}
         assert names - mnrl_only <= {field.name for field in dataclasses.fields(options)}, loss_class.__name__
+    cached_own = {field.name for field in dataclasses.fields(GradCacheOptions)}
+    for cached, uncached in ((CachedWEINCELoss, WEINCELoss), (CachedRBSigmoidLoss, RBSigmoidLoss)):
+        names = set(inspect.signature(cached).parameters)
+        assert names - cached_own == set(inspect.signature(uncached).parameters), cached.__name__
 
 
 def test_the_weince_signature_stays_readable():
-    """At most 16 parameters, counted as MultipleNegativesRankingLoss's 9 (self and ``**compatibility`` included): the
-    released composite's settings are one ``top_m``, the gate's four one ``gate``."""
-    assert len(inspect.signature(WEINCELoss.__init__).parameters) <= 16
-    cached_own = {"mini_batch_size", "mini_batch_num_tokens", "show_progress_bar"}
-    cached = set(inspect.signature(CachedWEINCELoss.__init__).parameters)
-    assert cached - cached_own == set(inspect.signature(WEINCELoss.__init__).parameters)
+    """At most 17 parameters (MultipleNegativesRankingLoss has 9, self included): the released composite's settings
+    are one ``top_m``, the gate's four one ``gate``."""
+    assert len(inspect.signature(WEINCELoss).parameters) <= 17

@@ -17,7 +17,6 @@ from st_weince import MatchProbability, match_probability
 from st_weince.calibration import CONFIG_KEY, carried_match_probability
 from st_weince.losses import CachedRBSigmoidLoss, RBSigmoidLoss, WEINCELoss
 from st_weince.training import prepare_trainer
-from st_weince.training.trained_values import rb_sigmoid_losses
 from tests.conftest import SHORT_RUN, TINY_SENTENCES, build_trainer, stop_at
 
 pytestmark = pytest.mark.slow
@@ -27,8 +26,7 @@ class PushScaleUp(TrainerCallback):
     """A persistent upward gradient on log_t (the worst case the cap is for), replacing the loss's own."""
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        for loss in rb_sigmoid_losses(self.loss):
-            loss.log_t.grad = torch.full_like(loss.log_t, -1.0)
+        self.loss.log_t.grad = torch.full_like(self.loss.log_t, -1.0)
 
 
 def train(model_dir, output_dir, loss_cls=RBSigmoidLoss, callbacks=(), resume=None, **loss_options):
@@ -115,3 +113,27 @@ def test_a_model_without_trained_values_says_so(tiny_model_dir, tmp_path, one_to
         st_weince.match_probability(trainer.model, ["a"], ["b"])
     with pytest.raises(ValueError, match="needs a finite t > 0"):
         MatchProbability(t=0.0, b_rel=0.5, b=0.0)
+
+
+def test_a_model_trained_further_by_another_loss_carries_stale_values_that_match_probability_refuses(
+    tiny_model_dir, tmp_path, one_torch_thread
+):
+    """Issue 44: RB-Sigmoid training gives the model t and b_rel; WEINCE training of that model, saved, must not leave
+    them there as if they described it. They stay, marked with what produced them, and match_probability refuses
+    them, saying why."""
+    rb_sigmoid = train(tiny_model_dir, tmp_path / "rb")
+    assert carried_match_probability(rb_sigmoid.model) is not None
+    rb_sigmoid.model.save(str(tmp_path / "after-rb"))
+    after_rb = SentenceTransformer(str(tmp_path / "after-rb"), device="cpu")
+    assert match_probability(after_rb, ["a"], ["b"]).shape == (1, 1)
+    weince = train(tmp_path / "after-rb", tmp_path / "weince", WEINCELoss)
+    weince.model.save(str(tmp_path / "after-weince"))
+    reloaded = SentenceTransformer(str(tmp_path / "after-weince"), device="cpu")
+    stored = getattr(reloaded[0].auto_model.config, CONFIG_KEY)
+    assert "trained by RBSigmoidLoss at step 5" in stored["stale"] and "WEINCELoss" in stored["stale"]
+    with pytest.raises(ValueError, match=r"stale: they were trained by RBSigmoidLoss at step 5.*WEINCELoss"):
+        match_probability(reloaded, ["a"], ["b"])
+    # training with RB-Sigmoid again gives fresh values
+    again = train(tmp_path / "after-weince", tmp_path / "rb-again")
+    assert "stale" not in getattr(again.model[0].auto_model.config, CONFIG_KEY)
+    assert match_probability(again.model, ["a"], ["b"]).shape == (1, 1)

@@ -9,9 +9,10 @@ import math
 import pytest
 import torch
 
-from st_weince.losses import CachedRBSigmoidLoss, RBSigmoidLoss, RBSigmoidOptions
-from st_weince.losses.rb_sigmoid import log_scale_cap
+from st_weince.functional import RBSigmoidOptions
+from st_weince.losses import CachedRBSigmoidLoss, RBSigmoidLoss
 from st_weince.training import DEFAULT_LOSS_LEARNING_RATE
+from st_weince.utils.options import log_scale_cap
 
 
 @pytest.mark.parametrize(

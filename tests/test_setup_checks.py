@@ -1,5 +1,6 @@
-"""Setups that run but do not do what the user expects get one warning, at no cost to the training step: WEINCE at
-a batch too small for any tail fit (it is InfoNCE there), and label columns that the losses ignore."""
+"""Setups that run but do not do what the user expects get one warning from the loss itself, at its first training
+step and at no cost to it, with or without prepare_trainer: WEINCE at a batch too small for any tail fit (it is
+InfoNCE there), and labels that the losses ignore."""
 
 from __future__ import annotations
 
@@ -9,10 +10,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from st_weince.functional import WeinceOptions
+from st_weince.functional import WEINCEOptions, negatives_needed
 from st_weince.losses import CachedRBSigmoidLoss, CachedWEINCELoss, RBSigmoidLoss, WEINCELoss
-from st_weince.training import prepare_trainer
-from st_weince.training.setup_checks import negatives_needed, small_batch_message
 from st_weince.utils.hotpath import count_host_syncs
 from tests.conftest import TINY_SENTENCES, build_trainer
 
@@ -24,7 +23,7 @@ def pairs(batch_size: int, columns: int = 2, seed: int = 0) -> list[torch.Tensor
 
 
 def test_the_needed_number_of_negatives_is_where_the_loss_starts_fitting():
-    assert negatives_needed(WeinceOptions()) == 4
+    assert negatives_needed(WEINCEOptions()) == 4
     loss = WEINCELoss(None)
     loss.compute_loss_from_embeddings(pairs(4), None)  # 3 negatives per anchor
     assert not loss.last_statistics.fitted.any() and float(loss.last_statistics.lam.abs().max()) == 0.0
@@ -41,16 +40,23 @@ def test_the_needed_number_of_negatives_is_where_the_loss_starts_fitting():
         ({"directions": ("query_to_doc", "query_to_query")}, 2, 2, 3),
     ],
 )
-def test_small_batch_message_names_the_batch_that_fits(options, columns, batch, needed):
+def test_the_first_training_step_warns_naming_the_batch_that_fits(options, columns, batch, needed):
+    loss = WEINCELoss(None, **options)  # in training mode, as nn.Module starts
+    with pytest.warns(UserWarning, match=rf"at a batch of {batch} .*needs at least 4 negatives.*at least {needed} "):
+        loss.compute_loss_from_embeddings(pairs(batch, columns), None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss.compute_loss_from_embeddings(pairs(batch, columns), None)  # once
+        WEINCELoss(None, **options).compute_loss_from_embeddings(pairs(needed, columns), None)
+        WEINCELoss(None, mode="none", **options).compute_loss_from_embeddings(pairs(batch, columns), None)
+        WEINCELoss(None, **options).eval().compute_loss_from_embeddings(pairs(batch, columns), None)
+        with torch.no_grad():
+            WEINCELoss(None, **options).compute_loss_from_embeddings(pairs(batch, columns), None)
     loss = WEINCELoss(None, **options)
-    message = small_batch_message(loss, batch, columns)
-    assert message is not None and f"at least {needed} " in message and "needs at least 4 negatives" in message
-    assert small_batch_message(loss, needed, columns) is None
     loss.compute_loss_from_embeddings(pairs(needed, columns), None)
     assert loss.last_statistics.fitted.any()
     loss.compute_loss_from_embeddings(pairs(needed - 1, columns), None)
     assert not loss.last_statistics.fitted.any()
-    assert small_batch_message(WEINCELoss(None, mode="none", **options), batch, columns) is None
 
 
 def make_trainer(model, tmp_path, rows: int, loss, extra_columns: dict | None = None, batch_size: int = 8):
@@ -62,25 +68,22 @@ def make_trainer(model, tmp_path, rows: int, loss, extra_columns: dict | None = 
     )
 
 
-def test_prepare_trainer_warns_once_about_a_batch_that_fits_no_tail(tiny_model, tmp_path):
+def test_plain_sentence_transformers_training_warns_once_about_a_batch_that_fits_no_tail(tiny_model, tmp_path):
+    """No prepare_trainer: the loss warns at its first training step (issue 44: it trained InfoNCE silently)."""
     with pytest.warns(UserWarning, match=r"WEINCELoss at a batch of 2 .* Use a batch of at least 5"):
-        prepare_trainer(make_trainer(tiny_model, tmp_path, rows=2, loss=WEINCELoss(tiny_model)))
+        make_trainer(tiny_model, tmp_path, rows=2, loss=WEINCELoss(tiny_model)).train()
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        prepare_trainer(make_trainer(tiny_model, tmp_path, rows=8, loss=WEINCELoss(tiny_model)))
-        prepare_trainer(make_trainer(tiny_model, tmp_path, rows=8, loss=RBSigmoidLoss(tiny_model)))
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message=".*pin_memory.*")
+        make_trainer(tiny_model, tmp_path, rows=8, loss=WEINCELoss(tiny_model)).train()
     with pytest.warns(UserWarning, match=r"CachedWEINCELoss at a batch of 4"):
         loss = CachedWEINCELoss(tiny_model, mini_batch_size=2)
-        prepare_trainer(make_trainer(tiny_model, tmp_path, rows=24, loss=loss, batch_size=4))
+        make_trainer(tiny_model, tmp_path, rows=24, loss=loss, batch_size=4).train()
 
 
 @pytest.mark.parametrize("cls", [WEINCELoss, CachedWEINCELoss, RBSigmoidLoss, CachedRBSigmoidLoss])
-def test_labels_are_refused_with_one_warning_naming_the_column(cls, tiny_model, tmp_path):
-    # at prepare_trainer, from the dataset's column
-    trainer = make_trainer(tiny_model, tmp_path, rows=8, loss=cls(tiny_model), extra_columns={"score": [0.5] * 8})
-    with pytest.warns(UserWarning, match=rf"{cls.__name__} does not use labels and ignores the 'score' column.*CoSENT"):
-        prepare_trainer(trainer)
-    # in the loss itself, once, naming the collator's label columns; the check reads nothing from the device
+def test_labels_are_refused_with_one_warning_naming_the_columns(cls):
+    """The loss warns once, naming the collator's label columns; the check reads nothing from the device."""
     columns = pairs(8)
 
     def compute(loss, labels):

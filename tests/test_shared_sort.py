@@ -81,9 +81,10 @@ def test_batch_tail_is_the_smallest_shortfalls_of_all_negatives(masked, min_poin
     positive_index[4] = -1  # a row without a positive: all its valid entries are negatives
     valid_mask = (torch.rand(30, 50, generator=torch.Generator().manual_seed(5)) > 0.2) if masked else None
     options = TopM(beta_tail_min_points=min_points)
-    tail = batch_negative_tail(scores, positive_index, valid_mask, options)
+    eps = 1e-6
+    tail = batch_negative_tail(scores, positive_index, valid_mask, options, eps=eps)
     negatives, negative = independent_negatives(scores, positive_index, valid_mask)
-    shortfalls = torch.sort((1 - scores).clamp_min(options.eps).masked_fill(~negative, float("inf")).reshape(-1))
+    shortfalls = torch.sort((1 - scores).clamp_min(eps).masked_fill(~negative, float("inf")).reshape(-1))
     # as many as a tail of the batch's entries can need (the fit takes its k of them from the count of negatives)
     keep = min(scores.numel(), max(min_points, int(options.beta_tail_frac * scores.numel())))
     assert tail.ascending and tail.num_negatives.item() == negative.sum().item()

@@ -1,6 +1,5 @@
 """recipes/simclr.py's presets: the released WEINCE setup (docs/algorithms.md 1.2b) point by point, the batchnorm-head
-setup unchanged, the old names of the renamed setup and protocol (deprecated, still resolved), and the released
-evaluation protocol (stratified split, raw-feature probe, k-NN over split seeds)."""
+setup unchanged, and the released evaluation protocol (stratified split, raw-feature probe, k-NN over split seeds)."""
 
 from __future__ import annotations
 
@@ -12,26 +11,18 @@ import pytest
 import torch
 from torch import nn
 
-from st_weince.vision import (
-    PROBE_PROTOCOLS,
-    RELEASED_AUGMENT,
+from st_weince.vision.augment import RELEASED_AUGMENT, SimCLRAugmentConfig, eval_transform
+from st_weince.vision.evaluation import (
     RELEASED_PROTOCOL,
-    SETUPS,
     STANDARDIZED_PROTOCOL,
-    SimCLRAugmentConfig,
-    SimCLRModel,
-    eval_transform,
     evaluate_frozen_features,
-    evaluation,
     knn_evaluate,
     knn_evaluate_splits,
     linear_probe,
-    load_encoder,
-    resolve_protocol,
-    resolve_setup,
-    save_encoder,
     stratified_split,
 )
+from st_weince.vision.models import SimCLRModel, load_encoder, save_encoder
+from st_weince.vision.setups import SETUPS
 from tests.test_vision_recipe import recipe, tiny_zip  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -68,49 +59,17 @@ def test_batchnorm_head_preset_is_the_default(recipe):  # noqa: F811
         args = recipe.parse_args([])
         assert recipe.parse_args(["--preset", "batchnorm-head"]).preset == "batchnorm-head"
         preset = recipe.SETUPS["batchnorm-head"]
-        assert resolve_setup("batchnorm-head") is preset and resolve_protocol("standardized") is STANDARDIZED_PROTOCOL
     assert args.preset == "batchnorm-head"
     assert (args.lr, args.weight_decay, args.hidden_dim, args.loss_kwargs) == (1e-3, 1e-6, 512, {})
     assert preset.augment == SimCLRAugmentConfig() and preset.probe is STANDARDIZED_PROTOCOL
     assert preset.head_batch_norm and preset.head_output_bias
-    assert STANDARDIZED_PROTOCOL.name == "standardized" and PROBE_PROTOCOLS["standardized"] is STANDARDIZED_PROTOCOL
+    assert STANDARDIZED_PROTOCOL.name == "standardized"
     with pytest.raises(SystemExit):
         recipe.parse_args(["--hidden-dim", "wide"])
 
 
-def test_old_setup_name_still_resolves_with_a_warning(recipe):  # noqa: F811
-    with pytest.warns(DeprecationWarning, match="batchnorm-head"):
-        args = recipe.parse_args(["--preset", "previous"])
-    assert args.preset == "batchnorm-head" and (args.lr, args.weight_decay, args.hidden_dim) == (1e-3, 1e-6, 512)
-    with pytest.warns(DeprecationWarning, match="batchnorm-head"):
-        assert resolve_setup("previous") is SETUPS["batchnorm-head"]
-    with pytest.warns(DeprecationWarning, match="batchnorm-head"):
-        assert SETUPS["previous"] is SETUPS["batchnorm-head"]
-    assert sorted(SETUPS) == ["batchnorm-head", "released"]  # the old name is no choice of its own
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # reading a 0.1 run file that records the old name: no warning
-        assert resolve_setup("previous", warn=False) is SETUPS["batchnorm-head"]
-
-
-def test_old_protocol_names_still_resolve_with_a_warning():
-    with pytest.warns(DeprecationWarning, match="standardized"):
-        assert resolve_protocol("previous") is STANDARDIZED_PROTOCOL
-    with pytest.warns(DeprecationWarning, match="STANDARDIZED_PROTOCOL"):
-        from st_weince.vision import PREVIOUS_PROTOCOL
-    assert PREVIOUS_PROTOCOL is STANDARDIZED_PROTOCOL
-    with pytest.warns(DeprecationWarning, match="STANDARDIZED_PROTOCOL"):
-        assert evaluation.PREVIOUS_PROTOCOL is STANDARDIZED_PROTOCOL
-    with pytest.raises(AttributeError):
-        evaluation.NO_SUCH_PROTOCOL  # noqa: B018
-
-
-def test_unknown_setup_and_protocol_names_list_the_choices(recipe, capsys):  # noqa: F811
-    with pytest.raises(KeyError, match="batchnorm-head, released"):
-        resolve_setup("nosuch")
-    with pytest.raises(KeyError, match="batchnorm-head, released"):
-        SETUPS["nosuch"]  # noqa: B018
-    with pytest.raises(KeyError, match="released, standardized"):
-        resolve_protocol("nosuch")
+def test_an_unknown_setup_name_lists_the_choices(recipe, capsys):  # noqa: F811
+    assert sorted(SETUPS) == ["batchnorm-head", "released"]
     with pytest.raises(SystemExit):
         recipe.parse_args(["--preset", "nosuch"])
     err = capsys.readouterr().err

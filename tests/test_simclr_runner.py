@@ -237,13 +237,3 @@ def test_a_bad_override_is_refused_by_name(study, override, expected, capsys):
     assert expected in capsys.readouterr().err
 
 
-def test_a_state_that_records_the_old_setup_name_resumes(study, image_folder, tmp_path, one_torch_thread):
-    """States and run files of 0.1 record ``"setup": "previous"``, the old name of ``batchnorm-head``."""
-    run_study(study, image_folder, tmp_path, "--runs", "blend-seed0", "--stop-after-epoch", "1")
-    state_path = tmp_path / "state" / "blend-seed0" / "state.pt"
-    state = torch.load(state_path, weights_only=False)
-    state["config"]["setup"] = "previous"
-    torch.save(state, state_path)
-    run_study(study, image_folder, tmp_path, "--runs", "blend-seed0")
-    records = lines(tmp_path / "results" / "blend-seed0.jsonl")
-    assert [r["type"] for r in records] == [*FULL_RUN[:3], "resume", *FULL_RUN[3:]]

@@ -279,7 +279,7 @@ def test_results_record_the_loss_that_ran(
     # Without --scale RB-Sigmoid starts from its own default, not from the presets' InfoNCE scale 20.
     default = recipe.parse_args(["--loss", "rb-sigmoid"])
     assert default.scale is None
-    from st_weince.losses import RBSigmoidOptions
+    from st_weince.functional import RBSigmoidOptions
 
     assert recipe.build_loss(default, None).get_config_dict()["scale"] == pytest.approx(RBSigmoidOptions.scale)
     with pytest.raises(ValueError, match="--scale, not --loss-option scale"):

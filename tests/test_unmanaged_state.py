@@ -78,7 +78,7 @@ def test_prepare_trainer_lifts_the_refusal_and_the_state_trains(name, tiny_model
 def test_weince_without_state_trains_with_a_plain_trainer(tiny_model_dir, tmp_path):
     model = tiny_model(tiny_model_dir)
     loss = WEINCELoss(model)
-    assert loss.training_state_names() == []
+    assert loss.state_tensors() == {}
     trainer = two_steps(model, loss, tmp_path / "weince")
     trainer.train()
     assert trainer.state.global_step == 2 and math.isfinite(trainer.state.log_history[-1]["train_loss"])
@@ -100,7 +100,7 @@ def test_own_loops_declare_the_state_managed_and_evaluation_is_never_refused(tin
     value.backward()
     assert loss.log_t.grad is not None and torch.isfinite(loss.log_t.grad).all()
     frozen = RBSigmoidLoss(model, trainable_scale=False, trainable_bias=False)
-    assert frozen.training_state_names() == []
+    assert frozen.state_tensors() == {}
     frozen(features).backward()  # constants: nothing to lose
 
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 from torchvision.transforms.v2 import functional as TF
 
-from st_weince.vision import SimCLRAugment, SimCLRAugmentConfig
 from st_weince.vision.augment import (
+    SimCLRAugment,
+    SimCLRAugmentConfig,
     color_jitter,
     crop_and_flip,
     eval_transform,

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
-from st_weince.functional import nt_xent_layout, weince_logits, weince_statistics
+from st_weince.functional import WEINCEOptions, nt_xent_layout, weince_logits, weince_statistics
 from st_weince.losses import WEINCELoss
-from st_weince.vision import SimCLRObjective
+from st_weince.vision.objectives import SimCLRObjective
 from tests.float32_tolerance import tail_fit_tolerances, ulps_apart
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -62,7 +62,7 @@ def test_weince_objective_blends_in_the_shortfall_logit_on_the_nt_xent_rows():
     assert isinstance(objective.loss, WEINCELoss) and objective.loss.options.beta == 1.0
     loss = objective(z1, z2)
     scores, target, valid = _direct_layout(z1, z2)
-    stats = weince_statistics(scores, target, valid, beta=1.0)
+    stats = weince_statistics(scores, target, valid, WEINCEOptions(beta=1.0))
     assert (stats.lam > 0.05).any(), "the test batch should switch WEINCE on for some anchors"
     logits = weince_logits(scores, stats.lam, stats.beta, valid, scale=2.0)
     assert loss.item() == pytest.approx(F.cross_entropy(logits, target).item(), rel=1e-5)
@@ -70,7 +70,7 @@ def test_weince_objective_blends_in_the_shortfall_logit_on_the_nt_xent_rows():
     logged = objective.pop_logged_statistics()
     # The objective's scores (nt_xent_layout) and these are computed apart: float32 may round them differently.
     ulps = ulps_apart(nt_xent_layout(z1, z2)[0], scores)
-    tolerance = tail_fit_tolerances(scores, target, valid, objective.loss.options.math, ulps)["lam"]
+    tolerance = tail_fit_tolerances(scores, target, valid, objective.loss.options, ulps)["lam"]
     assert logged["weince_lambda_mean"] == pytest.approx(float(stats.lam.mean()), rel=1e-6, abs=tolerance)
 
 

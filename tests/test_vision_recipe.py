@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from st_weince.vision import load_encoder
+from st_weince.vision.models import load_encoder
 from tests.conftest import load_script
 
 REPO = Path(__file__).resolve().parents[1]

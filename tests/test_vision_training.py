@@ -8,21 +8,14 @@ import math
 import pytest
 import torch
 
+from benchmarks.lab.arms import ARMS, arm_objective, build_run
 from st_weince.utils.hotpath import count_host_syncs
-from st_weince.vision import (
-    ARMS,
-    SETUPS,
-    SimCLRAugment,
-    SimCLRModel,
-    SimCLRObjective,
-    SimCLRTraining,
-    arm_objective,
-    build_optimizer,
-    build_run,
-    data_order,
-    load_dataset,
-    load_encoder,
-)
+from st_weince.vision.augment import SimCLRAugment
+from st_weince.vision.data import load_dataset
+from st_weince.vision.models import SimCLRModel, load_encoder
+from st_weince.vision.objectives import SimCLRObjective
+from st_weince.vision.setups import SETUPS
+from st_weince.vision.training import SimCLRTraining, build_optimizer, data_order
 from tests.test_vision_recipe import recipe, tiny_zip  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -13,25 +13,36 @@ import torch.nn.functional as F
 from st_weince.functional import (
     BatchTail,
     TopM,
+    WEINCEOptions,
     batch_negative_tail,
     batch_tail_fit,
     check_scores,
-    composite_cross_entropy,
     composite_loss,
     initial_beta_ema,
     mnrl_layout,
     nt_xent_layout,
-    top_m_cross_entropies,
-    top_m_infonce_cross_entropy,
     top_m_negatives,
-    top_m_shortfall_cross_entropy,
+    top_m_terms,
     update_beta_ema,
     weince_cross_entropy,
 )
+from st_weince.losses import WEINCELoss
 from st_weince.utils.hotpath import count_host_syncs
 from tests.weince_release_reference import ReleasedCompositeReference
 
 RELEASED = TopM(shortfall_weight=0.5, infonce_weight=0.5)
+EPS = WEINCEOptions().eps
+
+
+def composite(scale: float, top_m: TopM | None = RELEASED, dtype: torch.dtype = torch.float32) -> WEINCELoss:
+    """The released composite as the loss computes it on one score matrix (``loss_from_scores``: the one assembly of
+    the blend and the top-M terms), its tail index a buffer of ``dtype``, advanced on every training step."""
+    return WEINCELoss(None, scale=scale, beta=1.0, top_m=top_m).to(dtype)
+
+
+def top_m_pair(scores, positive_index, valid_mask, options=RELEASED, *, beta, scale):
+    """The two top-M terms per row (without the effective scale)."""
+    return top_m_terms(scores, positive_index, valid_mask, options, beta=beta, scale=scale, eps=EPS)[:2]
 TOLERANCE = 1e-6
 
 
@@ -123,15 +134,13 @@ def run_sequence(case):
     options = RELEASED.replace(m=top_m, beta_tail_min_points=tail_min_points, beta_tail_frac=tail_frac)
     reference = ReleasedCompositeReference(top_m=top_m, tail_min_points=tail_min_points, tail_frac=tail_frac)
     temperature = float(np.random.default_rng(index).choice([0.5, 0.05, 1.0]))
-    beta_ema = initial_beta_ema(options, dtype=torch.float64)
+    loss = composite(1.0 / temperature, options, torch.float64)
     records = []
     for step in range(steps):
         kind = KINDS[layout][(index + step) % 3]
         scores, positive_index, valid_mask = make_batch(layout, size, kind, generator)
-        result = composite_cross_entropy(
-            scores, positive_index, valid_mask, beta_ema, scale=1.0 / temperature, top_m_options=options
-        )
-        beta_ema = result.beta_ema
+        loss.loss_from_scores(scores, positive_index, valid_mask)
+        result = loss.last_step
         expected = reference.step(
             scores.numpy(), positive_index.numpy(), None if valid_mask is None else valid_mask.numpy(),
             temperature=temperature,
@@ -145,16 +154,17 @@ def test_released_composite_matches_reference(case):
     for step, (result, expected) in enumerate(run_sequence(case)):
         where = f"step {step}"
         assert bool(result.fit.trusted) == expected["trusted"], where
-        assert close(result.beta_ema, expected["beta_t"]), (where, float(result.beta_ema), expected["beta_t"])
+        assert close(result.beta_t, expected["beta_t"]), (where, float(result.beta_t), expected["beta_t"])
         if expected["slope"] is None:
             assert not bool(result.fit.fitted), where
         else:
             assert close(result.fit.slope, expected["slope"]), where
             assert close(result.fit.r_squared, expected["r_squared"]), where
-        assert close(result.loss.blend, expected["blend"]), where
-        assert close(result.loss.top_m_shortfall, expected["top_m_shortfall"]), where
-        assert close(result.loss.top_m_infonce, expected["top_m_infonce"]), where
-        assert close(result.loss.total, expected["total"]), where
+        assert close(result.terms.blend, expected["blend"]), where
+        assert close(result.terms.top_m_shortfall, expected["top_m_shortfall"]), where
+        assert close(result.terms.top_m_infonce, expected["top_m_infonce"]), where
+        assert close(result.terms.total, expected["total"]), where
+        assert close(result.loss, expected["total"]), where
 
 
 def test_parity_cases_exercise_the_moving_average():
@@ -181,13 +191,12 @@ def test_zero_weights_give_exactly_the_blended_loss():
         scores, positive_index, valid_mask = make_batch(layout, 9, "power" if layout == "matrix" else "gaussian",
                                                         generator)  # fmt: skip
         scores = scores.float().requires_grad_()
-        blend = weince_cross_entropy(scores, positive_index, valid_mask, scale=2.0)
-        ema = initial_beta_ema()
-        result = composite_cross_entropy(scores, positive_index, valid_mask, ema, scale=2.0)
-        assert torch.equal(result.loss.total, blend)
-        assert result.loss.top_m_shortfall is None and result.loss.top_m_infonce is None
-        assert torch.equal(result.beta_ema, ema)
-        (grad,) = torch.autograd.grad(result.loss.total, scores)
+        blend = weince_cross_entropy(scores, positive_index, valid_mask, WEINCEOptions(scale=2.0, beta=1.0))
+        loss = composite(2.0, TopM(m=3))  # both weights 0: no top-M terms, no tail index
+        total = loss.loss_from_scores(scores, positive_index, valid_mask)
+        assert torch.equal(total, blend)
+        assert loss.options.top_m is None and loss.last_step.terms is None and loss.batch_beta_ema is None
+        (grad,) = torch.autograd.grad(total, scores)
         (expected,) = torch.autograd.grad(blend, scores)
         assert torch.equal(grad, expected)
 
@@ -199,7 +208,7 @@ def test_composite_loss_weights_and_shares():
     shares = result.shares()
     assert math.isclose(sum(float(v) for v in shares.values()), 1.0)
     assert math.isclose(float(shares["top_m_infonce"]), 2.5 / 6.0, rel_tol=1e-6)
-    only_infonce = composite_loss(blend, None, infonce, infonce_weight=1.0)
+    only_infonce = composite_loss(blend, None, infonce, TopM(infonce_weight=1.0))
     assert float(only_infonce.total) == 7.0 and only_infonce.top_m_shortfall is None
     with pytest.raises(ValueError, match="shortfall_weight is 0.5, but no top_m_shortfall term"):
         composite_loss(blend, None, infonce, RELEASED)
@@ -215,7 +224,7 @@ def test_top_m_selection_counts_per_row():
     assert negatives[0].tolist() == pytest.approx([0.7, 0.5]) and used[0].tolist() == [True, True]
     assert used[1].tolist() == [False, False]
     assert negatives[2].tolist() == pytest.approx([0.5, 0.4])
-    shortfall, infonce = top_m_cross_entropies(scores, positive_index, valid_mask, beta=2.0, scale=3.0, m=2)
+    shortfall, infonce = top_m_pair(scores, positive_index, valid_mask, TopM(m=2), beta=2.0, scale=3.0)
     assert float(shortfall[1]) == 0.0 and float(infonce[1]) == 0.0  # only the positive: log 1
     expected = math.log(math.exp(0.9 * 3) + math.exp(0.7 * 3) + math.exp(0.5 * 3)) - 0.9 * 3
     assert math.isclose(float(infonce[0]), expected, rel_tol=1e-6)
@@ -224,12 +233,12 @@ def test_top_m_selection_counts_per_row():
     assert used.sum(1).tolist() == [3, 3, 3]
 
 
-def test_separate_terms_equal_the_joint_computation():
+def test_the_tail_index_as_a_tensor_or_a_number_gives_the_same_terms():
     generator = torch.Generator().manual_seed(3)
     scores, positive_index, valid_mask = make_batch("nt_xent", 12, "gaussian", generator)
-    shortfall, infonce = top_m_cross_entropies(scores, positive_index, valid_mask, beta=torch.tensor(3.0), scale=2.0)
-    assert torch.equal(shortfall, top_m_shortfall_cross_entropy(scores, positive_index, valid_mask, beta=3.0))
-    assert torch.equal(infonce, top_m_infonce_cross_entropy(scores, positive_index, valid_mask, scale=2.0))
+    shortfall, infonce = top_m_pair(scores, positive_index, valid_mask, beta=torch.tensor(3.0), scale=2.0)
+    number_shortfall, number_infonce = top_m_pair(scores, positive_index, valid_mask, beta=3.0, scale=2.0)
+    assert torch.equal(shortfall, number_shortfall) and torch.equal(infonce, number_infonce)
 
 
 def test_top_m_gradients():
@@ -240,7 +249,7 @@ def test_top_m_gradients():
     valid_mask[torch.arange(6), positive_index] = True
 
     def both(s):
-        shortfall, infonce = top_m_cross_entropies(s, positive_index, valid_mask, beta=2.5, scale=2.0, m=3)
+        shortfall, infonce = top_m_pair(s, positive_index, valid_mask, TopM(m=3), beta=2.5, scale=2.0)
         return shortfall.sum() + 0.3 * infonce.sum()
 
     assert torch.autograd.gradcheck(both, (scores,))
@@ -257,10 +266,10 @@ def test_batch_tail_over_parts_equals_whole():
     generator = torch.Generator().manual_seed(5)
     scores, positive_index, valid_mask = make_batch("matrix", 40, "power", generator)
     options = TopM(beta_tail_min_points=100)
-    whole = batch_tail_fit(batch_negative_tail(scores, positive_index, valid_mask, options), options)
+    whole = batch_tail_fit(batch_negative_tail(scores, positive_index, valid_mask, options, eps=EPS), options)
     parts = [
         batch_negative_tail(
-            scores[rows], positive_index[rows], valid_mask[rows], options, global_entries=scores.numel()
+            scores[rows], positive_index[rows], valid_mask[rows], options, eps=EPS, global_entries=scores.numel()
         )
         for rows in (slice(0, 25), slice(25, 40))
     ]
@@ -275,32 +284,35 @@ def test_moving_average_rules():
     ema = torch.tensor(4.0, dtype=torch.float64)
     # fewer than 10 negatives in the batch: keep
     scores, positive_index, valid_mask = nt_xent_layout(torch.randn(2, 4), torch.randn(2, 4))
-    fit = batch_tail_fit(batch_negative_tail(scores, positive_index, valid_mask))
-    assert not bool(fit.fitted) and torch.equal(update_beta_ema(ema, fit), ema)
+    fit = batch_tail_fit(batch_negative_tail(scores, positive_index, valid_mask, options, eps=EPS), options)
+    assert not bool(fit.fitted) and torch.equal(update_beta_ema(ema, fit, options), ema)
     # every negative at the cap: no tail shape, keep
     flat = torch.ones(8, 8, dtype=torch.float64)
-    fit = batch_tail_fit(batch_negative_tail(flat, torch.arange(8)))
+    fit = batch_tail_fit(batch_negative_tail(flat, torch.arange(8), None, options, eps=EPS), options)
     assert bool(fit.fitted) and float(fit.slope) == 0.0 and not bool(fit.trusted)
     # a trusted fit with a slope above the clamp range enters as beta_max
     generator = torch.Generator().manual_seed(6)
     d = 0.5 * torch.rand(30, 30, generator=generator, dtype=torch.float64).pow(1.0 / 40.0)
-    fit = batch_tail_fit(batch_negative_tail(1.0 - d, torch.arange(30)))
+    fit = batch_tail_fit(batch_negative_tail(1.0 - d, torch.arange(30), None, options, eps=EPS), options)
     assert bool(fit.trusted) and float(fit.slope) > 16.0
     assert math.isclose(float(update_beta_ema(ema, fit, options)), 0.9 * 4.0 + 0.1 * 16.0)
-    assert update_beta_ema(ema, fit).dtype == torch.float64
+    assert update_beta_ema(ema, fit, options).dtype == torch.float64
     # untrusted below the R^2 threshold, trusted when the threshold is lowered
-    fit = batch_tail_fit(batch_negative_tail(_shortfall_scores((30, 30), "bimodal", generator), torch.arange(30)))
+    bimodal = batch_negative_tail(_shortfall_scores((30, 30), "bimodal", generator), torch.arange(30), None, options,
+                                  eps=EPS)  # fmt: skip
+    fit = batch_tail_fit(bimodal, options)
     assert 0.0 < float(fit.r_squared) < 0.85 and not bool(fit.trusted)
-    assert bool(batch_tail_fit(batch_negative_tail(_shortfall_scores((30, 30), "bimodal", generator),
-                                                   torch.arange(30)), beta_min_r_squared=0.3).trusted)  # fmt: skip
+    bimodal = batch_negative_tail(_shortfall_scores((30, 30), "bimodal", generator), torch.arange(30), None, options,
+                                  eps=EPS)  # fmt: skip
+    assert bool(batch_tail_fit(bimodal, TopM(beta_min_r_squared=0.3)).trusted)
 
 
 def test_tail_size_rule():
     from st_weince.functional import batch_tail_size
 
     for total, expected in ((5, 5), (1000, 1000), (1024, 1024), (20480, 1024), (30000, 1500), (261120, 13056)):
-        assert batch_tail_size(total) == expected
-        assert int(batch_tail_size(torch.tensor(total))) == expected
+        assert batch_tail_size(total, TopM()) == expected
+        assert int(batch_tail_size(torch.tensor(total), TopM())) == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
@@ -308,25 +320,25 @@ def test_dtypes(dtype):
     generator = torch.Generator().manual_seed(7)
     scores, positive_index, valid_mask = make_batch("nt_xent", 16, "gaussian", generator)
     low = scores.to(dtype)
-    ema = initial_beta_ema()
-    result = composite_cross_entropy(low, positive_index, valid_mask, ema, scale=2.0, top_m_options=RELEASED)
+    loss = composite(2.0)
+    total = loss.loss_from_scores(low, positive_index, valid_mask)
     expected_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    assert result.loss.total.dtype == expected_dtype and result.loss.top_m_shortfall.dtype == expected_dtype
-    assert result.beta_ema.dtype == torch.float32  # the state keeps its own dtype
-    reference = composite_cross_entropy(low.double(), positive_index, valid_mask, ema.double(), scale=2.0,
-                                        top_m_options=RELEASED)  # fmt: skip
+    assert total.dtype == expected_dtype and loss.last_step.terms.top_m_shortfall.dtype == expected_dtype
+    assert loss.batch_beta_ema.dtype == torch.float32  # the state keeps its own dtype
+    reference = composite(2.0, dtype=torch.float64).loss_from_scores(low.double(), positive_index, valid_mask)
     # the same rounded scores in float64: float32 arithmetic on ~100 terms of size ~10 differs by far less than 1e-4
-    assert abs(float(result.loss.total) - float(reference.loss.total)) < 1e-4
+    assert abs(float(total) - float(reference)) < 1e-4
 
 
 def test_scores_at_the_cap_stay_finite():
     scores = torch.ones(6, 6, dtype=torch.float64, requires_grad=True)
     positive_index = torch.tensor([1, 0, 3, 2, 5, 4])
     valid_mask = ~torch.eye(6, dtype=torch.bool)
-    result = composite_cross_entropy(scores, positive_index, valid_mask, initial_beta_ema(), scale=2.0,
-                                     top_m_options=RELEASED)  # fmt: skip
-    assert math.isclose(float(result.loss.top_m_shortfall.detach()), math.log(4.0), rel_tol=1e-12)  # 1 + (K - 1) equal
-    (grad,) = torch.autograd.grad(result.loss.total, scores)
+    loss = composite(2.0, dtype=torch.float64)
+    total = loss.loss_from_scores(scores, positive_index, valid_mask)
+    shortfall = loss.last_step.terms.top_m_shortfall
+    assert math.isclose(float(shortfall.detach()), math.log(4.0), rel_tol=1e-12)  # 1 + (K - 1) equal logits
+    (grad,) = torch.autograd.grad(total, scores)
     assert torch.isfinite(grad).all()
 
 
@@ -334,15 +346,12 @@ def test_hot_path_has_no_host_syncs():
     generator = torch.Generator().manual_seed(8)
     scores, positive_index, valid_mask = make_batch("nt_xent", 32, "gaussian", generator)
     scores = scores.float().requires_grad_()
+    unchecked = WEINCELoss(None, scale=2.0, beta=1.0, top_m=RELEASED, check_inputs=False)
     with count_host_syncs() as syncs:
-        result = composite_cross_entropy(scores, positive_index, valid_mask, initial_beta_ema(), scale=2.0,
-                                         top_m_options=RELEASED)  # fmt: skip
-        result.loss.total.backward()
+        unchecked.loss_from_scores(scores, positive_index, valid_mask).backward()
     assert syncs.total == 0, syncs
-    with count_host_syncs() as syncs:  # a direct caller's value checks: one read for all of them
-        check_scores(scores, positive_index, valid_mask, every_row_has_positive=True)
-        composite_cross_entropy(scores, positive_index, valid_mask, initial_beta_ema(), scale=2.0,
-                                top_m_options=RELEASED)  # fmt: skip
+    with count_host_syncs() as syncs:  # the value checks: one read for all of them
+        composite(2.0).loss_from_scores(scores, positive_index, valid_mask)
     assert syncs.total == 1, syncs
 
 
@@ -355,16 +364,16 @@ def test_compiles_with_fullgraph_and_equals_eager():
     scores = scores.float()
 
     def step(s, ema):
-        fit = batch_tail_fit(batch_negative_tail(s, positive_index, valid_mask, RELEASED), RELEASED)
+        fit = batch_tail_fit(batch_negative_tail(s, positive_index, valid_mask, RELEASED, eps=EPS), RELEASED)
         ema = update_beta_ema(ema, fit, RELEASED)
-        shortfall, infonce = top_m_cross_entropies(s, positive_index, valid_mask, RELEASED, beta=ema, scale=2.0)
+        shortfall, infonce = top_m_pair(s, positive_index, valid_mask, RELEASED, beta=ema, scale=2.0)
         return composite_loss(s.sum() * 0.0, shortfall.mean(), infonce.mean(), RELEASED).total, ema
 
     eager_scores = scores.clone().requires_grad_()
-    eager, eager_ema = step(eager_scores, initial_beta_ema())
+    eager, eager_ema = step(eager_scores, initial_beta_ema(RELEASED))
     (eager_grad,) = torch.autograd.grad(eager, eager_scores)
     compiled_scores = scores.clone().requires_grad_()
-    compiled, compiled_ema = torch.compile(step, fullgraph=True)(compiled_scores, initial_beta_ema())
+    compiled, compiled_ema = torch.compile(step, fullgraph=True)(compiled_scores, initial_beta_ema(RELEASED))
     (compiled_grad,) = torch.autograd.grad(compiled, compiled_scores)
     assert float(eager_ema) != 4.0  # the fit was trusted: the update is part of the graph
     torch.testing.assert_close(compiled.detach(), eager.detach(), rtol=1e-5, atol=1e-6)
@@ -387,7 +396,6 @@ def test_compiles_with_fullgraph_and_equals_eager():
         ("beta_min", 20.0, r"beta_min \(20.0\) must not exceed beta_max"),
         ("beta_tail_min_points", 0, "beta_tail_min_points must be at least 1"),
         ("beta_tail_frac", 0.0, r"beta_tail_frac must lie in \(0, 1\]"),
-        ("eps", 0.7, r"eps must lie in \(0, 0.5\)"),
     ],
 )
 def test_options_are_validated_by_name(option, value, message):
@@ -396,7 +404,7 @@ def test_options_are_validated_by_name(option, value, message):
 
 
 def test_options_defaults_and_errors():
-    assert TopM().as_dict() == {
+    assert TopM().to_config() == {
         "m": 50,
         "shortfall_weight": 0.0,
         "infonce_weight": 0.0,
@@ -408,14 +416,14 @@ def test_options_defaults_and_errors():
         "beta_max": 16.0,
         "beta_tail_min_points": 1024,
         "beta_tail_frac": 0.05,
-        "eps": 1e-6,
     }
-    with pytest.raises(TypeError, match=r"unknown top-M option\(s\) \['top_m'\]"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'top_m'"):
         TopM().replace(top_m=3)
     with pytest.raises(TypeError, match="beta_ema must be a tensor"):
-        update_beta_ema(4.0, batch_tail_fit(batch_negative_tail(torch.rand(4, 4), torch.arange(4))))
+        fit = batch_tail_fit(batch_negative_tail(torch.rand(4, 4), torch.arange(4), None, TopM(), eps=EPS), TopM())
+        update_beta_ema(4.0, fit, TopM())
     scores = torch.rand(3, 4)
     with pytest.raises(ValueError, match="every row needs a positive"):
         check_scores(scores, torch.tensor([0, -1, 2]), every_row_has_positive=True)
-    with pytest.raises(ValueError, match="scale must be > 0"):
-        top_m_infonce_cross_entropy(scores, torch.tensor([0, 1, 2]), scale=0.0)
+    with pytest.raises(ValueError, match="infonce_scale must be > 0"):
+        TopM(infonce_weight=0.5, infonce_scale=0.0)

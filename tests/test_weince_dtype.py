@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from st_weince.functional import WeinceOptions, weince_cross_entropy, weince_logits, weince_statistics
+from st_weince.functional import WEINCEOptions, weince_cross_entropy, weince_logits, weince_statistics
 from st_weince.losses import WEINCELoss
-from tests.weince_reference import reference_loss, reference_statistics
+from tests.weince_reference import options_of, reference_loss, reference_statistics
 
 
 def scores_of(num_anchors: int, num_candidates: int, dtype: torch.dtype, seed: int = 0, noise: float = 0.5):
@@ -32,12 +32,12 @@ def scores_of(num_anchors: int, num_candidates: int, dtype: torch.dtype, seed: i
 )
 def test_statistics_and_logits_follow_the_input_dtype(dtype, expected):
     scores = scores_of(40, 50, dtype)
-    stats = weince_statistics(scores, torch.arange(40), beta="auto")
+    stats = weince_statistics(scores, torch.arange(40))  # beta "auto" by default
     for value in (stats.lam, stats.beta, stats.rho, stats.delta_aic, stats.rho0, stats.beta_hat):
         assert value.dtype == expected
     logits = weince_logits(scores, stats.lam, stats.beta, scale=20.0)
     assert logits.dtype == expected
-    assert weince_cross_entropy(scores, torch.arange(40), scale=20.0).dtype == expected
+    assert weince_cross_entropy(scores, torch.arange(40), None, WEINCEOptions(scale=20.0)).dtype == expected
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -58,13 +58,13 @@ def test_float64_reproduces_the_reference_to_1e_6(seed, options):
     positive_index = torch.randperm(num_candidates, generator=generator)[:num_anchors]
     valid_mask = torch.rand(num_anchors, num_candidates, generator=generator, dtype=torch.float64) > 0.1
     valid_mask[torch.arange(num_anchors), positive_index] = True
-    stats = weince_statistics(scores, positive_index, valid_mask, WeinceOptions(**options))
+    stats = weince_statistics(scores, positive_index, valid_mask, options_of(**options))
     ref = reference_statistics(scores.numpy(), positive_index.numpy(), valid_mask.numpy(), **options)
     assert float(stats.lam.max()) > 0.05, "the comparison needs a non-trivial blend"
     np.testing.assert_allclose(stats.lam.numpy(), ref["lam"], rtol=0, atol=1e-6)
     np.testing.assert_allclose(float(stats.rho0), ref["rho0"], rtol=0, atol=1e-12)
     np.testing.assert_allclose(stats.delta_aic.numpy(), ref["delta_aic"], rtol=1e-8, atol=1e-7)
-    loss = weince_cross_entropy(scores, positive_index, valid_mask, WeinceOptions(**options), scale=20.0)
+    loss = weince_cross_entropy(scores, positive_index, valid_mask, options_of(20.0, **options))
     expected = reference_loss(scores.numpy(), positive_index.numpy(), valid_mask.numpy(), temperature=0.05, **options)
     assert abs(float(loss) - expected) < 1e-6
 

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from st_weince.functional import (
-    WeinceOptions,
+    Gate,
+    WEINCEOptions,
     check_scores,
     nt_xent_layout,
     tail_sizes,
@@ -44,9 +45,10 @@ def test_statistics_match_reference(num_anchors, beta, mode):
     can move them (tests/float32_tolerance.py: 4 x the measured one-ulp sensitivity), plus the output's rounding."""
     scores = paired_scores(num_anchors, num_anchors + 7, seed=num_anchors)
     positive_index = torch.arange(num_anchors)
-    stats = weince_statistics(scores, positive_index, beta=beta, mode=mode)
+    options = WEINCEOptions(beta=beta, mode=mode)
+    stats = weince_statistics(scores, positive_index, None, options)
     ref = reference_statistics(scores.double().numpy(), positive_index.numpy(), beta=beta, mode=mode)
-    tolerance = tail_fit_tolerances(scores, positive_index, None, WeinceOptions(beta=beta, mode=mode))
+    tolerance = tail_fit_tolerances(scores, positive_index, None, options)
     eps = torch.finfo(scores.dtype).eps
     for field in ("rho", "delta_aic", "beta_hat", "lam", "beta", "rho0"):
         actual = getattr(stats, field).double().numpy()
@@ -59,11 +61,14 @@ def test_loss_matches_reference_with_mask_and_options():
     positive_index = torch.randperm(60, generator=torch.Generator().manual_seed(1))[:48]
     valid_mask = torch.rand(48, 60, generator=torch.Generator().manual_seed(2)) > 0.15
     valid_mask[torch.arange(48), positive_index] = True
-    options = {"q": 0.5, "kappa_rho": 5.0, "kappa_aic": 0.5, "aic_margin": 0.0, "tail_frac": 0.3, "min_tail_points": 12}
-    loss = weince_cross_entropy(scores, positive_index, valid_mask, scale=10.0, beta="auto", **options)
+    gate = {"q": 0.5, "kappa_rho": 5.0, "kappa_aic": 0.5, "aic_margin": 0.0}
+    tail = {"tail_frac": 0.3, "min_tail_points": 12}
+    options = WEINCEOptions(scale=10.0, beta="auto", gate=Gate(**gate), **tail)
+    loss = weince_cross_entropy(scores, positive_index, valid_mask, options)
     expected = reference_loss(
-        scores.double().numpy(), positive_index.numpy(), valid_mask.numpy(), temperature=0.1, beta="auto", **options
-    )
+        scores.double().numpy(), positive_index.numpy(), valid_mask.numpy(), temperature=0.1, beta="auto",
+        **gate, **tail,
+    )  # fmt: skip
     assert float(loss) == pytest.approx(expected, rel=1e-5)
 
 
@@ -76,7 +81,7 @@ def test_tail_sizes_follow_the_spec():
 def test_lambda_zero_is_infonce():
     scores = paired_scores(64, seed=4).requires_grad_(True)
     positive_index = torch.arange(64)
-    loss = weince_cross_entropy(scores, positive_index, scale=20.0, aic_margin=1e9)
+    loss = weince_cross_entropy(scores, positive_index, None, WEINCEOptions(scale=20.0, gate=Gate(aic_margin=1e9)))
     infonce = F.cross_entropy(scores * 20.0, positive_index)
     assert float(loss.detach()) == pytest.approx(float(infonce.detach()), abs=1e-6)
     (grad,) = torch.autograd.grad(loss, scores)
@@ -88,11 +93,11 @@ def test_gradient_flows_through_scores_only():
     """The statistics are constants: the gradient equals that of the logits with lambda, beta frozen."""
     scores = paired_scores(40, seed=5)
     positive_index = torch.arange(40)
-    stats = weince_statistics(scores, positive_index, beta="auto")
+    stats = weince_statistics(scores, positive_index)  # beta "auto" by default
     assert not stats.lam.requires_grad and not stats.beta.requires_grad
     assert float(stats.lam.max()) > 0.05, "test needs a non-trivial blend"
     leaf = scores.clone().requires_grad_(True)
-    loss = weince_cross_entropy(leaf, positive_index, scale=20.0, beta="auto")
+    loss = weince_cross_entropy(leaf, positive_index, None, WEINCEOptions(scale=20.0, beta="auto"))
     (grad,) = torch.autograd.grad(loss, leaf)
     lam, beta = stats.lam[:, None].double(), stats.beta[:, None].double()
     s = scores.double()
@@ -110,11 +115,13 @@ def test_nt_xent_layout_through_valid_mask():
     scores, positive_index, valid_mask = nt_xent_layout(view_a, view_b)
     assert scores.shape == (40, 40) and not valid_mask.diagonal().any()
     assert positive_index[:20].tolist() == list(range(20, 40)) and positive_index[20:].tolist() == list(range(20))
-    loss = weince_cross_entropy(scores, positive_index, valid_mask, scale=2.0)
+    loss = weince_cross_entropy(scores, positive_index, valid_mask, WEINCEOptions(scale=2.0, beta=1.0))
     expected = reference_loss(scores.double().numpy(), positive_index.numpy(), valid_mask.numpy(), temperature=0.5)
     assert float(loss) == pytest.approx(expected, rel=1e-5)
     # with lambda forced to 0 it is NT-Xent: cross-entropy over the 2N - 1 other views
-    infonce = weince_cross_entropy(scores, positive_index, valid_mask, scale=2.0, aic_margin=1e9)
+    infonce = weince_cross_entropy(
+        scores, positive_index, valid_mask, WEINCEOptions(scale=2.0, beta=1.0, gate=Gate(aic_margin=1e9))
+    )
     z = F.normalize(torch.cat([view_a, view_b]), dim=1)
     sim = (z @ z.T / 0.5).masked_fill(torch.eye(40, dtype=torch.bool), float("-inf"))
     assert float(infonce) == pytest.approx(float(F.cross_entropy(sim, positive_index)), abs=1e-6)
@@ -133,7 +140,7 @@ def test_nt_xent_layout_through_valid_mask():
 def test_edges_are_finite(scores, beta):
     scores = scores.clone().requires_grad_(True)
     positive_index = torch.arange(scores.shape[0])
-    loss = weince_cross_entropy(scores, positive_index, scale=20.0, beta=beta)
+    loss = weince_cross_entropy(scores, positive_index, None, WEINCEOptions(scale=20.0, beta=beta))
     (grad,) = torch.autograd.grad(loss, scores)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
 
@@ -143,9 +150,9 @@ def test_scores_at_one_with_real_blend_are_finite():
     scores[:8, 5] = 1.0  # a negative exactly at the cap for a few anchors (and a positive at 1 for anchor 5)
     scores[10] = scores[11]  # duplicate rows
     scores = scores.requires_grad_(True)
-    stats = weince_statistics(scores, torch.arange(60), beta="auto")
+    stats = weince_statistics(scores, torch.arange(60), None, WEINCEOptions(beta="auto"))
     assert float(stats.lam.max()) > 0.5
-    loss = weince_cross_entropy(scores, torch.arange(60), scale=20.0, beta="auto")
+    loss = weince_cross_entropy(scores, torch.arange(60), None, WEINCEOptions(scale=20.0, beta="auto"))
     (grad,) = torch.autograd.grad(loss, scores)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
 
@@ -162,9 +169,10 @@ def test_fewer_than_ten_negatives_fall_back_to_infonce():
 def test_low_precision_scores_are_finite_and_close(dtype):
     scores = paired_scores(64, seed=9)
     positive_index = torch.arange(64)
-    full = weince_cross_entropy(scores, positive_index, scale=20.0, beta="auto")
+    options = WEINCEOptions(scale=20.0, beta="auto")
+    full = weince_cross_entropy(scores, positive_index, None, options)
     with torch.autocast("cpu", dtype=dtype):
-        low = weince_cross_entropy(scores.to(dtype), positive_index, scale=20.0, beta="auto")
+        low = weince_cross_entropy(scores.to(dtype), positive_index, None, options)
         logits = weince_logits(scores.to(dtype), torch.full((64,), 0.5), torch.ones(64), scale=20.0)
     assert logits.dtype == torch.float32
     assert torch.isfinite(low)
@@ -175,27 +183,28 @@ def test_bad_inputs_raise_clear_errors():
     scores = paired_scores(8, seed=10)
     positive_index = torch.arange(8)
     with pytest.raises(ValueError, match="temperature"):
-        weince_cross_entropy(scores, positive_index, scale=0.0)
+        WEINCEOptions(scale=0.0)
     with pytest.raises(ValueError, match="temperature"):
-        weince_cross_entropy(scores, positive_index, scale=-1.0)
+        WEINCEOptions(scale=-1.0)
     bad = scores.clone()
     bad[2, 3] = float("nan")
     # the cross-entropy checks its values like torch's losses (one sync); check_inputs=False checks shapes only
     with pytest.raises(ValueError, match="NaN"):
-        weince_cross_entropy(bad, positive_index, scale=20.0)
+        weince_cross_entropy(bad, positive_index)
+    unchecked_options = WEINCEOptions(check_inputs=False)
     with count_host_syncs() as syncs:
-        unchecked = weince_cross_entropy(bad, positive_index, scale=20.0, check_inputs=False)
+        unchecked = weince_cross_entropy(bad, positive_index, None, unchecked_options)
     assert syncs.total == 0 and torch.isnan(unchecked)
     with pytest.raises(ValueError, match="NaN"):
         check_scores(bad, positive_index)
     with pytest.raises(ValueError, match="one entry per anchor"):
-        weince_cross_entropy(scores, torch.arange(7), scale=20.0)
+        weince_cross_entropy(scores, torch.arange(7))
     with pytest.raises(ValueError, match="2-D"):
         weince_statistics(scores[0], positive_index)
     with pytest.raises(ValueError, match="mode"):
-        weince_statistics(scores, positive_index, mode="gumbel")
+        WEINCEOptions(mode="gumbel")
     with pytest.raises(ValueError, match="beta"):
-        weince_statistics(scores, positive_index, beta=0.0)
+        WEINCEOptions(beta=0.0)
     mask = torch.ones(8, 8, dtype=torch.bool)
     mask[0, 0] = False
     with pytest.raises(ValueError, match="masked out"):
@@ -216,15 +225,16 @@ def test_bad_inputs_raise_clear_errors():
 def test_property_finite_bounded_and_permutation_invariant(num_anchors, extra, noise, seed, beta):
     scores = paired_scores(num_anchors, num_anchors + extra, noise=noise, seed=seed).clamp(-1, 1)
     positive_index = torch.arange(num_anchors)
-    stats = weince_statistics(scores, positive_index, beta=beta)
+    options = WEINCEOptions(scale=20.0, beta=beta)
+    stats = weince_statistics(scores, positive_index, None, options)
     assert ((stats.lam >= 0) & (stats.lam <= 1)).all()
     assert (stats.rho > 0).all() and torch.isfinite(stats.delta_aic).all()
-    loss = weince_cross_entropy(scores, positive_index, scale=20.0, beta=beta)
+    loss = weince_cross_entropy(scores, positive_index, None, options)
     assert torch.isfinite(loss) and float(loss) >= 0
     # permuting the candidate columns (and the positives with them) changes nothing
     perm = torch.randperm(scores.shape[1], generator=torch.Generator().manual_seed(seed))
     inverse = torch.argsort(perm)
-    permuted = weince_cross_entropy(scores[:, perm], inverse[positive_index], scale=20.0, beta=beta)
+    permuted = weince_cross_entropy(scores[:, perm], inverse[positive_index], None, options)
     assert float(permuted) == pytest.approx(float(loss), rel=1e-5, abs=1e-6)
 
 

@@ -93,6 +93,6 @@ def test_compiled_equals_eager(one_torch_thread):
     # The logged mean is (eager + compiled) / 2; the compiled kernels may round the scores differently, by about an
     # ulp, and lam moves by what tests/float32_tolerance.py derives for that.
     group = query_group(loss_fn, [e.detach() for e in embeddings])
-    tolerance = tail_fit_tolerances(group.scores, group.positive_index, group.valid_mask, loss_fn.options.math)["lam"]
+    tolerance = tail_fit_tolerances(group.scores, group.positive_index, group.valid_mask, loss_fn.options)["lam"]
     logged = loss_fn.pop_logged_statistics()["weince_lambda_mean"]
     assert logged == pytest.approx(float(eager_lam.mean()), rel=1e-6, abs=tolerance)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
-from st_weince.functional import Gate, nt_xent_layout, weince_cross_entropy
+from st_weince.functional import Gate, WEINCEOptions, nt_xent_layout, weince_cross_entropy
 from st_weince.losses import WEINCELoss
 from tests.float32_tolerance import query_group, tail_fit_tolerances, ulps_apart
 
@@ -57,7 +57,7 @@ def test_default_blend_differs_from_mnrl_and_matches_functional():
     loss = loss_fn.compute_loss_from_embeddings(columns, None)
     assert float(loss_fn.last_statistics.lam.mean()) > 0.01
     scores = F.normalize(columns[0], dim=1) @ F.normalize(columns[1], dim=1).T
-    expected = weince_cross_entropy(scores, torch.arange(64), scale=20.0, beta=1.0)
+    expected = weince_cross_entropy(scores, torch.arange(64), None, WEINCEOptions(scale=20.0, beta=1.0))
     assert float(loss) == pytest.approx(float(expected), rel=1e-6)
     mnrl = MultipleNegativesRankingLoss(None).compute_loss_from_embeddings(columns, None)
     assert abs(float(loss - mnrl)) > 1e-3
@@ -77,7 +77,7 @@ def test_query_anchored_rows_share_statistics_over_the_joint_row():
     stats = loss_fn.statistics(reordered, torch.arange(32), mask)
     # The loss scores docs and queries with two matmuls, nt_xent_layout with one: float32 may round them differently.
     ulps = ulps_apart(query_group(loss_fn, [view_a, view_b]).scores, reordered)
-    tolerance = tail_fit_tolerances(reordered, torch.arange(32), mask, loss_fn.options.math, ulps)
+    tolerance = tail_fit_tolerances(reordered, torch.arange(32), mask, loss_fn.options, ulps)
     torch.testing.assert_close(loss_fn.last_statistics.lam, stats.lam, atol=tolerance["lam"], rtol=0)
     assert float(stats.lam.max()) > 0.0
 
@@ -87,7 +87,7 @@ def test_loss_from_scores_is_the_nt_xent_weince():
     loss_fn = WEINCELoss(None, scale=2.0, beta=1.0)
     scores, positive_index, valid_mask = nt_xent_layout(view_a, view_b)
     loss = loss_fn.loss_from_scores(scores, positive_index, valid_mask)
-    expected = weince_cross_entropy(scores, positive_index, valid_mask, scale=2.0, beta=1.0)
+    expected = weince_cross_entropy(scores, positive_index, valid_mask, WEINCEOptions(scale=2.0, beta=1.0))
     assert float(loss) == pytest.approx(float(expected), rel=1e-6)
     loss.backward()
     assert view_a.grad is not None and torch.isfinite(view_a.grad).all()
@@ -159,7 +159,7 @@ def test_trainer_trains_logs_saves_reloads(tiny_model, tmp_path):
     from datasets import Dataset
     from sentence_transformers import SentenceTransformer
 
-    from st_weince.training import log_loss_statistics
+    from st_weince.training import prepare_trainer
     from tests.conftest import TINY_SENTENCES, build_trainer
 
     dataset = Dataset.from_dict({"anchor": TINY_SENTENCES * 2, "positive": (TINY_SENTENCES * 2)[::-1]})
@@ -168,7 +168,7 @@ def test_trainer_trains_logs_saves_reloads(tiny_model, tmp_path):
         tiny_model, loss, tmp_path / "out", dataset=dataset, per_device_train_batch_size=12,
         max_steps=3, logging_steps=1, learning_rate=1e-3, save_strategy="no",
     )
-    log_loss_statistics(trainer)
+    prepare_trainer(trainer)
     before = tiny_model.encode(["the cat sat on the mat"], convert_to_tensor=True)
     trainer.train()
     after = tiny_model.encode(["the cat sat on the mat"], convert_to_tensor=True)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
-from st_weince.functional import WeinceOptions, normalize_rows, weince_statistics
+from st_weince.functional import Gate, WEINCEOptions, normalize_rows, weince_statistics
 from st_weince.losses import CachedWEINCELoss, WEINCELoss
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -30,7 +30,7 @@ def collapsed_rows(value: float, dtype: torch.dtype, num_anchors: int = 64, num_
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("value", [0.92, 0.93, 0.5, 0.999, -0.3])
 def test_equal_negatives_give_no_tail_shape(value, dtype):
-    stats = weince_statistics(collapsed_rows(value, dtype), torch.arange(64), beta="auto")
+    stats = weince_statistics(collapsed_rows(value, dtype), torch.arange(64))  # beta "auto" by default
     bound = 1.0 / (1.0 + math.exp(2.0))  # sigmoid(-aic_margin) at the default margin 2
     assert float(stats.lam[:16].max()) <= bound + 1e-6
     assert float(stats.delta_aic[:16].abs().max()) == 0.0 and float(stats.beta_hat[:16].abs().max()) == 0.0
@@ -46,7 +46,7 @@ def test_equal_negatives_give_no_tail_shape(value, dtype):
 )
 def test_property_equal_negatives_keep_lambda_below_the_geometry_gate(value, dtype, margin, num_anchors):
     scores = collapsed_rows(value, dtype, num_anchors=num_anchors, num_collapsed=num_anchors // 3)
-    stats = weince_statistics(scores, torch.arange(num_anchors), options=WeinceOptions(aic_margin=margin))
+    stats = weince_statistics(scores, torch.arange(num_anchors), options=WEINCEOptions(gate=Gate(aic_margin=margin)))
     bound = 1.0 / (1.0 + math.exp(margin))
     assert float(stats.lam[: num_anchors // 3].max()) <= bound * (1 + 1e-6)
     assert torch.isfinite(stats.lam).all() and torch.isfinite(stats.delta_aic).all()

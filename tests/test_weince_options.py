@@ -1,4 +1,4 @@
-"""WeinceOptions: one source of the WEINCE defaults and validation; the loss classes refuse bad options when built."""
+"""WEINCEOptions: one source of the WEINCE defaults and validation; the loss classes refuse bad options when built."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import torch
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 from sentence_transformers.util import dot_score
 
-from st_weince.functional import Gate, WeinceOptions, check_scores, weince_statistics
-from st_weince.functional.options import GATE_FIELDS
+from st_weince.functional import Gate, WEINCEOptions, check_scores, weince_statistics
 from st_weince.losses import WEINCELoss
+
+GATE_FIELDS = tuple(field.name for field in dataclasses.fields(Gate))
 
 BAD_OPTIONS = [
     ({"kappa_rho": float("inf")}, ValueError, "kappa_rho must be finite"),
@@ -41,12 +42,12 @@ BAD_OPTIONS = [
 
 @pytest.mark.parametrize(("options", "error", "message"), BAD_OPTIONS)
 def test_bad_options_are_refused_at_construction(options, error, message):
+    # the gate's four are one gate (a Gate or its dict), the others by name
+    options = {"gate": options} if set(options) <= set(GATE_FIELDS) else options
     with pytest.raises(error, match=message):
-        WeinceOptions(**options)
-    # the loss takes the gate's four as one gate (a Gate or its dict), the others by name
-    loss_options = {"gate": options} if set(options) <= set(GATE_FIELDS) else options
+        WEINCEOptions(**options)
     with pytest.raises(error, match=message):
-        WEINCELoss(None, **loss_options)
+        WEINCELoss(None, **options)
 
 
 @pytest.mark.parametrize(
@@ -65,53 +66,52 @@ def test_bad_scale_is_refused(scale, error, message):
 
 
 def test_numpy_numbers_are_accepted_as_python_numbers():
-    options = WeinceOptions(q=np.float32(0.25), kappa_rho=np.float64(5.0), min_tail_points=np.int64(12))
-    assert options.q == pytest.approx(0.25) and type(options.q) is float
-    assert type(options.kappa_rho) is float and type(options.min_tail_points) is int
+    options = WEINCEOptions(gate=Gate(q=np.float32(0.25), kappa_rho=np.float64(5.0)), min_tail_points=np.int64(12))
+    assert options.gate.q == pytest.approx(0.25) and type(options.gate.q) is float
+    assert type(options.gate.kappa_rho) is float and type(options.min_tail_points) is int
     loss = WEINCELoss(None, scale=np.float32(10.0), gate={"q": np.float64(0.3)})
     assert type(loss.scale) is float and loss.scale == 10.0
-    assert type(loss.options.gate.q) is float and loss.options.math.q == 0.3
+    assert type(loss.options.gate.q) is float and loss.options.gate.q == 0.3
 
 
 def test_one_source_of_defaults():
-    defaults = WeinceOptions()
-    assert not hasattr(__import__("st_weince.functional", fromlist=["x"]), "DEFAULT_OPTIONS")
-    signature = inspect.signature(WEINCELoss.__init__).parameters
-    for field in dataclasses.fields(WeinceOptions):
-        if field.name == "beta":
-            # the loss class's one documented departure: "auto" instead of the reference's 1.0
-            assert signature["beta"].default == "auto" and defaults.beta == 1.0
-        elif field.name in GATE_FIELDS:
-            assert getattr(signature["gate"].default, field.name) == getattr(defaults, field.name), field.name
-        else:
-            assert signature[field.name].default == getattr(defaults, field.name), field.name
-    assert WEINCELoss(None).options.math == dataclasses.replace(defaults, beta="auto")
+    """The loss's signature is its options class's fields with their defaults; the functions take the object."""
+    defaults = WEINCEOptions()
+    signature = inspect.signature(WEINCELoss).parameters
+    for field in dataclasses.fields(WEINCEOptions):
+        assert signature[field.name].default == getattr(defaults, field.name), field.name
+    assert WEINCELoss(None).options == defaults
+    assert defaults.beta == "auto" and defaults.gate == Gate()
     with pytest.raises(dataclasses.FrozenInstanceError):
-        defaults.q = 0.5
-
-
-def test_functions_take_the_options_object_or_overrides():
+        defaults.scale = 5.0
     generator = torch.Generator().manual_seed(0)
     scores = torch.nn.functional.normalize(torch.randn(40, 8, generator=generator), dim=1)
     scores = scores @ scores.T
     positive_index = torch.arange(40).roll(1)
-    from_object = weince_statistics(scores, positive_index, None, WeinceOptions(beta="auto", q=0.5))
-    from_keywords = weince_statistics(scores, positive_index, beta="auto", q=0.5)
-    torch.testing.assert_close(from_object.lam, from_keywords.lam, rtol=0, atol=0)
-    with pytest.raises(TypeError, match="unknown WEINCE option"):
-        weince_statistics(scores, positive_index, kappa=1.0)
+    options = WEINCEOptions(gate=Gate(q=0.5))
+    from_loss = WEINCELoss(None, gate={"q": 0.5}).options
+    assert from_loss == options
+    stats = weince_statistics(scores, positive_index, None, options)
+    again = weince_statistics(scores, positive_index, None, from_loss)
+    torch.testing.assert_close(stats.lam, again.lam, rtol=0, atol=0)
+    # a removed or misspelt name gives Python's own error, naming it
+    with pytest.raises(TypeError, match="unexpected keyword argument 'q'"):
+        WEINCELoss(None, q=0.4)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'kappa'"):
+        Gate(kappa=1.0)
 
 
 def test_every_mnrl_argument_is_accepted_or_refused_with_the_reason():
     mnrl = set(inspect.signature(MultipleNegativesRankingLoss.__init__).parameters) - {"self"}
-    weince = set(inspect.signature(WEINCELoss.__init__).parameters)
-    # those without a meaning for WEINCE go through **compatibility, each accepted at MNRL's default
-    refused = mnrl - weince
+    weince = set(inspect.signature(WEINCELoss).parameters)
+    assert mnrl <= weince, mnrl - weince
+    # those without a meaning for WEINCE are accepted at MNRL's default only
+    refused = mnrl - {f.name for f in dataclasses.fields(WEINCEOptions)} - {"model"}
     assert refused == {"similarity_fct", "hardness_mode", "hardness_strength"}, refused
     mnrl_defaults = inspect.signature(MultipleNegativesRankingLoss.__init__).parameters
     WEINCELoss(None, **{name: mnrl_defaults[name].default for name in refused})
     for name in refused:
-        assert name in WEINCELoss.__init__.__doc__, name
+        assert name in WEINCELoss.__doc__, name
     with pytest.raises(ValueError, match="endpoint 1"):
         WEINCELoss(None, similarity_fct=dot_score)
     with pytest.raises(ValueError, match="hardness"):
@@ -147,33 +147,14 @@ def test_shape_and_dtype_mistakes_get_errors_in_the_projects_words():
     # a NumPy float temperature is a number like any other
     from st_weince.functional import weince_cross_entropy
 
-    value = weince_cross_entropy(scores, torch.arange(8), scale=np.float32(20.0))
+    value = weince_cross_entropy(scores, torch.arange(8), None, WEINCEOptions(scale=np.float32(20.0)))
     assert torch.isfinite(value)
 
 
-def test_the_flat_gate_options_of_0_1_build_the_same_loss_with_a_warning():
-    """0.1 took the gate's four by name; until 0.3 they are folded into ``gate`` with a DeprecationWarning naming
-    them and the replacement, over a ``gate`` given beside them, and a 0.1 checkpoint's recorded configuration reads
-    as today's."""
-    from st_weince.losses import CachedWEINCELoss
-    from st_weince.training.checkpoints import describe_loss_change, loss_description
-
-    nested = Gate(q=0.4, kappa_rho=5.0)
-    for cls in (WEINCELoss, CachedWEINCELoss):
-        with pytest.warns(DeprecationWarning, match=r"flat gate options \['q', 'kappa_rho'\]: pass gate=Gate\(q=0.4"):
-            flat = cls(None, q=0.4, kappa_rho=5.0)
-        assert flat.options == cls(None, gate=nested).options and flat.options.math.kappa_rho == 5.0
-    with pytest.warns(DeprecationWarning, match="aic_margin"):
-        over = WEINCELoss(None, gate=Gate(q=0.4), aic_margin=0.0)
-    assert over.options.gate == Gate(q=0.4, aic_margin=0.0)
-    current = loss_description(WEINCELoss(None, gate=nested))
-    recorded = {"loss": {**current["loss"], "config": {**current["loss"]["config"]}}}
-    del recorded["loss"]["config"]["gate"]
-    recorded["loss"]["config"].update(q=0.4, kappa_rho=5.0, kappa_aic=1.0, aic_margin=2.0)
-    assert describe_loss_change(recorded, current) is None
-    recorded["loss"]["config"]["q"] = 0.3
-    assert "gate=" in describe_loss_change(recorded, current)
-    with pytest.raises(TypeError, match="gate must be a Gate or its dict, got float"):
+def test_nested_options_are_checked_as_their_own():
+    with pytest.raises(TypeError, match="gate must be a Gate, its dict, got float"):
         WEINCELoss(None, gate=0.4)
-    with pytest.raises(TypeError, match="unknown gate option"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'kappa'"):
         Gate(q=0.4).replace(kappa=1.0)
+    from_dict = WEINCELoss(None, gate={"q": 0.4}).options.gate
+    assert WEINCELoss(None, gate=Gate(q=0.4)).options.gate == Gate(q=0.4) == from_dict

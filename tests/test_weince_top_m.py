@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from st_weince.functional import TopM, mnrl_layout, normalize_rows, nt_xent_layout
+from st_weince.functional.options import RELEASED_COMPOSITE
 from st_weince.losses import CachedWEINCELoss, WEINCELoss
-from st_weince.losses.options import fold_flat_top_m
-from st_weince.losses.weince import RELEASED_TOP_M
 from st_weince.utils.hotpath import count_host_syncs
-from st_weince.vision import SimCLRObjective
+from st_weince.vision.objectives import SimCLRObjective
 from tests.float32_tolerance import (
     assert_share_above_close,
     block_scores,
@@ -150,7 +149,7 @@ def test_cached_equals_uncached_over_steps(directions, partition_mode, num_colum
         group = query_group(plain, detached)
         ulps = ulps_apart(block_scores(plain, detached, row_chunks(23, 5)), group.scores)
         lam_tolerance = tail_fit_tolerances(
-            group.scores, group.positive_index, group.valid_mask, plain.options.math, ulps
+            group.scores, group.positive_index, group.valid_mask, plain.options, ulps
         )["lam"]
         share = logged.pop("weince_lambda_gt_half")
         assert_share_above_close(
@@ -219,7 +218,7 @@ def test_the_top_m_infonce_term_at_its_own_scale(cached):
     assert float(loss_fn.pop_logged_statistics()["weince_effective_scale_top_m_infonce"]) == matched
     assert loss_fn.get_config_dict()["top_m"]["infonce_scale"] == matched
     released = WEINCELoss.released(None)
-    assert released.options.top_m.infonce_scale is None and released.options.top_m.infonce_logit_scale(2.0) == 2.0
+    assert released.options.top_m.infonce_scale is None and released.options.top_m_infonce_scale == 2.0
 
 
 @pytest.mark.parametrize("value", [0.0, -1.0, float("inf")])
@@ -280,7 +279,7 @@ def test_released_preset_and_config_round_trip():
         config = loss.get_config_dict()
         rebuilt = cls(None, **json.loads(json.dumps(config)))
         assert rebuilt.options == loss.options and rebuilt.get_config_dict() == config
-    overridden = WEINCELoss.released(None, top_m=RELEASED_TOP_M.replace(m=10, infonce_weight=0.0))
+    overridden = WEINCELoss.released(None, top_m=RELEASED_COMPOSITE.top_m.replace(m=10, infonce_weight=0.0))
     assert (overridden.options.top_m.m, overridden.options.top_m.infonce_weight) == (10, 0.0)
     tuned = TopM(m=7, shortfall_weight=1.0, beta_ema_momentum=0.5, beta_min_r_squared=0.5, beta_tail_frac=0.2)
     tuned_loss = WEINCELoss(None, top_m=tuned)
@@ -289,24 +288,7 @@ def test_released_preset_and_config_round_trip():
     assert WEINCELoss(None, top_m=TopM(m=7)).get_config_dict()["top_m"] is None
 
 
-# 0.1's flat top-M options: the same loss, with a DeprecationWarning naming them (until 0.3)
-FLAT_0_1 = {"top_m": 7, "top_m_shortfall_weight": 0.5, "top_m_infonce_weight": 0.25, "beta_tail_min_points": 16}
-
-
-def test_the_flat_top_m_options_of_0_1_build_the_same_loss_with_a_warning():
-    nested = TopM(m=7, shortfall_weight=0.5, infonce_weight=0.25, beta_tail_min_points=16)
-    for cls, extra in ((WEINCELoss, {}), (CachedWEINCELoss, {"mini_batch_size": 8})):
-        with pytest.warns(DeprecationWarning, match=r"flat top-M options \['beta_tail_min_points', 'top_m', "):
-            flat = cls(None, **FLAT_0_1, **extra)
-        assert flat.options == cls(None, top_m=nested, **extra).options
-    with pytest.warns(DeprecationWarning, match="top_m_infonce_weight"):
-        released = WEINCELoss.released(None, top_m_infonce_weight=0.0)  # applied over the released TopM
-    assert released.options.top_m == RELEASED_TOP_M.replace(infonce_weight=0.0)
-    # the configuration a 0.1 checkpoint recorded reads as today's (training.checkpoints compares the two)
-    recorded = {**WEINCELoss(None).get_config_dict(), **FLAT_0_1}
-    del recorded["top_m"]
-    recorded["top_m"] = 7
-    assert fold_flat_top_m(recorded) == WEINCELoss(None, top_m=nested).get_config_dict()
+def test_a_bad_top_m_names_the_option():
     with pytest.raises(TypeError, match=r"top_m must be a TopM, its dict or None, got str"):
         WEINCELoss(None, top_m="released")
     with pytest.raises(TypeError, match="unexpected keyword argument 'top_m_weight'"):

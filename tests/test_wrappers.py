@@ -9,7 +9,7 @@ import torch
 from sentence_transformers.sentence_transformer.losses import AdaptiveLayerLoss, Matryoshka2dLoss, MatryoshkaLoss
 
 from st_weince.losses import RBSigmoidLoss
-from st_weince.training import DEFAULT_LOSS_LEARNING_RATE, own_tensors, prepare_trainer, read_checkpoint_loss_state
+from st_weince.training import DEFAULT_LOSS_LEARNING_RATE, prepare_trainer, read_checkpoint_loss_state, state_tensors
 from tests.checkpoint_worker import build_trainer
 from tests.conftest import stop_at
 
@@ -34,7 +34,7 @@ def wrapped_trainer(model_dir, output_dir, wrapper: str, **overrides):
 def test_wrapped_rb_sigmoid_with_prepare_trainer(wrapper, tiny_model_dir, tmp_path, one_torch_thread):
     prefix = WRAPPERS[wrapper][1]
     trainer, inner = wrapped_trainer(tiny_model_dir, tmp_path / "full", wrapper)
-    assert sorted(own_tensors(trainer.loss)) == [prefix + "b_rel", prefix + "log_t"]
+    assert sorted(state_tensors(trainer.loss)) == [prefix + "b_rel", prefix + "log_t"]
     prepare_trainer(trainer)
     trainer.train()
     # the optimizer as it trained (weight decay comes off the loss parameters' groups when training begins)
@@ -87,10 +87,10 @@ def test_no_own_learning_rate_on_request(tiny_model_dir, tmp_path):
     assert isinstance(trainer.loss, RBSigmoidLoss) and torch.is_tensor(trainer.loss.log_t)
 
 
-def test_own_tensors_of_a_dict_of_losses_use_the_trainers_names(tiny_model):
+def test_state_tensors_of_a_dict_of_losses_use_the_trainers_names(tiny_model):
     losses = {"nli": RBSigmoidLoss(tiny_model), "pairs": MatryoshkaLoss(tiny_model, RBSigmoidLoss(tiny_model), [16])}
-    assert sorted(own_tensors(losses)) == ["nli.b_rel", "nli.log_t", "pairs.loss.b_rel", "pairs.loss.log_t"]
-    assert sorted(own_tensors(RBSigmoidLoss(tiny_model, trainable_scale=False), trainable_only=True)) == ["b_rel"]
+    assert sorted(state_tensors(losses)) == ["nli.b_rel", "nli.log_t", "pairs.loss.b_rel", "pairs.loss.log_t"]
+    assert sorted(state_tensors(RBSigmoidLoss(tiny_model, trainable_scale=False))) == ["b_rel"]
 
 
 def test_arguments_reused_for_another_loss_do_not_carry_the_loss_pattern(tiny_model_dir, tmp_path):

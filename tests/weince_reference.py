@@ -10,6 +10,8 @@ import math
 
 import numpy as np
 
+from st_weince.functional import Gate, WEINCEOptions
+
 
 def _line_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     design = np.stack([np.ones_like(x), x], axis=1)
@@ -118,3 +120,11 @@ def reference_loss(
         positive = dict(logits)[int(positive_index[a])]
         losses.append(log_z - positive)
     return float(np.mean(losses))
+
+
+def options_of(scale: float = 20.0, **reference_options) -> WEINCEOptions:
+    """The package's options for the reference's keyword arguments (the specification's flat names; the gate's four
+    go into one Gate), with the reference's beta 1.0 unless given."""
+    gate_names = ("q", "kappa_rho", "kappa_aic", "aic_margin")
+    gate = {name: reference_options.pop(name) for name in gate_names if name in reference_options}
+    return WEINCEOptions(scale=scale, gate=Gate(**gate), **{"beta": 1.0, **reference_options})

@@ -15,7 +15,8 @@ HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_loss(name: str, scale: float | None = None) -> torch.nn.Module:
-    from st_weince.losses import RBSigmoidLoss, RBSigmoidOptions, WEINCELoss
+    from st_weince.functional import RBSigmoidOptions
+    from st_weince.losses import RBSigmoidLoss, WEINCELoss
 
     if scale is None:
         return {"weince": WEINCELoss, "rb_sigmoid": RBSigmoidLoss}[name](None)

@@ -18,23 +18,20 @@ from st_weince.diagnostics import pot_fit
 from st_weince.diagnostics.collect import negative_pool
 from st_weince.functional import nt_xent_layout
 from st_weince.losses import WEINCELoss
-from st_weince.vision import (
+from st_weince.vision.augment import SimCLRAugment, eval_transform
+from st_weince.vision.data import ImageTensorDataset, balanced_subset, load_dataset
+from st_weince.vision.evaluation import (
     KNN_KS,
     KNN_TEMPERATURE,
     STANDARDIZED_PROTOCOL,
-    ImageTensorDataset,
-    SimCLRAugment,
-    SimCLRModel,
-    balanced_subset,
-    eval_transform,
     evaluate_frozen_features,
     extract_features,
     knn_evaluate,
     linear_probe,
-    load_dataset,
-    resolve_setup,
-    to_memory_format,
 )
+from st_weince.vision.models import SimCLRModel
+from st_weince.vision.setups import SETUPS
+from st_weince.vision.training import to_memory_format
 
 DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "cifar10" / "cifar10-jpg.zip"
 KNN_HEADLINE_K = 20
@@ -50,7 +47,7 @@ class EvalData:
         self.probe_index = torch.tensor(balanced_subset(train.labels, config["probe_subset"], seed))
         self.pot_index = torch.tensor(balanced_subset(test.labels, config["pot_images"], seed))
         stats_index = torch.tensor(balanced_subset(train.labels, config["batch_size"], seed))
-        self.setup = resolve_setup(config["setup"], warn=False)  # a 0.1 run file records "previous"
+        self.setup = SETUPS[config["setup"]]
         augment = SimCLRAugment(self.setup.augment, generator=torch.Generator().manual_seed(STATS_AUGMENT_SEED))
         self.stats_views = augment(train.images[stats_index])
         self.num_classes = len(train.classes)

@@ -34,11 +34,14 @@ from typing import Any
 import torch
 
 from benchmarks.lab import runlog
+from benchmarks.lab.arms import build_run
 from benchmarks.lab.schedules import ScheduledScale, load_schedule
 from benchmarks.lab.simclr_eval import DEFAULT_DATA, EvalData, evaluate, load_data
 from benchmarks.lab.summaries import update_docs
 from st_weince.utils.provenance import provenance
-from st_weince.vision import SETUPS, SimCLRAugment, SimCLRTraining, build_run, data_order, setup_name
+from st_weince.vision.augment import SimCLRAugment
+from st_weince.vision.setups import SETUPS
+from st_weince.vision.training import SimCLRTraining, data_order
 
 STUDY: dict[str, Any] = {
     "dataset": "cifar10",
@@ -208,9 +211,6 @@ class StudyRuns:
         if state is not None:
             saved = run_config({**{k: v for k, v in LATER_KEYS.items() if k in config}, **state["config"]}, arm)
             mine = run_config(config, arm)
-            for key in (saved, mine):  # states written by 0.1 record the setup's old name
-                if "setup" in key:
-                    key["setup"] = setup_name(key["setup"], warn=False)
             if saved != mine:
                 changed = sorted(k for k in set(mine) | set(saved) if mine.get(k) != saved.get(k))
                 raise ValueError(f"{state_path} was written with a different configuration ({changed}); move it away")

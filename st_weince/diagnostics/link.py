@@ -45,6 +45,7 @@ import torch
 from scipy import optimize, stats
 from torch import Tensor
 
+from st_weince.functional.options import RELEASED_COMPOSITE
 from st_weince.functional.weince import DEFAULTS, weince_logits
 
 _LOG_BOUND = 12.0  # |log tau|, |log beta| <= 12
@@ -225,7 +226,7 @@ def fit_link(
     valid_mask: Tensor | None = None,
     *,
     free: Sequence[str] = ("lambda", "tau"),
-    beta: float = DEFAULTS.beta,
+    beta: float = RELEASED_COMPOSITE.beta,
     temperature: float = 0.05,
     eps: float = DEFAULTS.eps,
     ci_level: float = 0.95,

@@ -13,15 +13,15 @@ exchange the results, and :func:`batch_tail_fit` fits ``BatchTail.cat`` of them,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from st_weince.functional.checks import check_score_shapes, compute_dtype, from_order_keys, order_keys
 from st_weince.functional.line_fit import fit_design, fit_lines
-from st_weince.functional.options import TopM, integer_option
+from st_weince.functional.options import TopM
 from st_weince.functional.weince import count_negatives
+from st_weince.utils.options import integer_option
 
 # Fewer negatives than this in the whole batch: no fit, the moving average keeps its value.
 MIN_BATCH_TAIL_POINTS = 10
@@ -35,9 +35,8 @@ def negative_mask(scores: Tensor, positive_index: Tensor, valid_mask: Tensor | N
     return negative if valid_mask is None else negative & valid_mask
 
 
-def batch_tail_size(num_negatives: Tensor | int, options: TopM | None = None) -> Tensor | int:
+def batch_tail_size(num_negatives: Tensor | int, options: TopM) -> Tensor | int:
     """``k = min(K_all, max(beta_tail_min_points, floor(beta_tail_frac * K_all)))`` for an int or a long tensor."""
-    options = TopM.resolve(options, {})
     if isinstance(num_negatives, Tensor):
         share = torch.floor(options.beta_tail_frac * num_negatives.double()).long()
         return torch.minimum(num_negatives, share.clamp_min(options.beta_tail_min_points))
@@ -65,8 +64,8 @@ class BatchTail:
 
 @torch.no_grad()
 def batch_negative_tail(
-    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopM | None = None,
-    *, global_entries: int | None = None, **overrides: Any,
+    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None, options: TopM,
+    *, eps: float, global_entries: int | None = None,
 ) -> BatchTail:
     """The smallest shortfalls ``max(1 - s, eps)`` over ALL negative scores of these rows (self-pairs, positives and
     masked entries excluded), as many as the tail of the global batch can need.
@@ -75,7 +74,6 @@ def batch_negative_tail(
     parallelism each process keeps enough of its shortfalls for the global fit. A row with positive -1 contributes
     all its valid entries.
     """
-    options = TopM.resolve(options, overrides)
     check_score_shapes(scores, positive_index, valid_mask)
     positive_index = positive_index.long()  # any integer dtype, as in torch's losses
     entries = scores.numel()
@@ -99,7 +97,7 @@ def batch_negative_tail(
         row, column = indices // scores.shape[1], indices % scores.shape[1]
         negative_values = values.masked_fill(column == positive_index[row], float("-inf"))
         largest = negative_values.topk(keep, sorted=True).values
-    shortfall = torch.rsub(largest, 1.0).clamp_min_(options.eps)  # -inf (no negative left) gives +inf
+    shortfall = torch.rsub(largest, 1.0).clamp_min_(eps)  # -inf (no negative left) gives +inf
     num_negatives = count_negatives(positive_index, valid_mask, scores.shape, scores.device).sum()
     return BatchTail(shortfalls=shortfall, num_negatives=num_negatives, ascending=True)
 
@@ -116,11 +114,10 @@ class BatchTailFit:
 
 
 @torch.no_grad()
-def batch_tail_fit(tail: BatchTail, options: TopM | None = None, **overrides: Any) -> BatchTailFit:
+def batch_tail_fit(tail: BatchTail, options: TopM) -> BatchTailFit:
     """Fit ``log F_r ~ a + slope * log d_r`` on the k smallest shortfalls (sorted ascending, ``F_r = r / (k + 1)``,
     the first ``max(1, floor(k / 20))`` dropped) and its R^2 (docs/algorithms.md 1.2b). Shortfalls whose log spreads by
     no more than rounding give slope 0 (no tail shape), hence an untrusted fit."""
-    options = TopM.resolve(options, overrides)
     # the parts of a concatenated tail are each sorted only
     shortfalls = tail.shortfalls if tail.ascending else torch.sort(tail.shortfalls).values
     length = shortfalls.shape[0]
@@ -144,13 +141,10 @@ def batch_tail_fit(tail: BatchTail, options: TopM | None = None, **overrides: An
 
 
 @torch.no_grad()
-def update_beta_ema(
-    beta_ema: Tensor, fit: BatchTailFit, options: TopM | None = None, **overrides: Any
-) -> Tensor:
+def update_beta_ema(beta_ema: Tensor, fit: BatchTailFit, options: TopM) -> Tensor:
     """The new moving average (a tensor in ``beta_ema``'s dtype, no host sync):
     ``momentum * beta_ema + (1 - momentum) * clamp(slope, beta_min, beta_max)`` when the fit is trusted, else
     ``beta_ema`` unchanged. The batch's ``beta_t`` is the returned value."""
-    options = TopM.resolve(options, overrides)
     if not isinstance(beta_ema, Tensor):
         raise TypeError(f"beta_ema must be a tensor (the state the caller keeps), got {type(beta_ema).__name__}")
     momentum = options.beta_ema_momentum
@@ -160,7 +154,7 @@ def update_beta_ema(
 
 
 def initial_beta_ema(
-    options: TopM | None = None, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+    options: TopM, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
 ) -> Tensor:
     """The moving average's start value as a scalar tensor (a buffer's initial value)."""
-    return torch.tensor(TopM.resolve(options, {}).beta_ema_start, device=device, dtype=dtype)
+    return torch.tensor(options.beta_ema_start, device=device, dtype=dtype)

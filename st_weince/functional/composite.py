@@ -7,10 +7,13 @@ are cross-entropies over the positive and the M hardest negatives only:
 - InfoNCE term: logits ``scale * x`` (``scale = 1 / tau``).
 
 ``beta_t``, the batch tail index, is a moving average carried across steps (:mod:`st_weince.functional.batch_tail`).
+The composite of a batch (the blend, the batch tail index and these terms over row chunks) is assembled in one place,
+:func:`st_weince.functional.weince_step.weince_step`.
 
 Conventions as in :mod:`st_weince.functional.weince`: ``scores`` [A, C], ``positive_index`` [A] long (every row needs
 a positive for the top-M terms), ``valid_mask`` [A, C] bool or None. Negatives of a row: its valid entries other than
-its positive. Every default lives in :class:`~st_weince.functional.options.TopM`.
+its positive. Every default lives in :class:`~st_weince.functional.options.TopM`; ``eps`` is WEINCE's one floor of
+the shortfall.
 
 Hot path: shapes decide every Python branch, nothing here reads a device value on the host (the functions check
 shapes only; the values are checked where a loss receives its inputs, and a direct caller checks them with
@@ -21,22 +24,15 @@ shapes only; the values are checked where a loss receives its inputs, and a dire
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from st_weince.functional.batch_tail import (
-    BatchTailFit,
-    batch_negative_tail,
-    batch_tail_fit,
-    negative_mask,
-    update_beta_ema,
-)
+from st_weince.functional.batch_tail import negative_mask
 from st_weince.functional.checks import check_score_shapes, compute_dtype
 from st_weince.functional.effective_scale import top_m_shortfall_effective_scale
-from st_weince.functional.options import TOP_M_DEFAULTS, TopM, WeinceOptions, check_scale, integer_option
-from st_weince.functional.weince import HardestNegatives, WeinceStatistics, count_negatives, weince_cross_entropy
+from st_weince.functional.options import TopM
+from st_weince.functional.weince import HardestNegatives, count_negatives
 
 
 def top_m_width(num_candidates: int, top_m: int) -> int:
@@ -45,7 +41,7 @@ def top_m_width(num_candidates: int, top_m: int) -> int:
 
 
 def top_m_negatives(
-    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, *, top_m: int = TOP_M_DEFAULTS.m,
+    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, *, top_m: int,
     hardest: HardestNegatives | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The positive score [A] and the M hardest negative scores [A, M'] of each row (descending) with a mask
@@ -55,7 +51,6 @@ def top_m_negatives(
     ``hardest``: the rows' :func:`~st_weince.functional.weince.hardest_negatives`, at least M' wide, when the caller
     shares that sort with the tail fit (the scores are then gathered at its columns); one top-k here otherwise.
     """
-    top_m = integer_option("top_m", top_m, 1)
     s = scores.to(compute_dtype(scores))
     positive_column = positive_index.clamp_min(0)[:, None]
     width = top_m_width(s.shape[1], top_m)
@@ -89,18 +84,9 @@ def _cross_entropy_first(positive_logit: Tensor, negative_logits: Tensor, used: 
     return torch.logsumexp(logits, dim=1) - positive_logit
 
 
-def shortfall_logits(scores: Tensor, beta: Tensor | float, eps: float = TOP_M_DEFAULTS.eps) -> Tensor:
+def shortfall_logits(scores: Tensor, beta: Tensor | float, eps: float) -> Tensor:
     """``-beta * log(1 - min(s, 1 - eps))``: the pure shortfall ("Weibit") logit, no temperature."""
     return torch.log(torch.rsub(scores.clamp(max=1.0 - eps), 1.0)) * -beta
-
-
-def _selection(
-    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None, options: TopM,
-    hardest: HardestNegatives | None = None,
-) -> tuple:
-    check_score_shapes(scores, positive_index, valid_mask)
-    positive_index = positive_index.long()  # any integer dtype, as in torch's losses
-    return top_m_negatives(scores, positive_index, valid_mask, top_m=options.m, hardest=hardest)
 
 
 def _shortfall_term(selection: tuple[Tensor, Tensor, Tensor], beta: Tensor | float, eps: float) -> Tensor:
@@ -114,52 +100,21 @@ def _infonce_term(selection: tuple[Tensor, Tensor, Tensor], scale: float) -> Ten
     return _cross_entropy_first(positive * scale, negatives * scale, used)
 
 
-def top_m_cross_entropies(
-    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopM | None = None,
-    *, beta: Tensor | float, scale: float, **overrides: Any,
-) -> tuple[Tensor, Tensor]:
-    """Both top-M terms per row, ``(shortfall [A], infonce [A])``, from one selection of the hardest negatives.
-
-    ``beta``: the batch tail index ``beta_t`` (a scalar tensor, no gradient, or a number); ``scale`` = 1 / tau.
-    """
-    terms = top_m_terms(scores, positive_index, valid_mask, options, beta=beta, scale=scale, **overrides)
-    return terms[0], terms[1]
-
-
 def top_m_terms(
-    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopM | None = None,
-    *, beta: Tensor | float, scale: float, hardest: HardestNegatives | None = None, **overrides: Any,
+    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None, options: TopM,
+    *, beta: Tensor | float, scale: float, eps: float, hardest: HardestNegatives | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(shortfall [A], infonce [A], shortfall effective scale [A])`` from one selection of the hardest negatives:
-    the two terms of :func:`top_m_cross_entropies` and the secant slope of the shortfall logit over each row's set
-    (:mod:`st_weince.functional.effective_scale`; the top-M InfoNCE term's is ``scale``). ``hardest``: the rows'
-    shared sort (:func:`top_m_negatives`)."""
-    options = TopM.resolve(options, overrides)
-    scale = check_scale(scale)
-    selection = _selection(scores, positive_index, valid_mask, options, hardest)
-    shortfall_scale = top_m_shortfall_effective_scale(*selection, beta, options.eps)
-    return _shortfall_term(selection, beta, options.eps), _infonce_term(selection, scale), shortfall_scale
-
-
-def top_m_shortfall_cross_entropy(
-    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopM | None = None,
-    *, beta: Tensor | float, **overrides: Any,
-) -> Tensor:
-    """Per-row [A] cross-entropy of the shortfall logits over [positive] + the M hardest negatives, target the
-    positive (``L_weibit_topM`` of docs/algorithms.md 1.2b)."""
-    options = TopM.resolve(options, overrides)
-    return _shortfall_term(_selection(scores, positive_index, valid_mask, options), beta, options.eps)
-
-
-def top_m_infonce_cross_entropy(
-    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: TopM | None = None,
-    *, scale: float, **overrides: Any,
-) -> Tensor:
-    """Per-row [A] InfoNCE over [positive] + the M hardest negatives, logits ``scale * s``, target the positive
-    (``L_infonce_topM`` of docs/algorithms.md 1.2b)."""
-    options = TopM.resolve(options, overrides)
-    scale = check_scale(scale)
-    return _infonce_term(_selection(scores, positive_index, valid_mask, options), scale)
+    per row, the cross-entropy of the shortfall logits over [positive] + the M hardest negatives
+    (``L_weibit_topM`` of docs/algorithms.md 1.2b, tail index ``beta``: the batch's ``beta_t``, no gradient), the
+    InfoNCE over the same set at ``scale`` (``L_infonce_topM``), each with the positive as the target, and the secant
+    slope of the shortfall logit over the set (:mod:`st_weince.functional.effective_scale`; the InfoNCE term's is
+    ``scale``). ``hardest``: the rows' shared sort (:func:`top_m_negatives`)."""
+    check_score_shapes(scores, positive_index, valid_mask)
+    positive_index = positive_index.long()  # any integer dtype, as in torch's losses
+    selection = top_m_negatives(scores, positive_index, valid_mask, top_m=options.m, hardest=hardest)
+    shortfall_scale = top_m_shortfall_effective_scale(*selection, beta, eps)
+    return _shortfall_term(selection, beta, eps), _infonce_term(selection, scale), shortfall_scale
 
 
 # --------------------------------------------------------------------------------------------- the composite
@@ -188,18 +143,13 @@ class CompositeLoss:
 
 
 def composite_loss(
-    blend: Tensor,
-    top_m_shortfall: Tensor | None = None,
-    top_m_infonce: Tensor | None = None,
-    options: TopM | None = None,
-    **overrides: Any,
+    blend: Tensor, top_m_shortfall: Tensor | None, top_m_infonce: Tensor | None, options: TopM
 ) -> CompositeLoss:
     """``blend + shortfall_weight * top_m_shortfall + infonce_weight * top_m_infonce`` (the weights of ``options``).
 
     A term whose weight is 0 is left out (not multiplied by 0), so with both weights 0 the total IS ``blend``.
     A term with a positive weight must be given.
     """
-    options = TopM.resolve(options, overrides)
     total = blend
     terms = {}
     for name, term, weight_name in (
@@ -222,53 +172,3 @@ def composite_loss(
         top_m_shortfall_weight=options.shortfall_weight,
         top_m_infonce_weight=options.infonce_weight,
     )
-
-
-@dataclass(frozen=True)
-class CompositeStep:
-    """One step of the composite: the loss and its terms, the new moving average (= this batch's beta_t), the fit."""
-
-    loss: CompositeLoss
-    beta_ema: Tensor
-    fit: BatchTailFit
-
-
-def composite_cross_entropy(
-    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None, beta_ema: Tensor, *, scale: float,
-    weince_options: WeinceOptions | None = None,
-    top_m_options: TopM | None = None,
-    statistics: WeinceStatistics | None = None,
-) -> CompositeStep:
-    """The released composite on one (scores, positive_index, valid_mask) triple: the blended cross-entropy
-    (section 1.2 with ``weince_options`` and ``scale``), the batch tail index updated from these scores,
-    and the top-M terms with that ``beta_t``. Terms with weight 0 are not computed; the tail index is updated
-    only when the shortfall term is on (it is its only user).
-
-    For one process and one candidate group; a loss class that gathers across processes or has several candidate
-    groups calls the pieces (:func:`batch_negative_tail`, ``BatchTail.cat``, :func:`batch_tail_fit`,
-    :func:`update_beta_ema`, :func:`top_m_cross_entropies`, :func:`composite_loss`) itself.
-    """
-    options = TopM.resolve(top_m_options, {})
-    scale = check_scale(scale)
-    blend = weince_cross_entropy(
-        scores,
-        positive_index,
-        valid_mask,
-        weince_options,
-        scale=scale,
-        statistics=statistics,
-        check_inputs=False,  # shapes only, like every piece here; values: check_scores (module docstring)
-    )
-    if options.shortfall_weight > 0:
-        fit = batch_tail_fit(batch_negative_tail(scores, positive_index, valid_mask, options), options)
-        beta_ema = update_beta_ema(beta_ema, fit, options)
-    else:
-        zero = torch.zeros((), device=scores.device)
-        fit = BatchTailFit(zero, zero, zero.long(), zero.bool(), zero.bool())
-    shortfall = infonce = None
-    if options.shortfall_weight > 0 or options.infonce_weight > 0:
-        shortfall_rows, infonce_rows = top_m_cross_entropies(
-            scores, positive_index, valid_mask, options, beta=beta_ema, scale=scale
-        )
-        shortfall, infonce = shortfall_rows.mean(), infonce_rows.mean()
-    return CompositeStep(loss=composite_loss(blend, shortfall, infonce, options), beta_ema=beta_ema, fit=fit)

@@ -1,34 +1,44 @@
-"""The options of the WEINCE functions (:class:`WeinceOptions`), of their gate lambda (:class:`Gate`) and of the
-released composite's top-M terms and batch tail index (:class:`TopM`): the one source of their defaults and of their
-validation.
+"""The options of the two losses, one frozen dataclass each: :class:`WEINCEOptions` (with its gate, :class:`Gate`, and
+the released composite's top-M terms, :class:`TopM`, nested in it) and :class:`RBSigmoidOptions`.
 
-Each field declares its default and its range (:class:`Within`); construction checks every field, with an error
-naming it. Numbers may be any real (Python or NumPy) number and are stored as Python ``float`` / ``int``; bools,
-strings and non-finite values are refused.
+Each is the one home of its defaults and of their checks. The loss classes take its fields as their keyword
+arguments (their signature is built from it), the functional API takes the object, and checkpoints and model cards
+record it (:meth:`Options.to_config`). Every field is checked once, at construction, with an error naming it: a
+numeric field declares its range (:class:`Within`), numbers may be any real (Python or NumPy) number and are stored
+as Python ``float`` / ``int``, and bools, strings and non-finite values are refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import numbers
 import typing
-from dataclasses import asdict, dataclass, fields
-from typing import Annotated, Any, ClassVar, Literal, TypeVar
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 
-from st_weince.utils.options import check_representable, real_option
+from st_weince.functional.false_negatives import FalseNegativeFilter
+from st_weince.functional.layouts import Direction, PartitionMode, check_directions
+from st_weince.utils.options import (
+    check_representable,
+    choice_option,
+    flag_option,
+    integer_option,
+    positive_int_option,
+    real_option,
+    stored_scale_option,
+)
 
 WeinceMode = Literal["both", "rho", "aic", "none"]
-# "none": lambda = 0 for every anchor, i.e. exactly InfoNCE / MNRL through the same code path (the control arm of a
-# comparison that keeps everything else, e.g. the false-negative guard, identical).
 WEINCE_MODES = ("both", "rho", "aic", "none")
-BETA_AUTO_RANGE = (0.5, 16.0)
+BETA_AUTO_RANGE = (0.5, 16.0)  # the clamp of an estimated tail index ("auto"), as released
+Parametrization = Literal["relative", "absolute"]
+ColumnMode = Literal["negatives", "modalities"]
+Exchange = Literal["all_gather", "neighbour"]
 
-OptionsT = TypeVar("OptionsT", bound="_Options")
 
-
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Within:
     """The range of a numeric option (``Annotated[float, Within(...)]``), written as in its error message:
     ``interval`` "[0, 1)" (either end open or closed; "[0, inf)" reads "must be >= 0"), ``positive`` a number > 0;
@@ -38,15 +48,6 @@ class Within:
     interval: str = ""
     positive: bool = False
     note: str = ""
-
-
-def integer_option(name: str, value: Any, minimum: int) -> int:
-    """An integer (Python or NumPy; not a bool) of at least ``minimum``, as an int; the error names the option."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
-    return int(value)
 
 
 def _checked(name: str, value: Any, default: Any, spec: Within, dtype: torch.dtype | None) -> float | int:
@@ -65,25 +66,12 @@ def _checked(name: str, value: Any, default: Any, spec: Within, dtype: torch.dty
     return number
 
 
-def _options(cls: type) -> type:
-    """A frozen dataclass whose ``Annotated[..., Within(...)]`` fields are checked at construction."""
-    cls = dataclass(frozen=True)(cls)
-    hints = typing.get_type_hints(cls, include_extras=True)
-    cls._ranges = {
-        spec.name: (spec.default, meta)
-        for spec in fields(cls)
-        for meta in getattr(hints[spec.name], "__metadata__", ())
-        if isinstance(meta, Within)
-    }
-    return cls
+class Options:
+    """A frozen options dataclass (made by :func:`options`): its :class:`Within` fields are checked at construction,
+    the others by the subclass's ``_check_other_fields``."""
 
-
-class _Options:
-    """Validation, ``as_dict``, ``replace`` and ``resolve`` of an options dataclass built by :func:`_options`
-    (fields without a :class:`Within` are checked by the subclass's ``_check_other_fields``)."""
-
-    label: ClassVar[str]
-    dtype: ClassVar[torch.dtype | None] = None  # each number must also be finite in this dtype
+    #: each number must also be finite in this dtype (the one the statistics and logits are computed in)
+    dtype: ClassVar[torch.dtype | None] = None
     _ranges: ClassVar[dict[str, tuple[Any, Within]]]
 
     def __post_init__(self) -> None:
@@ -97,32 +85,65 @@ class _Options:
     def _check_other_fields(self) -> None:
         pass
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def replace(self, **changes: Any) -> Any:
+        """A copy with ``changes`` applied, checked like the constructor."""
+        return dataclasses.replace(self, **changes)
 
-    def replace(self: OptionsT, **changes: Any) -> OptionsT:
-        """A copy with ``changes`` applied (validated like the constructor)."""
-        names = [spec.name for spec in fields(self)]
-        unknown = set(changes) - set(names)
-        if unknown:
-            raise TypeError(f"unknown {self.label} option(s) {sorted(unknown)}; valid: {names}")
-        return type(self)(**{**self.as_dict(), **changes})
-
-    @classmethod
-    def resolve(cls: type[OptionsT], options: OptionsT | None, overrides: dict[str, Any]) -> OptionsT:
-        """``options`` (default: the defaults) with keyword ``overrides`` applied."""
-        if options is not None and not isinstance(options, cls):
-            raise TypeError(f"options must be a {cls.__name__}, got {type(options).__name__}")
-        options = options or _DEFAULTS[cls]
-        return options.replace(**overrides) if overrides else options
+    def to_config(self) -> dict[str, Any]:
+        """The JSON form of the options (``type(options)(**config)`` rebuilds them; so does the loss class): nested
+        options and the false-negative guard as their own JSON form, tuples as lists."""
+        config: dict[str, Any] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if hasattr(value, "to_config"):
+                value = value.to_config()
+            elif isinstance(value, tuple):
+                value = list(value)
+            config[field.name] = value
+        return config
 
 
-@_options
-class Gate(_Options):
+def options(cls: type) -> type:
+    """A frozen dataclass of :class:`Options` whose ``Annotated[..., Within(...)]`` fields are checked at
+    construction."""
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
+    cls._ranges = {
+        spec.name: (spec.default, meta)
+        for spec in dataclasses.fields(cls)
+        for meta in getattr(hints[spec.name], "__metadata__", ())
+        if isinstance(meta, Within)
+    }
+    return cls
+
+
+def _nested(name: str, value: Any, options_class: type[Options], optional: bool = False) -> Any:
+    """A nested options field: an instance of ``options_class`` or its JSON form (a mapping), or None if optional."""
+    if value is None and optional:
+        return None
+    if isinstance(value, Mapping):
+        value = options_class(**value)
+    if not isinstance(value, options_class):
+        expected = f"a {options_class.__name__}, its dict" + (" or None" if optional else "")
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_scale(scale: Any, name: str = "scale") -> float:
+    """``scale = 1 / temperature`` as a float: a number > 0, finite and nonzero in float32 (the error names
+    ``name``)."""
+    value = real_option(name, scale)
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0 ({name} = 1 / temperature), got {value}")
+    return real_option(name, value, positive=True, dtype=torch.float32)
+
+
+@options
+class Gate(Options):
     """The gate ``lambda(a) = sigmoid(kappa_rho (log rho0 - log rho(a))) * sigmoid(kappa_aic (dAIC(a) - aic_margin))``
-    that weights each anchor's shortfall logit (docs/algorithms.md 1.1): the one source of its four defaults (the
-    released implementation's) and of their validation. ``WEINCELoss(model, gate=Gate(q=0.4))`` moves the pivot;
-    the other fields keep their defaults. Which factors are on is the loss's ``mode``.
+    that weights each anchor's shortfall logit (docs/algorithms.md 1.1); the defaults are the released
+    implementation's. ``WEINCELoss(model, gate=Gate(q=0.4))`` moves the pivot. Which factors are on is WEINCE's
+    ``mode``.
 
     Args:
         q: quantile of the hardest-negative shortfalls that defines the batch pivot ``rho0``, in [0, 1].
@@ -131,7 +152,6 @@ class Gate(_Options):
         aic_margin: AIC difference at which the geometry gate is one half (any finite number).
     """
 
-    label: ClassVar[str] = "gate"
     dtype: ClassVar[torch.dtype | None] = torch.float32
 
     q: Annotated[float, Within("[0, 1]")] = 0.2
@@ -139,79 +159,12 @@ class Gate(_Options):
     kappa_aic: Annotated[float, Within("[0, inf)")] = 1.0
     aic_margin: Annotated[float, Within()] = 2.0
 
-    def to_config(self) -> dict[str, Any]:
-        """The JSON form a loss's ``get_config_dict`` writes (``Gate(**config)`` rebuilds it)."""
-        return self.as_dict()
 
-
-GATE_FIELDS = tuple(spec.name for spec in fields(Gate))
-
-
-@_options
-class WeinceOptions(_Options):
-    """The nine WEINCE options: the one source of their defaults (the released implementation's; the gate's four
-    are :class:`Gate`'s) and validation.
-
-    Built once (by the loss classes in ``__init__``); every field is checked here, also finite in float32 (the dtype
-    the statistics and logits are computed in for float32 and half-precision inputs).
-
-    Args:
-        q: quantile of the hardest-negative shortfalls that defines the batch pivot ``rho0``, in [0, 1].
-        kappa_rho: slope of the hardness gate, >= 0.
-        kappa_aic: slope of the geometry (AIC) gate, >= 0.
-        aic_margin: AIC difference at which the geometry gate is one half (any finite number).
-        tail_frac: share of an anchor's negatives used for the tail fit, in (0, 1].
-        min_tail_points: minimum tail size, an integer >= 1.
-        eps: floor of the shortfall ``1 - s``, in (0, 0.5).
-        mode: "both" (hardness x geometry), "rho" (hardness only), "aic" (geometry only) or "none" (lambda = 0:
-            exactly InfoNCE / MNRL through the same code path, the control arm of a comparison).
-        beta: tail index of the shortfall logit, a finite number > 0, or "auto" (each anchor's estimate, clamped
-            to [0.5, 16]). The reference implementation uses 1.0.
-    """
-
-    label: ClassVar[str] = "WEINCE"
-    dtype: ClassVar[torch.dtype | None] = torch.float32
-
-    # the gate's four, defaults and checks in Gate (the loss classes take them as one ``gate``)
-    q: float = Gate.q
-    kappa_rho: float = Gate.kappa_rho
-    kappa_aic: float = Gate.kappa_aic
-    aic_margin: float = Gate.aic_margin
-    tail_frac: Annotated[float, Within("(0, 1]")] = 0.10
-    min_tail_points: Annotated[int, Within("[1, inf)")] = 32
-    eps: Annotated[float, Within("(0, 0.5)")] = 1e-6
-    mode: WeinceMode = "both"
-    beta: float | str = 1.0
-
-    def _check_other_fields(self) -> None:
-        gate = Gate(**{name: getattr(self, name) for name in GATE_FIELDS})
-        for name in GATE_FIELDS:
-            self._store(name, getattr(gate, name))
-        check_representable("eps", self.eps, torch.float32, positive=True)  # log(eps) must stay finite
-        if not isinstance(self.mode, str):
-            raise TypeError(f"mode must be 'both', 'rho', 'aic' or 'none', got {type(self.mode).__name__}")
-        if self.mode not in WEINCE_MODES:
-            raise ValueError(f"mode must be 'both', 'rho', 'aic' or 'none', got {self.mode!r}")
-        if isinstance(self.beta, str):
-            if self.beta != "auto":
-                raise ValueError(f"beta must be a positive number or 'auto', got {self.beta!r}")
-            return
-        try:
-            beta = real_option("beta", self.beta, dtype=torch.float32)
-        except (TypeError, ValueError) as error:
-            raise type(error)(f"{error} (beta must be a finite number > 0 or 'auto')") from None
-        if not beta > 0:
-            raise ValueError(f"beta must be a positive number or 'auto', got {beta}")
-        check_representable("beta", beta, torch.float32, positive=True)
-        self._store("beta", beta)
-
-
-@_options
-class TopM(_Options):
-    """The released composite's two top-M terms and the batch tail index of the shortfall term: the one source of
-    their defaults (the released implementation's, docs/algorithms.md 1.2b) and of their validation, with errors
-    naming the option. ``WEINCELoss(model, top_m=TopM(shortfall_weight=0.5, infonce_weight=0.5))`` turns both on (the
-    released composite, :meth:`~st_weince.losses.WEINCELoss.released`); a term whose weight is 0 is off.
+@options
+class TopM(Options):
+    """The released composite's two top-M terms and the batch tail index of the shortfall term (docs/algorithms.md
+    1.2b); the defaults are the released implementation's, with both terms off. ``TopM(shortfall_weight=0.5,
+    infonce_weight=0.5)`` is the released pair.
 
     Args:
         m: M, the number of hardest negatives per anchor (an integer >= 1); a row with K negatives uses
@@ -230,11 +183,7 @@ class TopM(_Options):
         beta_min, beta_max: a trusted slope is clamped to [beta_min, beta_max] before it enters the average.
         beta_tail_min_points, beta_tail_frac: the tail size ``k = min(K_all, max(beta_tail_min_points,
             floor(beta_tail_frac * K_all)))`` over the batch's K_all negative scores.
-        eps: floor of the shortfall ``1 - s``, in (0, 0.5). A loss class sets it to its own ``eps`` (one floor for
-            every term), so it is not a loss option here.
     """
-
-    label: ClassVar[str] = "top-M"
 
     m: Annotated[int, Within("[1, inf)")] = 50
     shortfall_weight: Annotated[float, Within("[0, inf)", note=" (0 turns the term off)")] = 0.0
@@ -247,7 +196,6 @@ class TopM(_Options):
     beta_max: Annotated[float, Within(positive=True)] = BETA_AUTO_RANGE[1]
     beta_tail_min_points: Annotated[int, Within("[1, inf)")] = 1024
     beta_tail_frac: Annotated[float, Within("(0, 1]")] = 0.05
-    eps: Annotated[float, Within("(0, 0.5)")] = WeinceOptions.eps
 
     def _check_other_fields(self) -> None:
         if self.beta_min > self.beta_max:
@@ -260,26 +208,210 @@ class TopM(_Options):
         """Whether either term is on (a weight > 0)."""
         return self.shortfall_weight > 0 or self.infonce_weight > 0
 
-    def infonce_logit_scale(self, scale: float) -> float:
-        """The inverse temperature of the top-M InfoNCE term's logits: ``infonce_scale``, else the loss's ``scale``."""
-        return scale if self.infonce_scale is None else self.infonce_scale
 
-    def to_config(self) -> dict[str, Any]:
-        """The JSON form a loss's ``get_config_dict`` writes (``TopM(**config)`` rebuilds it); without ``eps``, which
-        is the loss's own."""
-        return {name: value for name, value in self.as_dict().items() if name != "eps"}
+@options
+class WEINCEOptions(Options):
+    """The options of WEINCE (:class:`~st_weince.losses.WEINCELoss`, its cached variant and the functions of
+    :mod:`st_weince.functional.weince`). The gate's and the top-M terms' defaults are the released
+    implementation's; ``beta`` is "auto" because the released 1.0 was tuned at temperature 0.5 and is 10-20x too soft
+    at SimCSE's 0.05 (``docs/weince.md``); ``scale`` and the layout options are MultipleNegativesRankingLoss's.
+
+    Args:
+        scale: inverse temperature, ``scale = 1 / temperature`` (as in MNRL; 20 = temperature 0.05).
+        gather_across_devices: gather embeddings across processes (local anchors x global candidates); the pivot
+            ``rho0`` is then taken over the anchors of the global batch, so results do not depend on the split.
+        directions: as in MNRL: "query_to_doc" (required), "query_to_query", "doc_to_query", "doc_to_doc". Rows
+            anchored at queries (query_to_doc, query_to_query) share one set of statistics per query; rows anchored
+            at documents (doc_to_query, doc_to_doc) get their own.
+        partition_mode: "joint" (one softmax over all directions) or "per_direction" (one per direction,
+            averaged), as in MNRL.
+        beta: tail index in the shortfall logit, a finite number > 0, or "auto": each anchor's estimate, clamped to
+            [0.5, 16]. The released implementation uses 1.0 (at temperature 0.5).
+        mode: "both" (hardness x geometry gate), "rho" (hardness only), "aic" (geometry only) or "none" (lambda = 0:
+            exactly MultipleNegativesRankingLoss through the same code path, the control arm of a comparison).
+        gate: the gate lambda's four settings as one :class:`Gate` (or its dict).
+        tail_frac: share of an anchor's negatives used for the tail fit, in (0, 1].
+        min_tail_points: minimum tail size, an integer >= 1.
+        eps: floor of the shortfall ``1 - s`` for every term, in (0, 0.5).
+        false_negative_filter: the in-batch false-negative guard (off by default), applied to each row's candidates
+            before the tail statistics and the softmax (removed candidates are neither fitted nor pushed away; the
+            positive never is): ``("absolute", m)``, ``("relative", r)``, ``"identical"`` or ``"same_label"``
+            (docs/false-negatives.md). Logged as ``weince_fn_masked_share`` and ``weince_fn_anchors_share``.
+        check_inputs: check the embeddings for NaN/Inf in every forward pass, with one host-device sync. False makes
+            the hot path free of host syncs, so ``torch.compile(..., fullgraph=True)`` and CUDA graphs work; a NaN
+            embedding then gives a NaN loss instead of an error.
+        top_m: the released composite's two top-M terms and the batch tail index of its shortfall term, as one
+            :class:`TopM` (or its dict); None (the default, and a TopM with both weights 0): off, the loss is the
+            blend alone.
+    """
+
+    dtype: ClassVar[torch.dtype | None] = torch.float32
+
+    scale: float = 20.0
+    gather_across_devices: bool = False
+    directions: tuple[Direction, ...] = ("query_to_doc",)
+    partition_mode: PartitionMode = "joint"
+    beta: float | str = "auto"
+    mode: WeinceMode = "both"
+    gate: Gate = Gate()
+    tail_frac: Annotated[float, Within("(0, 1]")] = 0.10
+    min_tail_points: Annotated[int, Within("[1, inf)")] = 32
+    eps: Annotated[float, Within("(0, 0.5)")] = 1e-6
+    false_negative_filter: FalseNegativeFilter | None = None
+    check_inputs: bool = True
+    top_m: TopM | None = None
+
+    def _check_other_fields(self) -> None:
+        self._store("scale", check_scale(self.scale))
+        for name in ("gather_across_devices", "check_inputs"):
+            self._store(name, flag_option(name, getattr(self, name)))
+        check_directions(self.directions, self.partition_mode)
+        self._store("directions", tuple(self.directions))
+        if not isinstance(self.mode, str):
+            raise TypeError(f"mode must be 'both', 'rho', 'aic' or 'none', got {type(self.mode).__name__}")
+        if self.mode not in WEINCE_MODES:
+            raise ValueError(f"mode must be 'both', 'rho', 'aic' or 'none', got {self.mode!r}")
+        self._store("gate", _nested("gate", self.gate, Gate))
+        check_representable("eps", self.eps, torch.float32, positive=True)  # log(eps) must stay finite
+        self._store("beta", _beta_option(self.beta))
+        self._store("false_negative_filter", FalseNegativeFilter.parse(self.false_negative_filter))
+        top_m = _nested("top_m", self.top_m, TopM, optional=True)
+        self._store("top_m", top_m if top_m is not None and top_m.has_terms else None)
+
+    @property
+    def top_m_infonce_scale(self) -> float:
+        """The inverse temperature of the top-M InfoNCE term's logits: ``top_m.infonce_scale``, else ``scale``."""
+        return self.scale if self.top_m is None or self.top_m.infonce_scale is None else self.top_m.infonce_scale
 
 
-DEFAULTS = WeinceOptions()
-TOP_M_DEFAULTS = TopM()
-GATE_DEFAULTS = Gate()
-_DEFAULTS: dict[type, _Options] = {WeinceOptions: DEFAULTS, TopM: TOP_M_DEFAULTS, Gate: GATE_DEFAULTS}
+def _beta_option(value: Any) -> float | str:
+    if isinstance(value, str):
+        if value != "auto":
+            raise ValueError(f"beta must be a positive number or 'auto', got {value!r}")
+        return value
+    try:
+        beta = real_option("beta", value, dtype=torch.float32)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{error} (beta must be a finite number > 0 or 'auto')") from None
+    if not beta > 0:
+        raise ValueError(f"beta must be a positive number or 'auto', got {beta}")
+    check_representable("beta", beta, torch.float32, positive=True)
+    return beta
 
 
-def check_scale(scale: Any, name: str = "scale") -> float:
-    """``scale = 1 / temperature`` as a float: a number > 0, finite and nonzero in float32 (the error names
-    ``name``)."""
-    value = real_option(name, scale)
-    if not value > 0:
-        raise ValueError(f"{name} must be > 0 ({name} = 1 / temperature), got {value}")
-    return real_option(name, value, positive=True, dtype=torch.float32)
+@options
+class RBSigmoidOptions(Options):
+    """The options of RB-Sigmoid (:class:`~st_weince.losses.RBSigmoidLoss` and its cached variant). Construction
+    resolves the bias: in the relative parametrization ``relative_bias`` is set (default 0.7) and ``bias`` is None;
+    in the absolute one ``bias`` is set (default ``scale * relative_bias``) and ``relative_bias`` is None.
+
+    The start values were chosen by measurement (``benchmarks/sigmoid_synthetic.py``, parts "init" and "bias";
+    ``docs/rb-sigmoid.md``): ``t = 10`` is SigLIP's start, ``b_rel = 0.7`` reached the largest margins. The cap
+    ``max_scale = 100`` is CLIP's and open_clip's cap on their logit scale (10x the start).
+
+    Args:
+        scale: initial ``t = 1 / temperature`` (trained as ``log_t``), as MNRL's ``scale``; SigLIP's start.
+        max_scale: cap on ``t`` (>= ``scale``, finite in float32): the forward uses ``t = exp(min(log_t, log
+            max_scale))``, and after every optimizer step ``log_t`` itself is clamped to the cap, where its gradient
+            stays live. Logged as ``rb_sigmoid_t_capped`` (share of steps at the cap).
+        parametrization: "relative" (``z = t (s - b_rel)``) or "absolute" (SigLIP's ``z = t s - b``).
+        relative_bias: initial ``b_rel`` (None: 0.7). In the absolute parametrization it gives the start ``b = scale *
+            relative_bias`` instead of ``bias``.
+        bias: initial absolute bias ``b`` (absolute parametrization only).
+        trainable_scale: train ``t``; if False it stays fixed.
+        trainable_bias: train the bias (``b_rel`` or ``b``); if False it is a fixed hyperparameter (a fixed ``b_rel``
+            trades margin against bias).
+        gather_across_devices: score the local anchors against the candidates of all processes.
+        exchange: how the other processes' candidates arrive with ``gather_across_devices``: "all_gather" (one
+            global candidate matrix) or "neighbour" (SigLIP's scheme: the candidate blocks pass around the ring of
+            processes in both directions and the anchors are scored against one block at a time, so no process
+            holds the global matrix; same loss and gradients; equal local batch sizes required).
+        symmetric: also score the positives (column 2) as anchors against all anchors and average both directions;
+            without hard-negative columns this changes nothing, with them it doubles the anchor-positive block's
+            weight relative to the hard negatives.
+        columns: "negatives" (as MNRL: anchor, positive, negative_1, ...; the candidates are all positives and
+            negatives of the batch) or "modalities" (each column one modality of the same items; the loss is the sum
+            over all column pairs of the two-modality loss, sharing ``t`` and the bias).
+        locked_adapter: for a locked (frozen) encoder on one side: replace ``s`` by ``delta^2 s - (1 - delta^2)``
+            with one trainable ``delta = sigmoid(x)``, the implicit adapter ``(delta U, sqrt(1 - delta^2))``,
+            ``(delta V, -sqrt(1 - delta^2))``.
+        adapter_logit: initial ``x`` of the adapter (0 gives ``delta = 0.5``, as in the released experiments).
+        chunk_size: compute the loss in blocks of this many candidates (each recomputed during backward), so memory
+            grows with batch x chunk instead of batch x candidates. None: one block.
+        check_inputs: check the embeddings and the loss parameters (finite) in every forward, with one host-device
+            sync. False: no check and no sync (``torch.compile(fullgraph=True)`` then traces the loss whole).
+        false_negative_filter: the in-batch false-negative guard (off by default), as WEINCE's: the removed
+            candidates count neither in the loss nor in the logged margin. Logged as ``rb_sigmoid_fn_masked_share``
+            and ``rb_sigmoid_fn_anchors_share``.
+    """
+
+    RELATIVE_BIAS_START: ClassVar[float] = 0.7
+
+    scale: float = 10.0
+    max_scale: float = 100.0
+    parametrization: Parametrization = "relative"
+    relative_bias: float | None = None
+    bias: float | None = None
+    trainable_scale: bool = True
+    trainable_bias: bool = True
+    gather_across_devices: bool = False
+    exchange: Exchange = "all_gather"
+    symmetric: bool = False
+    columns: ColumnMode = "negatives"
+    locked_adapter: bool = False
+    adapter_logit: float = 0.0
+    chunk_size: int | None = None
+    check_inputs: bool = True
+    false_negative_filter: FalseNegativeFilter | None = None
+
+    def _check_other_fields(self) -> None:
+        put = self._store
+        put("parametrization", choice_option("parametrization", self.parametrization, ("relative", "absolute")))
+        put("columns", choice_option("columns", self.columns, ("negatives", "modalities")))
+        put("exchange", choice_option("exchange", self.exchange, ("all_gather", "neighbour")))
+        put("scale", stored_scale_option("scale", self.scale))
+        put("max_scale", real_option("max_scale", self.max_scale, positive=True))
+        float32_max = float(torch.finfo(torch.float32).max)
+        if not self.max_scale < float32_max:
+            raise ValueError(f"max_scale must be finite in float32 (below {float32_max:.4g}), got {self.max_scale!r}")
+        if self.max_scale < self.scale:
+            raise ValueError(
+                f"max_scale must be >= scale (t starts at scale and never exceeds max_scale), got max_scale="
+                f"{self.max_scale!r} < scale={self.scale!r}"
+            )
+        relative_bias = real_option("relative_bias", self.relative_bias, optional=True, dtype=torch.float32)
+        bias = real_option("bias", self.bias, optional=True, dtype=torch.float32)
+        start = self.RELATIVE_BIAS_START if relative_bias is None else relative_bias
+        if self.parametrization == "relative":
+            if bias is not None:
+                raise ValueError(
+                    "bias is the start of the absolute parametrization (z = t s - b); with parametrization="
+                    "'relative' give relative_bias (z = t (s - b_rel))"
+                )
+            put("relative_bias", start)
+        else:
+            if bias is not None and relative_bias is not None:
+                raise ValueError(
+                    "give the absolute start either as bias or as relative_bias (then b = scale * relative_bias), "
+                    "not both"
+                )
+            put("bias", self.scale * start if bias is None else bias)
+            check_representable("bias", self.bias, torch.float32)  # scale * relative_bias may overflow
+            put("relative_bias", None)
+        for name in ("trainable_scale", "trainable_bias", "gather_across_devices", "symmetric", "locked_adapter"):
+            put(name, flag_option(name, getattr(self, name)))
+        put("check_inputs", flag_option("check_inputs", self.check_inputs))
+        if self.exchange == "neighbour" and not self.gather_across_devices:
+            raise ValueError(
+                "exchange='neighbour' passes candidate blocks between processes, so it needs "
+                "gather_across_devices=True (without it every process scores only its own candidates)"
+            )
+        put("adapter_logit", real_option("adapter_logit", self.adapter_logit, dtype=torch.float32))
+        put("chunk_size", positive_int_option("chunk_size", self.chunk_size, optional=True))
+        put("false_negative_filter", FalseNegativeFilter.parse(self.false_negative_filter))
+
+
+DEFAULTS = WEINCEOptions()
+#: The released vision composite (docs/algorithms.md, "the released recipe"): temperature 0.5 (scale 2), beta 1 in the
+#: blend, and both top-M terms at weight 0.5 with M = 50 (:meth:`~st_weince.losses.WEINCELoss.released`).
+RELEASED_COMPOSITE = WEINCEOptions(scale=2.0, beta=1.0, top_m=TopM(shortfall_weight=0.5, infonce_weight=0.5))

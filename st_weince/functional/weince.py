@@ -2,8 +2,9 @@
 
 Data flows one way: scores -> per-anchor tail fits -> batch pivot -> blend weights -> logits -> cross-entropy.
 Every adapter (sentence-transformers losses, the vision recipe, the diagnostics) calls these functions, so each
-formula of ``docs/algorithms.md`` section 1 lives here exactly once; the nine options live in one place,
-:class:`~st_weince.functional.options.WeinceOptions`.
+formula of ``docs/algorithms.md`` section 1 lives here exactly once; the options live in one place,
+:class:`~st_weince.functional.options.WEINCEOptions`, which every function here takes as it is (checked once, when it
+was built).
 
 Conventions
 -----------
@@ -25,15 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from st_weince.functional.checks import check_score_shapes, check_scores, compute_dtype, from_order_keys, order_keys
 from st_weince.functional.line_fit import fit_lines, row_design
-from st_weince.functional.options import BETA_AUTO_RANGE, DEFAULTS, WeinceOptions, check_scale
-from st_weince.functional.options import WeinceMode as WeinceMode  # imported from here by the loss classes
+from st_weince.functional.options import BETA_AUTO_RANGE, DEFAULTS, WEINCEOptions
 from st_weince.utils.hotpath import DeferredChecks
 from st_weince.utils.options import real_option
 
@@ -147,27 +146,32 @@ def tail_sizes(num_negatives: Tensor, *, tail_frac: float, min_tail_points: int)
     return torch.minimum(k, num_negatives)
 
 
-def max_tail_size(num_candidates: int, options: WeinceOptions) -> int:
+def max_tail_size(num_candidates: int, options: WEINCEOptions) -> int:
     """The largest tail size any row of ``num_candidates`` columns can have (k is non-decreasing in K <= C)."""
     # the formula of tail_sizes in plain Python: shapes decide, no tensor is read
     k = min(max(options.min_tail_points, round(options.tail_frac * num_candidates)), num_candidates)
     return min(max(10, k), num_candidates)
 
 
+def negatives_needed(options: WEINCEOptions = DEFAULTS) -> int:
+    """The fewest negatives per anchor at which an anchor's tail is fitted (with the defaults: 4): its tail of
+    :func:`max_tail_size` points keeps at least 3 after the burn-in of docs/algorithms.md 1.1 step 4."""
+    count = 1
+    while (k := max_tail_size(count, options)) - max(1, k // 20) < _MIN_FIT_POINTS:
+        count += 1
+    return count
+
+
 @torch.no_grad()
 def weince_tail_fit(
     scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None = None,
-    options: WeinceOptions | None = None,
-    *, hardest: HardestNegatives | None = None, **overrides: Any,
+    options: WEINCEOptions = DEFAULTS, *, hardest: HardestNegatives | None = None,
 ) -> TailFit:
     """Per-anchor shortfall tail fits (docs/algorithms.md 1.1 steps 1-4), vectorised over anchors, in the scores'
     dtype (float16/bfloat16: float32). Shapes are checked, values are not (:func:`check_scores`).
 
     ``hardest``: the rows' :func:`hardest_negatives`, at least :func:`max_tail_size` wide, when the caller shares
     that sort with the top-M terms; computed here otherwise."""
-    if isinstance(valid_mask, WeinceOptions):
-        raise TypeError("valid_mask got a WeinceOptions: pass the options as options=... (the fourth argument)")
-    options = WeinceOptions.resolve(options, overrides)
     check_score_shapes(scores, positive_index, valid_mask)
     positive_index = None if positive_index is None else positive_index.long()
     dtype = compute_dtype(scores)
@@ -214,14 +218,13 @@ def weince_tail_fit(
 
 
 @torch.no_grad()
-def batch_pivot(rho: Tensor, has_negatives: Tensor, q: float = DEFAULTS.q) -> Tensor:
+def batch_pivot(rho: Tensor, has_negatives: Tensor, q: float = DEFAULTS.gate.q) -> Tensor:
     """``rho0``: the q-quantile of rho over the anchors that have negatives (sort ascending, index round(q (A-1))).
 
     Sort plus gather, no boolean-mask indexing: rows without negatives sort last (+inf) and the index counts only
     the others. 1.0 when no anchor has a negative. Pass the rho of the whole (global) batch: under data
     parallelism, gather first, so the pivot does not depend on how the batch is split over processes.
     """
-    q = WeinceOptions(q=q).q  # validated like the option
     pool = torch.sort(torch.where(has_negatives, rho, float("inf"))).values
     count = has_negatives.sum()
     # round half to even, like Python's round() in the reference implementation
@@ -230,12 +233,12 @@ def batch_pivot(rho: Tensor, has_negatives: Tensor, q: float = DEFAULTS.q) -> Te
 
 
 @torch.no_grad()
-def blend_weights(fit: TailFit, rho0: Tensor | float, options: WeinceOptions | None = None, **overrides: Any) -> Tensor:
+def blend_weights(fit: TailFit, rho0: Tensor | float, options: WEINCEOptions = DEFAULTS) -> Tensor:
     """lambda(a) = sigmoid(kappa_rho log(rho0 / rho)) * sigmoid(kappa_aic (dAIC - margin)); 0 where not fitted."""
-    options = WeinceOptions.resolve(options, overrides)
+    gate = options.gate
     rho0 = torch.as_tensor(rho0, dtype=fit.rho.dtype, device=fit.rho.device)
-    hardness = torch.sigmoid(options.kappa_rho * (torch.log(rho0) - torch.log(fit.rho)))
-    geometry = torch.sigmoid(options.kappa_aic * (fit.delta_aic - options.aic_margin))
+    hardness = torch.sigmoid(gate.kappa_rho * (torch.log(rho0) - torch.log(fit.rho)))
+    geometry = torch.sigmoid(gate.kappa_aic * (fit.delta_aic - gate.aic_margin))
     if options.mode == "both":
         lam = hardness * geometry
     elif options.mode == "rho":
@@ -249,7 +252,6 @@ def blend_weights(fit: TailFit, rho0: Tensor | float, options: WeinceOptions | N
 
 def tail_index(fit: TailFit, beta: float | str = DEFAULTS.beta) -> Tensor:
     """beta(a) in the shortfall logit: a constant (reference implementation: 1.0) or "auto", the clamped estimate."""
-    beta = WeinceOptions(beta=beta).beta
     if beta == "auto":
         low, high = BETA_AUTO_RANGE
         return torch.where(fit.fitted, fit.beta_hat.clamp(low, high), torch.ones_like(fit.beta_hat))
@@ -258,18 +260,17 @@ def tail_index(fit: TailFit, beta: float | str = DEFAULTS.beta) -> Tensor:
 
 @torch.no_grad()
 def statistics_from_fit(
-    fit: TailFit, options: WeinceOptions | None = None,
+    fit: TailFit, options: WEINCEOptions = DEFAULTS,
     *, rho0: Tensor | float | None = None, gather: Callable[[Tensor], Tensor] | None = None,
 ) -> WeinceStatistics:
     """Steps 5-7 of docs/algorithms.md 1.1 on given tail fits: the pivot (over ``gather``'s global batch unless ``rho0``
     is given), the blend weights and the tail index."""
-    options = WeinceOptions.resolve(options, {})
     if rho0 is not None and not isinstance(rho0, Tensor):
         # a pivot is a shortfall 1 - s of a cosine score: in (0, 2]; log(rho0) enters lambda
         rho0 = real_option("rho0", rho0, positive=True, dtype=torch.float32)
     if rho0 is None:
         gather = gather or (lambda local: local)
-        rho0 = batch_pivot(gather(fit.rho), gather(fit.has_negatives), options.q)
+        rho0 = batch_pivot(gather(fit.rho), gather(fit.has_negatives), options.gate.q)
     rho0 = torch.as_tensor(rho0, dtype=fit.rho.dtype, device=fit.rho.device)
     return WeinceStatistics(
         lam=blend_weights(fit, rho0, options),
@@ -285,16 +286,14 @@ def statistics_from_fit(
 @torch.no_grad()
 def weince_statistics(
     scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None = None,
-    options: WeinceOptions | None = None,
-    *, rho0: Tensor | float | None = None, gather: Callable[[Tensor], Tensor] | None = None, **overrides: Any,
+    options: WEINCEOptions = DEFAULTS,
+    *, rho0: Tensor | float | None = None, gather: Callable[[Tensor], Tensor] | None = None,
 ) -> WeinceStatistics:
     """Per-anchor WEINCE statistics (no gradient), in the scores' dtype (float16/bfloat16: float32).
 
-    ``options`` (default :data:`DEFAULTS`), with keyword ``overrides`` (e.g. ``beta="auto"``) applied.
     ``rho0`` overrides the batch pivot. ``gather`` maps a per-anchor tensor of this process to the one of the global
     batch (e.g. an all-gather under data parallelism), so that the pivot is taken over every process's anchors.
     """
-    options = WeinceOptions.resolve(options, overrides)
     fit = weince_tail_fit(scores, positive_index, valid_mask, options)
     return statistics_from_fit(fit, options, rho0=rho0, gather=gather)
 
@@ -335,8 +334,7 @@ class _BlendedLogit(torch.autograd.Function):
 
 def weince_logits(
     scores: Tensor, lam: Tensor, beta: Tensor, valid_mask: Tensor | None = None, *, scale: float,
-    eps: float = DEFAULTS.eps,
-    check_inputs: bool = True,
+    eps: float = DEFAULTS.eps, check_inputs: bool = True,
 ) -> Tensor:
     """Blended logits (1 - lam) s / tau + lam (-beta log(1 - min(s, 1 - eps))), -inf at invalid entries, with
     ``scale = 1 / tau``.
@@ -346,7 +344,6 @@ def weince_logits(
     ``check_inputs`` refuses (ValueError) a ``lam`` outside [0, 1] or NaN and a ``beta`` that is not finite and
     > 0, with one host-device sync; the loss classes pass False (they compute both themselves).
     """
-    scale = check_scale(scale)
     if check_inputs:
         checks = DeferredChecks()
         checks.require((lam >= 0) & (lam <= 1), "lam must lie in [0, 1] (it is a blend weight), got NaN or outside")
@@ -401,7 +398,6 @@ def blended_cross_entropy(
 ) -> Tensor:
     """Per-row cross-entropy [A] of :func:`weince_logits` with ``positive_index`` as the target, fused (fewer passes
     over the matrix in backward). Same dtypes and gradient as the unfused logits + ``F.cross_entropy``."""
-    scale = check_scale(scale)
     check_score_shapes(scores, positive_index, valid_mask)
     dtype = compute_dtype(scores)
     return _BlendedCrossEntropy.apply(
@@ -416,34 +412,27 @@ def blended_cross_entropy(
 
 
 def weince_cross_entropy(
-    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: WeinceOptions | None = None,
-    *,
-    scale: float,
-    reduction: str = "mean",
-    rho0: Tensor | float | None = None,
-    statistics: WeinceStatistics | None = None,
-    check_inputs: bool = True,
-    **overrides: Any,
+    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: WEINCEOptions = DEFAULTS,
+    *, reduction: str = "mean", rho0: Tensor | float | None = None, statistics: WeinceStatistics | None = None,
 ) -> Tensor:
-    """WEINCE loss: cross-entropy of the blended logits of each row with its positive as the target.
+    """WEINCE loss (the blend, section 1.2, at ``options.scale``): cross-entropy of the blended logits of each row
+    with its positive as the target.
 
     ``statistics`` reuses precomputed statistics of these rows (else they are computed here with ``options``).
     ``positive_index`` may have any integer dtype. Like torch's losses, the values are checked (every score finite,
     every row's positive in range and not masked out: :func:`check_scores` with ``every_row_has_positive=True``),
-    with one host-device sync; ``check_inputs=False`` skips that (no sync, so ``torch.compile(fullgraph=True)``
-    traces it whole), for inputs already checked, as the loss classes do.
+    with one host-device sync; ``options.check_inputs=False`` skips that (no sync, so
+    ``torch.compile(fullgraph=True)`` traces it whole).
     """
-    options = WeinceOptions.resolve(options, overrides)
-    scale = check_scale(scale)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     check_score_shapes(scores, positive_index, valid_mask)
-    if check_inputs:
+    if options.check_inputs:
         check_scores(scores, positive_index, valid_mask, every_row_has_positive=True)
     positive_index = positive_index.long()
     if statistics is None:
         statistics = weince_statistics(scores, positive_index, valid_mask, options, rho0=rho0)
     rows = blended_cross_entropy(
-        scores, statistics.lam, statistics.beta, positive_index, valid_mask, scale=scale, eps=options.eps
+        scores, statistics.lam, statistics.beta, positive_index, valid_mask, scale=options.scale, eps=options.eps
     )
     return rows if reduction == "none" else getattr(rows, reduction)()

@@ -7,22 +7,26 @@ by :func:`st_weince.functional.normalize_rows`, in the loss's one host sync."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import numbers
+import typing
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, ClassVar
 
 import torch
 from sentence_transformers.base.losses.merged_forward import embed_columns
 from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
+from st_weince.calibration import mark_carried_values_stale
 from st_weince.functional.checks import check_score_shapes, compute_dtype, full_precision, require_valid_scores
 from st_weince.functional.false_negatives import FilterCounts, feature_keys
 from st_weince.functional.layouts import normalize_rows
 from st_weince.losses._labels import warn_unused_labels
+from st_weince.training.protocol import LossState
 from st_weince.utils.hotpath import DeferredChecks
 from st_weince.utils.logged_statistics import RunningMeans
-from st_weince.utils.options import options_config
 
 # MultipleNegativesRankingLoss's arguments that a loss may have no use for: the value at which each is a no-op.
 _MNRL_NO_OPS: dict[str, Callable[[Any], bool]] = {
@@ -31,17 +35,6 @@ _MNRL_NO_OPS: dict[str, Callable[[Any], bool]] = {
     "hardness_strength": lambda value: isinstance(value, numbers.Real) and not isinstance(value, bool) and value == 0,
     "partition_mode": lambda value: value is None,
 }
-
-
-def refuse_mnrl_arguments(owner: str, reasons: dict[str, str], **arguments: Any) -> None:
-    """MultipleNegativesRankingLoss's arguments are accepted at their no-op value and refused otherwise, with the
-    loss's ``reasons``."""
-    for name, value in arguments.items():
-        if name not in reasons:
-            raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {name!r}")
-        if not _MNRL_NO_OPS[name](value):
-            shown = getattr(value, "__name__", None) if callable(value) else None
-            raise ValueError(f"{owner} does not support {name}={shown or repr(value)}: {reasons[name]}")
 
 
 def check_embedding_columns(
@@ -85,62 +78,96 @@ def guard_share_values(prefix: str, counts: FilterCounts | None) -> dict[str, Te
     return {f"{prefix}_fn_masked_share": counts.masked_share, f"{prefix}_fn_anchors_share": counts.anchors_share}
 
 
-LossT = TypeVar("LossT", bound="ColumnsLoss")
-
-
-class ColumnsLoss(nn.Module):
+class ColumnsLoss(nn.Module, LossState):
     """A loss on the columns of a sentence-transformers batch (``[anchor, positive, *negatives]``) with one frozen
-    options object (``options.check_inputs``, ``options.false_negative_filter``) and statistics logged by name. A
-    subclass computes ``_loss_from_embeddings(embeddings, row_keys)`` and gives its ``citation``.
+    options object (``options_class``; the cached variants add ``cache_options_class``) and statistics logged by
+    name. A subclass computes ``_loss_from_embeddings(embeddings, row_keys)`` and gives its ``citation``.
 
-    A loss with state of its own that training changes (trainable parameters; buffers named in
-    ``evolving_buffers``) refuses its first training step (``forward`` in training mode with gradients on) until
-    :meth:`mark_state_managed` says who handles that state: the sentence-transformers trainer neither checkpoints,
-    syncs across processes nor trains it at its own learning rate, so without the setup it would be lost silently."""
+    The signature of every subclass is built from its options classes: ``model``, then every option with its default
+    (``scale`` may be positional, the rest are keyword-only), then MultipleNegativesRankingLoss's arguments that the
+    loss accepts at their no-op values (``mnrl_arguments``). So an option is written once, in its options class.
+
+    A loss with state of its own that training changes (:meth:`state_tensors`) refuses its first training step
+    (``forward`` in training mode with gradients on) until :meth:`mark_state_managed` says who handles that state: the
+    sentence-transformers trainer neither checkpoints, syncs across processes nor trains it at its own learning
+    rate, so without the setup it would be lost silently."""
+
+    options_class: ClassVar[type]
+    cache_options_class: ClassVar[type | None] = None
+    #: MultipleNegativesRankingLoss's arguments the loss has no use for: name -> (no-op default, why other values are
+    #: refused)
+    mnrl_arguments: ClassVar[dict[str, tuple[Any, str]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if getattr(cls, "options_class", None) is not None:
+            cls.__signature__ = _signature(cls)
+
+    def __init__(self, model: nn.Module | None = None, *args: Any, **kwargs: Any) -> None:
+        given = type(self).__signature__.bind(model, *args, **kwargs).arguments  # Python's own errors for bad names
+        super().__init__()
+        self.model = given.pop("model", None)
+        mnrl = {name: given.pop(name) for name in list(given) if name in self.mnrl_arguments}
+        given = self._options_arguments(given, mnrl)
+        fields = {f.name for f in dataclasses.fields(self.options_class)}
+        self.options = self.options_class(**{name: value for name, value in given.items() if name in fields})
+        if self.cache_options_class is not None:
+            self.cache_options = self.cache_options_class(
+                **{name: value for name, value in given.items() if name not in fields}
+            )
+        self.logged_statistics = RunningMeans()
+        self._first_training_step_done = False
+
+    def _options_arguments(self, given: dict[str, Any], mnrl: dict[str, Any]) -> dict[str, Any]:
+        """The options given to the constructor, after MultipleNegativesRankingLoss's arguments ``mnrl`` are checked
+        (accepted at their no-op values, refused otherwise with the loss's reason)."""
+        for name, value in mnrl.items():
+            if not _MNRL_NO_OPS[name](value):
+                shown = getattr(value, "__name__", None) if callable(value) else None
+                reason = self.mnrl_arguments[name][1]
+                raise ValueError(f"{type(self).__name__} does not support {name}={shown or repr(value)}: {reason}")
+        return given
+
+    # -- the training protocol (st_weince.training.protocol) ----------------------------------------------------
 
     #: names of buffers that training changes (state like a parameter's, e.g. a moving average)
-    evolving_buffers: tuple[str, ...] = ()
+    evolving_buffers: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, model: nn.Module | None, options: Any) -> None:
-        super().__init__()
-        self.model = model
-        self.options = options
-        self.logged_statistics = RunningMeans()
-        self.state_managed_by: str | None = None
+    def state_tensors(self) -> dict[str, Tensor]:
+        """The loss's own trainable parameters and evolving buffers (not the model's)."""
+        tensors = {
+            name: p for name, p in self.named_parameters() if p.requires_grad and not name.startswith("model.")
+        }
+        tensors.update({name: getattr(self, name) for name in self.evolving_buffers if getattr(self, name) is not None})
+        return tensors
 
-    def mark_state_managed(self: LossT, by: str = "the caller's training loop") -> LossT:
-        """Declare that ``by`` handles this loss's own state (its trainable parameters and evolving buffers: the
-        optimizer's parameter groups, checkpoints, the average across processes). ``prepare_trainer`` calls it for
-        the trainer; a training loop of your own that does so calls it once. Returns the loss."""
-        self.state_managed_by = by
-        return self
+    def pop_logged_statistics(self) -> dict[str, float]:
+        return self.logged_statistics.pop()
 
-    def training_state_names(self) -> list[str]:
-        """The loss's own tensors that training changes: trainable parameters and evolving buffers, not the model's."""
-        names = [name for name, p in self.named_parameters() if p.requires_grad and not name.startswith("model.")]
-        return names + [name for name in self.evolving_buffers if getattr(self, name, None) is not None]
-
-    def _refuse_unmanaged_state(self) -> None:
-        """At the first training step: an error when the loss has state that nobody was declared to handle (a Python
-        check on construction-time facts, no tensor is read)."""
-        if self.state_managed_by is not None or not (self.training and torch.is_grad_enabled()):
+    def _at_first_training_step(self) -> None:
+        """Once, at the first forward in training mode with gradients on: an error when the loss has state that
+        nobody was declared to handle, and the model's carried trained values marked as not this training's (a
+        Python check on construction-time facts; no tensor is read)."""
+        if self._first_training_step_done or not (self.training and torch.is_grad_enabled()):
             return
-        names = self.training_state_names()
-        if not names:
-            self.state_managed_by = "nobody (no state of its own)"
-            return
-        raise RuntimeError(
-            f"{type(self).__name__} has state of its own that training changes ({', '.join(names)}), and nothing "
-            "handles it: SentenceTransformerTrainer would train it at the model's learning rate with weight decay, "
-            "put it in no checkpoint (a resume restarts it), let it drift apart across processes, and the saved "
-            "model would not carry it. Add the one line st_weince.training.prepare_trainer(trainer) after building "
-            "the trainer, before trainer.train() (model.fit builds a trainer of its own, which cannot be set up: use "
-            "SentenceTransformerTrainer). In a training loop of your own that handles it, call "
-            "loss.mark_state_managed() once instead."
-        )
+        self._first_training_step_done = True
+        names = list(self.state_tensors())
+        if names and self.state_managed_by is None:
+            self._first_training_step_done = False
+            raise RuntimeError(
+                f"{type(self).__name__} has state of its own that training changes ({', '.join(names)}), and "
+                "nothing handles it: SentenceTransformerTrainer would train it at the model's learning rate with "
+                "weight decay, put it in no checkpoint (a resume restarts it), let it drift apart across processes, "
+                "and the saved model would not carry it. Add the one line "
+                "st_weince.training.prepare_trainer(trainer) after building the trainer, before trainer.train() "
+                "(model.fit builds a trainer of its own, which cannot be set up: use SentenceTransformerTrainer). In "
+                "a training loop of your own that handles it, call loss.mark_state_managed() once instead."
+            )
+        if self.model is not None and self.carried_values() is None:
+            mark_carried_values_stale(self.model, trained_by=type(self).__name__)
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
-        self._refuse_unmanaged_state()
+        self._at_first_training_step()
         sentence_features = list(sentence_features)
         row_keys = self._row_keys(sentence_features)
         embeddings = embed_columns(self.model, sentence_features)
@@ -218,14 +245,26 @@ class ColumnsLoss(nn.Module):
             )
         return row_keys
 
-    # -- statistics and configuration -------------------------------------------------------------------------
-
-    def pop_logged_statistics(self) -> dict[str, float]:
-        """Means of the logged statistics since the last call (used by :func:`st_weince.training.log_loss_statistics`);
-        the one place they are read on the host."""
-        return self.logged_statistics.pop()
+    # -- configuration ------------------------------------------------------------------------------------------
 
     def get_config_dict(self) -> dict[str, Any]:
         """The options as configured (JSON-able): ``type(loss)(model, **loss.get_config_dict())`` rebuilds the loss
         as it was built."""
-        return options_config(self.options)
+        config = self.options.to_config()
+        if self.cache_options_class is not None:
+            config.update(self.cache_options.to_config())
+        return config
+
+
+def _signature(cls: type[ColumnsLoss]) -> inspect.Signature:
+    """``(model=None, scale=..., *, <every other option>, <MNRL's no-op arguments>)``: the constructor's signature,
+    from the options classes' fields and their defaults."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    parameters = [inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)]
+    for options_class in filter(None, (cls.options_class, cls.cache_options_class)):
+        types = typing.get_type_hints(options_class)  # without the ranges' Annotated wrappers
+        for field in dataclasses.fields(options_class):
+            kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if field.name == "scale" else keyword
+            parameters.append(inspect.Parameter(field.name, kind, default=field.default, annotation=types[field.name]))
+    parameters += [inspect.Parameter(name, keyword, default=value) for name, (value, _) in cls.mnrl_arguments.items()]
+    return inspect.Signature(parameters)

@@ -6,7 +6,6 @@ embeddings."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,8 +13,9 @@ from sentence_transformers.base.losses.gradcache import CachedLossMixin, has_sta
 from torch import Tensor, nn
 
 from st_weince.functional.checks import full_precision
+from st_weince.functional.options import Options, options
 from st_weince.losses._labels import warn_unused_labels
-from st_weince.utils.options import flag_option, options_config, positive_int_option
+from st_weince.utils.options import flag_option, positive_int_option
 
 GRADCACHE_CITATION = """
 @misc{gao2021scaling,
@@ -29,23 +29,29 @@ GRADCACHE_CITATION = """
 """
 
 
-@dataclass(frozen=True)
-class GradCacheOptions:
-    """How a cached loss splits the batch: ``mini_batch_size`` rows per embedding mini-batch and per row chunk of the
-    loss, or embedding mini-batches packed to ``mini_batch_num_tokens`` tokens (as in CMNRL)."""
+@options
+class GradCacheOptions(Options):
+    """How a cached loss splits the batch.
+
+    Args:
+        mini_batch_size: rows per embedding mini-batch and per row chunk of the loss; memory grows with it, speed too.
+            The loss is the same for every value.
+        mini_batch_num_tokens: if set, embedding mini-batches are packed by this many non-padding tokens instead (as
+            in ``CachedMultipleNegativesRankingLoss``); the loss's row chunks keep ``mini_batch_size`` rows.
+        show_progress_bar: show progress bars over the mini-batches.
+    """
 
     mini_batch_size: int = 32
     mini_batch_num_tokens: int | None = None
     show_progress_bar: bool = False
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "mini_batch_size", positive_int_option("mini_batch_size", self.mini_batch_size))
-        object.__setattr__(
-            self,
+    def _check_other_fields(self) -> None:
+        self._store("mini_batch_size", positive_int_option("mini_batch_size", self.mini_batch_size))
+        self._store(
             "mini_batch_num_tokens",
             positive_int_option("mini_batch_num_tokens", self.mini_batch_num_tokens, optional=True),
         )
-        object.__setattr__(self, "show_progress_bar", flag_option("show_progress_bar", self.show_progress_bar))
+        self._store("show_progress_bar", flag_option("show_progress_bar", self.show_progress_bar))
 
 
 class GradCachedLoss(CachedLossMixin):
@@ -60,20 +66,21 @@ class GradCachedLoss(CachedLossMixin):
     of ``calculate_loss`` (a wrapper such as MatryoshkaLoss's, which assigns its own ``calculate_loss`` to the
     loss and weights each call, included) and adds it to the mixin's loss."""
 
+    cache_options_class = GradCacheOptions
     cache_options: GradCacheOptions
     # The parameter terms of the loss stage's calls during one forward; None outside forward.
     _parameter_terms: list[Tensor] | None = None
     # The whole batch's input keys for the guard's "identical" rule, taken before the batch is split into mini-batches.
     _pending_row_keys: list[Tensor] | None = None
 
-    def _set_cache_options(self, model: nn.Module | None, options: GradCacheOptions) -> None:
+    def __init__(self, model: nn.Module | None = None, *args: Any, **kwargs: Any) -> None:
+        super().__init__(model, *args, **kwargs)
         if model is not None and has_static_embedding_input(model):
             name = type(self).__name__
             raise ValueError(
                 f"{name} cannot split the inputs of a StaticEmbedding model into mini-batches (they have no batch "
                 f"dimension); use {name.removeprefix('Cached')} instead"
             )
-        self.cache_options = options
 
     @property
     def mini_batch_size(self) -> int:
@@ -101,7 +108,7 @@ class GradCachedLoss(CachedLossMixin):
         return [torch.cat(column) for column in reps]
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
-        self._refuse_unmanaged_state()
+        self._at_first_training_step()
         sentence_features = list(sentence_features)
         if len(sentence_features) < 2:
             raise ValueError(
@@ -151,9 +158,6 @@ class GradCachedLoss(CachedLossMixin):
 
     def _cached_loss(self, embeddings: list[Tensor], row_keys: list[Tensor] | None, with_backward: bool) -> Tensor:
         raise NotImplementedError
-
-    def get_config_dict(self) -> dict[str, Any]:
-        return {**super().get_config_dict(), **options_config(self.cache_options)}
 
     @property
     def citation(self) -> str:

@@ -1,101 +1,80 @@
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from st_weince.functional.false_negatives import FilterCounts
 from st_weince.functional.sigmoid import constellation_margin_from_extremes
-from st_weince.losses._gradcache import GradCachedLoss, GradCacheOptions
+from st_weince.losses._gradcache import GradCachedLoss
 from st_weince.losses._sigmoid_blocks import all_gathers, candidate_columns, directional_blocks, key_blocks
-from st_weince.losses.rb_sigmoid import RBSigmoidLoss, RBSigmoidOptions
-from st_weince.utils.options import options_from_arguments
+from st_weince.losses.rb_sigmoid import RBSigmoidLoss
 
 
 class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
-    def __init__(
-        self,
-        model: nn.Module | None,
-        scale: float = RBSigmoidOptions.scale,
-        *,
-        mini_batch_size: int = GradCacheOptions.mini_batch_size,
-        mini_batch_num_tokens: int | None = GradCacheOptions.mini_batch_num_tokens,
-        show_progress_bar: bool = GradCacheOptions.show_progress_bar,
-        **options: Any,
-    ) -> None:
-        """
-        :class:`~st_weince.losses.RBSigmoidLoss` with gradient caching (GradCache, Gao et al. 2021), for batches far
-        larger than fit in memory, built on sentence-transformers' ``CachedLossMixin`` as
-        ``CachedMultipleNegativesRankingLoss`` is:
+    """
+    :class:`~st_weince.losses.RBSigmoidLoss` with gradient caching (GradCache, Gao et al. 2021), for batches far
+    larger than fit in memory, built on sentence-transformers' ``CachedLossMixin`` as
+    ``CachedMultipleNegativesRankingLoss`` is:
 
-            (1) embed every mini-batch without gradients;
-            (2) compute the loss over row chunks of ``mini_batch_size`` anchors, back-propagating each chunk to the
-                embeddings at once, so that one ``[mini_batch_size, candidates]`` block of scores is alive at a
-                time (the sigmoid loss has no softmax normalization, so it is exactly the sum of the chunks' losses):
-                memory grows linearly with the batch;
-            (3) re-embed every mini-batch with gradients and apply the cached embedding gradients.
+        (1) embed every mini-batch without gradients;
+        (2) compute the loss over row chunks of ``mini_batch_size`` anchors, back-propagating each chunk to the
+            embeddings at once, so that one ``[mini_batch_size, candidates]`` block of scores is alive at a
+            time (the sigmoid loss has no softmax normalization, so it is exactly the sum of the chunks' losses):
+            memory grows linearly with the batch;
+        (3) re-embed every mini-batch with gradients and apply the cached embedding gradients.
 
-        Loss, model gradients and loss-parameter gradients equal those of :class:`RBSigmoidLoss` on the same batch
-        (tested to 1e-5); the parameters have the same names (``log_t``, ``b_rel`` or ``bias``, ``adapter_logit``),
-        so checkpoints, ``learning_rate_mapping`` and :func:`st_weince.training.prepare_trainer` carry over.
+    Loss, model gradients and loss-parameter gradients equal those of :class:`RBSigmoidLoss` on the same batch
+    (tested to 1e-5); the parameters have the same names (``log_t``, ``b_rel`` or ``bias``, ``adapter_logit``),
+    so checkpoints, ``learning_rate_mapping`` and :func:`st_weince.training.prepare_trainer` carry over.
 
-        The loss parameters are trained as in the uncached loss: step (2) runs on detached stand-ins of them, and
-        their gradients reach the parameters through the trainer's backward, so fp16 loss scaling, gradient
-        accumulation and the weights of ``MatryoshkaLoss`` apply to them as to the model's (the mechanism is
-        described in :class:`~st_weince.losses._gradcache.GradCachedLoss`).
+    The loss parameters are trained as in the uncached loss: step (2) runs on detached stand-ins of them, and
+    their gradients reach the parameters through the trainer's backward, so fp16 loss scaling, gradient
+    accumulation and the weights of ``MatryoshkaLoss`` apply to them as to the model's (the mechanism is
+    described in :class:`~st_weince.losses._gradcache.GradCachedLoss`).
 
-        Args:
-            model: SentenceTransformer model.
-            scale: initial ``t = 1 / temperature``, as in :class:`RBSigmoidLoss`.
-            mini_batch_size: rows per mini-batch when embedding (memory of the encoder) and anchors per chunk of the
-                loss (memory of the score block).
-            mini_batch_num_tokens: instead of ``mini_batch_size`` rows, pack embedding mini-batches by this many
-                non-padding tokens (as in ``CachedMultipleNegativesRankingLoss``).
-            show_progress_bar: show a progress bar while embedding mini-batches.
-            **options: every option of :class:`RBSigmoidLoss` (``max_scale``, ``parametrization``, ``relative_bias``,
-                ``bias``, ``trainable_scale``, ``trainable_bias``, ``gather_across_devices``, ``exchange``,
-                ``symmetric``, ``columns``, ``locked_adapter``, ``adapter_logit``, ``chunk_size``, ``check_inputs``,
-                ``false_negative_filter``, ``directions``), validated the same way. With ``exchange="neighbour"`` each
-                process's candidate block arrives once, and all row chunks are scored against it before the next one
-                is received.
+    Args:
+        model: SentenceTransformer model.
+        **options: every option of :class:`RBSigmoidLoss` (:class:`~st_weince.functional.RBSigmoidOptions`), with its
+            defaults and checks, MNRL's arguments as it takes them, and
+            :class:`~st_weince.losses._gradcache.GradCacheOptions`: ``mini_batch_size`` (rows per mini-batch when
+            embedding, and anchors per chunk of the loss), ``mini_batch_num_tokens`` and ``show_progress_bar``. The
+            signature shows them all. With ``exchange="neighbour"`` each process's candidate block arrives once, and
+            all row chunks are scored against it before the next one is received.
 
-        References:
-            - Gao, Zhang, Han, Callan: Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup
-              (GradCache), RepL4NLP 2021.
-            - See :class:`RBSigmoidLoss` for the loss itself.
+    References:
+        - Gao, Zhang, Han, Callan: Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup
+          (GradCache), RepL4NLP 2021.
+        - See :class:`RBSigmoidLoss` for the loss itself.
 
-        Requirements:
-            1. As :class:`RBSigmoidLoss`; a model whose inputs can be split into mini-batches (not a
-               StaticEmbedding).
+    Requirements:
+        1. As :class:`RBSigmoidLoss`; a model whose inputs can be split into mini-batches (not a
+           StaticEmbedding).
 
-        Inputs:
-            As :class:`RBSigmoidLoss`: (anchor, positive) pairs or (anchor, positive, negative_1, ..., negative_n)
-            tuples of texts, or with ``columns="modalities"`` (modality_1, ..., modality_k); no labels.
+    Inputs:
+        As :class:`RBSigmoidLoss`: (anchor, positive) pairs or (anchor, positive, negative_1, ..., negative_n)
+        tuples of texts, or with ``columns="modalities"`` (modality_1, ..., modality_k); no labels.
 
-        Example:
-            ::
+    Example:
+        ::
 
-                from datasets import Dataset
-                from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
-                from sentence_transformers import SentenceTransformerTrainingArguments
-                from st_weince.losses import CachedRBSigmoidLoss
-                from st_weince.training import prepare_trainer
+            from datasets import Dataset
+            from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+            from sentence_transformers import SentenceTransformerTrainingArguments
+            from st_weince.losses import CachedRBSigmoidLoss
+            from st_weince.training import prepare_trainer
 
-                model = SentenceTransformer("all-MiniLM-L6-v2")
-                train_dataset = Dataset.from_dict({"anchor": questions, "positive": answers})  # lists of texts
-                args = SentenceTransformerTrainingArguments(output_dir="out", per_device_train_batch_size=4096)
-                trainer = SentenceTransformerTrainer(
-                    model=model,
-                    args=args,
-                    train_dataset=train_dataset,
-                    loss=CachedRBSigmoidLoss(model, mini_batch_size=64, symmetric=True),
-                )
-                prepare_trainer(trainer)
-                trainer.train()
-        """
-        RBSigmoidLoss.__init__(self, model, scale, **options)
-        self._set_cache_options(model, options_from_arguments(GradCacheOptions, locals()))
+            model = SentenceTransformer("all-MiniLM-L6-v2")
+            train_dataset = Dataset.from_dict({"anchor": questions, "positive": answers})  # lists of texts
+            args = SentenceTransformerTrainingArguments(output_dir="out", per_device_train_batch_size=4096)
+            trainer = SentenceTransformerTrainer(
+                model=model,
+                args=args,
+                train_dataset=train_dataset,
+                loss=CachedRBSigmoidLoss(model, mini_batch_size=64, symmetric=True),
+            )
+            prepare_trainer(trainer)
+            trainer.train()
+    """
 
     def _cached_loss(self, embeddings: list[Tensor], row_keys: list[Tensor] | None, with_backward: bool) -> Tensor:
         """The loss over row chunks of ``mini_batch_size`` anchors; with ``with_backward`` each chunk is

@@ -10,7 +10,8 @@ from torch import Tensor, nn
 
 from st_weince.functional.checks import compute_dtype, full_precision
 from st_weince.functional.exchange import ring_block_losses
-from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
+from st_weince.functional.false_negatives import FilterCounts, apply_false_negative_filter
+from st_weince.functional.options import RBSigmoidOptions
 from st_weince.functional.sigmoid import (
     CandidateGuard,
     SigmoidLogits,
@@ -21,27 +22,17 @@ from st_weince.functional.sigmoid import (
     sigmoid_contrastive_loss,
     targets_from_positive_index,
 )
-from st_weince.losses._common import ColumnsLoss, guard_share_values, refuse_mnrl_arguments
+from st_weince.losses._common import ColumnsLoss, guard_share_values
 from st_weince.losses._sigmoid_blocks import (
     candidate_columns,
     directional_blocks,
     key_blocks,
     symmetric_from_directions,
 )
-from st_weince.losses.options import ColumnMode, Exchange, Parametrization, RBSigmoidOptions
 from st_weince.utils.hotpath import DeferredChecks
-from st_weince.utils.options import log_scale_cap, options_from_arguments
+from st_weince.utils.options import log_scale_cap
 
-# Why MultipleNegativesRankingLoss's arguments other than their no-op values do not apply to the sigmoid loss.
 _SOFTMAX_ONLY = "hardness weighting re-weights the softmax denominator of InfoNCE, and the sigmoid loss has none"
-_MNRL_REASONS = {
-    "similarity_fct": "RB-Sigmoid's relative bias and margin are defined on cosine scores in [-1, 1] (the embeddings "
-    "are normalized), so only sentence_transformers.util.cos_sim applies",
-    "hardness_mode": _SOFTMAX_ONLY + ": every pair is its own binary decision",
-    "hardness_strength": _SOFTMAX_ONLY,
-    "partition_mode": "the sigmoid loss has no softmax partition function to share or split across directions; with "
-    "symmetric=True the two directions are averaged",
-}
 
 RB_SIGMOID_CITATION = """
 @inproceedings{bangachev2025global,
@@ -60,154 +51,100 @@ RB_SIGMOID_CITATION = """
 
 
 class RBSigmoidLoss(ColumnsLoss):
-    def __init__(
-        self,
-        model: nn.Module | None,
-        scale: float = RBSigmoidOptions.scale,
-        *,
-        max_scale: float = RBSigmoidOptions.max_scale,
-        parametrization: Parametrization = RBSigmoidOptions.parametrization,
-        relative_bias: float | None = RBSigmoidOptions.relative_bias,
-        bias: float | None = RBSigmoidOptions.bias,
-        trainable_scale: bool = RBSigmoidOptions.trainable_scale,
-        trainable_bias: bool = RBSigmoidOptions.trainable_bias,
-        gather_across_devices: bool = RBSigmoidOptions.gather_across_devices,
-        exchange: Exchange = RBSigmoidOptions.exchange,
-        symmetric: bool = RBSigmoidOptions.symmetric,
-        columns: ColumnMode = RBSigmoidOptions.columns,
-        locked_adapter: bool = RBSigmoidOptions.locked_adapter,
-        adapter_logit: float = RBSigmoidOptions.adapter_logit,
-        chunk_size: int | None = RBSigmoidOptions.chunk_size,
-        check_inputs: bool = RBSigmoidOptions.check_inputs,
-        false_negative_filter: FalseNegativeFilter | tuple | list | None = RBSigmoidOptions.false_negative_filter,
-        directions: tuple[str, ...] | None = None,
-        similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
-        hardness_mode: str | None = None,
-        hardness_strength: float = 0.0,
-        partition_mode: str | None = None,
-    ) -> None:
-        """
-        RB-Sigmoid: the sigmoid (SigLIP-style) contrastive loss with a trainable scale (inverse temperature) ``t``
-        and a trainable *relative* bias ``b_rel``. Every (anchor, candidate) pair is an independent binary decision
-        "matching or not" with logit ``z = t (s - b_rel)`` on the cosine score ``s``; there is no softmax over the
-        batch. The loss is the mean over anchors of the sum over candidates of ``-log sigmoid(+-z)``.
+    """
+    RB-Sigmoid: the sigmoid (SigLIP-style) contrastive loss with a trainable scale (inverse temperature) ``t``
+    and a trainable *relative* bias ``b_rel``. Every (anchor, candidate) pair is an independent binary decision
+    "matching or not" with logit ``z = t (s - b_rel)`` on the cosine score ``s``; there is no softmax over the
+    batch. The loss is the mean over anchors of the sum over candidates of ``-log sigmoid(+-z)``.
 
-        Zero loss is reachable exactly on ``(m, b_rel)``-constellations: every matching pair scores at least
-        ``b_rel + m`` and every non-matching pair at most ``b_rel - m``. Training ``b_rel`` directly (instead of
-        SigLIP's absolute bias ``b = t b_rel``, which drifts ``b / t`` towards 0) reaches larger margins. The
-        absolute parametrization is available as the plain SigLIP baseline.
+    Zero loss is reachable exactly on ``(m, b_rel)``-constellations: every matching pair scores at least
+    ``b_rel + m`` and every non-matching pair at most ``b_rel - m``. Training ``b_rel`` directly (instead of
+    SigLIP's absolute bias ``b = t b_rel``, which drifts ``b / t`` towards 0) reaches larger margins. The
+    absolute parametrization is available as the plain SigLIP baseline.
 
-        Args:
-            model: SentenceTransformer model (None to use only ``compute_loss_from_embeddings`` /
-                ``loss_from_scores``).
-            scale: initial ``t = 1 / temperature`` (trained as ``log_t``), as MNRL's ``scale``; SigLIP's start.
-            max_scale: cap on ``t`` (CLIP's and open_clip's; >= ``scale``, finite in float32): the forward uses
-                ``t = exp(min(log_t, log max_scale))``, and :meth:`clamp_parameters_` (after every optimizer step,
-                by :func:`st_weince.training.prepare_trainer`) keeps ``log_t`` itself at or below the cap, where its
-                gradient stays live. Logged as ``rb_sigmoid_t_capped`` (share of steps at the cap).
-            parametrization: "relative" (``z = t (s - b_rel)``) or "absolute" (SigLIP's ``z = t s - b``).
-            relative_bias: initial ``b_rel`` (measured: see ``docs/rb-sigmoid.md``). In the absolute parametrization
-                it gives the start ``b = scale * relative_bias`` instead of ``bias``.
-            bias: initial absolute bias ``b`` (absolute parametrization only).
-            trainable_scale: train ``t``; if False it stays fixed.
-            trainable_bias: train the bias (``b_rel`` or ``b``); if False it is a fixed hyperparameter (a fixed
-                ``b_rel`` trades margin against bias).
-            gather_across_devices: score the local anchors against the candidates of all processes. The loss
-                parameters' gradients must then be averaged across processes, as ``prepare_trainer`` does.
-            exchange: how the other processes' candidates arrive with ``gather_across_devices``: "all_gather" (one
-                global candidate matrix) or "neighbour" (SigLIP's scheme: the candidate blocks pass around the ring
-                of processes in both directions and the anchors are scored against one block at a time, so no
-                process holds the global matrix; same loss and gradients; equal local batch sizes required).
-            symmetric: also score the positives (column 2) as anchors against all anchors and average both
-                directions; without hard-negative columns this changes nothing (the reverse block holds the same
-                pairs), with them it doubles the anchor-positive block's weight relative to the hard negatives.
-            columns: "negatives" (as MNRL: anchor, positive, negative_1, ...; the candidates are all positives and
-                negatives of the batch) or "modalities" (each column one modality of the same items; the loss is
-                the sum over all column pairs of the two-modality loss, sharing ``t`` and the bias).
-            locked_adapter: for a locked (frozen) encoder on one side: replace ``s`` by ``delta^2 s - (1 - delta^2)``
-                with one trainable ``delta = sigmoid(x)``, the implicit adapter ``(delta U, sqrt(1 - delta^2))``,
-                ``(delta V, -sqrt(1 - delta^2))``.
-            adapter_logit: initial ``x`` of the adapter (0 gives ``delta = 0.5``, as in the released experiments).
-            chunk_size: compute the loss in blocks of this many candidates (each recomputed during backward), so
-                memory grows with batch x chunk instead of batch x candidates. None: one block.
-            check_inputs: check the embeddings and the loss parameters (finite) in every forward, with one host-device
-                sync. False: no check and no sync (``torch.compile(fullgraph=True)`` then traces
-                ``compute_loss_from_embeddings`` whole); NaN input then gives a NaN loss instead of an error.
-            false_negative_filter: the in-batch false-negative guard (off by default): ``("absolute", m)`` leaves out
-                the non-matching candidates with cosine score > s_pos - m (s_pos: the row's matching pair's score),
-                ``("relative", r)`` those with score > s_pos - (1 - r) |s_pos|, ``"identical"`` those whose input
-                (token ids) equals the row's matching candidate's, also across processes and mini-batches. They count
-                neither in the loss nor in the logged margin. Logged as ``rb_sigmoid_fn_masked_share`` and
-                ``rb_sigmoid_fn_anchors_share`` (of the first block, like the margin); see ``docs/false-negatives.md``.
-            directions: MNRL's argument: ``("query_to_doc",)`` or ``("query_to_doc", "doc_to_query")``
-                (= ``symmetric=True``); the other directions are refused.
-            similarity_fct, hardness_mode, hardness_strength, partition_mode: MNRL's, accepted at their no-op value
-                (``cos_sim``, None, 0, None) and refused otherwise, with the reason.
+    Args:
+        model: SentenceTransformer model (None to use only ``compute_loss_from_embeddings`` / ``loss_from_scores``).
+        **options: every field of :class:`~st_weince.functional.RBSigmoidOptions`, with its default (the signature
+            shows them): ``scale``, ``max_scale``, ``parametrization``, ``relative_bias``, ``bias``,
+            ``trainable_scale``, ``trainable_bias``, ``gather_across_devices``, ``exchange``, ``symmetric``,
+            ``columns``, ``locked_adapter``, ``adapter_logit``, ``chunk_size``, ``check_inputs``,
+            ``false_negative_filter``. Each is checked when the loss is built; the loss reads them as
+            ``loss.options.<name>`` (the trained values of ``t`` and the bias live in its parameters).
+        directions: MNRL's argument: ``("query_to_doc",)`` or ``("query_to_doc", "doc_to_query")``
+            (= ``symmetric=True``); the other directions are refused.
+        similarity_fct, hardness_mode, hardness_strength, partition_mode: MNRL's, accepted at their no-op value
+            (``cos_sim``, None, 0, None) and refused otherwise, with the reason.
 
-        :class:`RBSigmoidOptions` holds the defaults and validates every option at construction.
 
-        References:
-            - Bangachev, Bresler, Noman, Polyanskiy: Global Minimizers of Sigmoid Contrastive Loss, NeurIPS 2025.
-            - Zhai et al.: Sigmoid Loss for Language Image Pre-Training (SigLIP), ICCV 2023.
-            - ``docs/algorithms.md`` section 2 of this project; ``docs/rb-sigmoid.md``.
+    References:
+        - Bangachev, Bresler, Noman, Polyanskiy: Global Minimizers of Sigmoid Contrastive Loss, NeurIPS 2025.
+        - Zhai et al.: Sigmoid Loss for Language Image Pre-Training (SigLIP), ICCV 2023.
+        - ``docs/algorithms.md`` section 2 of this project; ``docs/rb-sigmoid.md``.
 
-        Requirements:
-            1. (anchor, positive) pairs or (anchor, positive, negative_1, ..., negative_n) tuples; or, with
-               ``columns="modalities"``, two or more columns that all describe the same item.
+    Requirements:
+        1. (anchor, positive) pairs or (anchor, positive, negative_1, ..., negative_n) tuples; or, with
+           ``columns="modalities"``, two or more columns that all describe the same item.
 
-        Inputs:
-            +-------------------------------------------------+--------+
-            | Texts                                           | Labels |
-            +=================================================+========+
-            | (anchor, positive) pairs                        | none   |
-            +-------------------------------------------------+--------+
-            | (anchor, positive, negative_1, ..., negative_n) | none   |
-            +-------------------------------------------------+--------+
-            | (modality_1, ..., modality_k), columns=         | none   |
-            | "modalities"                                    |        |
-            +-------------------------------------------------+--------+
+    Inputs:
+        +-------------------------------------------------+--------+
+        | Texts                                           | Labels |
+        +=================================================+========+
+        | (anchor, positive) pairs                        | none   |
+        +-------------------------------------------------+--------+
+        | (anchor, positive, negative_1, ..., negative_n) | none   |
+        +-------------------------------------------------+--------+
+        | (modality_1, ..., modality_k), columns=         | none   |
+        | "modalities"                                    |        |
+        +-------------------------------------------------+--------+
 
-        Recommendations:
-            - Call :func:`st_weince.training.prepare_trainer` on the trainer: it logs ``t``, ``b_rel``, ``b`` and the
-              margin, checkpoints the loss parameters, keeps weight decay off them, averages their gradients across
-              processes and gives them their own learning rate (``loss_learning_rate``; at fine-tuning rates such
-              as 2e-5 they would hardly move), also under a wrapper such as ``MatryoshkaLoss``.
-            - Use ``BatchSamplers.NO_DUPLICATES`` so no in-batch negative duplicates an anchor's positive.
-            - For batches beyond what fits in memory use :class:`~st_weince.losses.CachedRBSigmoidLoss` (the same
-              loss with gradient caching, with the same options and parameter names).
+    Recommendations:
+        - Call :func:`st_weince.training.prepare_trainer` on the trainer: it logs ``t``, ``b_rel``, ``b`` and the
+          margin, checkpoints the loss parameters, keeps weight decay off them, averages their gradients across
+          processes and gives them their own learning rate (``loss_learning_rate``; at fine-tuning rates such
+          as 2e-5 they would hardly move), also under a wrapper such as ``MatryoshkaLoss``.
+        - Use ``BatchSamplers.NO_DUPLICATES`` so no in-batch negative duplicates an anchor's positive.
+        - For batches beyond what fits in memory use :class:`~st_weince.losses.CachedRBSigmoidLoss` (the same
+          loss with gradient caching, with the same options and parameter names).
 
-        Example:
-            ::
+    Example:
+        ::
 
-                from datasets import Dataset
-                from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
-                from st_weince.losses import RBSigmoidLoss
-                from st_weince.training import prepare_trainer
+            from datasets import Dataset
+            from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+            from st_weince.losses import RBSigmoidLoss
+            from st_weince.training import prepare_trainer
 
-                model = SentenceTransformer("all-MiniLM-L6-v2")
-                train_dataset = Dataset.from_dict({
-                    "anchor": ["It's nice weather outside today.", "He drove to work."],
-                    "positive": ["It's so sunny.", "He took the car to the office."],
-                })
-                loss = RBSigmoidLoss(model)
-                trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
-                prepare_trainer(trainer)
-                trainer.train()
-                print(loss.trained_values())  # t, b_rel, b after training
-        """
-        owner = type(self).__name__
-        refuse_mnrl_arguments(
-            owner,
-            _MNRL_REASONS,
-            similarity_fct=similarity_fct,
-            hardness_mode=hardness_mode,
-            hardness_strength=hardness_strength,
-            partition_mode=partition_mode,
-        )
-        symmetric = symmetric_from_directions(directions, symmetric, owner)
-        # The options as constructed; the trained values of t and the bias live in the parameters below.
-        options = options_from_arguments(RBSigmoidOptions, locals())
-        super().__init__(model, options)
+            model = SentenceTransformer("all-MiniLM-L6-v2")
+            train_dataset = Dataset.from_dict({
+                "anchor": ["It's nice weather outside today.", "He drove to work."],
+                "positive": ["It's so sunny.", "He took the car to the office."],
+            })
+            loss = RBSigmoidLoss(model)
+            trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
+            prepare_trainer(trainer)
+            trainer.train()
+            print(loss.trained_values())  # t, b_rel, b after training
+    """
+    options_class = RBSigmoidOptions
+    mnrl_arguments = {
+        "directions": (None, ""),  # translated into ``symmetric`` (_options_arguments)
+        "similarity_fct": (
+            cos_sim,
+            "RB-Sigmoid's relative bias and margin are defined on cosine scores in [-1, 1] (the embeddings are "
+            "normalized), so only sentence_transformers.util.cos_sim applies",
+        ),
+        "hardness_mode": (None, _SOFTMAX_ONLY + ": every pair is its own binary decision"),
+        "hardness_strength": (0.0, _SOFTMAX_ONLY),
+        "partition_mode": (
+            None,
+            "the sigmoid loss has no softmax partition function to share or split across directions; with "
+            "symmetric=True the two directions are averaged",
+        ),
+    }
+
+    def __init__(self, model: nn.Module | None = None, *args: Any, **kwargs: Any) -> None:
+        super().__init__(model, *args, **kwargs)
+        options = self.options
         self.log_scale_cap = log_scale_cap(options.max_scale)
         self._register_scalar("log_t", math.log(options.scale), options.trainable_scale)
         if options.parametrization == "relative":
@@ -216,6 +153,13 @@ class RBSigmoidLoss(ColumnsLoss):
             self._register_scalar("bias", options.bias, options.trainable_bias)
         if options.locked_adapter:
             self._register_scalar("adapter_logit", options.adapter_logit, True)
+
+    def _options_arguments(self, given: dict[str, Any], mnrl: dict[str, Any]) -> dict[str, Any]:
+        """MNRL's ``directions`` as ``symmetric``; the other MNRL arguments as the base class checks them."""
+        directions = mnrl.pop("directions", None)
+        given = super()._options_arguments(given, mnrl)
+        symmetric = symmetric_from_directions(directions, given.get("symmetric", False), type(self).__name__)
+        return {**given, "symmetric": symmetric} if directions is not None else given
 
     def _register_scalar(self, name: str, value: float, trainable: bool) -> None:
         tensor = torch.tensor(value, dtype=torch.float32)
@@ -259,9 +203,17 @@ class RBSigmoidLoss(ColumnsLoss):
         """The locked-encoder adapter's ``delta = sigmoid(x)``, or None without the adapter."""
         return torch.sigmoid(self.adapter_logit) if self.options.locked_adapter else None
 
-    def no_weight_decay_parameter_names(self) -> list[str]:
-        """Names of this loss's own parameters (relative to the loss), none of which should get weight decay."""
-        return [name for name, _ in self.named_parameters() if not name.startswith("model.")]
+    # ----- the training protocol (st_weince.training.protocol) -----
+    def no_weight_decay(self) -> set[str]:
+        """Every parameter of the loss's own: a scale and a bias are no weights to shrink."""
+        return {name for name, _ in self.named_parameters() if not name.startswith("model.")}
+
+    def after_optimizer_step(self) -> None:
+        self.clamp_parameters_()
+
+    def carried_values(self) -> dict[str, Any]:
+        """The trained ``t``, ``b_rel``, ``b`` (and ``delta``), which the model carries for its match probability."""
+        return {**self.trained_values(), "loss": type(self).__name__}
 
     def loss_parameters(self) -> dict[str, Tensor]:
         """The loss's own scalars by name (parameters or, when fixed, buffers): ``log_t``, ``b_rel`` or ``bias``,

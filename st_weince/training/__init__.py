@@ -1,51 +1,35 @@
-"""Trainer integration: logging of loss statistics (and, for losses with parameters, their state handling)."""
+"""Trainer integration for the losses' own state, through one protocol (:mod:`st_weince.training.protocol`):
+:func:`prepare_trainer` for sentence-transformers' trainer; the record and its file for training loops of your own."""
 
+from st_weince.training.callbacks import DEFAULT_LOSS_LEARNING_RATE, prepare_trainer
 from st_weince.training.checkpoints import (
+    LOSS_STATE_FILE,
     LOSS_STATE_RECORD,
-    check_record_resumable,
     check_resumable,
     last_complete_checkpoint,
-    read_checkpoint_loss_state,
-)
-from st_weince.training.loss_state import (
-    DEFAULT_LOSS_LEARNING_RATE,
-    LossStateCallback,
-    LossStateRecord,
-    prepare_trainer,
-    take_weight_decay_off,
-)
-from st_weince.training.loss_tensors import (
-    LOSS_STATE_FILE,
-    average_loss_gradients,
     load_loss_state,
-    load_loss_state_dict,
-    loss_state_dict,
-    no_weight_decay_names,
-    own_tensors,
+    loss_state_record,
+    read_checkpoint_loss_state,
+    restore_loss_state,
     save_loss_state,
 )
-from st_weince.training.statistics import LossStatisticsCallback, RunningMeans, log_loss_statistics
+from st_weince.training.loss_tensors import after_optimizer_step, average_loss_gradients, state_tensors
+from st_weince.training.protocol import LossState
 
 __all__ = [
     "DEFAULT_LOSS_LEARNING_RATE",
     "LOSS_STATE_FILE",
     "LOSS_STATE_RECORD",
-    "check_record_resumable",
+    "LossState",
+    "after_optimizer_step",
+    "average_loss_gradients",
     "check_resumable",
     "last_complete_checkpoint",
-    "LossStateCallback",
-    "LossStateRecord",
-    "average_loss_gradients",
     "load_loss_state",
-    "load_loss_state_dict",
-    "loss_state_dict",
-    "no_weight_decay_names",
-    "own_tensors",
+    "loss_state_record",
     "prepare_trainer",
-    "take_weight_decay_off",
     "read_checkpoint_loss_state",
+    "restore_loss_state",
     "save_loss_state",
-    "LossStatisticsCallback",
-    "RunningMeans",
-    "log_loss_statistics",
+    "state_tensors",
 ]

@@ -1,5 +1,8 @@
-"""The loss's record in a checkpoint (``trainer_state.json``, see :mod:`st_weince.training.loss_state`), and whether a
-loss can resume from a checkpoint.
+"""The one persistence format of a loss's state, the record: ``{"format", "global_step", "entries", "loss"}``, JSON
+data. The trainer keeps it in every checkpoint's ``trainer_state.json`` (:mod:`st_weince.training.callbacks`); a
+training loop of your own writes it to a file (:func:`save_loss_state`, :func:`load_loss_state`) or into its own
+checkpoints (:func:`loss_state_record`, :func:`restore_loss_state`); ``loss`` names the loss classes and their
+configuration, which a resume compares with the loss it resumes.
 
 A checkpoint whose ``trainer_state.json`` is missing, empty or unreadable (a run killed while saving) can never be
 resumed from; :func:`last_complete_checkpoint` finds the last one that can (nothing is renamed). The record also
@@ -9,20 +12,25 @@ with that reason.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 import re
+import tempfile
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from st_weince.losses.options import fold_flat_options
-from st_weince.training.loss_tensors import check_finite_loss_state, loss_state_dict, losses_by_prefix, own_tensors
-from st_weince.utils.options import options_config
+from st_weince.training.loss_tensors import (
+    LossTree,
+    check_finite_loss_state,
+    load_loss_state_dict,
+    loss_state_dict,
+    state_tensors,
+)
+from st_weince.training.protocol import LossState
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +70,11 @@ def _decode(entries: Any, source: str) -> dict[str, Tensor]:
     return state
 
 
-def loss_state_record(loss: nn.Module | dict[str, nn.Module], global_step: int) -> dict[str, Any]:
-    """The loss state of ``global_step`` as the record kept in ``trainer_state.json`` (read by
-    :func:`record_loss_state`), with the loss description that a resume is compared with; refuses non-finite values."""
+def loss_state_record(loss: LossTree, global_step: int = 0) -> dict[str, Any]:
+    """The loss state of ``global_step`` as a record (JSON data), with the loss description that a resume is compared
+    with; refuses non-finite values."""
     values = loss_state_dict(loss)
-    check_finite_loss_state(values, f"checkpoint at step {global_step}")
+    check_finite_loss_state(values, f"loss state at step {global_step}")
     return {
         "format": _RECORD_FORMAT,
         "global_step": global_step,
@@ -76,13 +84,18 @@ def loss_state_record(loss: nn.Module | dict[str, nn.Module], global_step: int) 
 
 
 def record_loss_state(record: Any, source: str) -> tuple[int, dict[str, Tensor]]:
-    """(global step, state) of a LossStateRecord's exported state read from trainer_state.json."""
-    attributes = record.get("attributes") if isinstance(record, dict) else None
-    if not isinstance(attributes, dict) or attributes.get("format") != _RECORD_FORMAT:
-        raise ValueError(
-            f"{source}: the entry stateful_callbacks[{LOSS_STATE_RECORD!r}] is corrupt or of an unknown format"
-        )
-    return int(attributes.get("global_step", -1)), _decode(attributes.get("entries"), source)
+    """(global step, state) of a record."""
+    if not isinstance(record, dict) or record.get("format") != _RECORD_FORMAT:
+        raise ValueError(f"{source}: the loss-state record is corrupt or of an unknown format")
+    return int(record.get("global_step", -1)), _decode(record.get("entries"), source)
+
+
+def restore_loss_state(loss: LossTree, record: Any, source: str = "the loss-state record") -> int:
+    """Copy a record's state into the loss (its names and shapes must fit); returns its global step. A resume that must
+    also refuse another loss configuration checks the record first (:func:`check_record_resumable`)."""
+    step, values = record_loss_state(record, source)
+    load_loss_state_dict(loss, values, source=source)
+    return step
 
 
 # Options that change how a loss is computed in memory, not what it computes: they may differ at resume.
@@ -91,41 +104,32 @@ _OPERATIONAL_OPTIONS = frozenset(
 )
 
 
-def _configuration(module: nn.Module) -> dict[str, Any]:
-    """A loss module's configuration as constructed: its options objects (this project's losses; the starting values,
-    not the trained ones, which are the loss state), else its ``get_config_dict()``."""
-    options = getattr(module, "options", None)
-    if dataclasses.is_dataclass(options) and not isinstance(options, type):
-        config = options_config(options)
-        cache_options = getattr(module, "cache_options", None)
-        if dataclasses.is_dataclass(cache_options) and not isinstance(cache_options, type):
-            config.update(options_config(cache_options))
-    elif callable(getattr(module, "get_config_dict", None)):
-        config = module.get_config_dict()
-    else:
-        config = {}
-    return {name: value for name, value in config.items() if name not in _OPERATIONAL_OPTIONS}
-
-
-def loss_description(loss: nn.Module | dict[str, nn.Module]) -> dict[str, dict[str, Any]]:
-    """The class and configuration of every loss module in the loss tree (wrappers such as ``MatryoshkaLoss`` and
-    the loss they wrap; not the model), as JSON data: what a checkpoint's loss state is recorded under, and what a
-    resume compares it with. Keys: the module's path ("loss" for the top one; "{dataset}" for a dict of losses)."""
+def loss_description(loss: LossTree) -> dict[str, dict[str, Any]]:
+    """The class of every module of the loss tree that is not the model's (wrappers such as ``MatryoshkaLoss`` and the
+    losses they wrap) and the configuration of the loss modules (their options, without those that change only how
+    the loss is computed), as JSON data: what a record is written under, and what a resume compares it with. Keys:
+    the module's path ("loss" for the top one; "{dataset}" for a dict of losses)."""
+    roots = loss if isinstance(loss, dict) else {"": loss}
     description: dict[str, dict[str, Any]] = {}
-    for prefix, top in losses_by_prefix(loss).items():
-        model_modules = {
-            id(module)
-            for parent in top.modules()
-            if parent._modules.get("model") is not None
-            for module in parent._modules["model"].modules()
-        }
-        for name, module in top.named_modules():
-            if id(module) in model_modules or not (name == "" or callable(getattr(module, "get_config_dict", None))):
+    for root_name, root in roots.items():
+        model_modules = {id(m) for parent in root.modules() for m in _model_of(parent)}
+        for name, module in root.named_modules():
+            if id(module) in model_modules:
                 continue
-            key = ".".join(part for part in (prefix.rstrip("."), name) if part) or "loss"
-            description[key] = {"class": type(module).__name__, "config": _configuration(module)}
+            entry: dict[str, Any] = {"class": type(module).__name__}
+            if isinstance(module, LossState):
+                config = module.get_config_dict()
+                entry["config"] = {k: v for k, v in config.items() if k not in _OPERATIONAL_OPTIONS}
+            description[".".join(part for part in (root_name, name) if part) or "loss"] = entry
     # as it reads back from JSON (tuples as lists; anything else JSON cannot hold as its text)
     return json.loads(json.dumps(description, default=str))
+
+
+def _model_of(module: nn.Module) -> list[nn.Module]:
+    """The modules of a loss's ``model`` child (sentence-transformers' convention: a loss keeps its model as
+    ``self.model``; a wrapper keeps it again), which the trainer checkpoints itself."""
+    model = module._modules.get("model")
+    return list(model.modules()) if model is not None else []
 
 
 def describe_loss_change(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
@@ -142,13 +146,7 @@ def describe_loss_change(saved: dict[str, Any], current: dict[str, Any]) -> str 
         elif before.get("class") != now["class"]:
             changes.append(f"{key}: {before.get('class')} in the checkpoint, {now['class']} now")
         else:
-            # a 0.1 checkpoint records WEINCE's top-M and gate options flat; the same configuration now has one top_m
-            # and one gate
-            old_config, new_config = before.get("config") or {}, now["config"]
-            if now["class"] in ("WEINCELoss", "CachedWEINCELoss"):
-                old_config = fold_flat_options(old_config)
-            if old_config == new_config:
-                continue
+            old_config, new_config = before.get("config") or {}, now.get("config") or {}
             options = [
                 f"{option}={old_config.get(option)!r} in the checkpoint, {new_config.get(option)!r} now"
                 for option in sorted(set(old_config) | set(new_config))
@@ -158,12 +156,12 @@ def describe_loss_change(saved: dict[str, Any], current: dict[str, Any]) -> str 
     return "; ".join(changes) if changes else None
 
 
-def stored_record(stateful_callbacks: dict[str, Any] | None) -> Any:
+def stored_record(stateful_callbacks: dict[str, Any] | None) -> dict[str, Any] | None:
     """The loss-state record among a trainer state's ``stateful_callbacks`` (the first of several), or None."""
-    record = (stateful_callbacks or {}).get(LOSS_STATE_RECORD)
-    if isinstance(record, list):
-        record = record[0] if record else None
-    return record
+    entry = (stateful_callbacks or {}).get(LOSS_STATE_RECORD)
+    if isinstance(entry, list):
+        entry = entry[0] if entry else None
+    return entry.get("attributes") if isinstance(entry, dict) else None
 
 
 def _checkpoint_record(checkpoint: str, consequence: str = "") -> tuple[str, Any]:
@@ -179,12 +177,12 @@ def _checkpoint_record(checkpoint: str, consequence: str = "") -> tuple[str, Any
         return path, stored_record(json.load(handle).get("stateful_callbacks"))
 
 
-def missing_loss_state_error(source: str, loss: nn.Module | dict[str, nn.Module]) -> FileNotFoundError:
+def missing_loss_state_error(source: str, loss: LossTree) -> FileNotFoundError:
     """The error for a checkpoint without loss state, resumed by a loss with parameters of its own."""
     return FileNotFoundError(
         f"{source} holds no st-weince loss state (stateful_callbacks[{LOSS_STATE_RECORD!r}] is missing): the "
         "checkpoint was written without st_weince.training.prepare_trainer, or under a loss without parameters. "
-        f"Resuming would restart the loss parameters {sorted(own_tensors(loss))} from their current values while "
+        f"Resuming would restart the loss parameters {sorted(state_tensors(loss))} from their current values while "
         "their optimizer state is restored. To do that knowingly (their optimizer state is then reset), call "
         "prepare_trainer(trainer, allow_missing_loss_state=True)."
     )
@@ -239,17 +237,14 @@ def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
     return max(steps)[1] if steps else None
 
 
-def check_record_resumable(
-    loss: nn.Module | dict[str, nn.Module], record: Any, source: str, allow_missing_loss_state: bool = False
-) -> None:
+def check_record_resumable(loss: LossTree, record: Any, source: str, allow_missing_loss_state: bool = False) -> None:
     """Refuse, naming the cause, a checkpoint's loss-state ``record`` (read from ``source``) that this loss cannot
     resume from:
 
     - written under another loss class or configuration: ValueError naming what differs;
     - for a loss with parameters, no loss state at all (unless ``allow_missing_loss_state``): FileNotFoundError.
     """
-    attributes = record.get("attributes") if isinstance(record, dict) else None
-    saved = attributes.get("loss") if isinstance(attributes, dict) else None
+    saved = record.get("loss") if isinstance(record, dict) else None
     if isinstance(saved, dict):
         change = describe_loss_change(saved, loss_description(loss))
         if change is not None:
@@ -258,13 +253,11 @@ def check_record_resumable(
                 "Its loss state and optimizer state belong to that loss: resume with the loss it was written with, "
                 "or start a new run in another output_dir."
             )
-    elif record is None and own_tensors(loss) and not allow_missing_loss_state:
+    elif record is None and state_tensors(loss) and not allow_missing_loss_state:
         raise missing_loss_state_error(source, loss)
 
 
-def check_resumable(
-    loss: nn.Module | dict[str, nn.Module], checkpoint: str | os.PathLike, allow_missing_loss_state: bool = False
-) -> None:
+def check_resumable(loss: LossTree, checkpoint: str | os.PathLike, allow_missing_loss_state: bool = False) -> None:
     """Refuse, naming the cause, a checkpoint folder this loss cannot resume from, without loading anything:
 
     - a ``trainer_state.json`` that is missing, empty or unreadable (an interrupted save): FileNotFoundError /
@@ -277,3 +270,51 @@ def check_resumable(
     checkpoint = os.fspath(checkpoint)
     path, record = _checkpoint_record(checkpoint, " and cannot be resumed from")
     check_record_resumable(loss, record, checkpoint, allow_missing_loss_state)
+
+
+#: The file of :func:`save_loss_state` (training loops of your own): the record, as JSON.
+LOSS_STATE_FILE = "st_weince_loss_state.json"
+
+
+def save_loss_state(loss: LossTree, directory: str | os.PathLike, global_step: int = 0) -> str | None:
+    """Write :func:`loss_state_record` to ``directory/st_weince_loss_state.json`` atomically (a reader, or a kill,
+    sees the old file or the complete new one); returns the path, or None when the loss has no state of its own
+    (nothing is written). Refuses non-finite values (FloatingPointError)."""
+    if not state_tensors(loss):
+        return None
+    record = loss_state_record(loss, global_step)
+    path = os.path.join(os.fspath(directory), LOSS_STATE_FILE)
+    os.makedirs(directory, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{LOSS_STATE_FILE}.", suffix=".tmp", dir=os.fspath(directory))
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            json.dump(record, stream)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+    return path
+
+
+def load_loss_state(loss: LossTree, directory: str | os.PathLike) -> int | None:
+    """Restore the loss state that :func:`save_loss_state` wrote into ``directory``; returns its global step (None
+    for a loss without state of its own: nothing is read).
+
+    Raises FileNotFoundError naming the file when it is absent, ValueError naming it when it is empty, not a
+    loss-state record, or of tensors that do not fit the loss."""
+    if not state_tensors(loss):
+        return None
+    path = os.path.join(os.fspath(directory), LOSS_STATE_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing: {directory} holds no loss state")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"{path} is empty (0 bytes): the loss state was not written completely")
+    try:
+        with open(path, encoding="utf-8") as stream:
+            record = json.load(stream)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is corrupt or not a loss-state file ({type(error).__name__})") from None
+    return restore_loss_state(loss, record, path)

@@ -3,29 +3,12 @@ class refuses a bad option with the same words, naming it (NumPy numbers are acc
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
-import warnings
-from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
-
-T = TypeVar("T")
-
-
-def current_name(name: str, renamed: Mapping[str, str], what: str, *, warn: bool = True) -> str:
-    """The current name of ``name``: an old one (a key of ``renamed``) gives its new name, with a
-    ``DeprecationWarning`` naming it unless ``warn`` is False (reading a file written under the old name); any
-    other name is returned as it is. The old names go in 0.3."""
-    new = renamed.get(name)
-    if new is not None and warn:
-        # stacklevel 3: the line that used the old name, through the one function that resolves it
-        message = f"{what} {name!r} is now named {new!r}; the old name goes in 0.3"
-        warnings.warn(message, DeprecationWarning, stacklevel=3)
-    return name if new is None else new
 
 
 def real_option(
@@ -98,6 +81,15 @@ def log_scale_cap(max_scale: float) -> float:
     return float(cap)
 
 
+def integer_option(name: str, value: Any, minimum: int) -> int:
+    """An integer (Python or NumPy; not a bool) of at least ``minimum``, as an int; the error names the option."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    return int(value)
+
+
 def flag_option(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
@@ -121,25 +113,3 @@ def choice_option(name: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
     return value
-
-
-def options_from_arguments(options_class: type[T], arguments: dict[str, Any]) -> T:
-    """An options dataclass built from a constructor's ``locals()``: every field is taken by its name, so a loss
-    class lists an option once in its signature (whose default reads the dataclass's) and nowhere else."""
-    return options_class(**{f.name: arguments[f.name] for f in dataclasses.fields(options_class) if f.init})
-
-
-def options_config(options: Any) -> dict[str, Any]:
-    """An options dataclass as the JSON-able keyword arguments of its loss class (``get_config_dict``): tuples
-    become lists and values with a ``to_config`` (the false-negative guard) their JSON form."""
-    config: dict[str, Any] = {}
-    for field in dataclasses.fields(options):
-        if not field.init:  # derived, not a constructor argument
-            continue
-        value = getattr(options, field.name)
-        if hasattr(value, "to_config"):
-            value = value.to_config()
-        elif isinstance(value, tuple):
-            value = list(value)
-        config[field.name] = value
-    return config

@@ -2,8 +2,7 @@
 
 Two protocols (docs/vision.md):
 
-- ``standardized`` (:data:`STANDARDIZED_PROTOCOL`, named ``previous`` / ``PREVIOUS_PROTOCOL`` in 0.1; the old names
-  resolve until 0.3 with a ``DeprecationWarning``): the probe on standardised features of the whole train split,
+- ``standardized`` (:data:`STANDARDIZED_PROTOCOL`): the probe on standardised features of the whole train split,
   Adam lr 1e-3, weight decay 1e-6; k-NN against the whole train split;
 - the released WEINCE protocol (docs/algorithms.md 1.2b): a stratified 80/20 train/validation split of the train split
   (:func:`stratified_split`), the probe (logistic regression) on the raw features of the 80 %, Adam lr 3e-4 without
@@ -27,8 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
-
-from st_weince.utils.options import current_name
 
 KNN_KS = (1, 2, 5, 10, 20, 50)
 KNN_TEMPERATURE = 0.1
@@ -278,31 +275,6 @@ RELEASED_PROTOCOL = ProbeProtocol(
     knn_split_seeds=RELEASED_KNN_SPLIT_SEEDS,
     knn_headline_k=max(KNN_KS),
 )
-PROBE_PROTOCOLS = {protocol.name: protocol for protocol in (STANDARDIZED_PROTOCOL, RELEASED_PROTOCOL)}
-# Names from before the protocols were named after their content: old -> new, resolved with a DeprecationWarning
-# until 0.3 (result files written by 0.1 record ``"protocol": "previous"``).
-RENAMED_PROTOCOLS = {"previous": "standardized"}
-RENAMED_CONSTANTS = {"PREVIOUS_PROTOCOL": "STANDARDIZED_PROTOCOL"}  # module attributes
-
-
-def resolve_protocol(name: str, *, warn: bool = True) -> ProbeProtocol:
-    """The probe protocol named ``name`` (:data:`PROBE_PROTOCOLS`); an old name (:data:`RENAMED_PROTOCOLS`) gives
-    the renamed protocol, with a ``DeprecationWarning`` naming the new name unless ``warn`` is False.
-
-    Raises:
-        KeyError: ``name`` is no protocol; the message lists the protocols.
-    """
-    name = current_name(name, RENAMED_PROTOCOLS, "the probe protocol", warn=warn)
-    if name not in PROBE_PROTOCOLS:
-        raise KeyError(f"unknown probe protocol {name!r}; the protocols are {', '.join(sorted(PROBE_PROTOCOLS))}")
-    return PROBE_PROTOCOLS[name]
-
-
-def __getattr__(name: str) -> Any:
-    """``PREVIOUS_PROTOCOL``, the old name of :data:`STANDARDIZED_PROTOCOL`, with a ``DeprecationWarning``."""
-    if name not in RENAMED_CONSTANTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return globals()[current_name(name, RENAMED_CONSTANTS, f"{__name__} attribute")]
 
 
 def evaluate_frozen_features(

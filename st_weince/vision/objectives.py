@@ -21,13 +21,13 @@ from sentence_transformers.sentence_transformer.losses import MultipleNegativesR
 from torch import Tensor, nn
 
 from st_weince.functional import nt_xent_layout
+from st_weince.functional.options import RELEASED_COMPOSITE
 from st_weince.losses import RBSigmoidLoss, WEINCELoss
-from st_weince.losses.weince import RELEASED_COMPOSITE
 
 LOSSES = ("infonce", "weince", "rb-sigmoid")
 # SimCLR's temperature 0.5 on images and the released implementation's tail index: the released composite's values
-SIMCLR_SCALE = RELEASED_COMPOSITE["scale"]
-SIMCLR_BETA = RELEASED_COMPOSITE["beta"]
+SIMCLR_SCALE = RELEASED_COMPOSITE.scale
+SIMCLR_BETA = RELEASED_COMPOSITE.beta
 
 
 class SimCLRObjective(nn.Module):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +19,7 @@ from torch import Tensor, nn
 from st_weince.training import average_loss_gradients
 from st_weince.vision.augment import SimCLRAugment
 from st_weince.vision.models import SimCLRModel
-from st_weince.vision.objectives import SimCLRObjective
-from st_weince.vision.presets import Setup, build_objective, resolve_setup
+from st_weince.vision.setups import Setup
 
 
 def data_order(num_images: int, seed: int, epoch: int) -> Tensor:
@@ -63,24 +62,6 @@ def build_optimizer(model: nn.Module, objective: nn.Module, lr: float, weight_de
     if loss_parameters:
         groups.append({"params": loss_parameters, "weight_decay": 0.0})
     return torch.optim.Adam(groups, lr=lr, weight_decay=weight_decay)
-
-
-def build_run(arm: str, seed: int, config: Mapping[str, Any]) -> tuple[SimCLRModel, SimCLRObjective, torch.optim.Adam]:
-    """Model, objective and optimizer of one run from a study configuration (keys ``setup``, ``backbone``,
-    ``width``, ``hidden_dim``, ``projection_dim``, ``channels_last``, ``lr``, ``weight_decay`` and those of
-    :func:`~st_weince.vision.presets.build_objective`); the network starts from ``torch.manual_seed(seed)``, the same
-    for every arm."""
-    torch.manual_seed(seed)
-    model = build_model(
-        resolve_setup(config["setup"], warn=False),  # run files of 0.1 record "previous": accepted as such
-        backbone=config["backbone"],
-        width=config["width"],
-        hidden_dim=config["hidden_dim"],
-        projection_dim=config["projection_dim"],
-        channels_last=config["channels_last"],
-    )
-    objective = build_objective(arm, config)
-    return model, objective, build_optimizer(model, objective, config["lr"], config["weight_decay"])
 
 
 @dataclass

@@ -1,0 +1,306 @@
+"""One WEINCE step over the rows of an MNRL layout (:mod:`st_weince.functional.layouts`): the one place where the
+loss of a batch is assembled, the blend and the released composite's top-M terms alike.
+
+:func:`weince_step` takes the batch's rows in chunks. A first pass computes each group's tail fit from one sort of
+its rows, which the top-M terms share, and the batch's negative tail for the tail index ``beta_t``; the pivot ``rho0``
+needs every row's fit before any row's loss. A second pass computes each chunk's rows: the blended cross-entropy and
+the top-M terms. :class:`~st_weince.losses.WEINCELoss` calls it with one chunk (the layout is then made once);
+:class:`~st_weince.losses.CachedWEINCELoss` with many, each chunk's layout made again in the second pass and its loss
+back-propagated at once, so that one chunk of scores is alive at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from st_weince.functional.batch_tail import (
+    BatchTail,
+    BatchTailFit,
+    batch_negative_tail,
+    batch_tail_fit,
+    update_beta_ema,
+)
+from st_weince.functional.composite import CompositeLoss, composite_loss, top_m_terms, top_m_width
+from st_weince.functional.effective_scale import blend_effective_scale
+from st_weince.functional.false_negatives import FilterCounts
+from st_weince.functional.layouts import MNRLLayout, mnrl_cross_entropy
+from st_weince.functional.options import TopM, WEINCEOptions
+from st_weince.functional.weince import (
+    HardestNegatives,
+    TailFit,
+    WeinceStatistics,
+    blended_cross_entropy,
+    hardest_negatives,
+    max_tail_size,
+    statistics_from_fit,
+    weince_logits,
+    weince_tail_fit,
+)
+
+#: ``layout_of(begin, end)``: the layout of this process's rows ``begin:end`` with the false-negative guard applied,
+#: and the guard's per-row counts of its query-anchored rows (None without a guard).
+LayoutOf = Callable[[int, int], tuple[MNRLLayout, FilterCounts | None]]
+
+
+class Unit(NamedTuple):
+    """One softmax of the top-M terms, and its rows' shared sort where the tail fit made it (else None)."""
+
+    scores: Tensor
+    positive_index: Tensor
+    valid_mask: Tensor | None
+    hardest: HardestNegatives | None = None
+
+
+def shares_the_sort(layout: MNRLLayout) -> bool:
+    """Whether the top-M terms pick from the groups' own softmaxes (one per group), so that each group's sort for its
+    tail fit also serves them; under ``"joint"`` with several groups they pick from the groups side by side."""
+    return layout.partition_mode == "per_direction" or len(layout.groups) == 1
+
+
+def sort_width(num_candidates: int, options: WEINCEOptions, top_m: TopM | None) -> int:
+    """How many hardest negatives a row's one sort keeps: the tail fit's largest tail, and the top-M terms' M'."""
+    width = max(max_tail_size(num_candidates, options), 1)
+    return width if top_m is None else max(width, top_m_width(num_candidates, top_m.m))
+
+
+def layout_tail_fits(layout: MNRLLayout, options: WEINCEOptions) -> tuple[list[TailFit], list[Unit]]:
+    """Each group's tail fit, and the softmaxes the top-M terms pick from (none without them), each with the one sort
+    of its rows the tail fit was made from where they pick from the same softmax (:func:`shares_the_sort`)."""
+    top_m = options.top_m if shares_the_sort(layout) else None
+    fits, sorts = [], []
+    for group in layout.groups:
+        width = sort_width(group.scores.shape[1], options, top_m)
+        hardest = hardest_negatives(
+            group.scores, group.positive_index, group.valid_mask, width, with_columns=top_m is not None
+        )
+        fits.append(weince_tail_fit(group.scores, group.positive_index, group.valid_mask, options, hardest=hardest))
+        sorts.append(hardest)
+    return fits, [] if options.top_m is None else top_m_units(layout, sorts)
+
+
+def rows_loss(layout: MNRLLayout, statistics: list[WeinceStatistics], scale: float, eps: float) -> Tensor:
+    """Per-row blended cross-entropy [R] of the layout's rows, given each group's statistics of those rows."""
+    pairs = list(zip(layout.groups, statistics))
+    if len(pairs) == 1 or layout.partition_mode == "per_direction":
+        # every group is its own softmax: the fused cross-entropy (mean over directions for per_direction)
+        rows = [
+            blended_cross_entropy(g.scores, s.lam, s.beta, g.positive_index, g.valid_mask, scale=scale, eps=eps)
+            for g, s in pairs
+        ]
+        return rows[0] if len(rows) == 1 else torch.stack(rows, dim=1).mean(dim=1)
+    logits = [
+        weince_logits(g.scores, s.lam, s.beta, g.valid_mask, scale=scale, eps=eps, check_inputs=False)
+        for g, s in pairs
+    ]
+    return mnrl_cross_entropy(layout, logits)
+
+
+def statistics_rows(stats: WeinceStatistics, rows: slice) -> WeinceStatistics:
+    """The statistics of a block of rows (the pivot is the batch's)."""
+    per_row = ("lam", "beta", "rho", "delta_aic", "beta_hat", "fitted")
+    return dataclasses.replace(stats, **{name: getattr(stats, name)[rows] for name in per_row})
+
+
+def top_m_units(layout: MNRLLayout, hardest: list[HardestNegatives]) -> list[Unit]:
+    """The softmaxes of the layout's rows, over which the top-M terms pick a row's hardest negatives: under
+    ``"joint"`` one, every group's candidates of the row side by side (the query_to_doc positive the target, as in
+    the blend's softmax); under ``"per_direction"`` one per group, each with its group's sort ``hardest``."""
+    groups = layout.groups
+    if shares_the_sort(layout):
+        return [Unit(g.scores, g.positive_index, g.valid_mask, h) for g, h in zip(groups, hardest)]
+    masks = [g.valid_mask for g in groups]
+    valid_mask = None
+    if any(m is not None for m in masks):
+        valid_mask = torch.cat(
+            [m if m is not None else torch.ones_like(g.scores, dtype=torch.bool) for m, g in zip(masks, groups)], dim=1
+        )
+    return [Unit(torch.cat([g.scores for g in groups], dim=1), groups[0].positive_index, valid_mask)]
+
+
+def top_m_rows(
+    units: list[Unit], beta_t: Tensor | None, options: WEINCEOptions
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row [R] top-M shortfall and top-M InfoNCE terms and the shortfall term's effective scale (each the mean
+    over the units of a row)."""
+    beta = beta_t if beta_t is not None else 1.0  # only the shortfall term reads it, and it is off then
+    terms = [
+        top_m_terms(
+            u.scores, u.positive_index, u.valid_mask, options.top_m,
+            beta=beta, scale=options.top_m_infonce_scale, eps=options.eps, hardest=u.hardest,
+        )
+        for u in units
+    ]
+    if len(terms) == 1:
+        return terms[0]
+    shortfall, infonce, shortfall_scale = (torch.stack([t[i] for t in terms], 1).mean(1) for i in range(3))
+    return shortfall, infonce, shortfall_scale
+
+
+def batch_tail(units: list[Unit], step_rows: int, options: WEINCEOptions, gathered: bool) -> BatchTail:
+    """The smallest negative shortfalls of these rows (no gradient), as many as the global batch's tail can need:
+    ``step_rows`` is the number of rows of this process's whole step (a cached loss passes one row chunk at a time),
+    so that every chunk and process keeps at least the global tail's size (``gathered``: across processes)."""
+    world = dist.get_world_size() if gathered and dist.is_initialized() else 1
+    global_entries = step_rows * world * sum(u.scores.shape[1] for u in units)
+    return BatchTail.cat(
+        [
+            batch_negative_tail(
+                u.scores, u.positive_index, u.valid_mask, options.top_m, eps=options.eps, global_entries=global_entries
+            )
+            for u in units
+        ]
+    )
+
+
+def batch_beta_step(
+    tail: BatchTail, beta_ema: Tensor, options: TopM, gather: Callable[[Tensor], Tensor] | None = None
+) -> tuple[Tensor, BatchTailFit]:
+    """This step's ``beta_t`` (the moving average ``beta_ema`` updated with the batch tail's fit; the caller stores it
+    on training steps) and the fit; ``gather`` joins the processes' tails (None: this process's alone)."""
+    if gather is not None:
+        tail = BatchTail(shortfalls=gather(tail.shortfalls), num_negatives=gather(tail.num_negatives[None]).sum())
+    fit = batch_tail_fit(tail, options)
+    return update_beta_ema(beta_ema, fit, options), fit
+
+
+@dataclasses.dataclass(frozen=True)
+class WEINCEStep:
+    """A step's loss (the mean over this process's rows; detached where its chunks were back-propagated) and what the
+    step logs and keeps: the query-anchored rows' statistics and guard counts, the composite's terms (means over the
+    rows; None without the top-M terms), ``beta_t`` and its batch tail fit (the shortfall term on), and the effective
+    scales (means over the rows)."""
+
+    loss: Tensor
+    statistics: WeinceStatistics
+    guard_counts: FilterCounts | None
+    terms: CompositeLoss | None
+    beta_t: Tensor | None
+    fit: BatchTailFit | None
+    effective_scales: dict[str, Tensor]
+
+
+def weince_step(
+    layout_of: LayoutOf,
+    num_rows: int,
+    options: WEINCEOptions,
+    beta_ema: Tensor | None,
+    *,
+    chunk_rows: int | None = None,
+    gather: Callable[[Tensor], Tensor] | None = None,
+    backward: bool = False,
+    progress: Callable[[Iterable], Iterable] = iter,
+) -> WEINCEStep:
+    """WEINCE (the blend, and the top-M terms when ``options.top_m``) of this process's ``num_rows`` rows, taken in
+    chunks of ``chunk_rows`` (None: one chunk, whose layout is made once).
+
+    ``beta_ema``: the moving average of the batch tail index (with the top-M shortfall term; the caller stores the
+    returned ``beta_t`` on training steps). ``gather``: a per-anchor tensor of this process -> the global batch's,
+    for the pivot and the batch tail (None: this process's batch is the batch). ``backward``: back-propagate each
+    chunk's share of the loss as it is computed (a cached loss's loss stage), and return the loss detached.
+    ``progress`` wraps the second pass's chunks (a progress bar)."""
+    top_m = options.top_m
+    step = num_rows if chunk_rows is None else chunk_rows
+    chunks = [(begin, min(begin + step, num_rows)) for begin in range(0, num_rows, step)]
+    one_chunk = len(chunks) == 1
+
+    # First pass: the statistics over every row (no gradient), each chunk's sort for its top-M terms (their M' per row
+    # only) and, with the shortfall term, the batch's negative tail for its tail index.
+    chunk_fits, chunk_sorts, chunk_counts, chunk_tails, kept_layout = [], [], [], [], None
+    with contextlib.nullcontext() if one_chunk else torch.no_grad():
+        for begin, end in chunks:
+            layout, counts = layout_of(begin, end)
+            fits, units = layout_tail_fits(layout, options)
+            if one_chunk:
+                kept_layout = layout
+            chunk_fits.append(fits)
+            chunk_sorts.append(_kept_sorts(layout, units, top_m, one_chunk))
+            chunk_counts.append(counts)
+            if beta_ema is not None:
+                chunk_tails.append(batch_tail(units, num_rows, options, gathered=gather is not None))
+            del units  # its scores are this chunk's: not kept into the next one
+    if one_chunk:
+        fits, guard_counts = chunk_fits[0], chunk_counts[0]
+    else:
+        guard_counts = FilterCounts.cat(chunk_counts) if chunk_counts[0] is not None else None
+        fits = [TailFit.cat([fits[group] for fits in chunk_fits]) for group in range(len(chunk_fits[0]))]
+    statistics = [statistics_from_fit(fit, options, gather=gather) for fit in fits]
+    beta_t = beta_fit = None
+    if beta_ema is not None:
+        beta_t, beta_fit = batch_beta_step(BatchTail.cat(chunk_tails), beta_ema, top_m, gather)
+
+    # Second pass: each chunk's rows, the blend and the top-M terms, and the chunk's share of the loss.
+    zero = torch.zeros((), dtype=statistics[0].lam.dtype, device=statistics[0].lam.device)
+    sums = dict.fromkeys(("blend", "top_m_shortfall", "top_m_infonce", "scale_blend", "scale_top_m"), zero)
+    loss = terms = None
+    for (begin, end), sorts in zip(progress(chunks), chunk_sorts):
+        layout = kept_layout if one_chunk else layout_of(begin, end)[0]
+        chunk_statistics = statistics if one_chunk else [statistics_rows(s, slice(begin, end)) for s in statistics]
+        rows = {"blend": rows_loss(layout, chunk_statistics, options.scale, options.eps)}
+        query_rows = layout.groups[0]
+        rows["scale_blend"] = blend_effective_scale(
+            query_rows.scores, query_rows.valid_mask, chunk_statistics[0].lam, chunk_statistics[0].beta,
+            scale=options.scale, eps=options.eps,
+        )
+        if top_m is not None:
+            rows["top_m_shortfall"], rows["top_m_infonce"], rows["scale_top_m"] = top_m_rows(
+                top_m_units(layout, sorts), beta_t, options
+            )
+        chunk_sums = {name: row_values.sum() for name, row_values in rows.items()}
+        chunk_loss, terms = _share_of_loss(chunk_sums, num_rows, top_m)
+        if backward:
+            chunk_loss.backward()
+            chunk_loss, chunk_sums = chunk_loss.detach(), {name: v.detach() for name, v in chunk_sums.items()}
+        loss = chunk_loss if loss is None else loss + chunk_loss
+        for name, value in chunk_sums.items():
+            sums[name] = value if one_chunk else sums[name] + value
+        del layout, rows  # (no name for a chunk's scores: they would stay alive into the next chunk's forward)
+
+    means = {name: value / num_rows for name, value in sums.items()}
+    if not one_chunk:  # the terms of the whole step (each chunk's are its share only)
+        terms = _share_of_loss(sums, num_rows, top_m)[1]
+    scales = {"blend": means["scale_blend"]}
+    if top_m is not None and top_m.shortfall_weight > 0:
+        scales["top_m_shortfall"] = means["scale_top_m"]
+    if top_m is not None and top_m.infonce_weight > 0:
+        scales["top_m_infonce"] = torch.full_like(means["scale_top_m"], options.top_m_infonce_scale)
+    return WEINCEStep(
+        loss=loss,
+        statistics=statistics[0],
+        guard_counts=guard_counts,
+        terms=terms,
+        beta_t=beta_t,
+        fit=beta_fit,
+        effective_scales=scales,
+    )
+
+
+def _kept_sorts(
+    layout: MNRLLayout, units: list[Unit], top_m: TopM | None, one_chunk: bool
+) -> list[HardestNegatives]:
+    """What the second pass's top-M terms need of a chunk's sorts: all of them with one chunk (kept anyway), else at
+    most M hardest per row, not the tail fit's width (none: no top-M terms, or they pick from the groups side by
+    side)."""
+    if top_m is None or not shares_the_sort(layout):
+        return [None] * len(layout.groups)
+    if one_chunk:
+        return [u.hardest for u in units]
+    return [u.hardest.first(min(top_m.m, u.hardest.values.shape[1])) for u in units]
+
+
+def _share_of_loss(
+    sums: dict[str, Tensor], num_rows: int, top_m: TopM | None
+) -> tuple[Tensor, CompositeLoss | None]:
+    """Rows' term sums -> their share of the step's loss (each term's sum over the step's rows, weighted as the
+    composite weights them) and the weighted terms (None without the top-M terms)."""
+    blend = sums["blend"] / num_rows
+    if top_m is None:
+        return blend, None
+    terms = composite_loss(blend, sums["top_m_shortfall"] / num_rows, sums["top_m_infonce"] / num_rows, top_m)
+    return terms.total, terms

@@ -1,0 +1,350 @@
+"""Trainer integration in one call, :func:`prepare_trainer`, for the loss state of :mod:`st_weince.training.protocol`.
+
+The sentence-transformers trainer puts a loss's parameters into its optimizer, but:
+
+1. under DDP only the model is wrapped, so the loss parameters' gradients are not averaged across processes;
+2. checkpoints hold only the model, so a resumed run restarts the loss parameters (and buffers) from their start;
+3. weight decay reaches every parameter whose name does not look like a bias or a norm (``log_t``, ``b_rel``);
+4. the loss parameters train at the model's learning rate, at which fine-tuning leaves them almost where they start;
+5. nothing logs a loss's own statistics, or lets the saved model carry values the loss trained.
+
+:func:`prepare_trainer` fixes all five through the protocol alone, also inside wrappers (``MatryoshkaLoss``,
+``Matryoshka2dLoss``, ``AdaptiveLayerLoss``) and for a dict of losses.
+
+How the loss state travels with checkpoints (transformers 5 ``Trainer``): ``_save_checkpoint`` writes the model, the
+optimizer, the RNG states and, last, ``trainer_state.json``, which holds the state of every callback that is an
+``ExportableState``. :class:`LossStateRecord` is such a callback: its ``state()`` is the loss state's record
+(:mod:`st_weince.training.checkpoints`). So the loss state is inside the one file without which the trainer cannot
+resume at all. On resume the trainer loads that file before ``on_train_begin``, where :class:`LossStateCallback`
+restores the loss state. With ``restore_callback_states_from_checkpoint`` (which :func:`prepare_trainer` sets) the
+trainer re-creates the record from the checkpoint before it loads the optimizer, and the record compares the loss it
+was written under with the trainer's then: a resume under another loss is refused naming the change, before torch
+would refuse the optimizer's parameter groups.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import re
+import weakref
+from typing import Any
+
+from torch import nn
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+from st_weince.calibration import CONFIG_KEY, carry_values
+from st_weince.training.checkpoints import (
+    LOSS_STATE_RECORD,
+    TRAINER_STATE_FILE,
+    check_record_resumable,
+    loss_state_record,
+    read_checkpoint_loss_state,
+    record_loss_state,
+    stored_record,
+)
+from st_weince.training.loss_tensors import (
+    LossTree,
+    after_optimizer_step,
+    average_loss_gradients,
+    check_finite_loss_state,
+    load_loss_state_dict,
+    loss_state_dict,
+    no_weight_decay_names,
+    state_modules,
+    state_parameters,
+    state_tensors,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Learning rate of the loss's own parameters set by :func:`prepare_trainer` (chosen by measurement:
+#: benchmarks/loss_learning_rate.py, docs/training.md).
+DEFAULT_LOSS_LEARNING_RATE = 3e-2
+
+# The losses prepared for each output folder: a record the trainer re-creates from a checkpoint finds its loss here.
+_PREPARED: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+
+
+class LossStateRecord(TrainerCallback, ExportableState):
+    """Carries the loss state into every checkpoint's ``trainer_state.json`` (``stateful_callbacks``): its
+    :meth:`state` is the record, which the trainer calls while it writes that file, after the model and the
+    optimizer. Added and linked to the trainer by :func:`prepare_trainer`. A record the trainer re-creates from a
+    checkpoint (``restore_callback_states_from_checkpoint``) is compared with the trainer's loss as its attributes are
+    set, before the optimizer is loaded."""
+
+    def __init__(self, output_dir: str | None = None) -> None:
+        self.output_dir = output_dir
+        self.trainer: Any = _PREPARED.get(output_dir) if output_dir is not None else None
+        self.global_step = 0
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "loss" and isinstance(value, dict) and self.trainer is not None:  # restored from a checkpoint
+            check_record_resumable(self.trainer.loss, {"loss": value}, "the checkpoint resumed from")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.global_step = state.global_step
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.global_step = state.global_step
+
+    def state(self) -> dict[str, Any]:
+        if self.trainer is None:
+            raise RuntimeError("LossStateRecord is not linked to a trainer: call st_weince.training.prepare_trainer")
+        record = loss_state_record(self.trainer.loss, self.global_step)
+        return {"args": {"output_dir": self.output_dir}, "attributes": record}
+
+
+class LossStateCallback(TrainerCallback):
+    """Restores the loss state on resume, averages the loss parameters' gradients across processes, runs each loss's
+    step after the optimizer's, stops training before a non-finite loss state is checkpointed, loads the best
+    checkpoint's loss state with the best model, and lets the model carry the loss's trained values. Added by
+    :func:`prepare_trainer`."""
+
+    def __init__(self, trainer: Any, allow_missing_loss_state: bool = False) -> None:
+        self.trainer = trainer
+        self.allow_missing_loss_state = allow_missing_loss_state
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        for record in self.trainer.callback_handler.callbacks:
+            if isinstance(record, LossStateRecord):
+                record.trainer = self.trainer  # also one the trainer re-created from the checkpoint
+        if optimizer is not None:
+            take_weight_decay_off(optimizer, self.trainer.loss)
+        if state.global_step == 0:
+            return  # not a resume (the trainer restored a checkpoint's trainer state)
+        source = f"the {TRAINER_STATE_FILE} of the checkpoint resumed from (step {state.global_step})"
+        stored = stored_record(state.stateful_callbacks)
+        # Another loss class or configuration, or no loss state for a loss with parameters: refused with the reason.
+        check_record_resumable(self.trainer.loss, stored, source, self.allow_missing_loss_state)
+        if not state_tensors(self.trainer.loss):
+            return  # nothing to restore
+        if stored is None:
+            logger.warning("%s holds no loss state: the loss parameters keep their current values", source)
+            # The trainer updates the entries of the loaded state in place and fails on a key it does not find.
+            state.stateful_callbacks.setdefault(LOSS_STATE_RECORD, None)
+            if optimizer is not None:
+                for parameter in state_parameters(self.trainer.loss).values():
+                    optimizer.state.pop(parameter, None)
+            return
+        step, values = record_loss_state(stored, source)
+        if step != state.global_step:
+            raise ValueError(f"{source}: its loss state is from step {step}, not from step {state.global_step}")
+        load_loss_state_dict(self.trainer.loss, values, source=source)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        average_loss_gradients(self.trainer.loss)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        # after the step of the averaged gradients: the same on every process, so they stay equal
+        after_optimizer_step(self.trainer.loss)
+
+    def _before_save(self, state, control) -> None:
+        # The trainer decided to save (DefaultFlowCallback runs first): refuse before the checkpoint folder exists,
+        # and let the model carry the trained values it is saved with.
+        if control.should_save:
+            if state.is_world_process_zero:
+                check_finite_loss_state(loss_state_dict(self.trainer.loss), f"checkpoint at step {state.global_step}")
+            carry_trained_values(self.trainer.model, self.trainer.loss, state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._before_save(state, control)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._before_save(state, control)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        best = state.best_model_checkpoint
+        if args.load_best_model_at_end and best and os.path.isdir(best) and state_tensors(self.trainer.loss):
+            values = read_checkpoint_loss_state(best)
+            if values is None:
+                raise FileNotFoundError(f"{os.path.join(best, TRAINER_STATE_FILE)} holds no st-weince loss state")
+            load_loss_state_dict(self.trainer.loss, values, source=os.path.join(best, TRAINER_STATE_FILE))
+        carry_trained_values(self.trainer.model, self.trainer.loss, state.global_step)
+
+
+class LossStatisticsCallback(TrainerCallback):
+    """Adds every loss module's :meth:`~st_weince.training.protocol.LossState.pop_logged_statistics` to every
+    training log record (console, log_history, reporters). With a dict of losses (one per dataset) each value's
+    name starts with its dataset's, as sentence-transformers names per-dataset values (``{dataset}_weince_rho0``)."""
+
+    def __init__(self, loss: LossTree) -> None:
+        self.loss = loss
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or "loss" not in logs:
+            return
+        extra: dict[str, float] = {}
+        for prefix, module in state_modules(self.loss).items():
+            dataset = prefix.split(".")[0] + "_" if isinstance(self.loss, dict) else ""
+            extra.update({dataset + key: round(value, 6) for key, value in module.pop_logged_statistics().items()})
+        logs.update(extra)
+        # The trainer appended a copy of ``logs`` to the history before calling the callbacks.
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(extra)
+
+
+def carry_trained_values(model: nn.Module, loss: LossTree, global_step: int) -> None:
+    """Store the trained values of the loss tree's one carrying loss in the model's configuration (and its model card),
+    at ``global_step``; with several carrying losses, whose values would disagree, none (with a warning)."""
+    carrying = [(prefix, module) for prefix, module in state_modules(loss).items() if module.carried_values()]
+    if len(carrying) != 1:
+        if carrying:
+            logger.warning("%d losses train values to carry; the model carries none of them", len(carrying))
+        return
+    prefix, module = carrying[0]
+    values = {**module.carried_values(), "global_step": int(global_step)}
+    if not carry_values(model, values):
+        logger.warning(
+            "%s has no Hugging Face configuration to carry the trained values in; they stay in the checkpoints' loss "
+            "state only",
+            type(model).__name__,
+        )
+        return
+    _annotate_model_card(model, loss, prefix, values)
+
+
+def _annotate_model_card(model: nn.Module, loss: LossTree, prefix: str, values: dict[str, Any]) -> None:
+    """Add the trained values to the loss block of the model card data (for the loss's dataset), after the
+    configuration sentence-transformers wrote there."""
+    card = getattr(model, "model_card_data", None)
+    if card is None:
+        return
+    dataset = prefix.split(".")[0] if isinstance(loss, dict) else None
+    for datasets in (card.train_datasets or [], card.eval_datasets or []):
+        for index, info in enumerate(datasets):
+            block = info.get("loss") if isinstance(info, dict) else None
+            named = dataset is None or (isinstance(loss, dict) and list(loss)[index : index + 1] == [dataset])
+            if not isinstance(block, dict) or "config_code" not in block or not named:
+                continue
+            configured = block.setdefault("st_weince_configured_config_code", block["config_code"])
+            trained = json.dumps(values, indent=4)
+            block["config_code"] = (
+                f"{configured}\n  Trained values (the model carries them in its config.json, {CONFIG_KEY!r}):\n"
+                + "\n".join("  " + line for line in f"```json\n{trained}\n```".splitlines())
+            )
+
+
+# ----- the one call -----
+def _loss_learning_rate_pattern(loss: LossTree) -> str | None:
+    """A regex for the trainer's ``learning_rate_mapping`` matching exactly the loss's own trainable parameters."""
+    names = sorted(state_parameters(loss))
+    return "^(?:" + "|".join(re.escape(name) for name in names) + ")$" if names else None
+
+
+def prepare_trainer(
+    trainer: Any,
+    loss_learning_rate: float | None = DEFAULT_LOSS_LEARNING_RATE,
+    allow_missing_loss_state: bool = False,
+) -> Any:
+    """One call after building a SentenceTransformerTrainer (or any transformers Trainer with a ``loss``) and before
+    ``trainer.train()``. For every loss module of the trainer's loss (:mod:`st_weince.training.protocol`; also inside
+    ``MatryoshkaLoss`` and co., and a dict of losses):
+
+    - its state goes into every checkpoint (inside ``trainer_state.json``) and ``train(resume_from_checkpoint=...)``
+      restores it; a checkpoint without it is refused (FileNotFoundError) unless ``allow_missing_loss_state``;
+      non-finite values stop training before they are written; after a run killed while saving, resume with
+      ``resume_from_checkpoint=last_complete_checkpoint(output_dir)``;
+    - a checkpoint written under another loss class or configuration is refused, naming the change, before the
+      optimizer is loaded (the record is restored first: ``restore_callback_states_from_checkpoint`` is set);
+    - its parameters get their own learning rate ``loss_learning_rate`` through the trainer's
+      ``learning_rate_mapping`` (an entry the caller gave for the same parameters wins; None: the trainer's rate),
+      and no weight decay on those the loss names (set to 0 on their optimizer groups at ``on_train_begin``);
+    - their gradients are averaged across processes, and the loss's own step runs after every optimizer step;
+    - its statistics are added to the training logs (named after their dataset with a dict of losses);
+    - the values it trains for the model (RB-Sigmoid's ``t`` and ``b_rel``) are written into the model's configuration
+      and model card before every checkpoint and at the end of training (:func:`st_weince.match_probability`).
+
+    Nothing of the trainer is replaced: it adds callbacks, and on a copy of ``trainer.args`` a ``learning_rate_mapping``
+    entry and ``restore_callback_states_from_checkpoint=True``. An optimizer passed to the trainer is used as built,
+    and refused if it misses a loss parameter or decays one. Idempotent; returns the trainer.
+    """
+    if any(isinstance(cb, LossStateCallback) for cb in trainer.callback_handler.callbacks):
+        return trainer  # prepared already
+    if loss_learning_rate is not None and not (
+        isinstance(loss_learning_rate, (int, float)) and math.isfinite(loss_learning_rate) and loss_learning_rate > 0
+    ):
+        raise ValueError(f"loss_learning_rate must be a finite number > 0 or None, got {loss_learning_rate!r}")
+    for module in state_modules(trainer.loss).values():
+        module.mark_state_managed("st_weince.training.prepare_trainer")  # the callbacks below handle it
+    trainer.callback_handler.callbacks.insert(0, LossStatisticsCallback(trainer.loss))  # before printers, reporters
+    trainer.args = copy.copy(trainer.args)  # an arguments object reused for another trainer must not carry these
+    trainer.args.restore_callback_states_from_checkpoint = True
+    output_dir = os.path.abspath(trainer.args.output_dir or ".")
+    _PREPARED[output_dir] = trainer
+    record = LossStateRecord(output_dir)
+    trainer.add_callback(record)
+    trainer.add_callback(LossStateCallback(trainer, allow_missing_loss_state=allow_missing_loss_state))
+    carry_trained_values(trainer.model, trainer.loss, 0)  # the configured starts until the first save
+
+    # Their own learning rate, through the trainer's learning_rate_mapping, which also gives them optimizer groups of
+    # their own, so that LossStateCallback can take the weight decay off those groups at on_train_begin.
+    pattern = _loss_learning_rate_pattern(trainer.loss)
+    if pattern is not None and hasattr(trainer.args, "learning_rate_mapping") and trainer.optimizer is None:
+        user_mapping = dict(trainer.args.learning_rate_mapping or {})
+        own_names = state_parameters(trainer.loss)
+        if not any(re.search(p, name) for p in user_mapping for name in own_names):
+            rate = trainer.args.learning_rate if loss_learning_rate is None else loss_learning_rate
+            # First in the mapping: the trainer applies the entries in order, so a later user entry would still win.
+            trainer.args.learning_rate_mapping = {pattern: float(rate), **user_mapping}
+    if trainer.optimizer is not None:
+        _check_given_optimizer(trainer)
+    return trainer
+
+
+def take_weight_decay_off(optimizer: Any, loss: LossTree) -> None:
+    """Set ``weight_decay=0`` on every optimizer group that holds a parameter the loss names in
+    :meth:`~st_weince.training.protocol.LossState.no_weight_decay`. Such a group must hold nothing else (the trainer's
+    ``learning_rate_mapping`` entry that prepare_trainer adds gives them groups of their own); a group that mixes them
+    with other parameters is refused, naming both. Runs after the trainer built (and, on resume, loaded) the
+    optimizer; the scheduler does not touch weight decay."""
+    names = {id(p): name for name, p in state_parameters(loss).items()}
+    no_decay = {id(p) for name, p in state_parameters(loss).items() if name in no_weight_decay_names(loss)}
+    for index, group in enumerate(optimizer.param_groups):
+        held = [p for p in group["params"] if id(p) in no_decay]
+        if not held or not group.get("weight_decay"):
+            continue
+        if len(held) != len(group["params"]):
+            raise ValueError(
+                f"Optimizer group {index} (weight_decay={group['weight_decay']}) holds the loss parameters "
+                f"{sorted(names.get(id(p), '?') for p in held)} together with {len(group['params']) - len(held)} "
+                "other parameters: a learning_rate_mapping entry of yours matches both. Give the loss parameters an "
+                "entry of their own (for example r'(^|\\.)(log_t|b_rel)$'), so that they train without weight decay."
+            )
+        group["weight_decay"] = 0.0
+
+
+def _check_given_optimizer(trainer: Any) -> None:
+    """An optimizer passed to the trainer (``optimizers=(optimizer, scheduler)``) is used as it was built: refuse it
+    when it misses a loss parameter (which would then never train) or puts weight decay on one."""
+    params = state_parameters(trainer.loss)
+    no_decay = no_weight_decay_names(trainer.loss)
+    groups = {id(p): group for group in trainer.optimizer.param_groups for p in group["params"]}
+    missing = sorted(name for name, p in params.items() if id(p) not in groups)
+    decayed = sorted(
+        name for name, p in params.items() if id(p) in groups and name in no_decay and groups[id(p)].get("weight_decay")
+    )
+    if missing or decayed:
+        problem = f"does not hold the loss parameters {missing}" if missing else f"puts weight decay on {decayed}"
+        raise ValueError(
+            f"The optimizer given to the trainer {problem}. prepare_trainer does not regroup an optimizer it did not "
+            "build: put the loss's own parameters (st_weince.training.state_tensors(trainer.loss)) in a group with "
+            "weight_decay=0 and the learning rate you want, or let the trainer build the optimizer (then they get "
+            "loss_learning_rate)."
+        )
+
+
+__all__ = [
+    "DEFAULT_LOSS_LEARNING_RATE",
+    "LossStateCallback",
+    "LossStateRecord",
+    "LossStatisticsCallback",
+    "prepare_trainer",
+    "take_weight_decay_off",
+]
+

@@ -1,0 +1,52 @@
+"""What a loss gives the training integration: the one protocol between the losses and :mod:`st_weince.training`.
+
+A loss module that inherits :class:`LossState` declares here, in one place, the state that training changes and
+that sentence-transformers' trainer does not handle: its tensors (checkpointed, restored on resume, their gradients
+averaged across processes), which of them take no weight decay, what happens after each optimizer step, its logged
+statistics, its configuration, and the values a trained model should carry. :mod:`st_weince.training` reads nothing
+else of a loss: it names no loss class, and a third loss with parameters needs no change there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+
+class LossState:
+    """The training protocol of a loss module (every method has a no-state default)."""
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        """The tensors training changes, by their names in the module's ``state_dict``: trainable parameters and
+        buffers that evolve (a moving average). They go into every checkpoint and are restored on resume; the
+        parameters' gradients are averaged across processes."""
+        return {}
+
+    def no_weight_decay(self) -> set[str]:
+        """The names (of :meth:`state_tensors`) of the parameters that must train without weight decay."""
+        return set()
+
+    def after_optimizer_step(self) -> None:
+        """Called after every optimizer step (e.g. clamping a parameter to its range), on every process alike."""
+
+    def pop_logged_statistics(self) -> dict[str, float]:
+        """The means of the loss's logged statistics since the last call; the one place they are read on the
+        host."""
+        return {}
+
+    def get_config_dict(self) -> dict[str, Any]:
+        """The loss's configuration as built (JSON data): what a checkpoint records and a resume compares."""
+        return {}
+
+    def carried_values(self) -> dict[str, Any] | None:
+        """Values the trained model should carry in its configuration (:mod:`st_weince.calibration`), or None."""
+        return None
+
+    def mark_state_managed(self, by: str = "the caller's training loop") -> Any:
+        """Declare that ``by`` handles :meth:`state_tensors` (the optimizer's parameter groups, checkpoints, the
+        average across processes). Returns the loss."""
+        self.state_managed_by = by
+        return self
+
+    state_managed_by: str | None = None
