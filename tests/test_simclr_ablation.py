@@ -163,7 +163,7 @@ def test_the_top_m_arms_reach_the_loss_and_their_tail_index_survives_a_resume(
         assert ("weince_batch_beta" in statistics) == (expected_weights[arm][1] > 0), arm
         assert ("weince_share_blend" in statistics) == (arm != "blend"), arm
     state = torch.load(tmp_path / "straight" / "state" / "composite-seed0" / "state.pt", weights_only=False)
-    assert "loss.batch_beta_ema" in state["objective"]
+    assert "loss.batch_beta_ema" in state["objective"]["entries"]  # the loss-state record
     # Stopped after epoch 1 and resumed by a new process: the same lines as the uninterrupted run.
     run(ablation, image_folder, tmp_path / "resumed", "--runs", "composite-seed0", "--stop-after-epoch", "1")
     run(ablation, image_folder, tmp_path / "resumed", "--runs", "composite-seed0")

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from benchmarks.lab import runlog
+from st_weince.training.protocol import LossState
 
 SCHEDULED_STATISTIC = "weince_effective_scale_top_m_shortfall"
 
@@ -70,9 +71,10 @@ def load_schedule(output_dir: Path, source_arm: str, seed: int) -> dict[str, Any
     return {**json.loads(path.read_text()), "sha256": runlog.file_sha256(path)}
 
 
-class ScheduledScale(nn.Module):
+class ScheduledScale(nn.Module, LossState):
     """``objective`` (a SimCLRObjective on WEINCELoss with the top-M InfoNCE term on) whose top-M InfoNCE scale at
-    training step ``i`` is ``schedule["values"][i]``; the steps are counted in the buffer ``step``."""
+    training step ``i`` is ``schedule["values"][i]``; the steps are counted in the buffer ``step``, which is state
+    (:class:`~st_weince.training.protocol.LossState`): saved and restored with the run."""
 
     def __init__(self, objective: nn.Module, schedule: dict[str, Any]) -> None:
         super().__init__()
@@ -93,6 +95,9 @@ class ScheduledScale(nn.Module):
         if torch.is_grad_enabled():
             self.step += 1
         return self.objective(z1, z2)
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        return {"step": self.step}
 
     def pop_logged_statistics(self) -> dict[str, float]:
         return self.objective.pop_logged_statistics()

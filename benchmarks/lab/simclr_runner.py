@@ -38,6 +38,7 @@ from benchmarks.lab.arms import build_run
 from benchmarks.lab.schedules import ScheduledScale, load_schedule
 from benchmarks.lab.simclr_eval import DEFAULT_DATA, EvalData, evaluate, load_data
 from benchmarks.lab.summaries import update_docs
+from st_weince.training import loss_state_record, restore_loss_state
 from st_weince.utils.provenance import provenance
 from st_weince.vision.augment import SimCLRAugment
 from st_weince.vision.setups import SETUPS
@@ -219,7 +220,7 @@ class StudyRuns:
         script_sha256 = runlog.file_sha256(Path(__file__))
         if state is not None and records and records[0].get("type") == "header":
             model.load_state_dict(state["model"])
-            objective.load_state_dict(state["objective"])
+            restore_loss_state(objective, state["objective"], str(state_path))
             optimizer.load_state_dict(state["optimizer"])
             augment_generator.set_state(state["augment_rng"])
             start_epoch, elapsed, train_seconds = state["epoch"], state["elapsed"], state["train_seconds"]
@@ -298,7 +299,7 @@ class StudyRuns:
                     "config": config,
                     "epoch": epoch + 1,
                     "model": model.state_dict(),
-                    "objective": objective.state_dict(),
+                    "objective": loss_state_record(objective, epoch + 1),  # the loss's state (the one record format)
                     "optimizer": optimizer.state_dict(),
                     "augment_rng": augment_generator.get_state(),
                     "elapsed": time.perf_counter() - session_start,
