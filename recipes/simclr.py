@@ -12,8 +12,12 @@ without BatchNorm or biases, Adam lr 3e-4, jitter 0.8/0.8/0.8/0.2, no normalisat
     python recipes/simclr.py --dataset cifar10 --data-dir ../shared/data/cifar10/cifar10-jpg.zip --loss weince \
         --width 16 --batch-size 64 --max-steps 200 --limit-train 10000 --limit-eval 2000 --output-dir runs/demo
     accelerate launch recipes/simclr.py --preset released --dataset cifar100 --data-dir data --loss weince
+    torchrun --nproc_per_node 2 recipes/simclr.py ...   # several processes on a CPU (gloo)
+    accelerate launch --multi_gpu --num_processes 2 recipes/simclr.py ...   # on 2 GPUs
 
-``--batch-size`` is per process. ``--output-dir`` gets results.json, training_curves.png and the model (load_encoder).
+``--batch-size`` is per process. The script prints how many processes it trains on, and warns when the launcher asked
+for more (on a CPU, ``accelerate launch`` with ``--num_processes 2`` starts one). ``--output-dir`` gets results.json,
+training_curves.png and the model (load_encoder).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from st_weince.utils.cli import merge_options, parse_key_values, positive_float, quiet_known_warnings, user_errors_exit
+from st_weince.utils.processes import count_processes
 from st_weince.utils.run_outputs import write_run_outputs
 from st_weince.vision.augment import SimCLRAugment, SimCLRAugmentConfig, eval_transform
 from st_weince.vision.data import DEFAULT_SPLITS, ImageTensorDataset, load_dataset
@@ -180,6 +185,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     # Several processes without CUDA (torchrun on a CPU machine): accelerate sets up gloo only when told cpu=True.
     accelerator = Accelerator(cpu=int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available())
+    processes = count_processes(accelerator.num_processes, gpus=torch.cuda.device_count())
+    if accelerator.is_main_process:
+        processes.announce()  # and a warning when the launcher asked for more (accelerate launch on a CPU)
     set_seed(args.seed)
     with accelerator.main_process_first():
         pretrain = load_split(args, "pretrain", args.limit_train)
@@ -205,7 +213,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         save_encoder(unwrapped, args.output_dir, {"loss": args.loss, "seed": args.seed, "steps": results["steps"]})
     results["num_processes"] = accelerator.num_processes
     record = write_run_outputs(args.output_dir, results, args, log_history=results["history"],
-                               title=f"SimCLR {args.loss}", write=accelerator.is_main_process)  # fmt: skip
+                               title=f"SimCLR {args.loss}", write=accelerator.is_main_process,
+                               processes=processes.record())  # fmt: skip
     accelerator.wait_for_everyone()
     return record
 

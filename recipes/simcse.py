@@ -9,7 +9,10 @@ infonce/weince's factor on cosine scores (1 / temperature) and RB-Sigmoid's star
 
     python recipes/simcse.py --preset cpu-demo
     torchrun --nproc_per_node 2 recipes/simcse.py --preset cpu-demo --loss infonce --gather-across-devices
-    accelerate launch recipes/simcse.py --preset paper --loss weince --gather-across-devices
+    accelerate launch --multi_gpu --num_processes 4 recipes/simcse.py --preset paper --gather-across-devices
+
+The script prints how many processes it trains on, and warns when the launcher asked for more (on a CPU, ``accelerate
+launch`` with ``--num_processes 2`` starts one process: use torchrun there).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from st_weince.losses import RBSigmoidLoss, WEINCELoss
 from st_weince.training import last_complete_checkpoint, prepare_trainer
 from st_weince.utils.cli import parse_key_values, positive_float, quiet_known_warnings, user_errors_exit
 from st_weince.utils.pretrained import build_tiny_encoder, load_sentence_encoder, minilm_path
+from st_weince.utils.processes import count_processes
 from st_weince.utils.run_outputs import write_run_outputs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,7 +132,10 @@ def build_loss(args: argparse.Namespace, model):
 
 def train(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; the trainer's process group has the same
+    processes = count_processes(world_size, gpus=torch.cuda.device_count())
+    if int(os.environ.get("RANK", "0")) == 0:
+        processes.announce()  # and a warning when the launcher asked for more (accelerate launch on a CPU)
     if args.batch_size % world_size:
         raise ValueError(f"--batch-size {args.batch_size} is the global batch and must be divisible by the "
                          f"{world_size} processes")  # fmt: skip
@@ -192,7 +199,7 @@ def train(args: argparse.Namespace) -> dict:
     }  # fmt: skip
     title, is_main = f"SimCSE {args.loss}, {args.preset}, seed {args.seed}", trainer.is_world_process_zero()
     results = write_run_outputs(args.output_dir, results, args, log_history=state.log_history, title=title,
-                                dev_metric=DEV_METRIC, write=is_main)  # fmt: skip
+                                dev_metric=DEV_METRIC, write=is_main, processes=processes.record())  # fmt: skip
     if is_main:
         encoder.save(str(Path(args.output_dir) / "final"))
         was = f"   [before: dev {before['stsb_dev']:.2f}  test {before['stsb_test']:.2f}]" if before else ""

@@ -1,4 +1,5 @@
-"""recipes/simcse.py end to end on a tiny BERT: outputs, resume, error paths, 1 vs 2 processes (torchrun, gloo)."""
+"""recipes/simcse.py end to end on a tiny BERT: outputs, resume, error paths, 1 vs 2 processes (torchrun, gloo), and
+the one process `accelerate launch --cpu --num_processes 2` starts (the recipe says so)."""
 
 from __future__ import annotations
 
@@ -313,6 +314,11 @@ def test_two_processes_match_one(recipe, tiny_model_dir, small_stsb, train_file,
     r1 = json.loads((tmp_path / "one" / "results.json").read_text())
     r2 = json.loads((tmp_path / "two" / "results.json").read_text())
     assert r2["environment"]["world_size"] == 2 and r1["environment"]["world_size"] == 1
+    # torchrun gives what it was asked for: 2 processes reported once (rank 0 prints), no warning
+    assert stdout.count("training on 2 processes (world size 2, rank 0 prints)\n") == 1
+    assert not [line for line in stderr.splitlines() if line.startswith("warning:")], stderr[-3000:]
+    assert r2["environment"]["processes"] == {"launcher": "torchrun", "requested": 2, "actual": 2}
+    assert r1["environment"]["processes"] == {"launcher": "python", "requested": 1, "actual": 1}
     l1, l2 = losses_by_step(r1), losses_by_step(r2)
     assert sorted(l1) == sorted(l2) == [1, 2, 3]
     for step in l1:
@@ -324,3 +330,26 @@ def test_two_processes_match_one(recipe, tiny_model_dir, small_stsb, train_file,
     e2 = SentenceTransformer(str(tmp_path / "two" / "final"), device="cpu").encode(sentences, convert_to_tensor=True)
     torch.testing.assert_close(e1, e2, atol=1e-4, rtol=1e-3)
     assert r2["stsb_test"] == pytest.approx(r1["stsb_test"], abs=1e-2)
+
+
+@pytest.mark.slow
+def test_accelerate_launch_on_a_cpu_says_it_runs_one_process(tiny_model_dir, small_stsb, train_file, tmp_path):
+    """``accelerate launch --cpu --num_processes 2`` starts ONE process (on a CPU accelerate starts several only through
+    MPI): the recipe says so, names the torchrun command that gives 2, and results.json records 2 asked for, 1 run.
+    One training step: the launcher and the imports are the cost."""
+    launched_by_us = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU")
+    env = {k: v for k, v in os.environ.items() if k not in launched_by_us}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
+    out = tmp_path / "run"
+    flags = base_args(tiny_model_dir, small_stsb, train_file, out, "--loss", "infonce", "--max-steps", "1",
+                      "--eval-steps", "1")  # fmt: skip
+    accelerate_launch = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch"]
+    result = subprocess.run([*accelerate_launch, "--cpu", "--num_processes", "2", str(RECIPE), *flags], env=env,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "training on 1 process (world size 1)\n" in result.stdout
+    assert "warning: accelerate launch asked for 2 processes, but this run trains on 1" in result.stderr
+    assert f"\n    torchrun --nproc_per_node 2 {RECIPE} --preset cpu-demo " in result.stderr
+    environment = json.loads((out / "results.json").read_text())["environment"]
+    assert environment["world_size"] == 1
+    assert environment["processes"] == {"launcher": "accelerate launch", "requested": 2, "actual": 1}

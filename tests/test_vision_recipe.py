@@ -127,3 +127,27 @@ def test_loss_flags_are_spelled_as_in_the_simcse_recipe(recipe):
             recipe.parse_args(removed)
     with pytest.raises(SystemExit):
         recipe.parse_args(["--loss-option", "beta"])  # KEY=VALUE
+
+
+def test_prints_and_records_the_processes(recipe, tiny_zip, tmp_path, monkeypatch, capsys):
+    """Under ``accelerate launch --cpu --num_processes 2`` (its environment and command line, as observed; the one
+    process it starts) the recipe says it trains on 1, names the torchrun command for 2, and records both."""
+    from st_weince.utils import processes
+
+    argv = ["--dataset", "imagefolder", "--data-dir", str(tiny_zip), "--width", "2", "--hidden-dim", "8"]
+    argv += ["--projection-dim", "8", "--batch-size", "6", "--max-steps", "1", "--limit-train", "6", "--skip-eval"]
+    argv += ["--no-save-model", "--output-dir", str(tmp_path)]
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", *processes.MPI_SIZE_VARIABLES):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in (("ACCELERATE_USE_CPU", "True"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr("sys.argv", ["recipes/simclr.py", *argv])
+    launcher = ["python3", "/usr/bin/accelerate", "launch", "--cpu", "--num_processes", "2", "recipes/simclr.py", *argv]
+    monkeypatch.setattr(processes, "_parent_command_line", lambda: launcher)
+    results = recipe.main(argv)
+    out, err = capsys.readouterr()
+    assert out.startswith("training on 1 process (world size 1)\n")
+    assert err.startswith("warning: accelerate launch asked for 2 processes, but this run trains on 1")
+    assert "\n    torchrun --nproc_per_node 2 recipes/simclr.py --dataset imagefolder " in err
+    assert results["environment"]["processes"] == {"launcher": "accelerate launch", "requested": 2, "actual": 1}
+    assert json.loads((tmp_path / "results.json").read_text())["environment"]["world_size"] == 1

@@ -75,8 +75,10 @@ def cpu_record() -> dict:
     }
 
 
-def provenance(argv: list[str] | None = None) -> dict:
-    """A JSON-able record of where and how a result was produced."""
+def provenance(argv: list[str] | None = None, processes: dict | None = None) -> dict:
+    """A JSON-able record of where and how a result was produced. ``processes``: a recipe's
+    ``ProcessCount.record()`` (st_weince.utils.processes), the processes its launcher asked for and those it trained
+    on; its ``actual`` is then the ``world_size``."""
     import torch
 
     argv = sys.argv if argv is None else argv
@@ -93,7 +95,9 @@ def provenance(argv: list[str] | None = None) -> dict:
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "cpu": cpu_record(),
         },
-        "world_size": int(os.environ.get("WORLD_SIZE", "1")),  # processes of a torchrun / accelerate launch
+        # processes of a torchrun / accelerate launch
+        "world_size": processes["actual"] if processes else int(os.environ.get("WORLD_SIZE", "1")),
+        **({"processes": processes} if processes else {}),
         "python": platform.python_version(),
         # torch's own string keeps the build tag (e.g. +cu130 or +cpu) that the package metadata drops
         "versions": {**{p: _version(p) for p in _PACKAGES}, "torch": torch.__version__},

@@ -26,15 +26,17 @@ def write_run_outputs(
     title: str = "",
     dev_metric: str | None = None,
     write: bool = True,
+    processes: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``results`` plus ``config`` (the parsed arguments), ``command`` and ``environment`` (machine, versions, git
     commit): the record that is returned and, when ``write`` (the main process), written to ``results.json``, with
-    ``training_curves.png`` when ``log_history`` has training entries."""
+    ``training_curves.png`` when ``log_history`` has training entries. ``processes`` (``ProcessCount.record()``):
+    the processes the launcher asked for and those the run had, recorded in ``environment`` beside ``world_size``."""
     record = {
         **results,
         "config": dict(vars(args) if isinstance(args, argparse.Namespace) else args),
         "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
-        "environment": provenance(),
+        "environment": provenance(processes=processes),
     }
     if not write:
         return record
