@@ -71,8 +71,24 @@ def test_sample_distinct_lines_dedupes_and_samples(tmp_path) -> None:
 def test_read_pairs_with_score_filter(shared_data) -> None:
     pairs = read_pairs(shared_data / "stsb" / "stsb-en-dev.csv", min_score=4.0)
     assert 100 < len(pairs) <= 264  # 264 dev pairs score >= 4 (fewer after deduplicating first sentences)
-    assert len({p[0] for p in pairs}) == len(pairs)
-    assert all(a != b for a, b in pairs)
+    assert len(set(pairs.anchors)) == len(pairs) == len(pairs.positives) and pairs.labels is None
+    assert all(a != b for a, b in zip(pairs.anchors, pairs.positives))
+
+
+def test_read_pairs_from_a_saved_dataset_dict(tmp_path) -> None:
+    from datasets import Dataset, DatasetDict
+
+    columns = {"q": ["a  b", "c", "c", "e", "g"], "p": ["x", "y", "z", "e", "h"], "score": [5, 4, 5, 5, 1]}
+    table = Dataset.from_dict({**columns, "y": [0, 1, 1, 2, 3]})
+    DatasetDict(dev=table).save_to_disk(str(tmp_path / "dd"))
+    pairs = read_pairs(tmp_path / "dd", 4.0, columns=["q", "p"], label_column="y", split="dev")
+    # whitespace normalised; "c" kept once (its first pair); "e" paired with itself and "g" below the score dropped
+    assert (pairs.anchors, pairs.positives, pairs.labels) == (["a b", "c"], ["x", "y"], [0, 1])
+    assert pairs.texts() == ["a b", "c", "x", "y"]
+    with pytest.raises(ValueError, match="holds the splits dev, not 'train'; name one"):
+        read_pairs(tmp_path / "dd", columns=["q", "p"])
+    with pytest.raises(ValueError, match=r"no column 'rating' \(--score-column\); its columns: q, p, score, y"):
+        read_pairs(tmp_path / "dd", 4.0, columns=["q", "p"], score_column="rating", split="dev")
 
 
 def test_encode_texts_dropout_views_differ_and_mode_is_restored(tiny_model) -> None:

@@ -3,16 +3,21 @@
 - :func:`read_first_lines`: the first ``limit`` non-empty lines, in file order, duplicates kept (a training file:
   unsupervised SimCSE trains on ``wiki1m_for_simcse.txt`` as it is).
 - :func:`sample_distinct_lines`: the distinct non-empty lines, then a seeded random subset of them (the diagnostics'
-  negative pool: a sentence paired with its own copy is no negative, its score is exactly 1).
+  negative pool: a sentence paired with its own copy is no negative, its score is exactly 1); :func:`sample_distinct`
+  does the same on texts already in memory (e.g. the two sides of sentence pairs).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 # Unsupervised SimCSE's training file, as its authors host it on the Hugging Face hub.
 WIKI1M_HUB = ("princeton-nlp/datasets-for-simcse", "wiki1m_for_simcse.txt")
+
+Item = TypeVar("Item")
 
 
 def read_first_lines(path: str | Path, limit: int | None = None) -> list[str]:
@@ -30,22 +35,34 @@ def read_first_lines(path: str | Path, limit: int | None = None) -> list[str]:
     return lines
 
 
+def seeded_subset(items: Sequence[Item], limit: int | None, seed: int = 0) -> list[Item]:
+    """A seeded random subset of ``limit`` of the items, in their order (all of them when ``limit`` is None or not
+    smaller than their number)."""
+    if limit is None or limit >= len(items):
+        return list(items)
+    keep = sorted(random.Random(seed).sample(range(len(items)), limit))
+    return [items[i] for i in keep]
+
+
+def sample_distinct(
+    texts: Iterable[str], limit: int | None = None, seed: int = 0, source: str = "the input"
+) -> list[str]:
+    """Non-empty, distinct texts (stripped) in first-seen order; a seeded random subset of ``limit`` of them.
+    ``source`` names where the texts come from in the errors."""
+    sentences = [text for text in dict.fromkeys(text.strip() for text in texts) if text]
+    if len(sentences) < 2:
+        raise ValueError(f"{source} holds {len(sentences)} distinct sentences; at least 2 are needed")
+    if limit is not None and limit < 2:
+        raise ValueError(f"limit must be at least 2, got {limit}")
+    return seeded_subset(sentences, limit, seed)
+
+
 def sample_distinct_lines(path: str | Path, limit: int | None = None, seed: int = 0) -> list[str]:
     """Non-empty, distinct lines of a text file in file order; a seeded random subset of ``limit`` of them."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"sentence file {path} not found")
-    lines = dict.fromkeys(line.strip() for line in path.read_text(encoding="utf-8").splitlines())
-    sentences = [line for line in lines if line]
-    if len(sentences) < 2:
-        raise ValueError(f"{path} holds {len(sentences)} distinct sentences; at least 2 are needed")
-    if limit is not None:
-        if limit < 2:
-            raise ValueError(f"limit must be at least 2, got {limit}")
-        if limit < len(sentences):
-            keep = sorted(random.Random(seed).sample(range(len(sentences)), limit))
-            sentences = [sentences[i] for i in keep]
-    return sentences
+    return sample_distinct(path.read_text(encoding="utf-8").splitlines(), limit, seed, source=str(path))
 
 
 def fetch_wiki1m() -> str:

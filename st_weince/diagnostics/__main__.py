@@ -1,8 +1,13 @@
-"""Tail diagnostics of an encoder: is the hard-negative tail Weibull, and how much endpoint do the winners want?
+"""Tail diagnostics of an encoder: is the hard-negative tail Weibull, how much endpoint do the winners want, and
+which loss does that point to?
 
-Text (a SentenceTransformer directory) on a file of sentences, one a line:
+Text (a SentenceTransformer directory) on a file of sentence pairs, its columns named (CSV with a header row,
+JSON lines, Parquet, or a ``save_to_disk`` folder); the negative pool is the pairs' distinct texts:
 
-    python -m st_weince.diagnostics --model PATH --sentences wiki1m_sample.txt --output-dir DIR
+    python -m st_weince.diagnostics --model PATH --pairs pairs.csv --columns anchor positive --scale 20 --output-dir DIR
+
+or on a file of sentences, one a line, for the negative pool (``--sentences``), with or without pairs. The last line
+printed begins ``Verdict:`` (st_weince.diagnostics.verdict: the rule).
 
 Images (an encoder saved by ``st_weince.vision.models.save_encoder``) on an ImageFolder directory or zip:
 
@@ -15,12 +20,14 @@ Steps:
    Per-anchor tails: ``--anchor-sample`` anchors, each against all other inputs, one POT fit each above the
    anchor's ``--anchor-threshold-quantile`` (the per-anchor view WEINCE's batch statistics take).
 2. Choice data: two views of each input; text: the sentence encoded twice with dropout (unsupervised SimCSE's
-   positive) and, with ``--pairs CSV``, also the two sentences of each pair; images: two SimCLR augmentations.
+   positive) and, with ``--pairs``, also the two sentences of each pair; images: two SimCLR augmentations.
    Batches of ``--batch-size`` in the ``--layout`` (``pairs``: anchor vs the batch's other views; ``nt_xent``:
    SimCLR's 2B views). The observed top-1 winner of a row is its positive. Link fits for each source of positives:
-   lambda and tau with beta = 1 (WEINCE's default), and lambda and beta with tau = ``--temperature`` (the training
+   lambda and tau with beta = 1 (WEINCE's default), and lambda and beta with tau = 1 / ``--scale`` (the training
    temperature), each with its LR test against softmax.
-3. Output: ``summary.json`` (all numbers, the command, versions, machine, seeds, scale) and PNG plots:
+3. Verdict: the tail's type, WEINCE's gate lambda on the choice data at ``--scale``, the hardest negatives against
+   the positives, and the loss they point to (pairs' choice data when given).
+4. Output: ``summary.json`` (all numbers, the command, versions, machine, seeds, scale) and PNG plots:
    ``pot_density.png`` (exceedance density, linear and log axes), ``pot_qq.png`` (QQ against the GPD and the xi = 0
    fits), ``pot_stability.png`` (shape vs threshold), ``pot_per_anchor.png`` (per-anchor shapes),
    ``link_profile_<source>.png`` (profile likelihood of lambda).
@@ -34,12 +41,13 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from st_weince.data.sentences import sample_distinct_lines
+from st_weince.data.sentences import sample_distinct, sample_distinct_lines
 from st_weince.diagnostics.collect import (
     choice_data,
     encode_images,
@@ -57,6 +65,7 @@ from st_weince.diagnostics.plots import (
     plot_row_shapes,
     plot_shape_stability,
 )
+from st_weince.diagnostics.verdict import decide, same_label_share, weince_gate
 from st_weince.utils.cli import quiet_known_warnings, user_errors_exit
 from st_weince.utils.pretrained import check_model_path
 from st_weince.utils.provenance import provenance
@@ -67,13 +76,26 @@ DEFAULT_STABILITY = (0.99, 0.995, 0.998, 0.999, 0.9995, 0.9998, 0.9999)
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="st-weince-diagnostics",
-        description="POT/GPD tail fits of negative scores and likelihood link selection (WEINCE diagnostics).",
+        description="POT/GPD tail fits of negative scores and likelihood link selection (WEINCE diagnostics); the "
+        "last line printed, 'Verdict: ...', says which loss they point to.",
     )
     src = p.add_argument_group("text encoder")
     src.add_argument("--model", help="SentenceTransformer directory (local; the hub is not used)")
-    src.add_argument("--sentences", help="text file, one sentence a line")
-    src.add_argument("--pairs", help="optional CSV sentence1,sentence2[,score]: positives for the link fit")
+    src.add_argument(
+        "--pairs",
+        help="sentence pairs, the positives of the link fit and of the verdict: a CSV file (with --columns: a header "
+        "row; without: sentence1,sentence2[,score], no header), a JSON-lines or Parquet file, or a save_to_disk folder",
+    )
+    src.add_argument(
+        "--columns", nargs=2, metavar=("ANCHOR", "POSITIVE"), help="the pair columns (default: the first two)"
+    )
+    src.add_argument("--label-column", help="a column of labels (e.g. the intent): the verdict's guard uses it")
+    src.add_argument("--pairs-split", help="split of a DatasetDict folder (default: train)")
     src.add_argument("--min-pair-score", type=float, default=None, help="keep pairs with score >= this")
+    src.add_argument("--score-column", default="score", help="the scores' column, for --min-pair-score")
+    src.add_argument(
+        "--sentences", help="text file, one sentence a line: the negative pool (default: the distinct texts of --pairs)"
+    )
     src.add_argument(
         "--skip-dropout", action="store_true", help="no dropout-view choice data (needs --pairs); saves two encodings"
     )
@@ -88,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", required=True)
     p.add_argument("--name", default=None, help="label in plots and summary (default: the model directory name)")
     p.add_argument("--num-inputs", type=int, default=4000, help="sentences / images used (seeded subset)")
-    p.add_argument("--batch-size", type=int, default=128, help="candidates per row in the choice data")
+    p.add_argument("--batch-size", type=int, default=128, help="rows and candidates of a choice batch: your batch")
     p.add_argument(
         "--layout", choices=("pairs", "nt_xent"), default=None, help="default: pairs (text), nt_xent (images)"
     )
@@ -96,7 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stability-quantiles", type=float, nargs="+", default=list(DEFAULT_STABILITY))
     p.add_argument("--anchor-sample", type=int, default=300, help="anchors for the per-anchor POT fits (0: none)")
     p.add_argument("--anchor-threshold-quantile", type=float, default=0.95)
-    p.add_argument("--temperature", type=float, default=None, help="training tau (default 0.05 text, 0.5 images)")
+    scale = p.add_mutually_exclusive_group()
+    scale.add_argument(
+        "--scale", type=float, default=None, help="your training scale, 1 / temperature (default 20 text, 2 images)"
+    )
+    scale.add_argument("--temperature", type=float, default=None, help="your training temperature: --scale 1/T")
     p.add_argument("--profile-points", type=int, default=21)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--encode-batch-size", type=int, default=64)
@@ -107,19 +133,39 @@ def build_parser() -> argparse.ArgumentParser:
 Views = dict[str, tuple[torch.Tensor, torch.Tensor, dict]]
 
 
-def _text_views(args: argparse.Namespace) -> tuple[torch.Tensor, Views, dict]:
+@dataclass(frozen=True)
+class Encoded:
+    """What the fits need: the frozen embeddings of the negative pool, the two views of each source of positives,
+    a description of the data for the summary, and the pairs' labels (None without ``--label-column``)."""
+
+    frozen: torch.Tensor
+    views: Views
+    data: dict
+    labels: list | None = None
+
+
+def _text_views(args: argparse.Namespace) -> Encoded:
     from sentence_transformers import SentenceTransformer
 
-    if not args.sentences:
-        raise ValueError("--model needs --sentences (a text file, one sentence a line)")
+    if not (args.sentences or args.pairs):
+        raise ValueError("--model needs --pairs (a file of sentence pairs) or --sentences (one sentence a line)")
     if args.skip_dropout and not args.pairs:
         raise ValueError("--skip-dropout needs --pairs (the link fit needs one source of positives)")
     if not Path(args.model).is_dir():
         raise ValueError(f"--model {args.model!r} is not a local directory (the Hugging Face hub is not used)")
     check_model_path(args.model)  # a recipe's run folder: its model is in final/
+    pairs = None
+    if args.pairs:  # read (and checked) before the model loads: a wrong column name costs no encoding
+        pairs = read_pairs(
+            args.pairs, args.min_pair_score, args.num_inputs, args.seed, columns=args.columns,
+            score_column=args.score_column, label_column=args.label_column, split=args.pairs_split,
+        )  # fmt: skip
+    if args.sentences:
+        sentences = sample_distinct_lines(args.sentences, args.num_inputs, args.seed)  # a duplicate is no negative
+    else:
+        sentences = sample_distinct(pairs.texts(), args.num_inputs, args.seed, source=args.pairs)
     model = SentenceTransformer(args.model, device="cpu")
     model.max_seq_length = args.max_seq_length
-    sentences = sample_distinct_lines(args.sentences, args.num_inputs, args.seed)  # a duplicate is no negative
     bs = args.encode_batch_size
     print(f"encoding {len(sentences)} sentences (eval mode) for the negative pool", flush=True)
     frozen = encode_texts(model, sentences, batch_size=bs, show_progress_bar=True)
@@ -132,19 +178,31 @@ def _text_views(args: argparse.Namespace) -> tuple[torch.Tensor, Views, dict]:
             encode_texts(model, sentences, batch_size=bs, train_mode=True, show_progress_bar=True),
             {"kind": "the same sentence encoded twice in train mode (dropout), as unsupervised SimCSE"},
         )
-    if args.pairs:
-        pairs = read_pairs(args.pairs, args.min_pair_score, args.num_inputs, args.seed)
+    if pairs is not None:
         print(f"encoding {len(pairs)} sentence pairs (eval mode) for the choice data", flush=True)
         views["pairs"] = (
-            encode_texts(model, [a for a, _ in pairs], batch_size=bs, show_progress_bar=True),
-            encode_texts(model, [b for _, b in pairs], batch_size=bs, show_progress_bar=True),
-            {"kind": "sentence pairs", "file": args.pairs, "min_score": args.min_pair_score, "count": len(pairs)},
+            encode_texts(model, pairs.anchors, batch_size=bs, show_progress_bar=True),
+            encode_texts(model, pairs.positives, batch_size=bs, show_progress_bar=True),
+            {
+                "kind": "sentence pairs",
+                "file": args.pairs,
+                "columns": args.columns,
+                "split": args.pairs_split,
+                "label_column": args.label_column,
+                "min_score": args.min_pair_score,
+                "count": len(pairs),
+            },
         )
-    data = {"inputs": len(sentences), "input_file": args.sentences, "max_seq_length": args.max_seq_length}
-    return frozen, views, data
+    data = {
+        "inputs": len(sentences),
+        "input_file": args.sentences or args.pairs,
+        "negative_pool": "sentence file" if args.sentences else "distinct texts of the pairs",
+        "max_seq_length": args.max_seq_length,
+    }
+    return Encoded(frozen, views, data, None if pairs is None else pairs.labels)
 
 
-def _image_views(args: argparse.Namespace) -> tuple[torch.Tensor, Views, dict]:
+def _image_views(args: argparse.Namespace) -> Encoded:
     from st_weince.vision.augment import SimCLRAugment, eval_transform
     from st_weince.vision.data import load_image_folder
     from st_weince.vision.models import load_encoder
@@ -173,7 +231,7 @@ def _image_views(args: argparse.Namespace) -> tuple[torch.Tensor, Views, dict]:
         "features": args.features,
         "encoder_config": model.config,
     }
-    return frozen, views, data
+    return Encoded(frozen, views, data)
 
 
 def _command_line() -> str:
@@ -182,60 +240,50 @@ def _command_line() -> str:
     return " ".join([program, *sys.argv[1:]])
 
 
-def _link_summary(fit: LinkFit) -> dict:
-    out = fit.to_dict()
+BETA1_MEANING = "lambda of the link fitted with beta = 1, tau free"
+TAU_FIXED_MEANING = "lambda at your temperature tau = 1/scale = {tau:g}, beta free"
+
+
+def _link_summary(fit: LinkFit, meaning: str) -> dict:
+    out = {"meaning": meaning, **fit.to_dict()}
     out["loglik_gain_per_anchor"] = (fit.loglik - fit.loglik_softmax) / fit.num_anchors
     return out
 
 
-def run(args: argparse.Namespace) -> dict:
-    if bool(args.model) == bool(args.encoder):
-        raise ValueError("pass exactly one of --model (text) and --encoder (images)")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    started = time.time()
-    out_dir = Path(args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    is_text = bool(args.model)
-    layout = args.layout or ("pairs" if is_text else "nt_xent")
-    temperature = args.temperature or (0.05 if is_text else 0.5)
-    name = args.name or Path(args.model or args.encoder).resolve().name
-    torch.manual_seed(args.seed)
-    frozen, views, data = _text_views(args) if is_text else _image_views(args)
+def _per_anchor_fits(
+    frozen: torch.Tensor, args: argparse.Namespace, out_dir: Path, name: str, pooled_xi: float
+) -> dict | None:
+    """POT fits of sampled anchors' own tails (each against all other inputs); None when ``--anchor-sample 0``."""
+    if args.anchor_sample <= 0:
+        return None
+    print(f"per-anchor POT fits ({args.anchor_sample} anchors against all other inputs)", flush=True)
+    generator = torch.Generator().manual_seed(args.seed)
+    anchors = torch.randperm(frozen.shape[0], generator=generator)[: args.anchor_sample]
+    rows = (frozen[anchors] @ frozen.T).clamp(-1.0, 1.0)
+    rows[torch.arange(len(anchors)), anchors] = float("nan")  # the anchor itself is no negative
+    row_values = [r[~torch.isnan(r)].double().numpy() for r in rows]
+    row_fits = pot_fit_rows(row_values, args.anchor_threshold_quantile)
+    shapes = [f.xi for f in row_fits if f is not None]
+    if not shapes:  # too few inputs for 30 exceedances per anchor: say so instead of failing after the other fits
+        return {"skipped": "no anchor has 30 exceedances; use more inputs or a lower quantile"}
+    plot_row_shapes(shapes, out_dir / "pot_per_anchor.png", title=name, pooled_xi=pooled_xi)
+    return {"threshold_quantile": args.anchor_threshold_quantile, **summarize_shapes(row_fits)}
 
-    print("POT fits", flush=True)
-    pool = negative_pool(frozen)
-    pot = pot_fit(pool, args.threshold_quantile)
-    stability = threshold_stability(pool, args.stability_quantiles)
-    plot_exceedance_density(pool, pot, out_dir / "pot_density.png", title=name)
-    plot_qq(pool, pot, out_dir / "pot_qq.png", title=name)
-    plot_shape_stability(stability, out_dir / "pot_stability.png", title=name)
 
-    per_anchor = None
-    if args.anchor_sample > 0:
-        print(f"per-anchor POT fits ({args.anchor_sample} anchors against all other inputs)", flush=True)
-        generator = torch.Generator().manual_seed(args.seed)
-        anchors = torch.randperm(frozen.shape[0], generator=generator)[: args.anchor_sample]
-        rows = (frozen[anchors] @ frozen.T).clamp(-1.0, 1.0)
-        rows[torch.arange(len(anchors)), anchors] = float("nan")  # the anchor itself is no negative
-        row_values = [r[~torch.isnan(r)].double().numpy() for r in rows]
-        row_fits = pot_fit_rows(row_values, args.anchor_threshold_quantile)
-        shapes = [f.xi for f in row_fits if f is not None]
-        if shapes:
-            per_anchor = {"threshold_quantile": args.anchor_threshold_quantile, **summarize_shapes(row_fits)}
-            plot_row_shapes(shapes, out_dir / "pot_per_anchor.png", title=name, pooled_xi=pot.xi)
-        else:  # too few inputs for 30 exceedances per anchor: say so instead of failing after the other fits
-            per_anchor = {"skipped": "no anchor has 30 exceedances; use more inputs or a lower quantile"}
-
-    links = {}
+def _link_fits(
+    views: Views, args: argparse.Namespace, layout: str, temperature: float, out_dir: Path, name: str
+) -> tuple[dict, dict]:
+    """The two link fits of each source of positives (summary entries), and each source's choice data."""
+    links, choices = {}, {}
+    beta1_meaning, tau_meaning = BETA1_MEANING, TAU_FIXED_MEANING.format(tau=temperature)
     for source, (view_a, view_b, info) in views.items():
         print(f"link fits ({source} positives)", flush=True)
-        scores, winners, mask = choice_data(view_a, view_b, batch_size=args.batch_size, layout=layout)
+        scores, winners, mask = choices[source] = choice_data(view_a, view_b, batch_size=args.batch_size, layout=layout)
         common = {"temperature": temperature, "profile_points": args.profile_points}
         fit_beta1 = fit_link(scores, winners, mask, free=("lambda", "tau"), **common)  # beta: WEINCE's default
         fit_tau = fit_link(scores, winners, mask, free=("lambda", "beta"), **common)
         plot_link_profile(
-            {"beta = 1, tau fitted": fit_beta1, f"tau = {temperature}, beta fitted": fit_tau},
+            {"beta = 1, tau fitted": fit_beta1, f"tau = {temperature:g}, beta fitted": fit_tau},
             out_dir / f"link_profile_{source}.png",
             title=f"{name} ({source} positives)",
         )
@@ -247,22 +295,67 @@ def run(args: argparse.Namespace) -> dict:
             "positive_score_mean": float(scores[torch.arange(scores.shape[0]), winners].mean()),
             "hardest_negative_score_mean": float(hardest_negatives(scores, winners, mask).mean()),
             "negative_score_mean": float(scores[negatives].mean()),
-            "beta1_tau_fitted": _link_summary(fit_beta1),
-            "tau_fixed_beta_fitted": _link_summary(fit_tau),
+            "beta1_tau_fitted": _link_summary(fit_beta1, beta1_meaning),
+            "tau_fixed_beta_fitted": _link_summary(fit_tau, tau_meaning),
         }
         print(
-            f"  {source}: top-1 accuracy {fit_beta1.top1_accuracy:.3f}, separated {fit_beta1.separated}; "
-            f"lambda (beta=1) = {fit_beta1.lam:.3f} [{fit_beta1.lam_ci[0]:.3f}, {fit_beta1.lam_ci[1]:.3f}], "
-            f"LR = {fit_beta1.lr_statistic:.1f}; lambda (tau={temperature}) = {fit_tau.lam:.3f}",
+            f"  {source}: top-1 accuracy {fit_beta1.top1_accuracy:.3f}, separated {fit_beta1.separated}\n"
+            f"    {beta1_meaning}: {fit_beta1.lam:.3f} [{fit_beta1.lam_ci[0]:.3f}, {fit_beta1.lam_ci[1]:.3f}] "
+            f"(tau = {fit_beta1.tau:.4g}; LR vs softmax {fit_beta1.lr_statistic:.1f})\n"
+            f"    {tau_meaning}: {fit_tau.lam:.3f} (beta = {fit_tau.beta:.3g}; LR vs softmax at that tau "
+            f"{fit_tau.lr_statistic:.1f})",
             flush=True,
         )
+    return links, choices
+
+
+def run(args: argparse.Namespace) -> dict:
+    if bool(args.model) == bool(args.encoder):
+        raise ValueError("pass exactly one of --model (text) and --encoder (images)")
+    for option in ("scale", "temperature"):
+        if getattr(args, option) is not None and not getattr(args, option) > 0:
+            raise ValueError(f"--{option} must be > 0, got {getattr(args, option)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.time()
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    is_text = bool(args.model)
+    layout = args.layout or ("pairs" if is_text else "nt_xent")
+    scale = args.scale or (1.0 / args.temperature if args.temperature else 20.0 if is_text else 2.0)
+    temperature = args.temperature or 1.0 / scale
+    name = args.name or Path(args.model or args.encoder).resolve().name
+    torch.manual_seed(args.seed)
+    encoded = _text_views(args) if is_text else _image_views(args)
+    frozen = encoded.frozen
+
+    print("POT fits", flush=True)
+    pool = negative_pool(frozen)
+    pot = pot_fit(pool, args.threshold_quantile)
+    stability = threshold_stability(pool, args.stability_quantiles)
+    plot_exceedance_density(pool, pot, out_dir / "pot_density.png", title=name)
+    plot_qq(pool, pot, out_dir / "pot_qq.png", title=name)
+    plot_shape_stability(stability, out_dir / "pot_stability.png", title=name)
+    per_anchor = _per_anchor_fits(frozen, args, out_dir, name, pot.xi)
+    links, choices = _link_fits(encoded.views, args, layout, temperature, out_dir, name)
+
+    source = "pairs" if "pairs" in choices else next(iter(choices))  # given pairs are the user's positives
+    scores, winners, mask = choices[source]
+    # choice_data's batches are square (B x B pairs, 2B x 2B nt_xent): one batch per scores.shape[1] rows
+    gate = weince_gate(scores, winners, mask, rows_per_batch=scores.shape[1], scale=scale)
+    labels = encoded.labels if source == "pairs" and layout == "pairs" else None
+    verdict = decide(
+        pot, gate, links[source]["positive_score_mean"], links[source]["hardest_negative_score_mean"],
+        label_column=args.label_column if labels else None,
+        hardest_negative_same_label_share=same_label_share(scores, winners, mask, labels) if labels else None,
+    )  # fmt: skip
 
     summary = {
         **provenance(),  # machine, versions, git commit; the command below is the diagnostics' own
         "name": name,
         "command": args.command or _command_line(),
         "model": args.model or args.encoder,
-        "data": data,
+        "data": encoded.data,
         "seed": args.seed,
         "scale": {
             "inputs": int(frozen.shape[0]),
@@ -270,21 +363,27 @@ def run(args: argparse.Namespace) -> dict:
             "batch_size": args.batch_size,
             "layout": layout,
             "temperature": temperature,
+            "training_scale": scale,
         },
         "pot": pot.to_dict(),
         "pot_stability": [f.to_dict() for f in stability],
         "pot_per_anchor": per_anchor,
         "negative_pool_quantiles": {str(q): float(np.quantile(pool, q)) for q in (0.5, 0.9, 0.99, 0.999, 1.0)},
         "link": links,
+        "weince_gate": {"positives": source, **asdict(gate)},
+        "verdict": {"positives": source, **verdict.to_dict()},
         "paper": {"xi": -0.39, "lambda_range": [0.33, 0.50]},
         "seconds": round(time.time() - started, 1),
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
     print(
         f"xi = {pot.xi:.3f} [{pot.xi_ci[0]:.3f}, {pot.xi_ci[1]:.3f}] at u = {pot.threshold:.4f} "
-        f"({pot.num_exceedances} exceedances); summary: {out_dir / 'summary.json'}",
+        f"({pot.num_exceedances} exceedances); summary: {out_dir / 'summary.json'}\n"
+        f"{gate.meaning}, {source} positives, scale {scale:g}: mean {gate.lam_mean:.3f}, share > 0.5 "
+        f"{gate.lam_share_above_half:.3f}, effective scale of the blend {gate.effective_scale_mean:.1f}",
         flush=True,
     )
+    print(verdict.line(), flush=True)  # the last line
     return summary
 
 

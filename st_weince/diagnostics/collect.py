@@ -12,8 +12,8 @@
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,36 +21,90 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from st_weince.data.sts import read_pair_csv
+from st_weince.data.sentences import seeded_subset
+from st_weince.data.sts import normalise_whitespace, read_pair_csv
+from st_weince.data.tables import load_table, table_columns
 from st_weince.functional.layouts import nt_xent_layout
 
 LAYOUTS = ("pairs", "nt_xent")
 
 
-def read_pairs(
-    path: str | Path, min_score: float | None = None, limit: int | None = None, seed: int = 0
-) -> list[tuple[str, str]]:
-    """Sentence pairs from a CSV ``sentence1,sentence2[,score]`` without header (STS-B's layout here), read by
-    :func:`st_weince.data.sts.read_pair_csv`.
+@dataclass(frozen=True)
+class SentencePairs:
+    """Sentence pairs: ``anchors[i]`` and ``positives[i]`` form pair ``i``; ``labels[i]`` its label (e.g. the intent),
+    None without a label column."""
 
-    ``min_score`` keeps pairs whose score is at least this value (e.g. 4.0 of 5 for near-paraphrases; the file then
-    needs the score column); pairs are deduplicated on their first sentence so that no anchor appears twice, and a
-    pair of identical sentences is dropped (it is no choice).
+    anchors: list[str]
+    positives: list[str]
+    labels: list[Hashable] | None = None
+
+    def __len__(self) -> int:
+        return len(self.anchors)
+
+    def texts(self) -> list[str]:
+        """The distinct texts of both sides, in first-seen order."""
+        return list(dict.fromkeys(self.anchors + self.positives))
+
+
+def read_pairs(
+    path: str | Path,
+    min_score: float | None = None,
+    limit: int | None = None,
+    seed: int = 0,
+    *,
+    columns: Sequence[str] | None = None,
+    score_column: str = "score",
+    label_column: str | None = None,
+    split: str | None = None,
+) -> SentencePairs:
+    """Sentence pairs for the choice data, from
+
+    - a ``.csv`` file without ``columns``: CSV ``sentence1,sentence2[,score]`` without header (STS-B's layout here),
+      read by :func:`st_weince.data.sts.read_pair_csv`;
+    - otherwise any table :func:`st_weince.data.tables.load_table` reads (CSV with a header row, JSON lines, Parquet,
+      a ``save_to_disk`` folder and its ``split``): the ``columns`` (anchor, positive), by default its first two
+      (sentence-transformers' trainer takes a dataset's columns in order too), the ``score_column`` when
+      ``min_score`` is given and the ``label_column`` when named. A missing column is a ValueError naming it and
+      listing the table's columns.
+
+    ``min_score`` keeps pairs whose score is at least this value (e.g. 4.0 of 5 for near-paraphrases); pairs are
+    deduplicated on their first sentence so that no anchor appears twice, a pair with an empty side or of identical
+    sentences is dropped (it is no choice), and ``limit`` keeps a seeded random subset.
     """
-    first, second, scores = read_pair_csv(path, scored=min_score is not None)
-    pairs: dict[str, str] = {}
-    for index, (a, b) in enumerate(zip(first, second)):
-        if min_score is not None and scores[index] < min_score:
+    if columns is not None and len(columns) != 2:
+        raise ValueError(f"--columns takes two names, ANCHOR POSITIVE; got {list(columns)}")
+    if columns is None and Path(path).suffix.lower() == ".csv" and Path(path).is_file():
+        if label_column is not None:
+            raise ValueError(f"--label-column needs --columns: without it, {path} is read as CSV without a header")
+        first, second, scores = read_pair_csv(path, scored=min_score is not None)
+        labels = None
+    else:
+        table = load_table(path, split)
+        if columns is None and len(table.column_names) < 2:
+            raise ValueError(f"{path} has {len(table.column_names)} column(s); pairs need two (--columns)")
+        first, second = table_columns(table, columns or table.column_names[:2], path)
+        scores = table_columns(table, [score_column], path, "--score-column")[0] if min_score is not None else []
+        labels = table_columns(table, [label_column], path, "--label-column")[0] if label_column else None
+    first, second = ([_text(value) for value in column] for column in (first, second))
+    kept: dict[str, int] = {}  # anchor -> row of its first usable pair
+    for row, (a, b) in enumerate(zip(first, second)):
+        if min_score is not None and (scores[row] is None or not scores[row] >= min_score):
             continue
         if a and b and a != b:
-            pairs.setdefault(a, b)
-    out = list(pairs.items())
-    if len(out) < 2:
-        raise ValueError(f"{path} yields {len(out)} usable pairs (min_score={min_score}); at least 2 are needed")
-    if limit is not None and limit < len(out):
-        keep = sorted(random.Random(seed).sample(range(len(out)), limit))
-        out = [out[i] for i in keep]
-    return out
+            kept.setdefault(a, row)
+    rows = seeded_subset(list(kept.values()), limit, seed)
+    if len(rows) < 2:
+        raise ValueError(f"{path} yields {len(rows)} usable pairs (min_score={min_score}); at least 2 are needed")
+    return SentencePairs(
+        anchors=[first[row] for row in rows],
+        positives=[second[row] for row in rows],
+        labels=None if labels is None else [labels[row] for row in rows],
+    )
+
+
+def _text(value: object) -> str:
+    """A table cell as a sentence: whitespace-normalised as SentEval's loaders do; a missing cell (None) is ""."""
+    return "" if value is None else normalise_whitespace(str(value))
 
 
 @torch.no_grad()
