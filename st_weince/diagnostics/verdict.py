@@ -26,6 +26,7 @@ from torch import Tensor
 
 from st_weince.diagnostics.evt import PotFit
 from st_weince.functional.effective_scale import blend_effective_scale
+from st_weince.functional.options import WEINCEOptions
 from st_weince.functional.weince import hardest_negatives, weince_statistics
 
 # Below this mean gate lambda the blend is InfoNCE up to a 10 % shortfall term: too little to choose WEINCE for.
@@ -54,13 +55,11 @@ def weince_gate(
     """The gate lambda of WEINCELoss (default options at ``scale``) on choice data stacked batch after batch (as
     :func:`st_weince.diagnostics.collect.choice_data` returns it, ``rows_per_batch`` rows a batch): each batch gets
     its own pivot ``rho0``, as one training batch does."""
-    from st_weince.losses.options import WEINCELossOptions
-
-    options = WEINCELossOptions(scale=scale)
+    options = WEINCEOptions(scale=scale)
     lam, effective = [], []
     for start in range(0, scores.shape[0], rows_per_batch):
         batch = slice(start, start + rows_per_batch)
-        stats = weince_statistics(scores[batch], winner_index[batch], valid_mask[batch], options.math)
+        stats = weince_statistics(scores[batch], winner_index[batch], valid_mask[batch], options)
         lam.append(stats.lam)
         effective.append(
             blend_effective_scale(scores[batch], valid_mask[batch], stats.lam, stats.beta, scale=scale, eps=options.eps)
@@ -73,7 +72,7 @@ def weince_gate(
         effective_scale_mean=float(torch.cat(effective).double().mean()),
         anchors=int(lam_all.numel()),
         batches=len(lam),
-        options=options.math.as_dict(),
+        options=options.to_config(),
     )
 
 
