@@ -16,7 +16,10 @@ Rules, on the cosine score ``s`` of a candidate and ``s_pos`` of the row's posit
 - ``"identical"``: mask the candidates whose *input* is identical to the row's positive (the same token ids): exact
   duplicates of the positive, found without a threshold. The inputs travel as :func:`input_keys`, a hash per row of
   its token ids, so that candidates of other processes (gathered) and of other mini-batches (cached losses) are
-  compared by a few integers instead of their token ids.
+  compared by a few integers instead of their token ids;
+- ``"same_label"``: mask the candidates of the rows whose label (a class or group id per row: the dataset's label
+  column) equals the row's own: another row's positive, or its anchor where a direction scores anchors. Mined hard
+  negatives stay, as negatives by construction. The labels travel as keys (:func:`label_keys`), like the inputs.
 
 Everything here is branch-free tensor code (no host-device sync).
 """
@@ -31,7 +34,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-FilterRule = Literal["absolute", "relative", "identical"]
+FilterRule = Literal["absolute", "relative", "identical", "same_label"]
+KEY_RULES = ("identical", "same_label")  # the rules that compare keys of the rows, not scores
 
 #: A prime modulus and the number of independent hashes of :func:`input_keys` (4 x 31 bits; a fifth column holds the
 #: number of tokens).
@@ -77,6 +81,19 @@ def positive_keys(candidate_keys: Tensor | None, positive_index: Tensor, num_can
     return keys.masked_fill(~inside[:, None], -1)
 
 
+def label_keys(labels: Tensor, num_columns: int, hard_negative_columns: bool = True) -> list[Tensor]:
+    """The ``"same_label"`` rule's keys of every column, [B, 2] each: ``(label, 0)`` for the anchor and positive
+    columns (their rows' label), ``(label, 1)`` for the hard-negative columns (``hard_negative_columns``), which
+    therefore match no row's reference (taken from an anchor or positive column): mined negatives are never
+    masked. Labels are compared exactly, as float64."""
+    labels = labels.detach().reshape(-1).to(torch.float64)
+    keys = []
+    for column in range(num_columns):
+        flag = 1.0 if hard_negative_columns and column >= 2 else 0.0
+        keys.append(torch.stack([labels, torch.full_like(labels, flag)], dim=1))
+    return keys
+
+
 def feature_keys(features: dict[str, Tensor], owner: str) -> Tensor:
     """:func:`input_keys` of one column's tokenized features (sentence-transformers' ``sentence_features`` entry)."""
     if "input_ids" not in features:
@@ -96,15 +113,16 @@ class FalseNegativeFilter:
 
     @classmethod
     def parse(cls, spec: FalseNegativeFilter | tuple | list | str | None) -> FalseNegativeFilter | None:
-        """``None`` (off), a ``FalseNegativeFilter``, ``("absolute", m)`` / ``("relative", r)``, or ``"identical"``."""
+        """``None`` (off), a ``FalseNegativeFilter``, ``("absolute", m)`` / ``("relative", r)``, ``"identical"`` or
+        ``"same_label"``."""
         if spec is None or isinstance(spec, FalseNegativeFilter):
             return spec
-        if spec == "identical":
-            return cls("identical", 0.0)
+        if spec in KEY_RULES:
+            return cls(spec, 0.0)
         if not isinstance(spec, (tuple, list)) or len(spec) != 2:
             raise ValueError(
-                "false_negative_filter must be None, ('absolute', margin), ('relative', ratio) or 'identical', "
-                f"got {spec!r}"
+                "false_negative_filter must be None, ('absolute', margin), ('relative', ratio), 'identical' or "
+                f"'same_label', got {spec!r}"
             )
         rule, value = spec
         if rule not in ("absolute", "relative"):
@@ -120,12 +138,17 @@ class FalseNegativeFilter:
 
     @property
     def needs_keys(self) -> bool:
-        """Whether the rule compares inputs (:func:`input_keys`) instead of scores."""
-        return self.rule == "identical"
+        """Whether the rule compares keys of the rows (inputs or labels) instead of scores."""
+        return self.rule in KEY_RULES
+
+    @property
+    def uses_labels(self) -> bool:
+        """Whether the rule reads the rows' labels."""
+        return self.rule == "same_label"
 
     def to_config(self) -> list | str:
-        """JSON form for ``get_config_dict`` (a list, or ``"identical"``, which ``parse`` accepts back)."""
-        return self.rule if self.rule == "identical" else [self.rule, self.value]
+        """JSON form for ``get_config_dict`` (a list, or the rule's name, which ``parse`` accepts back)."""
+        return self.rule if self.needs_keys else [self.rule, self.value]
 
 
 @dataclass(frozen=True)

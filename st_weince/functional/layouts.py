@@ -244,7 +244,7 @@ def guard_layout(
 ) -> tuple[MNRLLayout, FilterCounts | None]:
     """The layout with the false-negative guard's candidates removed from every group's ``valid_mask``, and the
     per-row counts (masked, negatives before) of the query-anchored group; the layout itself when the guard is off.
-    ``keys``: the (gathered) columns' input keys for the ``"identical"`` rule, with the layout's first row
+    ``keys``: the (gathered) columns' keys for the ``"identical"`` and ``"same_label"`` rules, the layout's first row
     ``row_start``."""
     if spec is None:
         return layout, None
@@ -253,7 +253,7 @@ def guard_layout(
     pair_scores = query_group.scores.gather(1, query_group.positive_index[:, None]).squeeze(1)
     groups, counts = [], None
     for group in layout.groups:
-        key_arguments = _identical_rule_keys(group, keys, row_start, layout.num_rows) if spec.needs_keys else {}
+        key_arguments = _row_key_arguments(group, keys, row_start, layout.num_rows) if spec.needs_keys else {}
         valid_mask, group_counts = apply_false_negative_filter(
             group.scores,
             group.positive_index,
@@ -267,14 +267,14 @@ def guard_layout(
     return MNRLLayout(groups=tuple(groups), partition_mode=layout.partition_mode, num_rows=layout.num_rows), counts
 
 
-def _identical_rule_keys(
+def _row_key_arguments(
     group: CandidateGroup, keys: list[Tensor] | None, row_start: int, num_rows: int
 ) -> dict[str, Tensor]:
-    """The candidates' input keys of one MNRL group (its directions' candidate sets side by side) and each row's
-    reference keys: the positive document's for rows anchored at queries, the row's query for rows anchored at
-    documents (its pair partner)."""
+    """The candidates' keys (their inputs', or their rows' labels) of one MNRL group (its directions' candidate sets
+    side by side) and each row's reference keys: the positive document's for rows anchored at queries, the row's query
+    for rows anchored at documents (its pair partner)."""
     if keys is None:
-        raise ValueError("false_negative_filter='identical' needs the inputs' keys")
+        raise ValueError("the false-negative guard's rules 'identical' and 'same_label' need the rows' keys")
     query_keys, doc_keys = keys[0], keys[1:]
     all_doc_keys = torch.cat(doc_keys) if len(doc_keys) > 1 else doc_keys[0]
     per_direction = {

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from st_weince.calibration import mark_carried_values_stale
 from st_weince.functional.checks import check_score_shapes, compute_dtype, full_precision, require_valid_scores
-from st_weince.functional.false_negatives import FilterCounts, feature_keys
+from st_weince.functional.false_negatives import KEY_RULES, FilterCounts, feature_keys, label_keys
 from st_weince.functional.layouts import normalize_rows
 from st_weince.losses._labels import warn_unused_labels
 from st_weince.training.protocol import LossState
@@ -177,11 +177,11 @@ class ColumnsLoss(nn.Module, LossState):
         self, embeddings: list[Tensor], labels: Tensor | None = None, *, row_keys: list[Tensor] | None = None
     ) -> Tensor:
         """The loss on already computed column embeddings, in float32 for half-precision embeddings (also under
-        autocast) and in float64 for float64 ones. ``row_keys``: each column's
-        :func:`~st_weince.functional.input_keys`, needed by the guard's ``"identical"`` rule only (``forward``
-        computes them from the token ids)."""
-        row_keys = self._checked_row_keys(row_keys, len(embeddings))
-        warn_unused_labels(self, labels)  # no sync: a host-side check
+        autocast) and in float64 for float64 ones. ``labels``: a class or group id per row, read by the guard's
+        ``"same_label"`` rule only (else ignored, with a warning). ``row_keys``: each column's
+        :func:`~st_weince.functional.input_keys`, read by the ``"identical"`` rule only (``forward`` computes them
+        from the token ids)."""
+        row_keys = self._checked_row_keys(row_keys, labels, embeddings)
         with full_precision(*embeddings):
             return self._loss_from_embeddings(embeddings, row_keys)
 
@@ -195,7 +195,11 @@ class ColumnsLoss(nn.Module, LossState):
 
     def _check_scores(self, scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None, **rules: Any) -> None:
         """The checks of ``loss_from_scores``: shapes (free), then the values, in the step's one host sync."""
-        self._checked_row_keys(None, 0)  # a score matrix carries no inputs to compare ("identical" is refused)
+        if self._guard_rule() in KEY_RULES:  # a score matrix carries no rows' inputs or labels to compare
+            raise ValueError(
+                f"{type(self).__name__}: false_negative_filter={self._guard_rule()!r} compares the rows' inputs or "
+                "labels, which a score matrix does not carry: use compute_loss_from_embeddings (or forward)"
+            )
         check_score_shapes(scores, positive_index, valid_mask)
         if self.options.check_inputs:
             checks = DeferredChecks()
@@ -223,20 +227,45 @@ class ColumnsLoss(nn.Module, LossState):
 
     # -- the false-negative guard's input keys ----------------------------------------------------------------
 
-    def _compares_inputs(self) -> bool:
+    def _guard_rule(self) -> str | None:
         spec = self.options.false_negative_filter
-        return spec is not None and spec.needs_keys
+        return None if spec is None else spec.rule
 
     def _row_keys(self, sentence_features: list[dict[str, Tensor]]) -> list[Tensor] | None:
         """The input keys of every column's rows when the guard compares inputs (``"identical"``), else None."""
-        if not self._compares_inputs():
+        if self._guard_rule() != "identical":
             return None
         return [feature_keys(features, type(self).__name__) for features in sentence_features]
 
-    def _checked_row_keys(self, row_keys: list[Tensor] | None, num_columns: int) -> list[Tensor] | None:
-        """``row_keys`` when the guard compares inputs (refused when missing), else None."""
-        if not self._compares_inputs():
+    def _has_hard_negative_columns(self) -> bool:
+        """Whether the columns after the second are mined hard negatives (MNRL's layout), which the ``"same_label"``
+        rule never masks."""
+        return True
+
+    def _checked_row_keys(
+        self, row_keys: list[Tensor] | None, labels: Tensor | None, embeddings: list[Tensor]
+    ) -> list[Tensor] | None:
+        """The keys the guard compares: ``row_keys`` for ``"identical"`` (refused when missing), the labels' for
+        ``"same_label"`` (refused when there are none), else None; labels given to any other setting are ignored,
+        with one warning."""
+        rule = self._guard_rule()
+        if rule == "same_label":
+            if labels is None:
+                raise ValueError(
+                    f"{type(self).__name__}: false_negative_filter='same_label' needs the dataset's 'label' column (a "
+                    "class or group id per row, which sentence-transformers passes to the loss as labels), and this "
+                    "batch has none: add a 'label' column, or choose another false_negative_filter"
+                )
+            if labels.numel() != embeddings[0].shape[0]:
+                raise ValueError(
+                    f"{type(self).__name__}: false_negative_filter='same_label' needs one label per row, got "
+                    f"{labels.numel()} labels for {embeddings[0].shape[0]} rows"
+                )
+            return label_keys(labels, len(embeddings), hard_negative_columns=self._has_hard_negative_columns())
+        warn_unused_labels(self, labels)  # no sync: a host-side check
+        if rule != "identical":
             return None
+        num_columns = len(embeddings)
         if row_keys is None or len(row_keys) != num_columns:
             raise ValueError(
                 f"{type(self).__name__}: false_negative_filter='identical' compares the inputs' token ids: call the "

@@ -14,7 +14,6 @@ from torch import Tensor, nn
 
 from st_weince.functional.checks import full_precision
 from st_weince.functional.options import Options, options
-from st_weince.losses._labels import warn_unused_labels
 from st_weince.utils.options import flag_option, positive_int_option
 
 GRADCACHE_CITATION = """
@@ -150,9 +149,8 @@ class GradCachedLoss(CachedLossMixin):
         """The loss of the whole batch from the per-mini-batch embeddings, in row chunks of ``mini_batch_size``.
         With ``with_backward`` each chunk is back-propagated to ``reps`` at once and the loss returned detached (plus
         the zero-valued term carrying the loss parameters' gradients)."""
-        warn_unused_labels(self, labels)  # no sync: a host-side check
         embeddings = self._concatenated_columns(reps)
-        row_keys = self._checked_row_keys(self._pending_row_keys, len(embeddings))
+        row_keys = self._checked_row_keys(self._pending_row_keys, labels, embeddings)
         with full_precision(*embeddings):
             return self._cached_loss(embeddings, row_keys, with_backward)
 

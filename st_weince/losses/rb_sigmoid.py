@@ -203,6 +203,9 @@ class RBSigmoidLoss(ColumnsLoss):
         """The locked-encoder adapter's ``delta = sigmoid(x)``, or None without the adapter."""
         return torch.sigmoid(self.adapter_logit) if self.options.locked_adapter else None
 
+    def _has_hard_negative_columns(self) -> bool:
+        return self.options.columns == "negatives"
+
     # ----- the training protocol (st_weince.training.protocol) -----
     def no_weight_decay(self) -> set[str]:
         """Every parameter of the loss's own: a scale and a bias are no weights to shrink."""
