@@ -298,7 +298,7 @@ def test_compiled_weince_with_the_guard_equals_eager():
         (("absolute", -0.1), "m >= 0"),
         (("relative", 1.2), "0 < r <= 1"),
         (("cosine", 0.1), "rule must be 'absolute' or 'relative'"),
-        (0.95, "must be None, \\('absolute', margin\\), \\('relative', ratio\\) , 'identical' or 'same_label'"),
+        (0.95, "must be None, \\('absolute', margin\\), \\('relative', ratio\\), 'identical' or 'same_label'"),
         (("relative", float("inf")), "finite number"),
     ],
 )
