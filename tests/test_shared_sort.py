@@ -1,6 +1,8 @@
 """One partial sort per row serves the tail fit and the top-M terms, and the batch tail comes from one top-k of the
-flat matrix: each checked against an independent computation (masking a full copy and sorting it), also with ties,
-masked entries, rows without a positive and widths up to the number of columns."""
+flat matrix it was selected from: each checked against an independent computation (masking a full copy and sorting
+it), also with ties, masked entries, rows without a positive and widths up to the number of columns. Where the
+layout says that every row has the same number of negatives (no mask; every row or none with a positive), the
+shortcuts it allows give the general path's values bit for bit."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 from st_weince.functional.batch_tail import batch_negative_tail
 from st_weince.functional.composite import top_m_negatives
 from st_weince.functional.options import TopM
-from st_weince.functional.weince import hardest_negatives, weince_tail_fit
+from st_weince.functional.weince import hardest_negatives, statistics_from_fit, weince_tail_fit
 
 
 def scores_with_ties(rows: int, columns: int, seed: int) -> torch.Tensor:
@@ -87,5 +89,31 @@ def test_batch_tail_is_the_smallest_shortfalls_of_all_negatives(masked, min_poin
     shortfalls = torch.sort((1 - scores).clamp_min(eps).masked_fill(~negative, float("inf")).reshape(-1))
     # as many as a tail of the batch's entries can need (the fit takes its k of them from the count of negatives)
     keep = min(scores.numel(), max(min_points, int(options.beta_tail_frac * scores.numel())))
-    assert tail.ascending and tail.num_negatives.item() == negative.sum().item()
+    assert tail.ascending and int(tail.num_negatives) == negative.sum().item()
     assert torch.equal(tail.shortfalls, shortfalls.values[:keep])
+
+
+@pytest.mark.parametrize("has_positive", [True, False])
+@pytest.mark.parametrize("columns", [8, 40, 300])
+def test_rows_alike_give_the_general_paths_values_bit_for_bit(has_positive, columns):
+    """With no valid_mask, a known has_positive lets the tail sizes, the fit design, the pivot and the batch tail's
+    count come from the shapes; an all-True valid_mask takes the per-row path over the same entries."""
+    scores = scores_with_ties(64, columns, seed=columns)
+    positive_index = torch.arange(64) % columns if has_positive else torch.full((64,), -1)
+    everything = torch.ones_like(scores, dtype=torch.bool)
+    alike = weince_tail_fit(scores, positive_index, None, has_positive=has_positive)
+    per_row = weince_tail_fit(scores, positive_index, everything)
+    assert alike.alike is not None and per_row.alike is None
+    for name in ("rho", "beta_hat", "delta_aic", "fitted", "has_negatives"):
+        assert torch.equal(getattr(alike, name), getattr(per_row, name)), name
+    for name in ("lam", "beta", "rho0"):
+        assert torch.equal(getattr(statistics_from_fit(alike), name), getattr(statistics_from_fit(per_row), name))
+    options = TopM(beta_tail_min_points=100)
+    width = min(columns, 50)
+    shared = hardest_negatives(scores, positive_index, None, width, has_positive=has_positive, keep_selection=True)
+    assert torch.equal(shared.values, hardest_negatives(scores, positive_index, everything, width).values)
+    from_sort = batch_negative_tail(scores, positive_index, None, options, eps=1e-6, hardest=shared,
+                                    has_positive=has_positive)
+    own = batch_negative_tail(scores, positive_index, everything, options, eps=1e-6)
+    assert isinstance(from_sort.num_negatives, int) and from_sort.num_negatives == int(own.num_negatives)
+    assert torch.equal(from_sort.shortfalls, own.shortfalls)

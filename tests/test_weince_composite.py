@@ -260,6 +260,22 @@ def test_top_m_gradients():
     (grad,) = torch.autograd.grad(both(capped), capped)
     assert torch.isfinite(grad).all()
 
+    # every row alike (no mask, every row with its positive): the selection without a mask, the same fused terms
+    def alike(s, shortfall_weight=1.0):
+        terms = top_m_terms(s, positive_index, None, TopM(m=3), beta=2.5, scale=2.0, eps=EPS, has_positive=True)
+        return shortfall_weight * terms[0].sum() + 0.3 * terms[1].sum()
+
+    assert torch.autograd.gradcheck(alike, (scores,))
+    unmasked = top_m_pair(scores, positive_index, None, TopM(m=3), beta=2.5, scale=2.0)
+    assert torch.equal(torch.stack(unmasked), torch.stack(top_m_terms(
+        scores, positive_index, None, TopM(m=3), beta=2.5, scale=2.0, eps=EPS, has_positive=True)[:2]))
+    capped = scores.detach().clone()
+    capped[0, 0] = 1.0  # row 0's positive, at the cap: the shortfall term passes it no gradient
+    capped.requires_grad_()
+    (grad,) = torch.autograd.grad(alike(capped, shortfall_weight=0.0), capped)
+    (with_shortfall,) = torch.autograd.grad(alike(capped), capped)
+    assert float(with_shortfall[0, 0]) == float(grad[0, 0]) and torch.isfinite(with_shortfall).all()
+
 
 def test_batch_tail_over_parts_equals_whole():
     """Rows split over two 'processes' (or candidate groups), tails concatenated: the same fit as one matrix."""

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from st_weince.functional.checks import check_score_shapes, compute_dtype, from_order_keys, order_keys
-from st_weince.functional.line_fit import fit_design, fit_lines
+from st_weince.functional.checks import check_score_shapes, compute_dtype
+from st_weince.functional.line_fit import fit_design, fit_lines, shared_design
 from st_weince.functional.options import TopM
-from st_weince.functional.weince import count_negatives
+from st_weince.functional.weince import HardestNegatives, count_negatives, negative_selection, selected_values
 from st_weince.utils.options import integer_option
 
 # Fewer negatives than this in the whole batch: no fit, the moving average keeps its value.
@@ -48,7 +48,8 @@ class BatchTail:
     """The smallest shortfalls of a batch's negative scores (no gradient) and how many negatives there were."""
 
     shortfalls: Tensor  # [L] max(1 - s, eps); +inf beyond the last negative; ascending where ``ascending``
-    num_negatives: Tensor  # scalar long: K_all
+    # K_all: a scalar long tensor, or a Python int where the shapes alone give it (every row alike)
+    num_negatives: Tensor | int
     ascending: bool = False  # known from how it was built (one part of batch_negative_tail), never from the values
 
     @staticmethod
@@ -56,49 +57,48 @@ class BatchTail:
         """Several processes' (or candidate groups') tails as one: the fit of the union of their rows."""
         if len(parts) == 1:
             return parts[0]
+        counts = [p.num_negatives for p in parts]
         return BatchTail(
             shortfalls=torch.cat([p.shortfalls for p in parts]),
-            num_negatives=torch.stack([p.num_negatives for p in parts]).sum(),
+            num_negatives=sum(counts) if all(isinstance(c, int) for c in counts) else torch.stack(
+                [torch.as_tensor(c, device=parts[0].shortfalls.device) for c in counts]
+            ).sum(),
         )
 
 
 @torch.no_grad()
 def batch_negative_tail(
     scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None, options: TopM,
-    *, eps: float, global_entries: int | None = None,
+    *, eps: float, global_entries: int | None = None, hardest: HardestNegatives | None = None,
+    has_positive: bool | None = None,
 ) -> BatchTail:
     """The smallest shortfalls ``max(1 - s, eps)`` over ALL negative scores of these rows (self-pairs, positives and
     masked entries excluded), as many as the tail of the global batch can need.
 
     ``global_entries``: the number of score entries of the global batch (default: this matrix's), so that under data
     parallelism each process keeps enough of its shortfalls for the global fit. A row with positive -1 contributes
-    all its valid entries.
+    all its valid entries. ``hardest``: the rows' :func:`~st_weince.functional.weince.hardest_negatives` with its
+    selection kept, whose selection (the positives and masked entries already out) this selects from, instead of
+    making its own; ``has_positive`` as there.
     """
     check_score_shapes(scores, positive_index, valid_mask)
-    positive_index = positive_index.long()  # any integer dtype, as in torch's losses
+    if positive_index.dtype != torch.long:  # any integer dtype, as in torch's losses
+        positive_index = positive_index.long()
     entries = scores.numel()
     global_entries = entries if global_entries is None else integer_option("global_entries", global_entries, entries)
     keep = min(entries, batch_tail_size(global_entries, options))
-    s = scores.detach().to(compute_dtype(scores))
-    if valid_mask is not None:
-        s = s.masked_fill(~valid_mask, float("-inf"))
-    # The smallest shortfalls max(1 - s, eps) are the largest scores. The keep + A largest entries hold the keep
-    # largest negatives (at most one positive per row among them): one top-k of the flat matrix, no masked copy.
-    rows_with_positive = scores.shape[0]
-    taken = min(entries, keep + rows_with_positive)
-    flat = s.reshape(-1)
-    if flat.device.type == "cpu":  # both selections on order-preserving integer keys, as in hardest_negatives
-        keys, indices = order_keys(flat).topk(taken, sorted=False)
-        row, column = indices // scores.shape[1], indices % scores.shape[1]
-        keys.masked_fill_(column == positive_index[row], order_keys(flat.new_full((), float("-inf"))))
-        largest = from_order_keys(keys.topk(keep, sorted=True).values, flat.dtype)
+    if hardest is not None and hardest.selection is not None:
+        selected = hardest.selection
     else:
-        values, indices = flat.topk(taken, sorted=False)
-        row, column = indices // scores.shape[1], indices % scores.shape[1]
-        negative_values = values.masked_fill(column == positive_index[row], float("-inf"))
-        largest = negative_values.topk(keep, sorted=True).values
-    shortfall = torch.rsub(largest, 1.0).clamp_min_(eps)  # -inf (no negative left) gives +inf
-    num_negatives = count_negatives(positive_index, valid_mask, scores.shape, scores.device).sum()
+        selected = negative_selection(scores, positive_index, valid_mask, has_positive)
+    # The keep smallest shortfalls are the keep largest negative scores: one top-k of the flat selection.
+    largest = selected_values(selected.reshape(-1).topk(keep, sorted=True).values, scores.dtype)
+    dtype = compute_dtype(scores)
+    shortfall = torch.rsub(largest if largest.dtype == dtype else largest.to(dtype), 1.0).clamp_min_(eps)
+    if valid_mask is None and has_positive is not None:  # every row alike: a count from the shapes
+        num_negatives = entries - scores.shape[0] * int(has_positive)
+    else:
+        num_negatives = count_negatives(positive_index, valid_mask, scores.shape, scores.device).sum()
     return BatchTail(shortfalls=shortfall, num_negatives=num_negatives, ascending=True)
 
 
@@ -108,8 +108,8 @@ class BatchTailFit:
 
     slope: Tensor  # scalar: least-squares slope of log F_r on log d_r, clamped at >= 0; 0 when there is no fit
     r_squared: Tensor  # scalar in [0, 1]; 0 when there is no fit
-    tail_size: Tensor  # scalar long: k
-    fitted: Tensor  # scalar bool: at least MIN_BATCH_TAIL_POINTS negatives
+    tail_size: Tensor | int  # k (a Python int where the tail's count of negatives is one)
+    fitted: Tensor | bool  # at least MIN_BATCH_TAIL_POINTS negatives
     trusted: Tensor  # scalar bool: fitted, R^2 >= beta_min_r_squared and slope > 0
 
 
@@ -124,18 +124,28 @@ def batch_tail_fit(tail: BatchTail, options: TopM) -> BatchTailFit:
     if length == 0:
         zero = shortfalls.new_zeros(())
         no = torch.zeros((), dtype=torch.bool, device=shortfalls.device)
-        return BatchTailFit(zero, zero, tail.num_negatives.clamp_max(0), no, no)
+        return BatchTailFit(zero, zero, 0, False, no)
     dtype = shortfalls.dtype
-    k = batch_tail_size(tail.num_negatives, options).clamp_max(length)
-    burn_in, weight, (log_cdf, _) = fit_design(k[None], length, dtype)
-    n = weight.sum(1, keepdim=True).clamp_min(1.0)
-    x = torch.log(torch.where(weight[0] > 0, shortfalls, torch.ones_like(shortfalls)))[None]
-    ((slope, sse),), degenerate = fit_lines(x, (log_cdf,), weight, n, burn_in.clamp_max(length - 1)[:, None])
-    total = (log_cdf * log_cdf).sum(1).clamp_min(_MIN_SUM_OF_SQUARES)
-    fitted = k >= MIN_BATCH_TAIL_POINTS
-    shaped = fitted & ~degenerate[0]
-    slope = torch.where(shaped, slope[0].clamp_min(0.0), torch.zeros_like(slope[0]))
-    r_squared = torch.where(shaped, (1.0 - sse[0] / total[0]).clamp(0.0, 1.0), torch.zeros_like(slope))
+    if isinstance(tail.num_negatives, int):  # the design from the shapes alone, made once
+        k = min(batch_tail_size(tail.num_negatives, options), length)
+        design = shared_design(k, length, dtype, shortfalls.device, gumbel=False)
+        burn_in = max(1, k // 20)
+        n, first_used, fitted = float(max(k - burn_in, 1)), min(burn_in, length - 1), k >= MIN_BATCH_TAIL_POINTS
+    else:
+        k = batch_tail_size(tail.num_negatives, options).clamp_max(length)
+        design = fit_design(k[None], length, dtype, gumbel=False)
+        n = design.weight.sum(1, keepdim=True).clamp_min(1.0)
+        first_used, fitted = design.burn_in.clamp_max(length - 1)[:, None], k >= MIN_BATCH_TAIL_POINTS
+    x = torch.log(torch.where(design.weight[0] > 0, shortfalls, 1.0))[None]
+    slope, sse, degenerate = fit_lines(x, design, n, first_used)
+    log_cdf = design.centred[0, 0]
+    total = (log_cdf * log_cdf).sum().clamp_min(_MIN_SUM_OF_SQUARES)
+    if isinstance(fitted, bool):
+        shaped = ~degenerate[0] if fitted else torch.zeros_like(degenerate[0])
+    else:
+        shaped = fitted & ~degenerate[0]
+    slope = torch.where(shaped, slope[0, 0].clamp_min(0.0), 0.0)
+    r_squared = torch.where(shaped, (1.0 - sse[0, 0] / total).clamp(0.0, 1.0), 0.0)
     trusted = shaped & (r_squared >= options.beta_min_r_squared) & (slope > 0)
     return BatchTailFit(slope=slope, r_squared=r_squared, tail_size=k, fitted=fitted, trusted=trusted)
 

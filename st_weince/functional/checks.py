@@ -20,11 +20,9 @@ from st_weince.utils.hotpath import DeferredChecks
 def compute_dtype(*tensors: Tensor) -> torch.dtype:
     """The dtype the statistics, logits and losses are computed in: the widest floating input dtype, at least float32
     (float64 stays float64; float16 and bfloat16, e.g. under autocast, are computed in float32)."""
-    dtype = torch.float32
-    for tensor in tensors:
-        if tensor.is_floating_point():
-            dtype = torch.promote_types(dtype, tensor.dtype)
-    return dtype
+    # in Python, not torch.promote_types (an operator call per tensor on the hot path)
+    wide = any(tensor.dtype == torch.float64 for tensor in tensors)
+    return torch.float64 if wide else torch.float32
 
 
 _INTEGER_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -46,6 +44,13 @@ def from_order_keys(keys: Tensor, dtype: torch.dtype) -> Tensor:
 def _flip_negative(bits: Tensor) -> Tensor:
     sign = 8 * bits.element_size() - 1
     return (bits >> sign).bitwise_and_((1 << sign) - 1).bitwise_xor_(bits)
+
+
+#: The order key of -inf in each floating dtype (a Python int: what a row's excluded entry is set to).
+NEGATIVE_INFINITY_KEY = {
+    dtype: int(order_keys(torch.full((), float("-inf"), dtype=dtype)))
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+}
 
 
 class _Upcast(torch.autograd.Function):

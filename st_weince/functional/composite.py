@@ -30,7 +30,7 @@ from torch import Tensor
 
 from st_weince.functional.batch_tail import negative_mask
 from st_weince.functional.checks import check_score_shapes, compute_dtype
-from st_weince.functional.effective_scale import top_m_shortfall_effective_scale
+from st_weince.functional.effective_scale import selection_shortfall_scale
 from st_weince.functional.options import TopM
 from st_weince.functional.weince import HardestNegatives, count_negatives
 
@@ -40,13 +40,15 @@ def top_m_width(num_candidates: int, top_m: int) -> int:
     return max(min(top_m, num_candidates - 2), 0)
 
 
-def top_m_negatives(
+def top_m_selection(
     scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, *, top_m: int,
-    hardest: HardestNegatives | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The positive score [A] and the M hardest negative scores [A, M'] of each row (descending) with a mask
-    [A, M'] of the ones used: ``min(M, K - 1)`` per row with K negatives. ``M' = min(M, C - 2)`` comes from the
-    shape; unused positions hold 0. Gradient flows to the selected scores. In the scores' dtype (half: float32).
+    hardest: HardestNegatives | None = None, has_positive: bool | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """``[A, 1 + M']``: each row's positive score, then its hardest negative scores (descending), with the mask of the
+    entries used: the positive and ``min(M, K - 1)`` negatives of a row with K negatives. ``M' = min(M, C - 2)`` comes
+    from the shape; unused positions hold 0. The mask is None where every row uses all, which the shapes show (no
+    ``valid_mask`` and ``has_positive``: every row has ``K - 1 = C - 2`` candidates). Gradient flows to the selected
+    scores. In the scores' dtype (half: float32).
 
     ``hardest``: the rows' :func:`~st_weince.functional.weince.hardest_negatives`, at least M' wide, when the caller
     shares that sort with the tail fit (the scores are then gathered at its columns); one top-k here otherwise.
@@ -54,34 +56,35 @@ def top_m_negatives(
     s = scores.to(compute_dtype(scores))
     positive_column = positive_index.clamp_min(0)[:, None]
     width = top_m_width(s.shape[1], top_m)
-    if width == 0:  # at most one negative per row: K - 1 = 0 hard negatives
-        empty = s.new_zeros((s.shape[0], 0))
-        return s.gather(1, positive_column).squeeze(1), empty, empty.bool()
     if hardest is None:
-        positive = s.gather(1, positive_column).squeeze(1)
         negative = negative_mask(s, positive_index, valid_mask)
-        values = s.masked_fill(~negative, float("-inf")).topk(width, dim=1, sorted=True).values
-        num_negatives = negative.sum(1)
+        columns = s.detach().masked_fill(~negative, float("-inf")).topk(width, dim=1, sorted=True).indices
     else:
         if hardest.columns is None or hardest.columns.shape[0] != s.shape[0] or hardest.columns.shape[1] < width:
             raise ValueError(
                 f"hardest has shape {tuple(hardest.values.shape)}: the top-M terms of {tuple(s.shape)} scores need "
                 f"[{s.shape[0]}, >= {width}] with its columns (hardest_negatives(..., with_columns=True))"
             )
-        # one gather of the positive and the negatives: its backward scatters into one [A, C] gradient, not two
-        picked = s.gather(1, torch.cat([positive_column, hardest.columns[:, :width]], dim=1))
-        positive, values = picked[:, 0], picked[:, 1:]
-        num_negatives = count_negatives(positive_index, valid_mask, s.shape, s.device)
-    per_row = (num_negatives - 1).clamp(0, top_m)
-    used = torch.arange(width, device=s.device)[None, :] < per_row[:, None]
-    return positive, torch.where(used, values, torch.zeros_like(values)), used
+        columns = hardest.columns if hardest.columns.shape[1] == width else hardest.columns[:, :width]
+    # one gather of the positive and the negatives: its backward scatters into one [A, C] gradient
+    picked = s.gather(1, torch.cat([positive_column, columns], dim=1))
+    if valid_mask is None and has_positive:
+        return picked, None
+    num_negatives = count_negatives(positive_index, valid_mask, s.shape, s.device)
+    used = torch.arange(width + 1, device=s.device) <= (num_negatives - 1).clamp(0, top_m)[:, None]
+    return torch.where(used, picked, 0.0), used
 
 
-def _cross_entropy_first(positive_logit: Tensor, negative_logits: Tensor, used: Tensor) -> Tensor:
-    """Per-row cross-entropy with the first logit (the positive) as the target; unused negatives excluded."""
-    negative_logits = negative_logits.masked_fill(~used, float("-inf"))
-    logits = torch.cat([positive_logit[:, None], negative_logits], dim=1)
-    return torch.logsumexp(logits, dim=1) - positive_logit
+def top_m_negatives(
+    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, *, top_m: int,
+    hardest: HardestNegatives | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The positive score [A] and the M hardest negative scores [A, M'] of each row (descending) with a mask
+    [A, M'] of the ones used: :func:`top_m_selection`'s columns apart, the mask always given."""
+    picked, used = top_m_selection(scores, positive_index, valid_mask, top_m=top_m, hardest=hardest)
+    if used is None:
+        used = torch.ones_like(picked, dtype=torch.bool)
+    return picked[:, 0], picked[:, 1:], used[:, 1:]
 
 
 def shortfall_logits(scores: Tensor, beta: Tensor | float, eps: float) -> Tensor:
@@ -89,32 +92,60 @@ def shortfall_logits(scores: Tensor, beta: Tensor | float, eps: float) -> Tensor
     return torch.log(torch.rsub(scores.clamp(max=1.0 - eps), 1.0)) * -beta
 
 
-def _shortfall_term(selection: tuple[Tensor, Tensor, Tensor], beta: Tensor | float, eps: float) -> Tensor:
-    positive, negatives, used = selection
-    beta = torch.as_tensor(beta, device=positive.device).detach().to(positive.dtype)
-    return _cross_entropy_first(shortfall_logits(positive, beta, eps), shortfall_logits(negatives, beta, eps), used)
+class _TopMTerms(torch.autograd.Function):
+    """Both top-M cross-entropies ``[2, A]`` (shortfall, InfoNCE) of a selection ``[A, 1 + M']`` whose first column is
+    the target, fused: one log-sum-exp over both terms' logits side by side, and a backward of a few passes over the
+    small selection (autograd's chain of the two logits, the masking and the log-sum-exp takes about 45 operators).
 
+    The loss is ``logsumexp(l) - l[0]`` per row; the gradient ``(softmax(l) - e_0) dl/dx``, with ``dl/dx`` equal to
+    ``beta / (1 - x)`` for the shortfall logit below the cap (0 where the clamp at ``1 - eps`` holds) and to
+    ``scale`` for the InfoNCE one."""
 
-def _infonce_term(selection: tuple[Tensor, Tensor, Tensor], scale: float) -> Tensor:
-    positive, negatives, used = selection
-    return _cross_entropy_first(positive * scale, negatives * scale, used)
+    @staticmethod
+    def forward(ctx, picked: Tensor, used: Tensor | None, beta: Tensor, scale: float, eps: float) -> Tensor:
+        logits = torch.stack([shortfall_logits(picked, beta, eps), picked * scale])
+        if used is not None:
+            logits.masked_fill_(~used, float("-inf"))
+        log_normaliser = torch.logsumexp(logits, dim=2, keepdim=True)
+        ctx.save_for_backward(picked, logits, log_normaliser, beta)
+        ctx.scale, ctx.eps = scale, eps
+        return (log_normaliser - logits[:, :, :1]).squeeze(2)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        picked, logits, log_normaliser, beta = ctx.saved_tensors
+        # in autograd's order of operations, so that the gradient is the unfused chain's bit for bit
+        grad_logits = torch.sub(logits, log_normaliser).exp_().mul_(grad[:, :, None])
+        grad_logits[:, :, 0] -= grad
+        # the shortfall logit's slope beta / (1 - x), 0 where the clamp holds (the shortfall set to +inf)
+        shortfall = torch.threshold_(torch.rsub(picked, 1.0), ctx.eps, float("inf"))
+        grad_picked = grad_logits[0].mul_(beta).div_(shortfall)
+        return grad_picked.add_(grad_logits[1].mul_(ctx.scale)), None, None, None, None
 
 
 def top_m_terms(
     scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None, options: TopM,
     *, beta: Tensor | float, scale: float, eps: float, hardest: HardestNegatives | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    has_positive: bool | None = None, effective_scale: bool = True,
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(shortfall [A], infonce [A], shortfall effective scale [A])`` from one selection of the hardest negatives:
     per row, the cross-entropy of the shortfall logits over [positive] + the M hardest negatives
     (``L_weibit_topM`` of docs/algorithms.md 1.2b, tail index ``beta``: the batch's ``beta_t``, no gradient), the
     InfoNCE over the same set at ``scale`` (``L_infonce_topM``), each with the positive as the target, and the secant
     slope of the shortfall logit over the set (:mod:`st_weince.functional.effective_scale`; the InfoNCE term's is
-    ``scale``). ``hardest``: the rows' shared sort (:func:`top_m_negatives`)."""
+    ``scale``; None without ``effective_scale``). ``hardest``, ``has_positive``: as in :func:`top_m_selection`."""
     check_score_shapes(scores, positive_index, valid_mask)
-    positive_index = positive_index.long()  # any integer dtype, as in torch's losses
-    selection = top_m_negatives(scores, positive_index, valid_mask, top_m=options.m, hardest=hardest)
-    shortfall_scale = top_m_shortfall_effective_scale(*selection, beta, eps)
-    return _shortfall_term(selection, beta, eps), _infonce_term(selection, scale), shortfall_scale
+    if positive_index.dtype != torch.long:  # any integer dtype, as in torch's losses
+        positive_index = positive_index.long()
+    picked, used = top_m_selection(
+        scores, positive_index, valid_mask, top_m=options.m, hardest=hardest, has_positive=has_positive
+    )
+    beta = torch.as_tensor(beta, device=picked.device).detach()
+    if beta.dtype != picked.dtype:
+        beta = beta.to(picked.dtype)
+    shortfall, infonce = _TopMTerms.apply(picked, used, beta, float(scale), float(eps))
+    shortfall_scale = selection_shortfall_scale(picked.detach(), used, beta, eps) if effective_scale else None
+    return shortfall, infonce, shortfall_scale
 
 
 # --------------------------------------------------------------------------------------------- the composite

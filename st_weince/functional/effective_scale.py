@@ -29,8 +29,9 @@ def shortfall_secant_slope(low: Tensor, high: Tensor, eps: float) -> Tensor:
     low, high = low.clamp(max=1.0 - eps), high.clamp(max=1.0 - eps)
     width = high - low
     rise = torch.log1p(-low) - torch.log1p(-high)
-    tangent = 1.0 / (1.0 - high)
-    return torch.where(width > 0, rise / torch.where(width > 0, width, torch.ones_like(width)), tangent)
+    tangent = torch.rsub(high, 1.0).reciprocal_()
+    spread = width > 0
+    return torch.where(spread, rise / torch.where(spread, width, 1.0), tangent)
 
 
 def row_score_range(scores: Tensor, valid_mask: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -51,19 +52,26 @@ def blend_effective_scale(
     """Per row [A]: the secant slope of the blended logit ``(1 - lam) s scale + lam (-beta log(1 - s))`` over the row's
     valid scores (the positive and every candidate of its softmax)."""
     low, high = row_score_range(scores, valid_mask)
-    lam, beta = lam.detach().to(low.dtype), beta.detach().to(low.dtype)
+    if lam.dtype != low.dtype:
+        lam, beta = lam.to(low.dtype), beta.to(low.dtype)
     return (1.0 - lam) * scale + lam * beta * shortfall_secant_slope(low, high, eps)
+
+
+@torch.no_grad()
+def selection_shortfall_scale(picked: Tensor, used: Tensor | None, beta: Tensor, eps: float) -> Tensor:
+    """Per row [A]: the secant slope of the top-M shortfall logit ``-beta log(1 - s)`` over a row's used entries of a
+    :func:`~st_weince.functional.composite.top_m_selection` (its positive and used hardest negatives; None: all)."""
+    # The positive is an entry of the set, so a row without used negatives (M' = 0) has the range of one score.
+    low, high = row_score_range(picked, used)
+    return beta * shortfall_secant_slope(low, high, eps)
 
 
 @torch.no_grad()
 def top_m_shortfall_effective_scale(
     positive: Tensor, negatives: Tensor, used: Tensor, beta: Tensor | float, eps: float
 ) -> Tensor:
-    """Per row [A]: the secant slope of the top-M shortfall logit ``-beta log(1 - s)`` over the positive and the
-    row's used hardest negatives (the selection of :func:`st_weince.functional.composite.top_m_negatives`)."""
-    # The positive is a column of the set, so a row without used negatives (M' = 0) has the range of one score.
+    """:func:`selection_shortfall_scale` of :func:`~st_weince.functional.composite.top_m_negatives`' three parts."""
     values = torch.cat([positive.detach()[:, None], negatives.detach()], dim=1)
     in_set = torch.cat([used.new_ones((used.shape[0], 1)), used], dim=1)
-    low, high = row_score_range(values, in_set)
     beta = torch.as_tensor(beta, device=positive.device).detach().to(positive.dtype)
-    return beta * shortfall_secant_slope(low, high, eps)
+    return selection_shortfall_scale(values, in_set, beta, eps)

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -12,10 +14,19 @@ from torch import Tensor
 _DEGENERATE_SPREAD_ULPS = 16.0
 
 
-def fit_design(sizes: Tensor, k_max: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
-    """For tail sizes ``sizes`` [R]: the burn-in b [R], the 0/1 weights [R, k_max] of the fitted ranks (b, k] and
-    the centred responses of both lines at those ranks (zero elsewhere): log F_r (Weibull) and log(-log F_r)
-    (Gumbel proxy), F_r = r / (k + 1)."""
+class Design(NamedTuple):
+    """The fixed part of the fits of tails of sizes k [R] over ``k_max`` ranks: the burn-in b [R], the 0/1 weights
+    [R, k_max] of the fitted ranks (b, k], and the responses' centred values at those ranks (zero elsewhere)
+    [Y, R, k_max]: log F_r (Weibull) and, with ``gumbel``, -log(-log F_r) (the Gumbel proxy's negative, so that for
+    both lines a slope <= 0 has the wrong sign), F_r = r / (k + 1)."""
+
+    burn_in: Tensor
+    weight: Tensor
+    centred: Tensor
+
+
+def fit_design(sizes: Tensor, k_max: int, dtype: torch.dtype, *, gumbel: bool = True) -> Design:
+    """The :class:`Design` of tails of sizes ``sizes`` [R]."""
     sizes = sizes[:, None]
     rank = torch.arange(1, k_max + 1, device=sizes.device, dtype=dtype)[None, :]
     burn_in = torch.clamp(torch.div(sizes, 20, rounding_mode="floor"), min=1)
@@ -24,45 +35,63 @@ def fit_design(sizes: Tensor, k_max: int, dtype: torch.dtype) -> tuple[Tensor, T
     n = weight.sum(1, keepdim=True).clamp_min(1.0)
     # positions outside the fit get a harmless 0.5 so no NaN enters the sums
     log_cdf = torch.log(torch.where(used, rank / (sizes.to(dtype) + 1.0), 0.5))
-    centred = tuple((y - (y * weight).sum(1, keepdim=True) / n) * weight for y in (log_cdf, torch.log(-log_cdf)))
-    return burn_in.squeeze(1), weight, centred
+    responses = (log_cdf, torch.log(-log_cdf).neg_()) if gumbel else (log_cdf,)
+    centred = torch.stack([(y - (y * weight).sum(1, keepdim=True) / n) * weight for y in responses])
+    return Design(burn_in.squeeze(1), weight, centred)
 
 
-def row_design(k: Tensor, k_max: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+# The designs of the tails that every row of a batch shares (their size follows from the shapes alone), made once per
+# size: they are the same at every step.
+_SHARED_DESIGNS: dict[tuple, Design] = {}
+
+
+def shared_design(size: int, k_max: int, dtype: torch.dtype, device: torch.device, *, gumbel: bool = True) -> Design:
+    """:func:`fit_design` of one tail size (a Python int: every row's), [1, k_max], kept for the next call."""
+    key = (size, k_max, dtype, device, gumbel)
+    design = _SHARED_DESIGNS.get(key)
+    if design is None:
+        if len(_SHARED_DESIGNS) >= 64:  # a bounded cache: few sizes recur within a training run
+            _SHARED_DESIGNS.clear()
+        with torch.no_grad():
+            design = fit_design(torch.tensor([size], device=device), k_max, dtype, gumbel=gumbel)
+        _SHARED_DESIGNS[key] = design
+    return design
+
+
+def row_design(k: Tensor, k_max: int, dtype: torch.dtype) -> Design:
     """:func:`fit_design` for each row's tail size. The design depends on k only, so when there are more rows
     than possible sizes it is computed once per size ([k_max + 1, k_max]) and each row picks its size's row, which
     saves about 15 passes over the [A, k_max] tails; otherwise (e.g. the small row chunks of a cached loss, where
     that table would grow quadratically with the batch) per row. Both give identical values."""
     if k_max + 1 > k.shape[0]:
         return fit_design(k, k_max, dtype)
-    burn_in, weight, centred = fit_design(torch.arange(k_max + 1, device=k.device), k_max, dtype)
-    return burn_in[k], weight.index_select(0, k), tuple(table.index_select(0, k) for table in centred)
+    table = fit_design(torch.arange(k_max + 1, device=k.device), k_max, dtype)
+    return Design(table.burn_in[k], table.weight.index_select(0, k), table.centred.index_select(1, k))
 
 
 def fit_lines(
-    x: Tensor, centred_ys: tuple[Tensor, ...], weight: Tensor, n: Tensor, first_used: Tensor
-) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
-    """Row-wise least squares y ~ a + slope * x for several y on the same x, over the points with weight 1.
+    x: Tensor, design: Design, n: Tensor | float, first_used: Tensor | int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Row-wise least squares y ~ a + slope * x for the design's responses on the same x, over the points with weight
+    1: ``(slope [Y, A], residual sum of squares [Y, A], degenerate [A])``, where the rows whose x has no spread
+    (``degenerate``) get slope 0.
 
-    ``x`` and ``weight`` are [A, k] (x finite everywhere), ``centred_ys`` the responses already centred over the
-    used points and zero elsewhere, ``n`` [A, 1] the points per row, ``first_used`` [A, 1] the position of each
-    row's first used point. Returns (slope, residual sum of squares) per y and the rows whose x has no spread
-    (``degenerate``, slope 0).
+    ``x`` is [A, k] (finite everywhere), ``n`` [A, 1] the points per row (or one number for every row),
+    ``first_used`` [A, 1] the position of each row's first used point (or one position for every row). The design's
+    rows are the rows of x, or one row for all.
 
     x is shifted by one of its own points before centring, so equal x give exactly zero deviations, and a row is
     degenerate when the RMS deviation is below a few units of rounding of x's magnitude (a relative threshold,
     valid in every dtype). Residuals are summed directly, not as syy - sxy^2 / sxx, which cancels in float32.
     """
-    reference = x.gather(1, first_used)
+    weight, centred = design.weight, design.centred
+    reference = x[:, first_used : first_used + 1] if isinstance(first_used, int) else x.gather(1, first_used)
     xs = (x - reference).mul_(weight)
     xc = (xs - xs.sum(1, keepdim=True) / n).mul_(weight)
-    sxx = (xc * xc).sum(1)
-    resolution = _DEGENERATE_SPREAD_ULPS * torch.finfo(x.dtype).eps * reference.squeeze(1).abs()
-    degenerate = sxx <= n.squeeze(1) * resolution * resolution
-    sxx_safe = torch.where(degenerate, torch.ones_like(sxx), sxx)
-    fits = []
-    for yc in centred_ys:
-        slope = torch.where(degenerate, torch.zeros_like(sxx), (xc * yc).sum(1) / sxx_safe)
-        residual = torch.addcmul(yc, xc, slope[:, None], value=-1.0)
-        fits.append((slope, (residual * residual).sum(1)))
-    return fits, degenerate
+    sxx = (xc * xc).sum(1, keepdim=True)
+    resolution = reference.abs().mul_(_DEGENERATE_SPREAD_ULPS * torch.finfo(x.dtype).eps)
+    degenerate = sxx <= resolution * n * resolution
+    sxx_safe = torch.where(degenerate, 1.0, sxx)
+    slope = torch.where(degenerate, 0.0, (xc * centred).sum(2, keepdim=True) / sxx_safe)
+    residual = torch.addcmul(centred, xc, slope, value=-1.0)
+    return slope.squeeze(2), (residual * residual).sum(2), degenerate.squeeze(1)

@@ -63,7 +63,8 @@ def _scalar(value: ScalarLike, name: str, dtype: torch.dtype, positive: bool = F
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name} must be a scalar, got shape {tuple(value.shape)}")
-        return value.reshape(()).to(dtype)
+        value = value if value.dim() == 0 else value.reshape(())
+        return value if value.dtype == dtype else value.to(dtype)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number or a scalar tensor, got {type(value).__name__}")
     return real_option(name, value, positive=positive)
@@ -295,16 +296,16 @@ def _embedding_block(
     per-row counts (masked, negatives; None without the guard): the score block of
     :func:`chunked_sigmoid_contrastive_loss`."""
     scores = anchors @ candidates.T
+    local = positive_index - start if start else positive_index  # each row's matching column in this block
     # On the cosine scores (before a score transform), against each row's matching-pair score.
     keys = {"candidate_keys": candidate_keys, "reference_keys": reference_keys}
     valid_mask, guard_counts = apply_false_negative_filter(
-        scores, positive_index - start, None, false_negative_filter, positive_scores, **keys
+        scores, local, None, false_negative_filter, positive_scores, **keys
     )
     if score_transform is not None:
         scores = score_transform(scores)
     width = candidates.shape[0]
-    # each row's one matching column in this block (the guard never removes it; a valid_mask given may)
-    local = positive_index - start
+    # (the guard never removes the matching column; a valid_mask given may)
     in_block = (local >= 0) & (local < width)
     column = local.clamp(0, width - 1)
     loss_sum, low, high = _GatheredBlockSum.apply(scores, column, in_block, valid_mask, scale, -bias_value, relative)
@@ -406,7 +407,8 @@ def chunked_sigmoid_contrastive_loss(
     t = _scalar(scale, "scale", dtype, positive=True)
     bias_value, relative = _bias_argument(relative_bias, bias, dtype)
     num_candidates = candidates.shape[0]
-    anchors, candidates = anchors.to(dtype), candidates.to(dtype)
+    anchors = anchors if anchors.dtype == dtype else anchors.to(dtype)
+    candidates = candidates if candidates.dtype == dtype else candidates.to(dtype)
     step = num_candidates if chunk_size is None else min(chunk_size, num_candidates)
     recompute = step < num_candidates and torch.is_grad_enabled()
     guard_counts: FilterCounts | None = None
@@ -428,8 +430,7 @@ def chunked_sigmoid_contrastive_loss(
             pair_scores = (anchors.detach() * pairs).sum(-1)
             # +inf: a row without a positive has no threshold, so the guard masks nothing there
             positive_scores = torch.where(positive_index >= 0, pair_scores, float("inf"))
-    total = anchors.new_zeros(())
-    min_positive, max_negative = anchors.new_tensor(float("inf")), anchors.new_tensor(float("-inf"))
+    total = min_positive = max_negative = None
     keyed = false_negative_filter is not None and false_negative_filter.needs_keys
     reference_keys = reference_keys if keyed else None
     for start in range(0, num_candidates, step):
@@ -440,8 +441,11 @@ def chunked_sigmoid_contrastive_loss(
             loss_sum, low, high, masked = checkpoint(_embedding_block, *arguments, *block_guard, use_reentrant=False)
         else:
             loss_sum, low, high, masked = _embedding_block(*arguments, *block_guard)
-        total = total + loss_sum
-        min_positive, max_negative = torch.minimum(min_positive, low), torch.maximum(max_negative, high)
+        if total is None:
+            total, min_positive, max_negative = loss_sum, low, high
+        else:
+            total = total + loss_sum
+            min_positive, max_negative = torch.minimum(min_positive, low), torch.maximum(max_negative, high)
         if masked is not None:
             block_counts = FilterCounts(*masked)
             guard_counts = block_counts if guard_counts is None else guard_counts.plus(block_counts)

@@ -30,8 +30,15 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from st_weince.functional.checks import check_score_shapes, check_scores, compute_dtype, from_order_keys, order_keys
-from st_weince.functional.line_fit import fit_lines, row_design
+from st_weince.functional.checks import (
+    NEGATIVE_INFINITY_KEY,
+    check_score_shapes,
+    check_scores,
+    compute_dtype,
+    from_order_keys,
+    order_keys,
+)
+from st_weince.functional.line_fit import fit_lines, row_design, shared_design
 from st_weince.functional.options import BETA_AUTO_RANGE, DEFAULTS, WEINCEOptions
 from st_weince.utils.hotpath import DeferredChecks
 from st_weince.utils.options import real_option
@@ -51,11 +58,16 @@ class TailFit:
     delta_aic: Tensor  # [A] AIC_Gumbel - AIC_Weibull; 0.0 where not fitted or degenerate (no tail shape)
     fitted: Tensor  # [A] bool: at least 3 tail points after the burn-in
     has_negatives: Tensor  # [A] bool: at least one negative
+    # (fitted, has_negatives) of every row, when all rows have the same number of negatives (known from the shapes:
+    # no valid_mask, and every row or no row with a positive); None where they may differ
+    alike: tuple[bool, bool] | None = None
 
     @staticmethod
     def cat(parts: list[TailFit]) -> TailFit:
         """Row chunks' fits, concatenated in order."""
-        return TailFit(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(TailFit)))
+        alike = parts[0].alike if all(p.alike == parts[0].alike for p in parts) else None
+        per_row = [f.name for f in fields(TailFit) if f.name != "alike"]
+        return TailFit(*(torch.cat([getattr(p, name) for p in parts]) for name in per_row), alike=alike)
 
 
 @dataclass(frozen=True)
@@ -94,47 +106,70 @@ class HardestNegatives:
     values: Tensor  # [A, W] the W largest negative scores of each row, descending, in the scores' dtype; -inf padding
     # [A, W] long: their columns (padding positions: some column, whose value is never used); None when not asked for
     columns: Tensor | None
+    # [A, C] what the rows were selected from, when asked for: :func:`negative_selection` of the scores
+    selection: Tensor | None = None
 
     def first(self, width: int) -> HardestNegatives:
-        """The ``width`` hardest of each row (e.g. to keep only what the top-M terms need)."""
+        """The ``width`` hardest of each row (e.g. to keep only what the top-M terms need), without the selection."""
         columns = None if self.columns is None else self.columns[:, :width]
         return HardestNegatives(values=self.values[:, :width], columns=columns)
 
 
 @torch.no_grad()
+def negative_selection(
+    scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None, has_positive: bool | None = None
+) -> Tensor:
+    """[A, C]: the scores with each row's positive and invalid entries at -inf, to select negatives from by size: on
+    CPU as their order keys (:func:`~st_weince.functional.checks.order_keys`, whose top-k is faster there; map the
+    selected keys back with ``from_order_keys``), elsewhere as floats. A new tensor, never a view of the scores.
+
+    The positive leaves by its column, so ties cannot confuse it. ``has_positive``: True when every row's
+    ``positive_index`` is a column, False when none is (-1 everywhere), None to go by each row's (a Python fact of
+    the caller's layout spares that per-row choice)."""
+    selected = scores.detach()
+    if valid_mask is not None:
+        selected = selected.masked_fill(~valid_mask, float("-inf"))
+    on_cpu = scores.device.type == "cpu"
+    if on_cpu:
+        selected = order_keys(selected)  # a new tensor
+    elif valid_mask is None:
+        selected = selected.clone()
+    if positive_index is None or has_positive is False:
+        return selected
+    lowest = NEGATIVE_INFINITY_KEY[scores.dtype] if on_cpu else float("-inf")
+    column = positive_index[:, None]
+    if has_positive:
+        return selected.scatter_(1, column, lowest)
+    # rows with and without a positive: the latter's column 0 is written with its own value
+    column = column.clamp_min(0)
+    own = selected.gather(1, column)
+    return selected.scatter_(1, column, torch.where(column == positive_index[:, None], lowest, own))
+
+
+def selected_values(selected: Tensor, dtype: torch.dtype) -> Tensor:
+    """The scores of entries taken from a :func:`negative_selection` (order keys on CPU), in ``dtype``."""
+    return selected if selected.is_floating_point() else from_order_keys(selected, dtype)
+
+
+@torch.no_grad()
 def hardest_negatives(
-    scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None, width: int, *, with_columns: bool = True
+    scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None, width: int,
+    *, with_columns: bool = True, has_positive: bool | None = None, keep_selection: bool = False,
 ) -> HardestNegatives:
     """The ``width`` largest negative scores of each row, descending, and their columns (no gradient; without them
-    when not ``with_columns``: the tail fit alone reads only the values).
-
-    Takes the top width + 1 of the row and drops the positive among them (by column, so ties cannot confuse it),
-    instead of masking a full copy of the matrix. A row without a positive (-1) keeps its top width. Positions beyond
-    a row's last negative hold -inf. ``width``: at most the number of columns.
+    when not ``with_columns``: the tail fit alone reads only the values), from one top-k of each row of the
+    :func:`negative_selection` (``has_positive`` as there), which is kept with them for ``keep_selection`` (the
+    batch tail selects from it too). A row without a positive keeps its top width. Positions beyond a row's last
+    negative hold -inf. ``width``: at most the number of columns.
     """
     if not 1 <= width <= scores.shape[1]:
         raise ValueError(f"width must be in [1, {scores.shape[1]}] (the number of columns), got {width}")
-    scores = scores.detach()
-    if valid_mask is not None:
-        scores = scores.masked_fill(~valid_mask, float("-inf"))
-    taken = width if positive_index is None else min(width + 1, scores.shape[1])
-    if scores.device.type == "cpu":  # the same selection, faster on CPU (checks.order_keys)
-        keys, columns = order_keys(scores).topk(taken, dim=1, sorted=True)
-        values = from_order_keys(keys, scores.dtype)
-    else:  # CUDA's top-k is a radix select on such keys already
-        values, columns = scores.topk(taken, dim=1, sorted=True)
-    if positive_index is None:
-        return HardestNegatives(values=values, columns=columns if with_columns else None)
-    # Drop the positive without re-sorting: position j takes the value at j, or at j + 1 once the positive has been
-    # passed. A row whose positive is not among its top width + 1 (or that has none) keeps its first width values.
-    shifted = (columns[:, :width] == positive_index[:, None]).cumsum(dim=1).add_(
-        torch.arange(width, device=scores.device)
-    )
-    beyond = shifted >= taken  # only when width = columns
-    positions = shifted.clamp_max_(taken - 1)
+    selected = negative_selection(scores, positive_index, valid_mask, has_positive)
+    values, columns = selected.topk(width, dim=1, sorted=True)
     return HardestNegatives(
-        values=values.gather(1, positions).masked_fill_(beyond, float("-inf")),
-        columns=columns.gather(1, positions) if with_columns else None,
+        values=selected_values(values, scores.dtype),
+        columns=columns if with_columns else None,
+        selection=selected if keep_selection else None,
     )
 
 
@@ -165,96 +200,127 @@ def negatives_needed(options: WEINCEOptions = DEFAULTS) -> int:
 @torch.no_grad()
 def weince_tail_fit(
     scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None = None,
-    options: WEINCEOptions = DEFAULTS, *, hardest: HardestNegatives | None = None,
+    options: WEINCEOptions = DEFAULTS, *, hardest: HardestNegatives | None = None, has_positive: bool | None = None,
 ) -> TailFit:
     """Per-anchor shortfall tail fits (docs/algorithms.md 1.1 steps 1-4), vectorised over anchors, in the scores'
     dtype (float16/bfloat16: float32). Shapes are checked, values are not (:func:`check_scores`).
 
     ``hardest``: the rows' :func:`hardest_negatives`, at least :func:`max_tail_size` wide, when the caller shares
-    that sort with the top-M terms; computed here otherwise."""
+    that sort with the top-M terms; computed here otherwise. ``has_positive``: as in :func:`hardest_negatives`; with
+    no ``valid_mask`` and a known ``has_positive`` every row has the same number of negatives, so each row's tail
+    size and fit design follow from the shapes (the same values, fewer operators)."""
     check_score_shapes(scores, positive_index, valid_mask)
-    positive_index = None if positive_index is None else positive_index.long()
+    if positive_index is not None and positive_index.dtype != torch.long:
+        positive_index = positive_index.long()
     dtype = compute_dtype(scores)
-    device = scores.device
-    num_negatives = count_negatives(positive_index, valid_mask, scores.shape, device)
-    k = tail_sizes(num_negatives, tail_frac=options.tail_frac, min_tail_points=options.min_tail_points)
-    k_max = max(max_tail_size(scores.shape[1], options), 1)
-    has_negatives = num_negatives > 0
-
+    num_rows, num_columns = scores.shape
+    k_max = max(max_tail_size(num_columns, options), 1)
     if hardest is None:
-        hardest = hardest_negatives(scores, positive_index, valid_mask, k_max, with_columns=False)
-    elif hardest.values.shape[0] != scores.shape[0] or hardest.values.shape[1] < k_max:
+        hardest = hardest_negatives(
+            scores, positive_index, valid_mask, k_max, with_columns=False, has_positive=has_positive
+        )
+    elif hardest.values.shape[0] != num_rows or hardest.values.shape[1] < k_max:
         raise ValueError(
             f"hardest has shape {tuple(hardest.values.shape)}: the tail fit of {tuple(scores.shape)} scores needs "
-            f"[{scores.shape[0]}, >= {k_max}]"
+            f"[{num_rows}, >= {k_max}]"
         )
-    top = hardest.values[:, :k_max].to(dtype)
+    top = hardest.values if hardest.values.shape[1] == k_max else hardest.values[:, :k_max]
     # Shortfalls of the sorted tail; the -inf padding of rows with fewer than k_max negatives gives +inf, whose log
     # is set to 0 so that no inf or NaN enters the (weighted) sums.
-    shortfall = torch.rsub(top, 1.0).clamp_min_(options.eps)
-    rho = torch.where(has_negatives, shortfall[:, 0], 1.0)
+    shortfall = torch.rsub(top if top.dtype == dtype else top.to(dtype), 1.0).clamp_min_(options.eps)
     log_shortfall = torch.log(shortfall).nan_to_num_(posinf=0.0)
 
-    burn_in, weight, centred = row_design(k, k_max, dtype)
-    n = (k - burn_in).clamp_min(0)
-    fitted = n >= _MIN_FIT_POINTS
-    n_safe = n.clamp_min(1).to(dtype)[:, None]
-    ((beta_hat, sse_weibull), (gumbel_slope, sse_gumbel)), degenerate = fit_lines(
-        log_shortfall, centred, weight, n_safe, burn_in.clamp_max(k_max - 1)[:, None]
-    )
-    sse_weibull = (sse_weibull + _WRONG_SIGN_PENALTY * (beta_hat <= 0)).clamp_min(_MIN_SSE)
-    sse_gumbel = (sse_gumbel + _WRONG_SIGN_PENALTY * (gumbel_slope >= 0)).clamp_min(_MIN_SSE)
+    alike = valid_mask is None and (positive_index is None or has_positive is not None)
+    if alike:  # every row: the same number of negatives, tail size and design, as Python numbers
+        num_negatives = num_columns - int(positive_index is not None and bool(has_positive))
+        k = max_tail_size(num_negatives, options)
+        design = shared_design(k, k_max, dtype, scores.device)
+        burn_in = max(1, k // 20)
+        points = max(k - burn_in, 0)
+        fitted, has_negatives = points >= _MIN_FIT_POINTS, num_negatives > 0
+        n, first_used = float(max(points, 1)), min(burn_in, k_max - 1)
+        # a copy, not a view: a cached loss keeps every chunk's fit, and a view would keep its whole tail alive
+        rho = shortfall[:, 0].clone() if has_negatives else torch.ones(num_rows, dtype=dtype, device=scores.device)
+    else:
+        num_negatives = count_negatives(positive_index, valid_mask, scores.shape, scores.device)
+        k = tail_sizes(num_negatives, tail_frac=options.tail_frac, min_tail_points=options.min_tail_points)
+        design = row_design(k, k_max, dtype)
+        points = (k - design.burn_in).clamp_min(0)
+        fitted, has_negatives = points >= _MIN_FIT_POINTS, num_negatives > 0
+        n, first_used = points.clamp_min(1).to(dtype)[:, None], design.burn_in.clamp_max(k_max - 1)[:, None]
+        rho = torch.where(has_negatives, shortfall[:, 0], 1.0)
+
+    # Both lines at once (Weibull, and the Gumbel proxy's negative: a slope <= 0 has the wrong sign for either),
+    # a wrong-signed one disqualified by a residual penalty (reference implementation).
+    slope, sse, degenerate = fit_lines(log_shortfall, design, n, first_used)
+    sse = (sse + _WRONG_SIGN_PENALTY * (slope <= 0)).clamp_min_(_MIN_SSE).log_()
+    sse_weibull, sse_gumbel = sse.unbind()
     # AIC_G - AIC_W = n log(SSE_G / n) - n log(SSE_W / n); the +4 of both cancel.
-    delta_aic = n_safe.squeeze(1) * (torch.log(sse_gumbel) - torch.log(sse_weibull))
-    shaped = fitted & ~degenerate
-    zero = torch.zeros_like(rho)
-    return TailFit(
-        rho=rho,
-        beta_hat=torch.where(shaped, beta_hat, zero),
-        delta_aic=torch.where(shaped, delta_aic, zero),
-        fitted=fitted,
-        has_negatives=has_negatives,
-    )
+    delta_aic = (sse_gumbel - sse_weibull) * n if alike else n.squeeze(1) * (sse_gumbel - sse_weibull)
+    beta_hat = slope[0]
+    if alike:
+        facts = (fitted, has_negatives)
+        if fitted:
+            beta_hat, delta_aic = torch.where(degenerate, 0.0, beta_hat), torch.where(degenerate, 0.0, delta_aic)
+        else:
+            beta_hat, delta_aic = torch.zeros_like(beta_hat), torch.zeros_like(delta_aic)
+        fitted = torch.full((num_rows,), fitted, device=scores.device)
+        has_negatives = torch.full((num_rows,), has_negatives, device=scores.device)
+    else:
+        facts = None
+        shaped = fitted & ~degenerate
+        beta_hat, delta_aic = torch.where(shaped, beta_hat, 0.0), torch.where(shaped, delta_aic, 0.0)
+    return TailFit(rho, beta_hat, delta_aic, fitted, has_negatives, alike=facts)
 
 
 @torch.no_grad()
-def batch_pivot(rho: Tensor, has_negatives: Tensor, q: float = DEFAULTS.gate.q) -> Tensor:
+def batch_pivot(rho: Tensor, has_negatives: Tensor | bool, q: float = DEFAULTS.gate.q) -> Tensor:
     """``rho0``: the q-quantile of rho over the anchors that have negatives (sort ascending, index round(q (A-1))).
 
     Sort plus gather, no boolean-mask indexing: rows without negatives sort last (+inf) and the index counts only
-    the others. 1.0 when no anchor has a negative. Pass the rho of the whole (global) batch: under data
+    the others. 1.0 when no anchor has a negative. ``has_negatives``: per anchor, or one Python bool for all (then
+    the quantile is one selection, with the same value). Pass the rho of the whole (global) batch: under data
     parallelism, gather first, so the pivot does not depend on how the batch is split over processes.
     """
+    if isinstance(has_negatives, bool):
+        if not has_negatives:
+            return torch.ones((), dtype=rho.dtype, device=rho.device)
+        # round half to even, like Python's round() in the reference implementation
+        return torch.kthvalue(rho, round(q * (rho.numel() - 1)) + 1).values
     pool = torch.sort(torch.where(has_negatives, rho, float("inf"))).values
     count = has_negatives.sum()
-    # round half to even, like Python's round() in the reference implementation
     index = torch.round(q * (count - 1).clamp_min(0).double()).long().clamp(0, rho.numel() - 1)
     return torch.where(count > 0, pool.gather(0, index[None])[0], torch.ones((), dtype=rho.dtype, device=rho.device))
+
+
+def _where_fitted(fit: TailFit, value: Tensor, otherwise: float) -> Tensor:
+    """``value`` where a row is fitted, else ``otherwise``; without a selection when every row is alike."""
+    if fit.alike is None:
+        return torch.where(fit.fitted, value, otherwise)
+    return value if fit.alike[0] else torch.full_like(value, otherwise)
 
 
 @torch.no_grad()
 def blend_weights(fit: TailFit, rho0: Tensor | float, options: WEINCEOptions = DEFAULTS) -> Tensor:
     """lambda(a) = sigmoid(kappa_rho log(rho0 / rho)) * sigmoid(kappa_aic (dAIC - margin)); 0 where not fitted."""
     gate = options.gate
-    rho0 = torch.as_tensor(rho0, dtype=fit.rho.dtype, device=fit.rho.device)
-    hardness = torch.sigmoid(gate.kappa_rho * (torch.log(rho0) - torch.log(fit.rho)))
-    geometry = torch.sigmoid(gate.kappa_aic * (fit.delta_aic - gate.aic_margin))
-    if options.mode == "both":
-        lam = hardness * geometry
-    elif options.mode == "rho":
-        lam = hardness
-    elif options.mode == "aic":
-        lam = geometry
-    else:  # "none": InfoNCE
-        lam = torch.zeros_like(hardness)
-    return torch.where(fit.fitted, lam, torch.zeros_like(lam))
+    if options.mode == "none":  # InfoNCE
+        return torch.zeros_like(fit.rho)
+    if not isinstance(rho0, Tensor) or rho0.dtype != fit.rho.dtype:
+        rho0 = torch.as_tensor(rho0, dtype=fit.rho.dtype, device=fit.rho.device)
+    if options.mode in ("both", "rho"):
+        hardness = torch.sigmoid(gate.kappa_rho * (torch.log(rho0) - torch.log(fit.rho)))
+    if options.mode in ("both", "aic"):
+        geometry = torch.sigmoid(gate.kappa_aic * (fit.delta_aic - gate.aic_margin))
+    lam = hardness * geometry if options.mode == "both" else hardness if options.mode == "rho" else geometry
+    return _where_fitted(fit, lam, 0.0)
 
 
 def tail_index(fit: TailFit, beta: float | str = DEFAULTS.beta) -> Tensor:
     """beta(a) in the shortfall logit: a constant (reference implementation: 1.0) or "auto", the clamped estimate."""
     if beta == "auto":
         low, high = BETA_AUTO_RANGE
-        return torch.where(fit.fitted, fit.beta_hat.clamp(low, high), torch.ones_like(fit.beta_hat))
+        return _where_fitted(fit, fit.beta_hat.clamp(low, high), 1.0)
     return torch.full_like(fit.beta_hat, beta)
 
 
@@ -270,8 +336,11 @@ def statistics_from_fit(
         rho0 = real_option("rho0", rho0, positive=True, dtype=torch.float32)
     if rho0 is None:
         gather = gather or (lambda local: local)
-        rho0 = batch_pivot(gather(fit.rho), gather(fit.has_negatives), options.gate.q)
-    rho0 = torch.as_tensor(rho0, dtype=fit.rho.dtype, device=fit.rho.device)
+        # every process's rows are alike when this one's are: the same layout of batches of one size
+        has_negatives = fit.alike[1] if fit.alike is not None else gather(fit.has_negatives)
+        rho0 = batch_pivot(gather(fit.rho), has_negatives, options.gate.q)
+    if not isinstance(rho0, Tensor) or rho0.dtype != fit.rho.dtype or rho0.device != fit.rho.device:
+        rho0 = torch.as_tensor(rho0, dtype=fit.rho.dtype, device=fit.rho.device)
     return WeinceStatistics(
         lam=blend_weights(fit, rho0, options),
         beta=tail_index(fit, options.beta),

@@ -56,6 +56,7 @@ class Unit(NamedTuple):
     positive_index: Tensor
     valid_mask: Tensor | None
     hardest: HardestNegatives | None = None
+    has_positive: bool | None = None  # as CandidateGroup.has_positive
 
 
 def shares_the_sort(layout: MNRLLayout) -> bool:
@@ -74,13 +75,16 @@ def layout_tail_fits(layout: MNRLLayout, options: WEINCEOptions) -> tuple[list[T
     """Each group's tail fit, and the softmaxes the top-M terms pick from (none without them), each with the one sort
     of its rows the tail fit was made from where they pick from the same softmax (:func:`shares_the_sort`)."""
     top_m = options.top_m if shares_the_sort(layout) else None
+    # the batch tail (the shortfall term on) selects from the same selection as the rows' sort
+    keep_selection = top_m is not None and top_m.shortfall_weight > 0
     fits, sorts = [], []
     for group in layout.groups:
         width = sort_width(group.scores.shape[1], options, top_m)
+        rows = (group.scores, group.positive_index, group.valid_mask)
         hardest = hardest_negatives(
-            group.scores, group.positive_index, group.valid_mask, width, with_columns=top_m is not None
+            *rows, width, with_columns=top_m is not None, has_positive=group.has_positive, keep_selection=keep_selection
         )
-        fits.append(weince_tail_fit(group.scores, group.positive_index, group.valid_mask, options, hardest=hardest))
+        fits.append(weince_tail_fit(*rows, options, hardest=hardest, has_positive=group.has_positive))
         sorts.append(hardest)
     return fits, [] if options.top_m is None else top_m_units(layout, sorts)
 
@@ -114,33 +118,35 @@ def top_m_units(layout: MNRLLayout, hardest: list[HardestNegatives]) -> list[Uni
     the blend's softmax); under ``"per_direction"`` one per group, each with its group's sort ``hardest``."""
     groups = layout.groups
     if shares_the_sort(layout):
-        return [Unit(g.scores, g.positive_index, g.valid_mask, h) for g, h in zip(groups, hardest)]
+        return [Unit(g.scores, g.positive_index, g.valid_mask, h, g.has_positive) for g, h in zip(groups, hardest)]
     masks = [g.valid_mask for g in groups]
     valid_mask = None
     if any(m is not None for m in masks):
         valid_mask = torch.cat(
             [m if m is not None else torch.ones_like(g.scores, dtype=torch.bool) for m, g in zip(masks, groups)], dim=1
         )
-    return [Unit(torch.cat([g.scores for g in groups], dim=1), groups[0].positive_index, valid_mask)]
+    scores = torch.cat([g.scores for g in groups], dim=1)
+    return [Unit(scores, groups[0].positive_index, valid_mask, has_positive=groups[0].has_positive)]
 
 
 def top_m_rows(
-    units: list[Unit], beta_t: Tensor | None, options: WEINCEOptions
-) -> tuple[Tensor, Tensor, Tensor]:
+    units: list[Unit], beta_t: Tensor | None, options: WEINCEOptions, *, effective_scale: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """Per-row [R] top-M shortfall and top-M InfoNCE terms and the shortfall term's effective scale (each the mean
-    over the units of a row)."""
+    over the units of a row; the scale None without ``effective_scale``)."""
     beta = beta_t if beta_t is not None else 1.0  # only the shortfall term reads it, and it is off then
     terms = [
         top_m_terms(
             u.scores, u.positive_index, u.valid_mask, options.top_m,
-            beta=beta, scale=options.top_m_infonce_scale, eps=options.eps, hardest=u.hardest,
+            beta=beta, scale=options.top_m_infonce_scale, eps=options.eps,
+            hardest=u.hardest, has_positive=u.has_positive, effective_scale=effective_scale,
         )
         for u in units
     ]
     if len(terms) == 1:
         return terms[0]
-    shortfall, infonce, shortfall_scale = (torch.stack([t[i] for t in terms], 1).mean(1) for i in range(3))
-    return shortfall, infonce, shortfall_scale
+    shortfall, infonce = (torch.stack([t[i] for t in terms], 1).mean(1) for i in range(2))
+    return shortfall, infonce, torch.stack([t[2] for t in terms], 1).mean(1) if effective_scale else None
 
 
 def batch_tail(units: list[Unit], step_rows: int, options: WEINCEOptions, gathered: bool) -> BatchTail:
@@ -152,7 +158,8 @@ def batch_tail(units: list[Unit], step_rows: int, options: WEINCEOptions, gather
     return BatchTail.cat(
         [
             batch_negative_tail(
-                u.scores, u.positive_index, u.valid_mask, options.top_m, eps=options.eps, global_entries=global_entries
+                u.scores, u.positive_index, u.valid_mask, options.top_m,
+                eps=options.eps, global_entries=global_entries, hardest=u.hardest, has_positive=u.has_positive,
             )
             for u in units
         ]
@@ -165,7 +172,11 @@ def batch_beta_step(
     """This step's ``beta_t`` (the moving average ``beta_ema`` updated with the batch tail's fit; the caller stores it
     on training steps) and the fit; ``gather`` joins the processes' tails (None: this process's alone)."""
     if gather is not None:
-        tail = BatchTail(shortfalls=gather(tail.shortfalls), num_negatives=gather(tail.num_negatives[None]).sum())
+        if isinstance(tail.num_negatives, int):  # every process's rows alike: the same count
+            num_negatives = tail.num_negatives * (dist.get_world_size() if dist.is_initialized() else 1)
+        else:
+            num_negatives = gather(tail.num_negatives[None]).sum()
+        tail = BatchTail(shortfalls=gather(tail.shortfalls), num_negatives=num_negatives)
     fit = batch_tail_fit(tail, options)
     return update_beta_ema(beta_ema, fit, options), fit
 
@@ -195,6 +206,7 @@ def weince_step(
     chunk_rows: int | None = None,
     gather: Callable[[Tensor], Tensor] | None = None,
     backward: bool = False,
+    effective_scales: bool = True,
     progress: Callable[[Iterable], Iterable] = iter,
 ) -> WEINCEStep:
     """WEINCE (the blend, and the top-M terms when ``options.top_m``) of this process's ``num_rows`` rows, taken in
@@ -204,6 +216,7 @@ def weince_step(
     returned ``beta_t`` on training steps). ``gather``: a per-anchor tensor of this process -> the global batch's,
     for the pivot and the batch tail (None: this process's batch is the batch). ``backward``: back-propagate each
     chunk's share of the loss as it is computed (a cached loss's loss stage), and return the loss detached.
+    ``effective_scales``: compute the terms' effective scales (logged values, off where nobody reads them).
     ``progress`` wraps the second pass's chunks (a progress bar)."""
     top_m = options.top_m
     step = num_rows if chunk_rows is None else chunk_rows
@@ -236,40 +249,40 @@ def weince_step(
         beta_t, beta_fit = batch_beta_step(BatchTail.cat(chunk_tails), beta_ema, top_m, gather)
 
     # Second pass: each chunk's rows, the blend and the top-M terms, and the chunk's share of the loss.
-    zero = torch.zeros((), dtype=statistics[0].lam.dtype, device=statistics[0].lam.device)
-    sums = dict.fromkeys(("blend", "top_m_shortfall", "top_m_infonce", "scale_blend", "scale_top_m"), zero)
-    loss = terms = None
+    loss = terms = term_sums = scale_sums = None
     for (begin, end), sorts in zip(progress(chunks), chunk_sorts):
         layout = kept_layout if one_chunk else layout_of(begin, end)[0]
         chunk_statistics = statistics if one_chunk else [statistics_rows(s, slice(begin, end)) for s in statistics]
-        rows = {"blend": rows_loss(layout, chunk_statistics, options.scale, options.eps)}
-        query_rows = layout.groups[0]
-        rows["scale_blend"] = blend_effective_scale(
-            query_rows.scores, query_rows.valid_mask, chunk_statistics[0].lam, chunk_statistics[0].beta,
-            scale=options.scale, eps=options.eps,
-        )
-        if top_m is not None:
-            rows["top_m_shortfall"], rows["top_m_infonce"], rows["scale_top_m"] = top_m_rows(
-                top_m_units(layout, sorts), beta_t, options
+        rows = rows_loss(layout, chunk_statistics, options.scale, options.eps)
+        scales = []
+        if effective_scales:
+            query_rows = layout.groups[0]
+            scales.append(
+                blend_effective_scale(
+                    query_rows.scores, query_rows.valid_mask, chunk_statistics[0].lam, chunk_statistics[0].beta,
+                    scale=options.scale, eps=options.eps,
+                )
             )
-        chunk_sums = {name: row_values.sum() for name, row_values in rows.items()}
+        if top_m is not None:
+            shortfall, infonce, scale_top_m = top_m_rows(
+                top_m_units(layout, sorts), beta_t, options, effective_scale=effective_scales
+            )
+            rows = torch.stack([rows, shortfall, infonce])
+            scales += [scale_top_m] if effective_scales else []
+        chunk_sums = rows.sum(dim=-1)  # the blend's, or [blend, top-M shortfall, top-M InfoNCE]
         chunk_loss, terms = _share_of_loss(chunk_sums, num_rows, top_m)
         if backward:
             chunk_loss.backward()
-            chunk_loss, chunk_sums = chunk_loss.detach(), {name: v.detach() for name, v in chunk_sums.items()}
+            chunk_loss, chunk_sums = chunk_loss.detach(), chunk_sums.detach()
         loss = chunk_loss if loss is None else loss + chunk_loss
-        for name, value in chunk_sums.items():
-            sums[name] = value if one_chunk else sums[name] + value
+        term_sums = chunk_sums if term_sums is None else term_sums + chunk_sums
+        if scales:
+            chunk_scale_sums = torch.stack(scales).sum(dim=1)
+            scale_sums = chunk_scale_sums if scale_sums is None else scale_sums + chunk_scale_sums
         del layout, rows  # (no name for a chunk's scores: they would stay alive into the next chunk's forward)
 
-    means = {name: value / num_rows for name, value in sums.items()}
     if not one_chunk:  # the terms of the whole step (each chunk's are its share only)
-        terms = _share_of_loss(sums, num_rows, top_m)[1]
-    scales = {"blend": means["scale_blend"]}
-    if top_m is not None and top_m.shortfall_weight > 0:
-        scales["top_m_shortfall"] = means["scale_top_m"]
-    if top_m is not None and top_m.infonce_weight > 0:
-        scales["top_m_infonce"] = torch.full_like(means["scale_top_m"], options.top_m_infonce_scale)
+        terms = _share_of_loss(term_sums, num_rows, top_m)[1]
     return WEINCEStep(
         loss=loss,
         statistics=statistics[0],
@@ -277,8 +290,19 @@ def weince_step(
         terms=terms,
         beta_t=beta_t,
         fit=beta_fit,
-        effective_scales=scales,
+        effective_scales={} if scale_sums is None else _effective_scales(scale_sums / num_rows, options),
     )
+
+
+def _effective_scales(means: Tensor, options: WEINCEOptions) -> dict[str, Tensor]:
+    """The logged effective scales by term, from the means over the rows [blend(, top-M shortfall)]."""
+    scales = {"blend": means[0]}
+    top_m = options.top_m
+    if top_m is not None and top_m.shortfall_weight > 0:
+        scales["top_m_shortfall"] = means[1]
+    if top_m is not None and top_m.infonce_weight > 0:
+        scales["top_m_infonce"] = torch.full_like(means[0], options.top_m_infonce_scale)
+    return scales
 
 
 def _kept_sorts(
@@ -289,18 +313,16 @@ def _kept_sorts(
     side)."""
     if top_m is None or not shares_the_sort(layout):
         return [None] * len(layout.groups)
-    if one_chunk:
-        return [u.hardest for u in units]
+    if one_chunk:  # without the selection the batch tail took its values from
+        return [dataclasses.replace(u.hardest, selection=None) for u in units]
     return [u.hardest.first(min(top_m.m, u.hardest.values.shape[1])) for u in units]
 
 
-def _share_of_loss(
-    sums: dict[str, Tensor], num_rows: int, top_m: TopM | None
-) -> tuple[Tensor, CompositeLoss | None]:
-    """Rows' term sums -> their share of the step's loss (each term's sum over the step's rows, weighted as the
-    composite weights them) and the weighted terms (None without the top-M terms)."""
-    blend = sums["blend"] / num_rows
+def _share_of_loss(sums: Tensor, num_rows: int, top_m: TopM | None) -> tuple[Tensor, CompositeLoss | None]:
+    """Rows' term sums (the blend's, or [blend, top-M shortfall, top-M InfoNCE]) -> their share of the step's loss
+    (each term's sum over the step's rows, weighted as the composite weights them) and the weighted terms (None
+    without the top-M terms)."""
     if top_m is None:
-        return blend, None
-    terms = composite_loss(blend, sums["top_m_shortfall"] / num_rows, sums["top_m_infonce"] / num_rows, top_m)
+        return sums / num_rows, None
+    terms = composite_loss(*(sums / num_rows).unbind(), top_m)
     return terms.total, terms

@@ -90,8 +90,8 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
             for name, value in params.items():
                 if value.requires_grad and stand_ins[name].grad is not None:
                     total = total + (value - value.detach()) * stand_ins[name].grad
-        margin, _ = constellation_margin_from_extremes(*extremes)
-        self._record(params, margin, guard_counts)
+        if self.log_statistics:
+            self._record(params, constellation_margin_from_extremes(*extremes)[0], guard_counts)
         return total
 
     def _row_chunk_losses(

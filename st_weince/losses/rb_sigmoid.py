@@ -245,7 +245,8 @@ class RBSigmoidLoss(ColumnsLoss):
     def _logit_arguments(self, params: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Any]:
         """Keyword arguments of the functional losses for these parameter values, in the computation dtype (the
         scale is exponentiated in that dtype, so float64 inputs get a float64 ``t``)."""
-        arguments: dict[str, Any] = {"scale": self._capped_log_t(params["log_t"]).to(dtype).exp()}
+        log_t = self._capped_log_t(params["log_t"])
+        arguments: dict[str, Any] = {"scale": (log_t if log_t.dtype == dtype else log_t.to(dtype)).exp()}
         if self.options.parametrization == "relative":
             arguments["relative_bias"] = params["b_rel"]
         else:
@@ -261,7 +262,7 @@ class RBSigmoidLoss(ColumnsLoss):
     def _require_valid_state(self, checks: DeferredChecks) -> None:
         for name, value in self.loss_parameters().items():
             checks.require(
-                torch.isfinite(value.detach()),
+                torch.isfinite(value),  # a bool result: no autograd graph
                 f"loss parameter {name} is not finite: training diverged (lower its learning rate)",
             )
 
@@ -284,8 +285,9 @@ class RBSigmoidLoss(ColumnsLoss):
             scores = scores.to(dtype) if transform is None else transform(scores)
             arguments = self._logit_arguments(params, dtype)
             loss = sigmoid_contrastive_loss(scores, targets, valid_mask=valid_mask, check_inputs=False, **arguments)
-            margin, _ = constellation_margin_from_extremes(*score_extremes(scores, targets, valid_mask))
-            self._record(params, margin, guard_counts)
+            if self.log_statistics:
+                margin, _ = constellation_margin_from_extremes(*score_extremes(scores, targets, valid_mask))
+                self._record(params, margin, guard_counts)
             return loss
 
     def _loss_from_embeddings(self, embeddings: list[Tensor], row_keys: list[Tensor] | None) -> Tensor:
@@ -293,9 +295,9 @@ class RBSigmoidLoss(ColumnsLoss):
         params = self.loss_parameters()
         results = [self._block_loss(anchors, block, positive_index, params, keys) for anchors, block, _, keys in blocks]
         loss = sum(weight * value for (_, _, weight, _), (value, *_) in zip(blocks, results))
-        _, low, high, guard_counts = results[0]  # the first block's margin and guard shares are logged
-        margin, _ = constellation_margin_from_extremes(low, high)
-        self._record(params, margin, guard_counts)
+        if self.log_statistics:
+            _, low, high, guard_counts = results[0]  # the first block's margin and guard shares are logged
+            self._record(params, constellation_margin_from_extremes(low, high)[0], guard_counts)
         return loss
 
     def _blocks(

@@ -211,15 +211,19 @@ class WEINCELoss(ColumnsLoss):
     def _step(self, layout_of: LayoutOf, num_rows: int, **chunking: Any) -> Tensor:
         """:func:`~st_weince.functional.weince_step.weince_step` of this process's rows, and its end: on training
         steps (grad enabled, loss in training mode) the step's ``beta_t`` is stored in the buffer; the statistics of
-        the query rows are kept (the latest ones, and their running means for the trainer's logs, on the device, so
-        no step reads them on the host)."""
-        step = weince_step(layout_of, num_rows, self.options, self.batch_beta_ema, gather=self._gather, **chunking)
+        the query rows are kept (the latest ones and, with :attr:`log_statistics`, their running means for the
+        trainer's logs, on the device, so no step reads them on the host)."""
+        step = weince_step(
+            layout_of, num_rows, self.options, self.batch_beta_ema,
+            gather=self._gather, effective_scales=self.log_statistics, **chunking,
+        )
         if step.beta_t is not None and self.training and torch.is_grad_enabled():
             with torch.no_grad():
                 self.batch_beta_ema.copy_(step.beta_t)
         if not torch.compiler.is_compiling():
             self.last_step = step
-        self.logged_statistics.add(logged_values(step))
+        if self.log_statistics:
+            self.logged_statistics.add(logged_values(step))
         return step.loss
 
     def _warn_once_if_no_tail_fits(self, batch_size: int, num_documents: int) -> None:

@@ -171,10 +171,32 @@ class LossStateCallback(TrainerCallback):
 class LossStatisticsCallback(TrainerCallback):
     """Adds every loss module's :meth:`~st_weince.training.protocol.LossState.pop_logged_statistics` to every
     training log record (console, log_history, reporters). With a dict of losses (one per dataset) each value's
-    name starts with its dataset's, as sentence-transformers names per-dataset values (``{dataset}_weince_rho0``)."""
+    name starts with its dataset's, as sentence-transformers names per-dataset values (``{dataset}_weince_rho0``).
+    The losses compute their statistics at the steps the trainer logs only (:attr:`LossState.log_statistics`)."""
 
     def __init__(self, loss: LossTree) -> None:
         self.loss = loss
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        # The losses compute their statistics only for a step after which the trainer logs (the rule of
+        # transformers' DefaultFlowCallback.on_step_end, for the step about to run): its logged values are that
+        # step's, over all its gradient-accumulation batches.
+        step = state.global_step + 1
+        if args.logging_strategy == "steps":
+            logs = step % state.logging_steps == 0 or (step == 1 and args.logging_first_step)
+        else:
+            logs = args.logging_strategy != "no"
+        self._log_statistics(logs)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._log_statistics(False)  # an evaluation's forwards after the step add nothing to the training logs
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._log_statistics(True)  # after training, every forward keeps its statistics again
+
+    def _log_statistics(self, value: bool) -> None:
+        for module in state_modules(self.loss).values():
+            module.log_statistics = value
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or "loss" not in logs:

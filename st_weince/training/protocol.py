@@ -35,6 +35,10 @@ class LossState:
         host."""
         return {}
 
+    #: Whether a forward computes and keeps the statistics it logs. True unless the trainer integration says
+    #: otherwise: it sets it for the steps the trainer logs only, so that the other steps skip that cost.
+    log_statistics: bool = True
+
     def get_config_dict(self) -> dict[str, Any]:
         """The loss's configuration as built (JSON data): what a checkpoint records and a resume compares."""
         return {}

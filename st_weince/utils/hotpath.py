@@ -41,14 +41,15 @@ class DeferredChecks:
 
     def require(self, condition: Tensor, message: str) -> None:
         """Add a condition (a bool tensor, reduced with ``all``) that must hold."""
-        self._conditions.append(condition.reshape(-1).all())
+        self._conditions.append(condition.all())
         self._messages.append(message)
 
     def raise_if_failed(self) -> None:
         """Read every condition with one host-device sync; raise the first failed one's message."""
         if not self._conditions:
             return
-        flags = torch.stack([c.to(self._conditions[0].device) for c in self._conditions])
+        device = self._conditions[0].device
+        flags = torch.stack([c if c.device == device else c.to(device) for c in self._conditions])
         if bool(flags.all()):  # the one sync of the success path
             return
         failed = [message for message, ok in zip(self._messages, flags.tolist()) if not ok]

@@ -17,38 +17,55 @@ from torch import Tensor
 class RunningMeans:
     """Accumulates scalar statistics between two log events; no autograd graph is kept and, for tensors, no
     host-device synchronisation happens before :meth:`pop`. Non-finite tensor values (e.g. the margin of a block
-    without negatives) are left out of their mean instead of turning it into NaN."""
+    without negatives) are left out of their mean instead of turning it into NaN.
+
+    The tensors of one :meth:`add` (0-d, on one device) are stacked into one vector, so that a step adds a handful of
+    operators however many statistics it logs (on a GPU each operator is a kernel launch)."""
 
     def __init__(self) -> None:
-        self._sums: dict[str, Tensor | float] = {}
-        self._counts: dict[str, Tensor | int] = {}
+        # per set of names added together: (names, sums [N], counts [N]) of their finite values
+        self._groups: dict[tuple[str, ...], tuple[Tensor, Tensor]] = {}
+        self._floats: dict[str, tuple[float, int]] = {}
 
+    @torch.no_grad()
     def add(self, values: dict[str, Any]) -> None:
+        tensors = {key: value for key, value in values.items() if isinstance(value, Tensor)}
         for key, value in values.items():
-            if isinstance(value, Tensor):
-                # A copy: the value may be a view of a parameter that the optimizer changes before the log.
-                value = value.detach().reshape(()).to(torch.float32, copy=True)
-                finite = torch.isfinite(value)
-                value, count = torch.where(finite, value, torch.zeros_like(value)), finite.float()
-            else:
-                value, count = float(value), 1
-            previous = self._sums.get(key)
-            self._sums[key] = value if previous is None else previous + value
-            self._counts[key] = count if previous is None else self._counts[key] + count
+            if key not in tensors:
+                total, count = self._floats.get(key, (0.0, 0))
+                self._floats[key] = (total + float(value), count + 1)
+        if not tensors:
+            return
+        # stack copies: a value may be a view of a parameter that the optimizer changes before the log
+        stacked = torch.stack(list(tensors.values()))
+        if stacked.dtype != torch.float32:
+            stacked = stacked.to(torch.float32)
+        finite = torch.isfinite(stacked)
+        stacked = torch.nan_to_num(stacked, nan=0.0, posinf=0.0, neginf=0.0)
+        names = tuple(tensors)
+        previous = self._groups.get(names)
+        if previous is None:
+            self._groups[names] = (stacked, finite.to(torch.float32))
+        else:
+            previous[0].add_(stacked)
+            previous[1].add_(finite)
 
     def pop(self) -> dict[str, float]:
         """Means since the last call, as Python floats (one device-to-host transfer per device)."""
-        sums: dict[str, float] = {key: value for key, value in self._sums.items() if not isinstance(value, Tensor)}
-        counts: dict[str, float] = {key: float(self._counts[key]) for key in sums}
-        by_device: dict[torch.device, list[str]] = {}
-        for key, value in self._sums.items():
-            if isinstance(value, Tensor):
-                by_device.setdefault(value.device, []).append(key)
-        for keys in by_device.values():
-            flat = torch.stack([self._sums[key] for key in keys] + [self._counts[key] for key in keys]).tolist()
-            sums.update(zip(keys, flat[: len(keys)]))
-            counts.update(zip(keys, flat[len(keys) :]))
-        means = {key: sums[key] / counts[key] for key in self._sums if counts[key] > 0}
-        self._sums.clear()
-        self._counts.clear()
-        return means
+        sums = {key: total for key, (total, _) in self._floats.items()}
+        counts = {key: float(count) for key, (_, count) in self._floats.items()}
+        by_device: dict[torch.device, list[tuple[tuple[str, ...], Tensor, Tensor]]] = {}
+        for names, (total, count) in self._groups.items():
+            by_device.setdefault(total.device, []).append((names, total, count))
+        for groups in by_device.values():
+            flat = torch.cat([t for _, total, count in groups for t in (total, count)]).tolist()
+            offset = 0
+            for names, _, _ in groups:
+                width = len(names)
+                for index, key in enumerate(names):
+                    sums[key] = sums.get(key, 0.0) + flat[offset + index]
+                    counts[key] = counts.get(key, 0.0) + flat[offset + width + index]
+                offset += 2 * width
+        self._groups.clear()
+        self._floats.clear()
+        return {key: sums[key] / counts[key] for key in sums if counts[key] > 0}
