@@ -20,16 +20,19 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from st_weince.utils.profiling import cpu_peak_bytes
-from st_weince.utils.provenance import provenance
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # benchmarks.lab, recipes.recipe_tools
+from benchmarks.lab.profiling import cpu_peak_bytes  # noqa: E402
+from st_weince.utils.provenance import provenance  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wiki" / "wiki1m_sample.txt"
+DATA = REPO.parent / "shared" / "data" / "wiki" / "wiki1m_sample.txt"
 
 
 def build_losses(model, mini_batch_size: int) -> dict:
@@ -68,7 +71,7 @@ def main() -> None:
 
     from sentence_transformers import SentenceTransformer
 
-    from st_weince.utils.tiny_models import build_tiny_bert
+    from recipes.recipe_tools import build_tiny_bert
 
     sentences = [line.strip() for line in DATA.read_text(encoding="utf-8").splitlines() if line.strip()]
     folder = tempfile.mkdtemp(prefix="cached-memory-")
@@ -112,7 +115,7 @@ def main() -> None:
         row["memory_ratio_vs_cmnrl"] = row["loss_stage_peak_bytes"] / reference["loss_stage_peak_bytes"]
     result = {
         **provenance(),
-        "encoder": f"st_weince.utils.tiny_models.build_tiny_bert (random init), embedding dimension {dimension}, "
+        "encoder": f"recipes/recipe_tools.py build_tiny_bert (random init), embedding dimension {dimension}, "
         f"max_seq_length {args.max_seq_length}, train mode",
         "mini_batch_size": args.mini_batch_size,
         "clock": "process_cpu",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -209,9 +210,10 @@ def main() -> None:
     from sentence_transformers import SentenceTransformer
     from sklearn.linear_model import LogisticRegression
 
+    sys.path.insert(0, str(REPO_ROOT))  # eval.sts_tasks, recipes.recipe_tools
+    from eval.sts_tasks import read_stsb_csv
+    from recipes.recipe_tools import minilm_path
     from st_weince.calibration import carried_match_probability
-    from st_weince.data.sts import read_stsb_csv
-    from st_weince.utils.pretrained import minilm_path
     from st_weince.utils.provenance import provenance
 
     torch.set_num_threads(args.threads)

@@ -32,8 +32,8 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.lab.profiling import cpu_peak_bytes  # noqa: E402
 from benchmarks.lab.timing import Clock  # noqa: E402
-from st_weince.utils.profiling import cpu_peak_bytes  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
 
 #: ``weince_composite`` is the released vision composite (``WEINCELoss.released``: the blend + both top-M terms).

@@ -13,7 +13,7 @@ process on its own random float32 embeddings, measured on every process:
 - ``largest_embedding_matrix_rows``: the most rows of any [rows, dim] tensor an op produced: the all-gathered
   candidate matrix with all-gather, one process's candidate block with the neighbour exchange;
 - ``peak_live_tensor_bytes``: the peak of live tensor memory during the step (PyTorch profiler events,
-  :func:`st_weince.utils.profiling.cpu_peak_bytes`), after a warm-up step;
+  :func:`benchmarks.lab.profiling.cpu_peak_bytes`), after a warm-up step;
 - ``bytes_sent``: the payload this process sends, counted at the ``torch.distributed`` calls: every point-to-point
   send exactly; for ``all_gather`` (W - 1) x its block (what each process sends in a ring or direct all-gather); for
   ``scatter`` (which the gloo backward of ``torch.distributed.nn.all_gather`` uses) the chunks the root sends to the
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,9 +37,10 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from st_weince.losses import CachedRBSigmoidLoss, RBSigmoidLoss
-from st_weince.utils.profiling import cpu_peak_bytes
-from st_weince.utils.provenance import provenance
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.lab
+from benchmarks.lab.profiling import cpu_peak_bytes  # noqa: E402
+from st_weince.losses import CachedRBSigmoidLoss, RBSigmoidLoss  # noqa: E402
+from st_weince.utils.provenance import provenance  # noqa: E402
 
 LOSS_CLASSES = {"uncached": "RBSigmoidLoss", "cached": "CachedRBSigmoidLoss"}
 MATRIX_PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}

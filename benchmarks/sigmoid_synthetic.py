@@ -35,9 +35,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from st_weince.diagnostics.geometry import constellation_test, modality_gap_separability
-from st_weince.functional import constellation_margin, locked_adapter_scores, sigmoid_contrastive_loss
-from st_weince.utils.provenance import provenance
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.lab
+from benchmarks.lab.geometry import constellation_test, modality_gap_separability  # noqa: E402
+from st_weince.functional import constellation_margin, locked_adapter_scores, sigmoid_contrastive_loss  # noqa: E402
+from st_weince.utils.provenance import provenance  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -390,7 +391,7 @@ def main() -> None:
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--", "st_weince/functional", "st_weince/diagnostics/geometry.py", __file__],
+        ["git", "status", "--porcelain", "--", "st_weince/functional", "benchmarks/lab/geometry.py", __file__],
         capture_output=True,
         text=True,
         cwd=Path(__file__).resolve().parents[1],

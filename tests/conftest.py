@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,12 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+# The repository's script folders: a script run as `python recipes/simcse.py` or `python eval/sts.py` imports the
+# modules of its own folder (recipe_tools, sts_tasks) by their plain names, since Python puts a script's folder on
+# sys.path; the tests import them the same way.
+for _folder in ("recipes", "eval"):
+    if str(REPO_ROOT / _folder) not in sys.path:
+        sys.path.append(str(REPO_ROOT / _folder))
 
 TINY_SENTENCES = [
     "the cat sat on the mat",
@@ -32,7 +39,7 @@ TINY_SENTENCES = [
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from st_weince.utils.tiny_models import build_tiny_bert
+    from recipe_tools import build_tiny_bert
 
     path = tmp_path_factory.mktemp("tiny-bert")
     build_tiny_bert(path, sentences=TINY_SENTENCES)

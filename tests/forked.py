@@ -131,7 +131,6 @@ PRELOAD = (
     "transformers",
     "st_weince.losses",
     "st_weince.training",
-    "st_weince.utils.tiny_models",
 )
 
 

@@ -12,20 +12,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from st_weince.losses import CachedRBSigmoidLoss, CachedWEINCELoss, RBSigmoidLoss, WEINCELoss
+from tests.identical_guard_worker import GLOBAL_BATCH, LOSSES  # the same losses and batch as the "identical" run
 
-GLOBAL_BATCH = 12
 # rank 0 holds rows 0-5, rank 1 rows 6-11: labels 0, 1 and 2 appear on both ranks
 LABELS = torch.tensor([0, 1, 2, 3, 0, 4, 1, 5, 2, 6, 0, 7])
-# name: (class, its logged masked share, options of the distributed run)
-LOSSES = {
-    "RBSigmoidLoss": (RBSigmoidLoss, "rb_sigmoid_fn_masked_share", {}),
-    "CachedRBSigmoidLoss": (CachedRBSigmoidLoss, "rb_sigmoid_fn_masked_share", {}),
-    "RBSigmoidLoss/neighbour": (RBSigmoidLoss, "rb_sigmoid_fn_masked_share", {"exchange": "neighbour"}),
-    "CachedRBSigmoidLoss/neighbour": (CachedRBSigmoidLoss, "rb_sigmoid_fn_masked_share", {"exchange": "neighbour"}),
-    "WEINCELoss": (WEINCELoss, "weince_fn_masked_share", {}),
-    "CachedWEINCELoss": (CachedWEINCELoss, "weince_fn_masked_share", {}),
-}
 
 
 def global_batch() -> list[torch.Tensor]:

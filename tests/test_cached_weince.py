@@ -11,10 +11,10 @@ import torch
 from sentence_transformers.base.losses.merged_forward import embed_columns
 from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss
 
+from benchmarks.lab.profiling import cpu_peak_bytes
 from st_weince.functional import weince_statistics
 from st_weince.losses import CachedWEINCELoss, WEINCELoss
 from st_weince.utils.hotpath import count_host_syncs
-from st_weince.utils.profiling import cpu_peak_bytes
 from tests.conftest import TINY_SENTENCES, build_trainer
 from tests.float32_tolerance import (
     assert_statistics_close,

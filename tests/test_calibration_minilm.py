@@ -10,7 +10,8 @@ import torch
 
 from st_weince import match_probability
 from st_weince.calibration import carried_match_probability
-from st_weince.utils.pretrained import minilm_path
+
+from recipe_tools import minilm_path
 
 pytestmark = pytest.mark.slow
 
@@ -25,9 +26,10 @@ def test_reloaded_minilm_gives_probabilities_from_its_own_trained_values(shared_
         SentenceTransformerTrainingArguments,
     )
 
-    from st_weince.data.sts import read_stsb_csv
     from st_weince.losses import RBSigmoidLoss
     from st_weince.training import prepare_trainer
+
+    from sts_tasks import read_stsb_csv
 
     path = minilm_path()
     if path is None:

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from st_weince.utils.cli import KNOWN_HARMLESS_WARNINGS, quiet_known_warnings, user_errors_exit
-from st_weince.utils.pretrained import check_model_path
+from st_weince.utils.cli import KNOWN_HARMLESS_WARNINGS, check_model_path, quiet_known_warnings, user_errors_exit
 from tests.conftest import load_script
 
 

@@ -19,7 +19,7 @@ PLOTS = ("pot_density.png", "pot_qq.png", "pot_stability.png")
 
 def _tiny_text_model(tmp_path: Path) -> Path:
     """A tiny BERT whose tokenizer knows the words of the test sentences."""
-    from st_weince.utils.tiny_models import build_tiny_bert
+    from recipe_tools import build_tiny_bert
 
     path = tmp_path / "tiny-bert"
     model = build_tiny_bert(path, sentences=TINY_SENTENCES)

@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from st_weince.data.sentences import read_first_lines, sample_distinct_lines
 from st_weince.diagnostics.collect import (
     choice_data,
     encode_texts,
@@ -14,6 +13,7 @@ from st_weince.diagnostics.collect import (
     negative_pool,
     read_pairs,
 )
+from st_weince.diagnostics.inputs import sample_distinct_lines
 
 
 def test_negative_pool_holds_every_distinct_pair_once() -> None:
@@ -103,12 +103,3 @@ def test_encode_texts_dropout_views_differ_and_mode_is_restored(tiny_model) -> N
     assert not torch.allclose(view_a, view_b)
     assert torch.allclose(view_a.norm(dim=1), torch.ones(3))
     assert not tiny_model.training
-
-
-def test_read_first_lines_keeps_order_and_duplicates(tmp_path) -> None:
-    path = tmp_path / "s.txt"
-    path.write_text("a b\n\nc d\na b\ne f\n", encoding="utf-8")
-    assert read_first_lines(path) == ["a b", "c d", "a b", "e f"]  # a training file is used as it is
-    assert read_first_lines(path, 2) == ["a b", "c d"]
-    with pytest.raises(ValueError, match="limit must be at least 1"):
-        read_first_lines(path, 0)

@@ -16,15 +16,15 @@ if str(REPO_ROOT) not in sys.path:  # `eval/` is a top-level folder of the repos
     sys.path.insert(0, str(REPO_ROOT))
 
 from eval import mteb_eval  # noqa: E402
-from st_weince.data.sts import MissingDataError, load_sts_task  # noqa: E402
-from st_weince.evaluation.sts import evaluate_sts  # noqa: E402
 from tests.conftest import copy_head_lines  # noqa: E402
+
+from sts_tasks import MissingDataError, evaluate_sts, load_sts_task  # noqa: E402
 
 CATEGORIES = ["card_arrival", "card_linking", "exchange_rate"]
 
 
 def build_tiny_model(path: Path, sentences: list[str], seed: int = 0):
-    from st_weince.utils.tiny_models import build_tiny_bert
+    from recipe_tools import build_tiny_bert
 
     return build_tiny_bert(path, sentences=sentences, seed=seed)
 

@@ -1,9 +1,10 @@
-"""eval/sts.py, st_weince.data.sts, st_weince.evaluation.sts: SentEval-style STS evaluation from local files,
+"""eval/sts.py and eval/sts_tasks.py: SentEval-style STS evaluation from local files,
 checked against an independent computation."""
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import math
 import os
@@ -21,10 +22,18 @@ if str(REPO_ROOT) not in sys.path:  # `eval/` is a top-level folder of the repos
     sys.path.insert(0, str(REPO_ROOT))
 
 from eval import sts as sts_cli  # noqa: E402
-from st_weince.data import sts  # noqa: E402
-from st_weince.data.sts import MissingDataError, load_sts_task, read_senteval_subset, resolve_task_names  # noqa: E402
-from st_weince.evaluation.sts import aggregate_spearman, evaluate_sts, sts_details  # noqa: E402
 from tests.conftest import copy_head_lines  # noqa: E402
+
+import sts_tasks as sts  # noqa: E402
+from sts_tasks import (  # noqa: E402
+    MissingDataError,
+    aggregate_spearman,
+    evaluate_sts,
+    load_sts_task,
+    read_senteval_subset,
+    resolve_task_names,
+    sts_details,
+)
 
 STS12_SUBSETS = sts.SENTEVAL_SUBSETS["STS12"]
 
@@ -54,7 +63,7 @@ def spearman_reference(x: list[float], y: list[float]) -> float:
 
 
 def build_tiny_model(path: Path, sentences: list[str], seed: int = 0):
-    from st_weince.utils.tiny_models import build_tiny_bert
+    from recipe_tools import build_tiny_bert
 
     return build_tiny_bert(path, sentences=sentences, seed=seed)
 
@@ -354,6 +363,51 @@ def test_bundled_stsb_copy_matches_shared_data(shared_data: Path):
 # --------------------------------------------------------------------------------------------------------------------
 # The committed reference row
 # --------------------------------------------------------------------------------------------------------------------
+class BagOfWords:
+    """A deterministic float64 encoder without a network: the sum of its words' vectors, each drawn by a generator
+    seeded with the word's hash (float64, so that no kernel's rounding can reorder two scores)."""
+
+    def __init__(self, dimension: int = 32) -> None:
+        self.dimension = dimension
+        self.vectors: dict[str, np.ndarray] = {}
+
+    def word(self, word: str) -> np.ndarray:
+        if word not in self.vectors:
+            seed = int.from_bytes(hashlib.sha256(word.encode()).digest()[:8], "little")
+            self.vectors[word] = np.random.default_rng(seed).standard_normal(self.dimension)
+        return self.vectors[word]
+
+    def encode(self, sentences, **kwargs) -> np.ndarray:
+        out = np.zeros((len(sentences), self.dimension))
+        for row, sentence in enumerate(sentences):
+            for word in sentence.lower().split():
+                out[row] += self.word(word)
+        return out
+
+
+# The 7-task table of BagOfWords on ../shared/data, computed by st_weince.evaluation.sts at e933f10 (before the STS
+# evaluation moved out of the package into eval/sts_tasks.py): the protocol must give these very numbers.
+SEVEN_TASKS_AT_E933F10 = {
+    "all": {"STS12": 26.5944294701034, "STS13": 42.526155897270954, "STS14": 42.33695869894285,
+            "STS15": 55.1717266697062, "STS16": 48.7577443156958, "STSBenchmark": 28.066062913999133,
+            "SICK-R": 46.01535760778507, "avg": 41.352633653357636},
+    "mean": {"STS12": 40.81826377218868, "STS13": 33.04313779708581, "STS14": 48.86186681669572,
+             "STS15": 47.92158445746887, "STS16": 49.66107193750208, "STSBenchmark": 28.066062913999133,
+             "SICK-R": 46.01535760778507, "avg": 42.05533504324648},
+    "wmean": {"STS12": 39.72914357718522, "STS13": 40.88876445515159, "STS14": 48.8610775049786,
+              "STS15": 50.75337457972788, "STS16": 50.55289385552012, "STSBenchmark": 28.066062913999133,
+              "SICK-R": 46.01535760778507, "avg": 43.552382070621086},
+}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_seven_task_table_is_the_one_computed_before_the_move(shared_data: Path):
+    details = sts_details(BagOfWords(), None, shared_data)
+    for aggregation, expected in SEVEN_TASKS_AT_E933F10.items():
+        scores = sts.scores_from_details(details, aggregation)
+        assert scores == pytest.approx(expected, rel=0, abs=1e-9), aggregation
+
+
 REFERENCE = REPO_ROOT / "eval" / "reference" / "all-MiniLM-L6-v2.sts.json"
 
 
@@ -383,7 +437,7 @@ def test_sts_evaluator_is_sentence_transformers_evaluator(model, tiny_data: Path
     from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator
     from sentence_transformers.sentence_transformer.modules import Dense
 
-    from st_weince.evaluation.sts import STSEvaluator
+    from sts_tasks import STSEvaluator
 
     (subset,) = load_sts_task("STSBenchmark", tiny_data)
     plain = EmbeddingSimilarityEvaluator(
@@ -405,7 +459,7 @@ def test_sts_evaluator_is_sentence_transformers_evaluator(model, tiny_data: Path
 
 
 def test_pair_csv_and_stsb_split_readers(tiny_data: Path, tmp_path: Path):
-    from st_weince.data.sts import read_pair_csv, read_stsb_splits
+    from sts_tasks import read_pair_csv, read_stsb_splits
 
     (tmp_path / "p.csv").write_text('a  b,c d\n"e,f",g,2.5\n', encoding="utf-8")
     assert read_pair_csv(tmp_path / "p.csv", scored=False) == (["a b", "e,f"], ["c d", "g"], [])
@@ -421,10 +475,10 @@ def test_pair_csv_and_stsb_split_readers(tiny_data: Path, tmp_path: Path):
         read_stsb_splits(tmp_path)
 
 
-def test_names_that_moved_into_the_package_are_gone_from_eval_sts():
+def test_eval_sts_is_the_command_line_only():
     with pytest.raises(AttributeError, match="evaluate_sts"):
-        sts_cli.evaluate_sts  # noqa: B018 - lives in st_weince.evaluation.sts
+        sts_cli.evaluate_sts  # noqa: B018 - lives in eval/sts_tasks.py
     with pytest.raises(AttributeError, match="read_stsb_csv"):
-        sts_cli.read_stsb_csv  # noqa: B018 - lives in st_weince.data.sts
+        sts_cli.read_stsb_csv  # noqa: B018 - lives in eval/sts_tasks.py
     with pytest.raises(AttributeError, match="no attribute 'paired_cosine'"):
         sts_cli.paired_cosine  # noqa: B018 - removed: sentence-transformers' evaluator computes the cosines

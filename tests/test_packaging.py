@@ -30,7 +30,7 @@ def test_version_is_kept_in_one_place():
     assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "st_weince.__version__"}
     assert re.fullmatch(r"\d+\.\d+\.\d+(\.dev\d+|rc\d+)?", st_weince.__version__)
     changelog = (REPO_ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
-    assert "## [Unreleased]" in changelog
+    assert f"## [{st_weince.__version__}]" in changelog
 
 
 def test_license_file_is_the_apache_2_text():

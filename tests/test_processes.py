@@ -1,5 +1,5 @@
-"""st_weince.utils.processes: the processes a launcher asked for against those a recipe trains on, with the
-environment each launcher gives its processes (as observed with accelerate 1.16 and torch 2.14's torchrun)."""
+"""recipes/recipe_tools.py's process count: the processes a launcher asked for against those a recipe trains on,
+with the environment each launcher gives its processes (as observed with accelerate 1.16 and torch 2.14's torchrun)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import json
 
 import pytest
 
-from st_weince.utils import processes as processes_module
-from st_weince.utils.processes import count_processes
-from st_weince.utils.run_outputs import write_run_outputs
+import recipe_tools as processes_module
+from recipe_tools import count_processes, write_run_outputs
 
 SCRIPT_ARGV = ["recipes/simcse.py", "--preset", "cpu-demo"]
 # What `torchrun --nproc_per_node 2` sets in rank 0 (besides TORCHELASTIC_ERROR_FILE and its signals)

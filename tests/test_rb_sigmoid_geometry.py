@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from st_weince.diagnostics.geometry import constellation_test, margin, modality_gap_separability
+from benchmarks.lab.geometry import constellation_test, margin, modality_gap_separability
 
 
 def test_margin_by_hand():

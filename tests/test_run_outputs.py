@@ -1,11 +1,11 @@
-"""st_weince.utils.run_outputs: the one writer of a recipe's results.json and training-curve figure."""
+"""recipes/recipe_tools.py's write_run_outputs: the one writer of a recipe's results.json and training-curve figure."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from st_weince.utils.run_outputs import write_run_outputs
+from recipe_tools import write_run_outputs
 
 
 def test_results_json_carries_config_command_and_provenance(tmp_path):

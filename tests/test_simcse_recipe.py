@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from st_weince.utils.cli import parse_key_values
 from tests.conftest import load_script, torchrun_command
+
+from recipe_tools import parse_key_values
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "simcse.py"
@@ -30,8 +31,7 @@ def recipe():
 def tiny_model_dir(recipe, tmp_path_factory) -> Path:
     """A random 2-layer BERT with bert-base-uncased's vocabulary (MiniLM's vocab.txt), so that STS-B sentences get
     distinct tokens and distinct embeddings (with a vocabulary of a few words most cosines tie near 1)."""
-    from st_weince.utils.pretrained import minilm_path
-    from st_weince.utils.tiny_models import build_tiny_bert
+    from recipe_tools import build_tiny_bert, minilm_path
 
     vocab = minilm_path()
     if vocab is None:
@@ -201,6 +201,15 @@ def test_printed_scores_are_what_eval_sts_gives_on_the_saved_model(weince_run, s
         cli = sts_cli.main([*argv, "--data-dir", str(small_stsb.parent)])
         assert cli["scores"]["STSBenchmark"] == pytest.approx(printed, abs=1e-9)
         assert f"{cli['scores']['STSBenchmark']:.2f}" == f"{printed:.2f}"
+
+
+def test_read_first_lines_keeps_order_and_duplicates(recipe, tmp_path) -> None:
+    path = tmp_path / "s.txt"
+    path.write_text("a b\n\nc d\na b\ne f\n", encoding="utf-8")
+    assert recipe.read_first_lines(path) == ["a b", "c d", "a b", "e f"]  # a training file is used as it is
+    assert recipe.read_first_lines(path, 2) == ["a b", "c d"]
+    with pytest.raises(ValueError, match="limit must be at least 1"):
+        recipe.read_first_lines(path, 0)
 
 
 def test_paper_preset_truncates_training_only(recipe, tiny_model_dir, tmp_path):

@@ -4,21 +4,9 @@ Command line: ``python -m st_weince.diagnostics --help`` (or ``st-weince-diagnos
 """
 
 from st_weince.diagnostics.evt import PotFit, fit_gpd, gpd_loglik, gpd_quantile, pot_fit, threshold_stability
-from st_weince.diagnostics.geometry import (
-    ConstellationReport,
-    SeparabilityReport,
-    constellation_test,
-    margin,
-    modality_gap_separability,
-)
 from st_weince.diagnostics.link import LinkFit, fit_link, link_loglik
 
 __all__ = [
-    "ConstellationReport",
-    "SeparabilityReport",
-    "constellation_test",
-    "margin",
-    "modality_gap_separability",
     "LinkFit",
     "PotFit",
     "fit_gpd",

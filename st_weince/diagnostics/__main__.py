@@ -47,7 +47,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from st_weince.data.sentences import sample_distinct, sample_distinct_lines
 from st_weince.diagnostics.collect import (
     choice_data,
     encode_images,
@@ -57,6 +56,7 @@ from st_weince.diagnostics.collect import (
     read_pairs,
 )
 from st_weince.diagnostics.evt import pot_fit, pot_fit_rows, summarize_shapes, threshold_stability
+from st_weince.diagnostics.inputs import sample_distinct, sample_distinct_lines
 from st_weince.diagnostics.link import LinkFit, fit_link
 from st_weince.diagnostics.plots import (
     plot_exceedance_density,
@@ -66,8 +66,7 @@ from st_weince.diagnostics.plots import (
     plot_shape_stability,
 )
 from st_weince.diagnostics.verdict import decide, same_label_share, weince_gate
-from st_weince.utils.cli import quiet_known_warnings, user_errors_exit
-from st_weince.utils.pretrained import check_model_path
+from st_weince.utils.cli import check_model_path, quiet_known_warnings, user_errors_exit
 from st_weince.utils.provenance import provenance
 
 DEFAULT_STABILITY = (0.99, 0.995, 0.998, 0.999, 0.9995, 0.9998, 0.9999)

@@ -21,9 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from st_weince.data.sentences import seeded_subset
-from st_weince.data.sts import normalise_whitespace, read_pair_csv
-from st_weince.data.tables import load_table, table_columns
+from st_weince.diagnostics.inputs import load_table, normalise_whitespace, read_pair_csv, seeded_subset, table_columns
 from st_weince.functional.layouts import nt_xent_layout
 
 LAYOUTS = ("pairs", "nt_xent")
@@ -60,10 +58,10 @@ def read_pairs(
     """Sentence pairs for the choice data, from
 
     - a ``.csv`` file without ``columns``: CSV ``sentence1,sentence2[,score]`` without header (STS-B's layout here),
-      read by :func:`st_weince.data.sts.read_pair_csv`;
-    - otherwise any table :func:`st_weince.data.tables.load_table` reads (CSV with a header row, JSON lines, Parquet,
-      a ``save_to_disk`` folder and its ``split``): the ``columns`` (anchor, positive), by default its first two
-      (sentence-transformers' trainer takes a dataset's columns in order too), the ``score_column`` when
+      read by :func:`st_weince.diagnostics.inputs.read_pair_csv`;
+    - otherwise any table :func:`st_weince.diagnostics.inputs.load_table` reads (CSV with a header row, JSON lines,
+      Parquet, a ``save_to_disk`` folder and its ``split``): the ``columns`` (anchor, positive), by default its first
+      two (sentence-transformers' trainer takes a dataset's columns in order too), the ``score_column`` when
       ``min_score`` is given and the ``label_column`` when named. A missing column is a ValueError naming it and
       listing the table's columns.
 

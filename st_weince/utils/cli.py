@@ -1,17 +1,16 @@
-"""Command-line pieces the recipes and CLIs share: ``KEY=VALUE`` loss options and argument types, one-line exits
-for a user's error, and the one list of known-harmless library warnings that the command lines filter."""
+"""Command-line pieces of ``python -m st_weince.diagnostics``, which the repository's scripts (recipes/, eval/) use
+too: one-line exits for a user's error, the one list of known-harmless library warnings that the command lines
+filter, and the check of a ``--model`` path."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import logging
 import os
 import sys
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator
+from pathlib import Path
 
 # Warnings (message regex, category, regex of the module they are attributed to) that libraries print on every run
 # of these command lines and that say nothing the user can act on. Filtered by ``quiet_known_warnings`` in the CLIs
@@ -26,6 +25,7 @@ KNOWN_HARMLESS_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
 )
 # The same mteb notice also goes to its logger.
 _KNOWN_HARMLESS_LOG_RECORDS = {"mteb": "is superseded by"}
+_MODEL_FILES = ("modules.json", "config.json")  # a saved SentenceTransformer / a Hugging Face model folder
 # A user's mistake on the command line (a missing file, a bad value) rather than a bug: one line, exit status 2.
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, NotADirectoryError)
 
@@ -63,48 +63,22 @@ def user_errors_exit(prog: str) -> Iterator[None]:
         raise SystemExit(2) from None
 
 
-def parse_key_values(items: Sequence[str], flag: str = "--loss-option") -> dict[str, Any]:
-    """``["beta=1", "mode=rho", "top_m.m=10"]`` -> ``{"beta": 1, "mode": "rho", "top_m": {"m": 10}}``; a VALUE is
-    parsed as JSON when it is JSON (numbers, true/false, null, lists, objects), else kept as a string; a dotted KEY
-    sets one field of a nested option (WEINCE's ``top_m``). A key given twice is an error."""
-    options: dict[str, Any] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ValueError(f"{flag} expects KEY=VALUE, got {item!r}")
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            value = text
-        outer, dot, inner = key.partition(".")
-        if not dot:
-            if key in options:
-                raise ValueError(f"{flag} {key} is given twice")
-            options[key] = value
-            continue
-        nested = options.setdefault(outer, {})
-        if not isinstance(nested, dict) or inner in nested:
-            raise ValueError(f"{flag} {key} is given twice")
-        nested[inner] = value
-    return options
-
-
-def merge_options(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """``base`` with ``overrides`` applied, nested options (dicts) field by field: a preset's
-    ``{"top_m": {"shortfall_weight": 0.5, "infonce_weight": 0.5}}`` with ``top_m.m=10`` keeps both weights."""
-    merged = dict(base)
-    for key, value in overrides.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = {**merged[key], **value}
-        else:
-            merged[key] = value
-    return merged
-
-
-def positive_float(value: str) -> float:
-    """argparse type: a finite float > 0."""
-    number = float(value)
-    if not 0 < number < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value}")
-    return number
+def check_model_path(name: str | Path) -> None:
+    """A clear ValueError for a ``--model`` that names a local path but cannot be a model: a path that does not exist,
+    or a recipe's run folder (its model is in ``final/``). Hub names pass (``org/name``)."""
+    name = str(name)
+    local = Path(name).expanduser()
+    looks_like_path = name.startswith((".", "/", "~")) or local.exists() or name.count("/") > 1
+    if looks_like_path and not local.exists():
+        raise ValueError(
+            f"model path {name!r} does not exist. Pass --model with a local model directory (a saved "
+            "SentenceTransformer or a Hugging Face model folder), a hub name when the hub is reachable, or "
+            "'tiny' for a random 4-layer BERT."
+        )
+    final = local / "final"
+    if (
+        local.is_dir()
+        and not any((local / file).is_file() for file in _MODEL_FILES)
+        and any((final / file).is_file() for file in _MODEL_FILES)
+    ):
+        raise ValueError(f"{name} is a run folder; the model is in {final}")

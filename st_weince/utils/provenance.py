@@ -77,7 +77,7 @@ def cpu_record() -> dict:
 
 def provenance(argv: list[str] | None = None, processes: dict | None = None) -> dict:
     """A JSON-able record of where and how a result was produced. ``processes``: a recipe's
-    ``ProcessCount.record()`` (st_weince.utils.processes), the processes its launcher asked for and those it trained
+    ``ProcessCount.record()`` (recipes/recipe_tools.py), the processes its launcher asked for and those it trained
     on; its ``actual`` is then the ``world_size``."""
     import torch
 

