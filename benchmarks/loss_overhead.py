@@ -38,9 +38,16 @@ from st_weince.utils.provenance import provenance  # noqa: E402
 
 #: ``weince_composite`` is the released vision composite (``WEINCELoss.released``: the blend + both top-M terms).
 LOSSES = ("mnrl", "weince", "weince_beta1", "weince_unchecked", "weince_composite", "rb_sigmoid")
+# "<loss>_unlogged": the same loss at a training step the trainer does not log (LossState.log_statistics = False):
+# no logged statistics are computed, which measures what they cost (issue 47 item 3)
+UNLOGGED = tuple(f"{name}_unlogged" for name in ("weince", "weince_composite", "rb_sigmoid"))
 
 
 def build_loss(name: str):
+    if name.endswith("_unlogged"):
+        loss = build_loss(name.removesuffix("_unlogged"))
+        loss.log_statistics = False
+        return loss
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
     from st_weince.losses import WEINCELoss
@@ -111,7 +118,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=384, help="embedding size (384 = all-MiniLM-L6-v2)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--losses", nargs="+", default=list(LOSSES), choices=LOSSES)
+    parser.add_argument("--losses", nargs="+", default=list(LOSSES), choices=LOSSES + UNLOGGED)
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="benchmarks/results/loss_overhead_cpu.json")
