@@ -1,16 +1,17 @@
-"""The sharpest fixed scale at which the ablation's linear top-M InfoNCE term does not collapse the encoder.
+"""How long the ablation's linear top-M InfoNCE term stays near the collapsed state, at fixed scales.
 
 The ablation's matched arm (``infonce-topm-infonce-matched``, benchmarks/simclr_ablation.py) runs InfoNCE + 0.5 x
-top-M InfoNCE at the top-M shortfall term's effective scale, 30.87. Both seeds collapsed in epoch 1: the epoch's
-mean loss sat at the collapsed encoder's log(2N - 1) + 0.5 log(M + 1) = 8.202 (8.227 and 8.228) and the batch pivot
-rho0, the 0.2 quantile of the hardest negatives' shortfall 1 - s, fell to 0.001. This script trains the same arm,
-seed 0, the same initial network, batches and views, for ``--steps`` steps at each candidate scale and records every
-step's loss and rho0, so that the sharpest scale that does not collapse can be chosen before any 5-epoch run.
+top-M InfoNCE at the top-M shortfall term's effective scale, 30.87. All three seeds collapsed: the epoch's mean loss
+sat just above the collapsed encoder's log(2N - 1) + 0.5 log(M + 1) = 8.202 (8.227, 8.228, 8.226 in epoch 1) and
+k-NN fell below its value at initialisation. Those runs were stopped after 1-2 epochs. This script trains the same
+arm, seed 0, the same initial network, batches and views, for ``--steps`` steps at each candidate scale and records
+every step's loss and batch pivot rho0 (the 0.2 quantile of the hardest negatives' shortfall 1 - s).
 
-A step counts as collapsed by the ablation's rule (``simclr_ablation.is_collapsed``: loss within
-COLLAPSE_LOSS_MARGIN of the collapsed encoder's and rho0 below COLLAPSE_RHO0); a candidate collapses when its last
-LAST_STEPS steps all do. Every arm passes through that state in its first steps (the initial network maps all
-images close together: rho0 0.029 at step 0), so a probe must be long enough to see it leave: one epoch (195 steps).
+A step has no k-NN, so the collapse rule (benchmarks/lab/collapse.py) cannot judge it. A step counts as near the
+collapsed state by ``collapse.probe_step_near_collapse``: the loss within 0.05 of the collapsed encoder's, either
+side, and rho0 below 0.005. A probe "left" at the first step of LEAVE_STEPS steps in a row that are not near it.
+Every arm starts near it (the initial network maps all images close together: rho0 0.029 at step 0). A probe times
+that start; it does not say whether a scale trains, which needs the probes and epochs of a full run.
 Output: one JSON line per candidate (written as each finishes); ``--summarize`` re-derives each line's verdict from
 its per-step values.
 
@@ -32,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import simclr_ablation as ablation  # noqa: E402
+from benchmarks.lab import collapse  # noqa: E402
 from benchmarks.lab.arms import build_run  # noqa: E402
 from benchmarks.lab.simclr_eval import DEFAULT_DATA, load_data  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
@@ -69,9 +71,10 @@ def probe(scale: float, steps: int, seed: int, data, config: dict) -> dict:
 
 
 def verdict(record: dict) -> dict:
-    """A probe's collapse verdict from its per-step loss and rho0 (the ablation's rule)."""
-    collapse = ablation.collapse_loss(ablation.MATCHED, ablation.ABLATION["batch_size"])
-    steps = [ablation.is_collapsed(v, r, collapse) for v, r in zip(record["loss"], record["rho0"])]
+    """A probe's verdict from its per-step loss and rho0: ``collapsed`` when its last LAST_STEPS steps are all near
+    the collapsed state (``collapse.probe_step_near_collapse``), the first such step and the step it left."""
+    value = collapse.collapse_loss(ablation.STUDY_ARMS[ablation.MATCHED], ablation.ABLATION["batch_size"])
+    steps = [collapse.probe_step_near_collapse(v, r, value) for v, r in zip(record["loss"], record["rho0"])]
     tail = slice(-LAST_STEPS, None)
     first = next((i for i, c in enumerate(steps) if c), None)
     # left the collapsed state: the first step after it of LEAVE_STEPS in a row that are not collapsed
@@ -81,7 +84,7 @@ def verdict(record: dict) -> dict:
             (i for i in range(first, len(steps) - LEAVE_STEPS + 1) if not any(steps[i : i + LEAVE_STEPS])), None
         )
     return {
-        "collapse_loss": collapse,
+        "collapse_loss": value,
         "collapsed": all(steps[tail]),
         "first_collapsed_step": first,
         "left_collapse_at_step": left,

@@ -1,4 +1,4 @@
-"""Which term of the released WEINCE composite carries its gain? Eight arms under the released SimCLR setup.
+"""Which term of the released WEINCE composite carries its gain? Ten arms under the released SimCLR setup.
 
 The published vision figures train ``L = L_blend + 0.5 L_shortfall_topM + 0.5 L_infonce_topM`` (M = 50,
 ALGORITHMS.md 1.2b) against plain InfoNCE. The arms, each with the same seeds 0, 1, 2:
@@ -17,13 +17,18 @@ ALGORITHMS.md 1.2b) against plain InfoNCE. The arms, each with the same seeds 0,
    cell. Against the composite it gives the blend's contribution on top of both terms; its overlap with arms 2 and 3
    says whether the two top-M terms act on the same hardest negatives.
 9. ``infonce-topm-infonce-matched``: arm 2 with its top-M InfoNCE term at the top-M shortfall term's effective scale
-   (30.87, measured in arm 3's runs): link or temperature at matched sharpness, against arm 3. Its epoch 1 ends in
-   the collapsed state; benchmarks/matched_scale_search.py probes how long each fixed scale stays there.
+   (30.87, measured in arm 3's runs): link or temperature at matched sharpness, against arm 3. It collapsed on
+   every seed; its runs were stopped after 1-2 epochs;
+10. ``infonce-topm-infonce-scale3``: arm 2 at the fixed scale 3, the sharpest scale whose one-epoch probe
+   (benchmarks/matched_scale_search.py) left the collapsed start.
+
+Arms 9 and 10 ran at other commits than arm 3 (the run headers record each commit). The link-or-temperature
+question is settled at one commit in benchmarks/simclr_link_or_temperature.py, not here.
 
 Arms 2 and 3 are WEINCELoss with ``mode="none"`` (lambda = 0: the blend IS InfoNCE, to float rounding) plus one
 top-M term; arm 1 is MNRL, the baseline of the other studies. Each arm minus InfoNCE, paired by seed, and the
 interaction ``(5 - 1) - [(2 - 1) + (3 - 1) + (4 - 1)]`` (is the composite more than the sum of its parts?) and arms 5
-and 7 minus arm 6 come out of ``--summarize``.
+and 7 minus arm 6 come out of ``--summarize``, each with its paired t (n - 1 degrees of freedom) and two-sided p.
 
 Setting: the study runner benchmarks/lab/simclr_runner.py (identical initialisation, batches and augmentations per seed;
 resumable JSON lines; states outside the git tree) under its ``"released"`` setup: CIFAR-10 (all 50,000 training
@@ -51,7 +56,6 @@ summary (``scale_note``).
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -59,7 +63,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # benchmarks.lab
 
-from benchmarks.lab import plots, runlog, summaries  # noqa: E402
+from benchmarks.lab import collapse, pairing, plots, runlog, summaries  # noqa: E402
 from benchmarks.lab import simclr_runner as runner  # noqa: E402
 from benchmarks.lab.arms import ARMS, MATCHED_TOP_M_INFONCE_SCALE  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
@@ -103,24 +107,28 @@ PER_VIEW_ARMS: dict[str, dict[str, Any]] = {
 # fixed inverse temperature is the shortfall term's effective scale (the secant slope of its logit over each row's
 # positive and M hardest negatives, st_weince.functional.effective_scale) measured in arm 3's own runs before any
 # matched run: the mean of the logged weince_effective_scale_top_m_shortfall over epoch 1 of
-# infonce-topm-shortfall, seeds 0 and 1, rerun for that epoch at the current code (28.35 and 33.39) and committed in
-# MATCHED_SCALE_DIR. matched_scale() recomputes it; a test checks the constant against it. (The reruns' epoch-1
-# probes differ from the committed runs' by 0.02 / 0.45 and 1.8 / 1.8 points, linear / k-NN: the downsample
-# convolution now runs in NCHW on the CPU, docs/known-issues.md, and its other rounding takes the runs apart.)
+# infonce-topm-shortfall, seeds 0 and 1, rerun for that epoch at 3b93f56 (28.35 and 33.39) and committed in
+# MATCHED_SCALE_DIR. matched_scale() recomputes it; a test checks the constant against it.
+# The reruns' epoch-1 probes differ from the committed runs'. Arm 3 seed 1 at epoch 1, linear / k-NN: 31.36 / 30.32
+# (committed, 7723f2f), 29.53 / 28.54 (3b93f56), 30.65 / 30.12 (7cc7eaf). Not the downsample convolution: at width 16
+# none has fewer than 16 input channels. Two parts (benchmarks/results/simclr_link_or_temperature/divergence/): the
+# blend's fused cross-entropy rewrite (7a8751a, 7f3ab13, merged in 0c1610b), a float32 rounding change amplified by
+# training, moves seed 1 by -1.75 / -2.48; and the 7723f2f record does not reproduce on the AMD EPYC of the reruns
+# (-0.08 / +0.70; its CPU was not recorded). 7cc7eaf differs again (not isolated). So the one-commit study,
+# benchmarks/simclr_link_or_temperature.py, pairs only runs of one commit and one CPU family.
 MATCHED = "infonce-topm-infonce-matched"
 MATCHED_SCALE_DIR = OUTPUT.parent / "simclr_ablation_matched_scale"
 MATCHED_SCALE = MATCHED_TOP_M_INFONCE_SCALE
-# The matched runs collapsed; the sharpest linear top-M term that trains is compared with arm 3 instead.
+# The matched runs collapsed and were stopped: seeds 0 and 1 after epoch 2, seed 2 after epoch 1. Arm 10, a fixed
+# scale of 3, is compared with arm 3 instead.
 SHARPEST = "infonce-topm-infonce-scale3"
-# At that scale both seeds' epoch 1 ended in the collapsed state (see COLLAPSE_*). One-epoch probes at fixed scales
-# (benchmarks/matched_scale_search.py, seed 0, output in MATCHED_SCALE_DIR) showed why: every arm starts there (the
-# initial network maps all images close together), and the sharper the linear top-M term, the later it leaves (2:
-# by step 50; 3 and 4: after 100-150 steps; 9-30.87: not within 120). So the matched runs continue to 5 epochs.
-# A collapsed encoder maps every image to one point: every logit of a row is equal, so the loss sits at
-# collapse_loss(), and the hardest negatives' shortfall 1 - s (the logged batch pivot rho0, its 0.2 quantile) is ~0.
-# An epoch (or a probe's step) counts as collapsed when both hold (arm 2 at epoch 1: 0.12 below, rho0 0.010).
-COLLAPSE_LOSS_MARGIN = 0.05
-COLLAPSE_RHO0 = 0.005
+# One-probe-per-scale runs (benchmarks/matched_scale_search.py, seed 0, output in MATCHED_SCALE_DIR) time how long a
+# fixed scale's loss stays near the collapsed value. Every arm starts there (the initial network maps all images
+# close together). Scale 2 left at step 52, scale 3 at step 126; scale 4 had not left by step 195, the end of its
+# one-epoch probe; 9-30.87 had not left by step 120, the end of theirs. Whether scales of 4 and more ever leave is
+# unknown: no such run went on to 5 epochs.
+# Collapse is judged by benchmarks/lab/collapse.py (the loss at most 0.05 above the collapsed encoder's, and k-NN
+# below the run's own at epoch 0).
 STUDY_ARMS = {**ARMS, **PER_VIEW_ARMS}
 SEEDS = (0, 1, 2)
 # Seed 0 of every arm first; InfoNCE and the temperature control first (they need no top-M option).
@@ -195,47 +203,26 @@ def matched_scale(measurement_dir: Path = MATCHED_SCALE_DIR) -> float:
     return sum(values) / len(values)
 
 
-def collapse_loss(arm: str, batch_size: int, top_m: int = 50) -> float | None:
-    """The loss of a collapsed encoder (every embedding equal, so every logit equal): log(2N - 1) for InfoNCE over
-    the 2N - 1 candidates of a SimCLR row plus weight x log(M + 1) for a top-M term; None for arms with other terms."""
-    options = STUDY_ARMS[arm].get("options", {})
-    if STUDY_ARMS[arm]["loss"] != "infonce" and options.get("mode") != "none":
-        return None
-    top_m_options = options.get("top_m") or {}
-    weight = top_m_options.get("infonce_weight", 0.0) + top_m_options.get("shortfall_weight", 0.0)
-    return math.log(2 * batch_size - 1) + weight * math.log(top_m + 1)
-
-
-def is_collapsed(loss: float, rho0: float, collapse: float) -> bool:
-    """Whether a loss and batch pivot (an epoch's means, or one step's) are a collapsed encoder's."""
-    return abs(loss - collapse) < COLLAPSE_LOSS_MARGIN and rho0 < COLLAPSE_RHO0
-
-
-def collapse_record(arm: str, record: dict[str, Any]) -> dict[str, Any]:
-    """``collapse_loss`` and ``collapsed`` of a run's last epoch record (a checkpoint or the final line), from its
-    mean training loss and mean logged rho0; empty for arms without a closed form or records without training."""
-    value = collapse_loss(arm, ABLATION["batch_size"])
-    rho0 = (record.get("loss_statistics") or {}).get("weince_rho0")
-    if value is None or record.get("train_loss") is None or rho0 is None:
-        return {}
-    return {"collapse_loss": value, "collapsed": is_collapsed(record["train_loss"], rho0, value)}
-
-
 def collapsed_runs(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """Every run, finished or not, whose last epoch record is a collapsed encoder's: epoch, loss, rho0, k-NN."""
+    """Every run, finished or not, with an epoch that the collapse rule (benchmarks/lab/collapse.py) flags: those
+    epochs, and the last epoch's loss, the collapsed encoder's loss and k-NN (and k-NN at epoch 0)."""
     out = {}
     for name, records in runs.items():
-        epochs = [r for r in records if r.get("type") == "checkpoint" and r.get("train_loss") is not None]
-        if epochs and collapse_record(records[0]["loss"], epochs[-1]).get("collapsed"):
-            last = epochs[-1]
-            out[name] = {
-                "epoch": last["epoch"],
-                "train_loss": last["train_loss"],
-                "collapse_loss": collapse_loss(records[0]["loss"], ABLATION["batch_size"]),
-                "rho0": last["loss_statistics"]["weince_rho0"],
-                "knn_top1": last["knn_top1"],
-                "knn_top1_epoch0": next((r["knn_top1"] for r in records if r.get("epoch") == 0), None),
-            }
+        arm = STUDY_ARMS[records[0]["loss"]]
+        epochs = collapse.collapsed_epochs(records, arm, ABLATION["batch_size"])
+        if not epochs:
+            continue
+        checkpoints = [r for r in records if r.get("type") == "checkpoint"]
+        last = checkpoints[-1]
+        out[name] = {
+            "collapsed_epochs": epochs,
+            "epoch": last["epoch"],
+            "collapsed_at_end": last["epoch"] in epochs,
+            "train_loss": last["train_loss"],
+            "collapse_loss": collapse.collapse_loss(arm, ABLATION["batch_size"]),
+            "knn_top1": last["knn_top1"],
+            "knn_top1_epoch0": next((r["knn_top1"] for r in checkpoints if r["epoch"] == 0), None),
+        }
     return out
 
 
@@ -293,7 +280,6 @@ def summarize(output_dir: Path) -> dict[str, Any]:
                 **{m: r[m] for m in (*METRICS, "linear_val_top1", "knn_top1_by_k")},
                 "loss_statistics": r["loss_statistics"],
                 "train_seconds": r["train_seconds"],
-                **collapse_record(a, r),
             }
             for (a, s), r in sorted(finals.items())
         },
@@ -317,24 +303,25 @@ def markdown(summary: dict[str, Any]) -> str:
         )
     lines += ["", "Paired by seed (same initialisation, batches and augmentations), points", ""]
     lines += summaries.paired_table(summary["paired"])
-    lines += ["", "How sure: paired t (mean / (std / sqrt(n)), n - 1 degrees of freedom) and the sign count", ""]
-    lines += ["| comparison | n | linear: t, seeds > 0 | k-NN: t, seeds > 0 |", "| --- | --- | --- | --- |"]
+    lines += ["", "How sure: paired t (mean / (std / sqrt(n)), n - 1 degrees of freedom), its two-sided p and the sign "
+              "count", ""]  # fmt: skip
+    lines += ["| comparison | n | linear: t, p, seeds > 0 | k-NN: t, p, seeds > 0 |", "| --- | --- | --- | --- |"]
     for name, difference in summary["paired"].items():
         cells = [paired_t_and_signs(difference, metric) for metric in METRICS]
         lines.append(f"| {name} | {len(difference['seeds'])} | {cells[0]} | {cells[1]} |")
     if summary["collapsed"]:
         lines += [
             "",
-            "Collapsed runs (a result, not an accuracy comparison): the last epoch's mean training loss at the "
-            "collapsed encoder's and the batch pivot rho0 near 0",
+            "Collapsed runs (a result, not an accuracy comparison; benchmarks/lab/collapse.py: the epoch's mean "
+            "training loss at most 0.05 above the collapsed encoder's, and k-NN below the run's own at epoch 0)",
             "",
-            "| run | epoch | train loss | collapsed encoder's | rho0 | k-NN (epoch 0) |",
+            "| run | collapsed epochs | last epoch | train loss | collapsed encoder's | k-NN (epoch 0) |",
             "| --- | --- | --- | --- | --- | --- |",
         ]
         for name, row in summary["collapsed"].items():
             lines.append(
-                f"| {name} | {row['epoch']} | {row['train_loss']:.3f} | {row['collapse_loss']:.3f} | {row['rho0']:.4f} "
-                f"| {row['knn_top1']:.2f} ({row['knn_top1_epoch0']:.2f}) |"
+                f"| {name} | {', '.join(map(str, row['collapsed_epochs']))} | {row['epoch']} | {row['train_loss']:.3f} "
+                f"| {row['collapse_loss']:.3f} | {row['knn_top1']:.2f} ({row['knn_top1_epoch0']:.2f}) |"
             )
     if summary["runs_missing"]:
         lines += ["", f"Not finished yet: {', '.join(summary['runs_missing'])}"]
@@ -342,14 +329,15 @@ def markdown(summary: dict[str, Any]) -> str:
 
 
 def paired_t_and_signs(difference: dict[str, Any], metric: str) -> str:
-    """``t = ..., k of n > 0`` of one paired difference: with 3 seeds, |t| > 4.30 is a two-sided 5 % test
-    (2 degrees of freedom), and 3 of 3 (or 0 of 3) signs happen by chance with probability 1/4."""
+    """``t = ..., p = ..., k of n > 0`` of one paired difference: the paired t with n - 1 degrees of freedom, its
+    two-sided p (benchmarks/lab/pairing.py) and the sign count (with 3 seeds, 3 of 3 or 0 of 3 happen by chance with
+    probability 1/4)."""
     values = [row[metric] for row in difference["per_seed"].values()]
     positive = sum(value > 0 for value in values)
-    stat = difference[metric]
-    if len(values) < 2 or not stat["std"] > 0:
+    test = pairing.paired_t(difference[metric])
+    if test["t"] is None:
         return f"t -, {positive} of {len(values)} > 0"
-    return f"t = {stat['mean'] / (stat['std'] / math.sqrt(len(values))):+.2f}, {positive} of {len(values)} > 0"
+    return f"t = {test['t']:+.2f}, p = {test['p_two_sided']:.3f}, {positive} of {len(values)} > 0"
 
 
 def main(argv: list[str] | None = None) -> None:

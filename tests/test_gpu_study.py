@@ -71,19 +71,40 @@ def test_cuda_without_a_gpu_is_a_clear_error(gpu_study, capsys):
     assert "no CUDA device is visible" in capsys.readouterr().err
 
 
-def test_the_link_pair_trains_the_shortfall_arm_against_the_matched_linear_arm(
+def test_the_link_pair_trains_the_shortfall_arm_the_matched_and_the_scheduled_linear_arm(
     gpu_study, shared_data, tmp_path, one_torch_thread
 ):
+    """--pair link: arm 3, the linear top-M term at the fixed scale 30.87, and the linear term whose scale follows
+    arm 3's per-step effective scale of this run, step for step (the scheduled arm of
+    benchmarks/simclr_link_or_temperature.py)."""
     zip_path = shared_data / "cifar10" / "cifar10-jpg.zip"
     result = gpu_study.main(
-        ["--device", "cpu", "--quick", "--epochs", "1", "--data-dir", str(zip_path), "--output", str(tmp_path / "g")]
+        ["--device", "cpu", "--quick", "--epochs", "2", "--data-dir", str(zip_path), "--output", str(tmp_path / "g")]
         + ["--pair", "link", "--probe-epochs", "2"]
     )
-    shortfall, linear = (result["results"][name] for name in gpu_study.LINK_ARMS)
+    assert gpu_study.LINK_ARMS == ("infonce-topm-shortfall", "infonce-topm-infonce-matched",
+                                   "infonce-topm-infonce-scheduled")  # fmt: skip
+    shortfall, linear, scheduled = (result["results"][name] for name in gpu_study.LINK_ARMS)
     assert shortfall["objective"]["top_m"]["shortfall_weight"] == 0.5 and shortfall["objective"]["mode"] == "none"
     assert linear["objective"]["top_m"]["infonce_scale"] == pytest.approx(30.87)
     assert linear["loss_statistics_last_epoch"]["weince_effective_scale_top_m_infonce"] == pytest.approx(30.87)
+    # the schedule: arm 3's logged per-step effective scale, every step of both epochs, followed step for step
+    steps = 2 * (256 // 32)
+    source = shortfall["per_step"]["loss_statistics"]["weince_effective_scale_top_m_shortfall"]
+    followed = scheduled["per_step"]["loss_statistics"]["weince_effective_scale_top_m_infonce"]
+    assert len(source) == steps == len(followed) == len(scheduled["per_step"]["loss"])
+    assert followed == pytest.approx(source, rel=1e-6)  # logged in float32
+    assert scheduled["objective"]["top_m"]["infonce_scale"] == "scheduled"
+    assert scheduled["objective"]["infonce_scale_schedule"]["steps"] == steps
+    assert scheduled["epochs"] == shortfall["epochs"] == 2
     assert result["weince_minus_infonce_knn_top1"] == pytest.approx(linear["knn_top1"] - shortfall["knn_top1"])
+    assert result["minus_first_arm_knn_top1"]["infonce-topm-infonce-scheduled"] == pytest.approx(
+        scheduled["knn_top1"] - shortfall["knn_top1"]
+    )
+    assert set(result["config"]["arms"]) == set(gpu_study.LINK_ARMS)
+    with pytest.raises(ValueError, match="train infonce-topm-shortfall first"):
+        gpu_study.link_schedule({}, "infonce-topm-infonce-scheduled", 0)
+    assert gpu_study.parse_args(["--device", "cpu", "--pair", "link"]).output == gpu_study.DEFAULT_OUTPUT_LINK
     with pytest.raises(SystemExit):
         gpu_study.parse_args(["--device", "cpu", "--pair", "link", "--setup", "batchnorm-head"])
 

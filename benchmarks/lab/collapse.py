@@ -10,7 +10,11 @@ the direction and the probes:
 - and its k-NN accuracy stays below the untrained network's of the same seed (the epoch-0 checkpoint).
 
 The earlier rule (the loss within 0.05 of the collapsed value either way, and the batch pivot rho0 below 0.005)
-flagged arm 10 seed 0 at epoch 1, which then trained to k-NN 45.86.
+flagged arm 10 seed 0 at epoch 1, which then trained to k-NN 45.86. tests/test_simclr_ablation.py applies this rule to
+every committed run file.
+
+The scale probes (benchmarks/matched_scale_search.py) log each step's loss and rho0 but no k-NN, so this rule cannot
+judge their steps. :func:`probe_step_near_collapse` only times how long a probe's loss stays near the collapsed value.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import math
 from typing import Any
 
 LOSS_MARGIN = 0.05
+PROBE_RHO0 = 0.005
 
 
 def collapse_loss(arm: dict[str, Any], batch_size: int, top_m: int = 50) -> float | None:
@@ -52,3 +57,16 @@ def collapsed_epochs(records: list[dict[str, Any]], arm: dict[str, Any], batch_s
         for r in checkpoints
         if r.get("train_loss") is not None and is_collapsed(r["train_loss"], r["knn_top1"], start, collapsed)
     ]
+
+
+def collapsed_at_end(records: list[dict[str, Any]], arm: dict[str, Any], batch_size: int) -> bool:
+    """Whether a run file's last checkpoint epoch is one that :func:`collapsed_epochs` flags."""
+    checkpoints = [r["epoch"] for r in records if r.get("type") == "checkpoint"]
+    return bool(checkpoints) and max(checkpoints) in collapsed_epochs(records, arm, batch_size)
+
+
+def probe_step_near_collapse(loss: float, rho0: float, collapsed_loss: float) -> bool:
+    """A scale probe's step near the collapsed state: the loss within ``LOSS_MARGIN`` of the collapsed value, either
+    side, and the batch pivot rho0 below ``PROBE_RHO0``. Not the collapse rule: a step has no k-NN, and the band's
+    lower side also holds runs that train (arm 10 seed 0's epoch-1 mean, 8.1546, is 0.047 below 8.202)."""
+    return abs(loss - collapsed_loss) < LOSS_MARGIN and rho0 < PROBE_RHO0

@@ -11,7 +11,9 @@ where the schedule was.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,23 @@ def fix_schedule(output_dir: Path, source_arm: str, seed: int, name: str = SCHED
     }
     out.write_text(json.dumps(schedule) + "\n")
     return out
+
+
+def schedule_in_memory(values: list[float], source_run: str, name: str = SCHEDULED_STATISTIC) -> dict[str, Any]:
+    """A schedule taken from a run of the same process (benchmarks/gpu_study.py ``--pair link``), with the keys
+    :class:`ScheduledScale` records: no source file, so no file hashes; ``sha256`` is the values' (as JSON).
+    ValueError when a value is not a finite positive scale."""
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise ValueError(f"a schedule of {name} needs finite positive values at every step of {source_run}")
+    return {
+        "source_run": source_run,
+        "source_sha256": None,
+        "statistic": name,
+        "source_git_commit": None,
+        "steps": len(values),
+        "values": list(values),
+        "sha256": hashlib.sha256(json.dumps(values).encode()).hexdigest(),
+    }
 
 
 def load_schedule(output_dir: Path, source_arm: str, seed: int) -> dict[str, Any]:
