@@ -21,11 +21,11 @@ from st_weince.functional import (
     initial_beta_ema,
     mnrl_layout,
     nt_xent_layout,
-    top_m_negatives,
     top_m_terms,
     update_beta_ema,
     weince_cross_entropy,
 )
+from st_weince.functional.composite import top_m_selection
 from st_weince.losses import WEINCELoss
 from st_weince.utils.hotpath import count_host_syncs
 from tests.weince_release_reference import ReleasedCompositeReference
@@ -219,7 +219,8 @@ def test_top_m_selection_counts_per_row():
     positive_index = torch.tensor([0, 1, 2])
     valid_mask = torch.ones(3, 5, dtype=torch.bool)
     valid_mask[1, 2:] = False  # row 1: one negative -> K - 1 = 0 hard negatives
-    positive, negatives, used = top_m_negatives(scores, positive_index, valid_mask, top_m=2)
+    picked, used = top_m_selection(scores, positive_index, valid_mask, top_m=2)
+    positive, negatives, used = picked[:, 0], picked[:, 1:], used[:, 1:]
     assert positive.tolist() == pytest.approx([0.9, 0.8, 0.3])
     assert negatives[0].tolist() == pytest.approx([0.7, 0.5]) and used[0].tolist() == [True, True]
     assert used[1].tolist() == [False, False]
@@ -229,8 +230,8 @@ def test_top_m_selection_counts_per_row():
     expected = math.log(math.exp(0.9 * 3) + math.exp(0.7 * 3) + math.exp(0.5 * 3)) - 0.9 * 3
     assert math.isclose(float(infonce[0]), expected, rel_tol=1e-6)
     # M = min(M, K - 1): with K = 4 negatives and top_m = 50, the 3 hardest are used
-    _, _, used = top_m_negatives(scores, positive_index, None, top_m=50)
-    assert used.sum(1).tolist() == [3, 3, 3]
+    _, used = top_m_selection(scores, positive_index, None, top_m=50)
+    assert used[:, 1:].sum(1).tolist() == [3, 3, 3]
 
 
 def test_the_tail_index_as_a_tensor_or_a_number_gives_the_same_terms():

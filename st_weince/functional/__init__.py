@@ -15,7 +15,6 @@ from st_weince.functional.composite import (
     CompositeLoss,
     composite_loss,
     shortfall_logits,
-    top_m_negatives,
     top_m_terms,
 )
 from st_weince.functional.false_negatives import (
@@ -114,7 +113,6 @@ __all__ = [
     "tail_index",
     "tail_sizes",
     "targets_from_positive_index",
-    "top_m_negatives",
     "top_m_terms",
     "update_beta_ema",
     "weince_cross_entropy",

@@ -75,18 +75,6 @@ def top_m_selection(
     return torch.where(used, picked, 0.0), used
 
 
-def top_m_negatives(
-    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, *, top_m: int,
-    hardest: HardestNegatives | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The positive score [A] and the M hardest negative scores [A, M'] of each row (descending) with a mask
-    [A, M'] of the ones used: :func:`top_m_selection`'s columns apart, the mask always given."""
-    picked, used = top_m_selection(scores, positive_index, valid_mask, top_m=top_m, hardest=hardest)
-    if used is None:
-        used = torch.ones_like(picked, dtype=torch.bool)
-    return picked[:, 0], picked[:, 1:], used[:, 1:]
-
-
 def shortfall_logits(scores: Tensor, beta: Tensor | float, eps: float) -> Tensor:
     """``-beta * log(1 - min(s, 1 - eps))``: the pure shortfall ("Weibit") logit, no temperature."""
     return torch.log(torch.rsub(scores.clamp(max=1.0 - eps), 1.0)) * -beta

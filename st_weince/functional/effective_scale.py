@@ -64,14 +64,3 @@ def selection_shortfall_scale(picked: Tensor, used: Tensor | None, beta: Tensor,
     # The positive is an entry of the set, so a row without used negatives (M' = 0) has the range of one score.
     low, high = row_score_range(picked, used)
     return beta * shortfall_secant_slope(low, high, eps)
-
-
-@torch.no_grad()
-def top_m_shortfall_effective_scale(
-    positive: Tensor, negatives: Tensor, used: Tensor, beta: Tensor | float, eps: float
-) -> Tensor:
-    """:func:`selection_shortfall_scale` of :func:`~st_weince.functional.composite.top_m_negatives`' three parts."""
-    values = torch.cat([positive.detach()[:, None], negatives.detach()], dim=1)
-    in_set = torch.cat([used.new_ones((used.shape[0], 1)), used], dim=1)
-    beta = torch.as_tensor(beta, device=positive.device).detach().to(positive.dtype)
-    return selection_shortfall_scale(values, in_set, beta, eps)
