@@ -175,6 +175,8 @@ class FilterCounts:
 
     @staticmethod
     def cat(parts: list[FilterCounts]) -> FilterCounts:
+        if len(parts) == 1:
+            return parts[0]
         return FilterCounts(torch.cat([p.masked for p in parts]), torch.cat([p.negatives for p in parts]))
 
 
