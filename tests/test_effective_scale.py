@@ -9,12 +9,8 @@ import pytest
 import torch
 
 from st_weince.functional import TopM, nt_xent_layout
-from st_weince.functional.composite import top_m_negatives, top_m_terms
-from st_weince.functional.effective_scale import (
-    blend_effective_scale,
-    shortfall_secant_slope,
-    top_m_shortfall_effective_scale,
-)
+from st_weince.functional.composite import top_m_selection, top_m_terms
+from st_weince.functional.effective_scale import blend_effective_scale, shortfall_secant_slope
 from st_weince.losses import CachedWEINCELoss, WEINCELoss
 
 EPS = 1e-6
@@ -57,13 +53,13 @@ def test_a_linear_top_m_term_at_the_effective_scale_is_close_to_the_shortfall_te
     z2 = features + 0.3 * torch.randn(256, 64)
     scores, positive_index, valid_mask = nt_xent_layout(z1, z2)
     beta = torch.tensor(10.0)
-    selection = top_m_negatives(scores, positive_index, valid_mask, top_m=50)
-    scale = top_m_shortfall_effective_scale(*selection, beta, EPS)
+    scale = top_m_terms(scores, positive_index, valid_mask, TopM(m=50), beta=beta, scale=1.0, eps=EPS)[2]
     terms = top_m_terms(scores, positive_index, valid_mask, TopM(m=50), beta=beta, scale=float(scale.mean()), eps=EPS)
     shortfall, matched = terms[0].mean(), terms[1]
     assert float(matched.mean()) == pytest.approx(float(shortfall), rel=0.25)
     # The secant slope lies between the tangents at the set's lowest and highest score (mean value theorem).
-    positive, negatives, used = selection
+    picked, used = top_m_selection(scores, positive_index, valid_mask, top_m=50)
+    positive, negatives, used = picked[:, 0], picked[:, 1:], used[:, 1:]
     highest = torch.maximum(positive, negatives[:, 0])
     lowest = torch.minimum(positive, negatives.masked_fill(~used, 2.0).amin(dim=1))
     assert bool(((beta / (1 - lowest) <= scale * (1 + 1e-5)) & (scale <= beta / (1 - highest) * (1 + 1e-5))).all())

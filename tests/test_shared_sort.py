@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from st_weince.functional.batch_tail import batch_negative_tail
-from st_weince.functional.composite import top_m_negatives
+from st_weince.functional.composite import top_m_selection
 from st_weince.functional.options import TopM
 from st_weince.functional.weince import hardest_negatives, statistics_from_fit, weince_tail_fit
 
@@ -62,15 +62,16 @@ def test_the_shared_sort_gives_the_same_tail_fit_and_top_m_selection():
     fit_shared = weince_tail_fit(scores, positive_index, hardest=hardest)
     for name in ("rho", "beta_hat", "delta_aic", "fitted", "has_negatives"):
         assert torch.equal(getattr(fit_alone, name), getattr(fit_shared, name)), name
-    alone = top_m_negatives(scores, positive_index, top_m=8)
-    shared = top_m_negatives(scores, positive_index, top_m=8, hardest=hardest)
+    alone = top_m_selection(scores, positive_index, top_m=8)
+    shared = top_m_selection(scores, positive_index, top_m=8, hardest=hardest)
     for a, b in zip(alone, shared):
         assert torch.equal(a, b)
     # the gradient reaches the selected scores, each entry of a row's hardest set once
-    shared[1].sum().backward()
-    assert torch.equal(scores.grad.sum(1), shared[2].sum(1).float())
+    picked, used = shared
+    picked[:, 1:].sum().backward()
+    assert torch.equal(scores.grad.sum(1), used[:, 1:].sum(1).float())
     with pytest.raises(ValueError, match=r"the top-M terms of \(12, 40\) scores need \[12, >= 38\]"):
-        top_m_negatives(scores, positive_index, top_m=50, hardest=hardest_negatives(scores, positive_index, None, 30))
+        top_m_selection(scores, positive_index, top_m=50, hardest=hardest_negatives(scores, positive_index, None, 30))
     with pytest.raises(ValueError, match=r"the tail fit of \(12, 40\) scores needs \[12, >= 32\]"):
         weince_tail_fit(scores, positive_index, hardest=hardest_negatives(scores, positive_index, None, 20))
 

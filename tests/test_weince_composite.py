@@ -17,15 +17,14 @@ from st_weince.functional import (
     batch_negative_tail,
     batch_tail_fit,
     check_scores,
-    composite_loss,
     initial_beta_ema,
     mnrl_layout,
     nt_xent_layout,
-    top_m_negatives,
     top_m_terms,
     update_beta_ema,
     weince_cross_entropy,
 )
+from st_weince.functional.composite import top_m_selection
 from st_weince.losses import WEINCELoss
 from st_weince.utils.hotpath import count_host_syncs
 from tests.weince_release_reference import ReleasedCompositeReference
@@ -201,17 +200,20 @@ def test_zero_weights_give_exactly_the_blended_loss():
         assert torch.equal(grad, expected)
 
 
-def test_composite_loss_weights_and_shares():
-    blend, shortfall, infonce = torch.tensor(2.0), torch.tensor(3.0), torch.tensor(5.0)
-    result = composite_loss(blend, shortfall, infonce, RELEASED)
-    assert float(result.total) == 2.0 + 1.5 + 2.5
-    shares = result.shares()
-    assert math.isclose(sum(float(v) for v in shares.values()), 1.0)
-    assert math.isclose(float(shares["top_m_infonce"]), 2.5 / 6.0, rel_tol=1e-6)
-    only_infonce = composite_loss(blend, None, infonce, TopM(infonce_weight=1.0))
-    assert float(only_infonce.total) == 7.0 and only_infonce.top_m_shortfall is None
-    with pytest.raises(ValueError, match="shortfall_weight is 0.5, but no top_m_shortfall term"):
-        composite_loss(blend, None, infonce, RELEASED)
+def test_the_step_weights_the_terms_and_gives_their_shares():
+    generator = torch.Generator().manual_seed(0)
+    scores, positive_index, valid_mask = make_batch("nt_xent", 9, "gaussian", generator)
+    loss = composite(2.0)
+    total = loss.loss_from_scores(scores, positive_index, valid_mask)
+    terms = loss.last_step.terms
+    assert torch.equal(total, terms.blend + 0.5 * terms.top_m_shortfall + 0.5 * terms.top_m_infonce)
+    shares = terms.shares()
+    assert math.isclose(sum(float(v) for v in shares.values()), 1.0, rel_tol=1e-6)
+    assert math.isclose(float(shares["top_m_infonce"]), 0.5 * float(terms.top_m_infonce) / float(total), rel_tol=1e-6)
+    only_infonce = composite(2.0, TopM(infonce_weight=1.0))
+    total = only_infonce.loss_from_scores(scores, positive_index, valid_mask)
+    terms = only_infonce.last_step.terms
+    assert torch.equal(total, terms.blend + terms.top_m_infonce) and terms.top_m_shortfall is None
 
 
 def test_top_m_selection_counts_per_row():
@@ -219,7 +221,8 @@ def test_top_m_selection_counts_per_row():
     positive_index = torch.tensor([0, 1, 2])
     valid_mask = torch.ones(3, 5, dtype=torch.bool)
     valid_mask[1, 2:] = False  # row 1: one negative -> K - 1 = 0 hard negatives
-    positive, negatives, used = top_m_negatives(scores, positive_index, valid_mask, top_m=2)
+    picked, used = top_m_selection(scores, positive_index, valid_mask, top_m=2)
+    positive, negatives, used = picked[:, 0], picked[:, 1:], used[:, 1:]
     assert positive.tolist() == pytest.approx([0.9, 0.8, 0.3])
     assert negatives[0].tolist() == pytest.approx([0.7, 0.5]) and used[0].tolist() == [True, True]
     assert used[1].tolist() == [False, False]
@@ -229,8 +232,8 @@ def test_top_m_selection_counts_per_row():
     expected = math.log(math.exp(0.9 * 3) + math.exp(0.7 * 3) + math.exp(0.5 * 3)) - 0.9 * 3
     assert math.isclose(float(infonce[0]), expected, rel_tol=1e-6)
     # M = min(M, K - 1): with K = 4 negatives and top_m = 50, the 3 hardest are used
-    _, _, used = top_m_negatives(scores, positive_index, None, top_m=50)
-    assert used.sum(1).tolist() == [3, 3, 3]
+    _, used = top_m_selection(scores, positive_index, None, top_m=50)
+    assert used[:, 1:].sum(1).tolist() == [3, 3, 3]
 
 
 def test_the_tail_index_as_a_tensor_or_a_number_gives_the_same_terms():
@@ -383,7 +386,7 @@ def test_compiles_with_fullgraph_and_equals_eager():
         fit = batch_tail_fit(batch_negative_tail(s, positive_index, valid_mask, RELEASED, eps=EPS), RELEASED)
         ema = update_beta_ema(ema, fit, RELEASED)
         shortfall, infonce = top_m_pair(s, positive_index, valid_mask, RELEASED, beta=ema, scale=2.0)
-        return composite_loss(s.sum() * 0.0, shortfall.mean(), infonce.mean(), RELEASED).total, ema
+        return s.sum() * 0.0 + 0.5 * shortfall.mean() + 0.5 * infonce.mean(), ema
 
     eager_scores = scores.clone().requires_grad_()
     eager, eager_ema = step(eager_scores, initial_beta_ema(RELEASED))

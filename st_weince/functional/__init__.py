@@ -11,13 +11,7 @@ from st_weince.functional.batch_tail import (
     update_beta_ema,
 )
 from st_weince.functional.checks import check_scores, compute_dtype
-from st_weince.functional.composite import (
-    CompositeLoss,
-    composite_loss,
-    shortfall_logits,
-    top_m_negatives,
-    top_m_terms,
-)
+from st_weince.functional.composite import shortfall_logits, top_m_terms
 from st_weince.functional.false_negatives import (
     FalseNegativeFilter,
     FilterCounts,
@@ -70,7 +64,6 @@ __all__ = [
     "BatchTailFit",
     "CandidateGroup",
     "CandidateGuard",
-    "CompositeLoss",
     "FalseNegativeFilter",
     "FilterCounts",
     "Gate",
@@ -92,7 +85,6 @@ __all__ = [
     "blended_cross_entropy",
     "check_scores",
     "chunked_sigmoid_contrastive_loss",
-    "composite_loss",
     "compute_dtype",
     "constellation_margin",
     "constellation_margin_from_extremes",
@@ -114,7 +106,6 @@ __all__ = [
     "tail_index",
     "tail_sizes",
     "targets_from_positive_index",
-    "top_m_negatives",
     "top_m_terms",
     "update_beta_ema",
     "weince_cross_entropy",

@@ -113,15 +113,19 @@ def check_score_shapes(
         shape = tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__
         raise ValueError(f"targets must have the scores' shape {tuple(scores.shape)}, got {shape}")
     if positive_index is not None:
-        if not isinstance(positive_index, Tensor):
-            raise TypeError(f"positive_index must be an integer tensor, got {type(positive_index).__name__}")
-        if positive_index.shape != (num_anchors,):
-            raise ValueError(
-                f"positive_index must have one entry per anchor ({num_anchors}), "
-                f"got shape {tuple(positive_index.shape)}"
-            )
-        if positive_index.is_floating_point() or positive_index.is_complex() or positive_index.dtype == torch.bool:
-            raise ValueError(f"positive_index must be an integer tensor, got {positive_index.dtype}")
+        check_positive_index(positive_index, num_anchors)
+
+
+def check_positive_index(positive_index: Tensor, num_anchors: int | None = None) -> None:
+    """``positive_index`` is an integer tensor [A] (of any integer dtype, as the targets of torch's losses), with one
+    entry per anchor when ``num_anchors`` is given (free: no device value is read); the errors name the argument."""
+    if not isinstance(positive_index, Tensor):
+        raise TypeError(f"positive_index must be an integer tensor, got {type(positive_index).__name__}")
+    if positive_index.dim() != 1 or (num_anchors is not None and positive_index.shape[0] != num_anchors):
+        anchors = "" if num_anchors is None else f" with one entry per anchor ({num_anchors})"
+        raise ValueError(f"positive_index must be 1-D [anchors]{anchors}, got shape {tuple(positive_index.shape)}")
+    if positive_index.is_floating_point() or positive_index.is_complex() or positive_index.dtype == torch.bool:
+        raise ValueError(f"positive_index must be an integer tensor, got {positive_index.dtype}")
 
 
 def require_valid_scores(

@@ -23,8 +23,6 @@ shapes only; the values are checked where a loss receives its inputs, and a dire
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
@@ -73,18 +71,6 @@ def top_m_selection(
     num_negatives = count_negatives(positive_index, valid_mask, s.shape, s.device)
     used = torch.arange(width + 1, device=s.device) <= (num_negatives - 1).clamp(0, top_m)[:, None]
     return torch.where(used, picked, 0.0), used
-
-
-def top_m_negatives(
-    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, *, top_m: int,
-    hardest: HardestNegatives | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The positive score [A] and the M hardest negative scores [A, M'] of each row (descending) with a mask
-    [A, M'] of the ones used: :func:`top_m_selection`'s columns apart, the mask always given."""
-    picked, used = top_m_selection(scores, positive_index, valid_mask, top_m=top_m, hardest=hardest)
-    if used is None:
-        used = torch.ones_like(picked, dtype=torch.bool)
-    return picked[:, 0], picked[:, 1:], used[:, 1:]
 
 
 def shortfall_logits(scores: Tensor, beta: Tensor | float, eps: float) -> Tensor:
@@ -147,59 +133,3 @@ def top_m_terms(
     shortfall_scale = selection_shortfall_scale(picked.detach(), used, beta, eps) if effective_scale else None
     return shortfall, infonce, shortfall_scale
 
-
-# --------------------------------------------------------------------------------------------- the composite
-
-
-@dataclass(frozen=True)
-class CompositeLoss:
-    """The composite's total and its terms (each a mean over anchors; None where its weight is 0)."""
-
-    total: Tensor
-    blend: Tensor
-    top_m_shortfall: Tensor | None
-    top_m_infonce: Tensor | None
-    top_m_shortfall_weight: float
-    top_m_infonce_weight: float
-
-    def shares(self) -> dict[str, Tensor]:
-        """Each weighted term's share of the total (detached device tensors: no host sync)."""
-        total = self.total.detach()
-        shares = {"blend": self.blend.detach() / total}
-        if self.top_m_shortfall is not None:
-            shares["top_m_shortfall"] = self.top_m_shortfall_weight * self.top_m_shortfall.detach() / total
-        if self.top_m_infonce is not None:
-            shares["top_m_infonce"] = self.top_m_infonce_weight * self.top_m_infonce.detach() / total
-        return shares
-
-
-def composite_loss(
-    blend: Tensor, top_m_shortfall: Tensor | None, top_m_infonce: Tensor | None, options: TopM
-) -> CompositeLoss:
-    """``blend + shortfall_weight * top_m_shortfall + infonce_weight * top_m_infonce`` (the weights of ``options``).
-
-    A term whose weight is 0 is left out (not multiplied by 0), so with both weights 0 the total IS ``blend``.
-    A term with a positive weight must be given.
-    """
-    total = blend
-    terms = {}
-    for name, term, weight_name in (
-        ("top_m_shortfall", top_m_shortfall, "shortfall_weight"),
-        ("top_m_infonce", top_m_infonce, "infonce_weight"),
-    ):
-        weight = getattr(options, weight_name)
-        if weight == 0.0:
-            terms[name] = None
-            continue
-        if term is None:
-            raise ValueError(f"{weight_name} is {weight}, but no {name} term was given")
-        terms[name] = term
-        total = total + weight * term
-    return CompositeLoss(
-        total=total,
-        blend=blend,
-        top_m_shortfall=terms["top_m_shortfall"],
-        top_m_infonce=terms["top_m_infonce"],
-        top_m_shortfall_weight=options.shortfall_weight,
-        top_m_infonce_weight=options.infonce_weight,
-    )

@@ -1,20 +1,12 @@
-"""How sharp a WEINCE term is: the effective scale of its logit over the scores it weights.
+"""How sharp a WEINCE term is: the effective scale of its logit over the scores it weights (docs/weince.md, "How sharp
+is the loss?").
 
-A logit ``f(s)`` has scale ``f'(s)``: InfoNCE's ``s / tau`` has the constant ``1 / tau``, the shortfall logit
-``-beta log(1 - s)`` has ``beta / (1 - s)``, which diverges at the cap s = 1. A slope averaged with the softmax's
-weights is dominated by the one candidate nearest 1. A linear logit at that slope is far sharper than the shortfall
-logit over the rest of the set. A trial reported in the issue "link or temperature" shows this: at initialisation,
-such a match gave a cross-entropy of 186 against the shortfall term's 7.4. So the effective scale here is the
-**secant slope over the whole set**:
-
-    (f(s_max) - f(s_min)) / (s_max - s_min)
-
-between the lowest and the highest score of the set that the term's softmax runs over (the positive and its
-candidates). A linear logit at this scale spans the same logit range over the set as ``f`` does. For InfoNCE it is
-``1 / tau`` exactly. For the shortfall logit it is ``beta (log(1 - s_min) - log(1 - s_max)) / (s_max - s_min)``, and
-for the blend ``(1 - lam) / tau + lam x`` the shortfall's. Where ``s_max = s_min`` it is the tangent
-``beta / (1 - s)``. Scores are capped at ``1 - eps`` as in the logits. No gradient, no host sync: these are logged
-values.
+The effective scale is the **secant slope over the whole set** the term's softmax runs over (the positive and its
+candidates), ``(f(s_max) - f(s_min)) / (s_max - s_min)``, not a slope weighted by the softmax, which the one
+candidate nearest the cap dominates. For InfoNCE it is ``1 / tau``; for the shortfall logit ``-beta log(1 - s)`` it is
+``beta (log(1 - s_min) - log(1 - s_max)) / (s_max - s_min)``, and the tangent ``beta / (1 - s)`` where ``s_max =
+s_min``; for the blend ``(1 - lam) / tau + lam x`` the shortfall's. Scores are capped at ``1 - eps`` as in the logits.
+No gradient, no host sync: these are logged values.
 """
 
 from __future__ import annotations
@@ -64,14 +56,3 @@ def selection_shortfall_scale(picked: Tensor, used: Tensor | None, beta: Tensor,
     # The positive is an entry of the set, so a row without used negatives (M' = 0) has the range of one score.
     low, high = row_score_range(picked, used)
     return beta * shortfall_secant_slope(low, high, eps)
-
-
-@torch.no_grad()
-def top_m_shortfall_effective_scale(
-    positive: Tensor, negatives: Tensor, used: Tensor, beta: Tensor | float, eps: float
-) -> Tensor:
-    """:func:`selection_shortfall_scale` of :func:`~st_weince.functional.composite.top_m_negatives`' three parts."""
-    values = torch.cat([positive.detach()[:, None], negatives.detach()], dim=1)
-    in_set = torch.cat([used.new_ones((used.shape[0], 1)), used], dim=1)
-    beta = torch.as_tensor(beta, device=positive.device).detach().to(positive.dtype)
-    return selection_shortfall_scale(values, in_set, beta, eps)

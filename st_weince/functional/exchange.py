@@ -1,22 +1,13 @@
-"""Neighbour exchange: candidate blocks passed around the ring of processes instead of all-gathered.
+"""Neighbour exchange: candidate blocks passed around the ring of processes instead of all-gathered (SigLIP, Zhai et
+al., ICCV 2023; open_clip's ``SigLipLoss(dist_impl="bidir")``), for a loss that is a sum over candidate blocks, as the
+sigmoid loss is. docs/rb-sigmoid.md ("Many processes") describes the scheme and what was tested.
 
-A loss that decomposes over candidate blocks (the sigmoid loss: every pair is its own binary decision, there is no
-normalization across candidates) can score its local anchors against one process's candidate block at a time. Each
-process starts with its own block, then receives its neighbours' blocks as they are passed around the ring, in both
-directions at once (the block of ``rank - d`` from the left and that of ``rank + d`` from the right at step ``d``),
-and one last step from one side when the number of other processes is odd. After ``world_size - 1`` blocks every
-process has scored its anchors against every candidate, and no process ever holds more than one block of scores or
-the global candidate matrix as one tensor. SigLIP (Zhai et al., ICCV 2023) introduced this scheme; open_clip's
-``SigLipLoss`` (``dist_impl="bidir"``) is a public implementation of it.
-
-Gradients travel back the way the blocks came: each shift is an autograd function whose backward sends the gradient
-of the received block to the process it came from, where it is added to the gradient of the block that process
-forwarded (its own, or one it received the step before), so every block's gradient arrives at its owner.
-
-The point-to-point operations wait on their requests (``Work.wait``): with NCCL that orders the current CUDA stream
-after the transfer, without a host-device sync; with gloo (CPU) it blocks until the transfer is done.
-
-Every process must pass blocks of the same shape and dtype (as ``all_gather`` also needs).
+Each process scores its anchors against its own block, then against its neighbours' blocks as they arrive around the
+ring in both directions; no process holds the global candidate matrix. Gradients travel back the way the blocks came:
+each shift is an autograd function whose backward sends the received block's gradient to its sender. The
+point-to-point operations wait on their requests (``Work.wait``): with NCCL that orders the current CUDA stream after
+the transfer, without a host-device sync; with gloo (CPU) it blocks until the transfer is done. Every process must pass
+blocks of the same shape and dtype (as ``all_gather`` also needs).
 """
 
 from __future__ import annotations

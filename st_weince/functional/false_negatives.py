@@ -1,25 +1,16 @@
-"""The in-batch false-negative guard: candidates that score too close to the positive are not negatives.
-
-In supervised pair data the hardest in-batch "negatives" are often other pairs of the same intent, paraphrases or
-duplicates. WEINCE's shortfall logit acts on exactly those candidates (the ones nearest the cosine cap), so it would
-push them away harder than InfoNCE does. The guard removes them from the candidate set through the layout's
-``valid_mask``, before the tail statistics and before the softmax or sigmoid: a masked candidate is neither fitted nor
-pushed away. A row's positive is never masked.
+"""The in-batch false-negative guard (docs/false-negatives.md): candidates that score too close to the positive are not
+negatives, so they leave the row's candidate set through the layout's ``valid_mask``, before the tail statistics and
+before the softmax or sigmoid: a masked candidate is neither fitted nor pushed away. A row's positive never is.
 
 Rules, on the cosine score ``s`` of a candidate and ``s_pos`` of the row's positive:
 
-- ``("absolute", m)``: mask when ``s > s_pos - m`` (``m >= 0``; ``m = 0`` masks candidates above the positive);
-- ``("relative", r)``: mask when ``s > s_pos - (1 - r) |s_pos|`` (``0 < r <= 1``), the "percentage of the positive"
-  rule of retrieval fine-tuning (e.g. 0.95): ``r * s_pos`` for a positive ``s_pos``, and for a negative one the same
-  distance ``(1 - r) |s_pos|`` below it (``r * s_pos`` would lie *above* a negative positive and mask nothing). The
-  threshold is never above ``s_pos``, whatever its sign (as sentence-transformers' own guard was mended);
-- ``"identical"``: mask the candidates whose *input* is identical to the row's positive (the same token ids): exact
-  duplicates of the positive, found without a threshold. The inputs travel as :func:`input_keys`, a hash per row of
-  its token ids, so that candidates of other processes (gathered) and of other mini-batches (cached losses) are
-  compared by a few integers instead of their token ids;
-- ``"same_label"``: mask the candidates of the rows whose label (a class or group id per row: the dataset's label
-  column) equals the row's own: another row's positive, or its anchor where a direction scores anchors. Mined hard
-  negatives stay, as negatives by construction. The labels travel as keys (:func:`label_keys`), like the inputs.
+- ``("absolute", m)``: mask when ``s > s_pos - m`` (``m >= 0``);
+- ``("relative", r)``: mask when ``s > s_pos - (1 - r) |s_pos|`` (``0 < r <= 1``): never above ``s_pos``, whatever its
+  sign;
+- ``"identical"``: mask the candidates whose input (token ids) is identical to the positive's, compared as
+  :func:`input_keys`, a hash per row, so that gathered and cached candidates are compared by a few integers;
+- ``"same_label"``: mask the candidates of the rows with the row's own label (mined hard negatives stay), compared as
+  :func:`label_keys`.
 
 Everything here is branch-free tensor code (no host-device sync).
 """
@@ -175,6 +166,8 @@ class FilterCounts:
 
     @staticmethod
     def cat(parts: list[FilterCounts]) -> FilterCounts:
+        if len(parts) == 1:
+            return parts[0]
         return FilterCounts(torch.cat([p.masked for p in parts]), torch.cat([p.negatives for p in parts]))
 
 

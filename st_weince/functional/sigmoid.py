@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from st_weince.functional.checks import check_score_shapes, check_scores, compute_dtype
+from st_weince.functional.checks import check_positive_index, check_score_shapes, check_scores, compute_dtype
 from st_weince.functional.false_negatives import (
     FalseNegativeFilter,
     FilterCounts,
@@ -259,17 +259,8 @@ def targets_from_positive_index(
 ) -> Tensor:
     """0/1 targets [A, C] (float32 unless ``dtype``) with a 1 at ``positive_index[a]``; rows with index -1 have no
     positive. Built by comparison with the column numbers, without data-dependent shapes (no sync)."""
-    _check_positive_index(positive_index, None)
+    check_positive_index(positive_index)
     return _positive_mask(positive_index, num_candidates).to(dtype or torch.float32)
-
-
-def _check_positive_index(positive_index: Tensor, num_anchors: int | None) -> None:
-    if positive_index.dim() != 1:
-        raise ValueError(f"positive_index must be 1-D [anchors], got shape {tuple(positive_index.shape)}")
-    if positive_index.is_floating_point() or positive_index.is_complex() or positive_index.dtype == torch.bool:
-        raise ValueError(f"positive_index must be an integer tensor, got {positive_index.dtype}")
-    if num_anchors is not None and positive_index.shape[0] != num_anchors:
-        raise ValueError(f"positive_index must be [A] = [{num_anchors}], got {tuple(positive_index.shape)}")
 
 
 def _positive_mask(positive_index: Tensor, width: int) -> Tensor:
@@ -395,7 +386,7 @@ def chunked_sigmoid_contrastive_loss(
         raise ValueError(f"anchors and candidates must be [A, D] and [C, D] with the same D, got {shapes}")
     if anchors.shape[0] == 0 or candidates.shape[0] == 0:
         raise ValueError(f"anchors and candidates must not be empty, got {shapes}")
-    _check_positive_index(positive_index, anchors.shape[0])
+    check_positive_index(positive_index, anchors.shape[0])
     if check_inputs:
         message = f"positive_index must lie in [-1, {candidates.shape[0] - 1}] (-1 = no positive in this row)"
         checks = DeferredChecks()

@@ -27,7 +27,7 @@ from st_weince.functional.batch_tail import (
     batch_tail_fit,
     update_beta_ema,
 )
-from st_weince.functional.composite import CompositeLoss, composite_loss, top_m_terms, top_m_width
+from st_weince.functional.composite import top_m_terms, top_m_width
 from st_weince.functional.effective_scale import blend_effective_scale
 from st_weince.functional.false_negatives import FilterCounts
 from st_weince.functional.layouts import MNRLLayout, mnrl_cross_entropy
@@ -182,6 +182,28 @@ def batch_beta_step(
 
 
 @dataclasses.dataclass(frozen=True)
+class CompositeLoss:
+    """The composite's total and its terms (each a mean over anchors; None where its weight is 0)."""
+
+    total: Tensor
+    blend: Tensor
+    top_m_shortfall: Tensor | None
+    top_m_infonce: Tensor | None
+    top_m_shortfall_weight: float
+    top_m_infonce_weight: float
+
+    def shares(self) -> dict[str, Tensor]:
+        """Each weighted term's share of the total (detached device tensors: no host sync)."""
+        total = self.total.detach()
+        shares = {"blend": self.blend.detach() / total}
+        if self.top_m_shortfall is not None:
+            shares["top_m_shortfall"] = self.top_m_shortfall_weight * self.top_m_shortfall.detach() / total
+        if self.top_m_infonce is not None:
+            shares["top_m_infonce"] = self.top_m_infonce_weight * self.top_m_infonce.detach() / total
+        return shares
+
+
+@dataclasses.dataclass(frozen=True)
 class WEINCEStep:
     """A step's loss (the mean over this process's rows; detached where its chunks were back-propagated) and what the
     step logs and keeps: the query-anchored rows' statistics and guard counts, the composite's terms (means over the
@@ -319,10 +341,18 @@ def _kept_sorts(
 
 
 def _share_of_loss(sums: Tensor, num_rows: int, top_m: TopM | None) -> tuple[Tensor, CompositeLoss | None]:
-    """Rows' term sums (the blend's, or [blend, top-M shortfall, top-M InfoNCE]) -> their share of the step's loss
-    (each term's sum over the step's rows, weighted as the composite weights them) and the weighted terms (None
-    without the top-M terms)."""
+    """Rows' term sums (the blend's, or [blend, top-M shortfall, top-M InfoNCE]) -> their share of the step's loss,
+    each sum over the step's ``num_rows``: ``blend + shortfall_weight * top_m_shortfall + infonce_weight *
+    top_m_infonce``, a term whose weight is 0 left out (not multiplied by 0); and the terms (None without the top-M
+    terms)."""
     if top_m is None:
         return sums / num_rows, None
-    terms = composite_loss(*(sums / num_rows).unbind(), top_m)
-    return terms.total, terms
+    blend, shortfall, infonce = (sums / num_rows).unbind()
+    shortfall = shortfall if top_m.shortfall_weight != 0.0 else None
+    infonce = infonce if top_m.infonce_weight != 0.0 else None
+    total = blend
+    if shortfall is not None:
+        total = total + top_m.shortfall_weight * shortfall
+    if infonce is not None:
+        total = total + top_m.infonce_weight * infonce
+    return total, CompositeLoss(total, blend, shortfall, infonce, top_m.shortfall_weight, top_m.infonce_weight)

@@ -11,6 +11,7 @@ import dataclasses
 import inspect
 import numbers
 import typing
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -23,10 +24,16 @@ from st_weince.calibration import mark_carried_values_stale
 from st_weince.functional.checks import check_score_shapes, compute_dtype, full_precision, require_valid_scores
 from st_weince.functional.false_negatives import KEY_RULES, FilterCounts, feature_keys, label_keys
 from st_weince.functional.layouts import normalize_rows
-from st_weince.losses._labels import warn_unused_labels
 from st_weince.training.protocol import LossState
 from st_weince.utils.hotpath import DeferredChecks
 from st_weince.utils.logged_statistics import RunningMeans
+
+# The losses take no labels but the guard's: the advice of the warning that they are ignored.
+_GRADED_PAIRS_ADVICE = (
+    "every (anchor, positive) row is trained as a positive pair, also one labelled 0. For pairs with a similarity "
+    "score use CoSENTLoss or AnglELoss (sentence-transformers); for 0/1-labelled pairs keep only the positive ones, "
+    "or use ContrastiveLoss / OnlineContrastiveLoss"
+)
 
 # MultipleNegativesRankingLoss's arguments that a loss may have no use for: the value at which each is a no-op.
 _MNRL_NO_OPS: dict[str, Callable[[Any], bool]] = {
@@ -262,7 +269,7 @@ class ColumnsLoss(nn.Module, LossState):
                     f"{labels.numel()} labels for {embeddings[0].shape[0]} rows"
                 )
             return label_keys(labels, len(embeddings), hard_negative_columns=self._has_hard_negative_columns())
-        warn_unused_labels(self, labels)  # no sync: a host-side check
+        self._warn_unused_labels(labels)
         if rule != "identical":
             return None
         num_columns = len(embeddings)
@@ -273,6 +280,21 @@ class ColumnsLoss(nn.Module, LossState):
                 f"attention_mask) of each of the {num_columns} columns] to compute_loss_from_embeddings"
             )
         return row_keys
+
+    _warned_unused_labels = False
+
+    def _warn_unused_labels(self, labels: Tensor | None) -> None:
+        """Warn once per loss object that it ignores ``labels`` (the columns sentence-transformers' data collator
+        passes as labels, ``valid_label_columns``). Costs the step nothing: whether labels were given is known on the
+        host."""
+        if labels is None or self._warned_unused_labels or torch.compiler.is_compiling():
+            return
+        message = (
+            f"{type(self).__name__} does not use labels and ignores the 'label' or 'score' column of the dataset: "
+            f"{_GRADED_PAIRS_ADVICE}."
+        )
+        warnings.warn(message, stacklevel=3)
+        self._warned_unused_labels = True
 
     # -- configuration ------------------------------------------------------------------------------------------
 

@@ -160,3 +160,11 @@ class GradCachedLoss(CachedLossMixin):
     @property
     def citation(self) -> str:
         return super().citation + GRADCACHE_CITATION
+
+
+def backward_from_leaves(outputs: list[Tensor], leaves: list[Tensor]) -> None:
+    """Back-propagate the gradients accumulated on detached ``leaves`` (stand-ins for ``outputs``, at which the loss
+    stage's chunks stopped their backward) through the graph of ``outputs``."""
+    pairs = [(output, leaf.grad) for output, leaf in zip(outputs, leaves) if leaf.grad is not None]
+    if pairs:
+        torch.autograd.backward([output for output, _ in pairs], [grad for _, grad in pairs])

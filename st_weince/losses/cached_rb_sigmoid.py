@@ -1,12 +1,9 @@
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from st_weince.functional.false_negatives import FilterCounts
 from st_weince.functional.sigmoid import constellation_margin_from_extremes
 from st_weince.losses._gradcache import GradCachedLoss
-from st_weince.losses._sigmoid_blocks import all_gathers, candidate_columns, directional_blocks, key_blocks
 from st_weince.losses.rb_sigmoid import RBSigmoidLoss
 
 
@@ -80,83 +77,15 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
         """The loss over row chunks of ``mini_batch_size`` anchors; with ``with_backward`` each chunk is
         back-propagated to the embeddings at once, and the loss parameters' gradients are returned as the
         zero-valued term ``sum_p (p - p.detach()) g_p`` added to the detached loss (see the class docstring)."""
-        params = self.loss_parameters()
-        normalized = self._checked_columns(embeddings)
-        if not with_backward:
-            total, extremes, guard_counts = self._row_chunk_losses(normalized, params, row_keys, backward=False)
-        else:
-            stand_ins = {name: value.detach().requires_grad_(value.requires_grad) for name, value in params.items()}
-            total, extremes, guard_counts = self._row_chunk_losses(normalized, stand_ins, row_keys, backward=True)
+        params = used = self.loss_parameters()
+        if with_backward:  # the chunks run on detached stand-ins of the parameters (see the class docstring)
+            used = {name: value.detach().requires_grad_(value.requires_grad) for name, value in params.items()}
+        chunks = {"chunk_rows": self.mini_batch_size, "backward": with_backward}
+        total, extremes, guard_counts = self._block_losses(self._checked_columns(embeddings), used, row_keys, **chunks)
+        if with_backward:
             for name, value in params.items():
-                if value.requires_grad and stand_ins[name].grad is not None:
-                    total = total + (value - value.detach()) * stand_ins[name].grad
+                if value.requires_grad and used[name].grad is not None:
+                    total = total + (value - value.detach()) * used[name].grad
         if self.log_statistics:
             self._record(params, constellation_margin_from_extremes(*extremes)[0], guard_counts)
         return total
-
-    def _row_chunk_losses(
-        self, normalized: list[Tensor], params: dict[str, Tensor], row_keys: list[Tensor] | None, backward: bool
-    ) -> tuple[Tensor, tuple[Tensor, Tensor], FilterCounts | None]:
-        """Sum of the chunk losses (detached when ``backward``), the first block's extremes and its false-negative
-        guard counts per anchor (None without the guard).
-
-        With ``backward``, normalization and gathering run once on leaves: each chunk's backward stops at the
-        normalized (and gathered) columns, and one backward per column then carries the accumulated gradients
-        through the gather and the normalization to the embeddings."""
-        options = self.options
-        columns = [column.detach().requires_grad_() for column in normalized] if backward else normalized
-        gathered, positive_index = candidate_columns(columns, options)
-        # Without gathering the candidates are the columns themselves; gathered ones become leaves of their own.
-        candidates = gathered
-        if all_gathers(options) and backward:
-            candidates = [column.detach().requires_grad_() for column in gathered]
-        batch_size = columns[0].shape[0]
-
-        total = columns[0].new_zeros(())
-        extremes: tuple[Tensor, Tensor] | None = None
-        guard_counts: list[FilterCounts] = []
-        blocks = zip(directional_blocks(columns, candidates, options), key_blocks(columns, row_keys, options))
-        for block_index, ((anchor_column, block, weight), keys) in enumerate(blocks):
-            if options.gather_across_devices and options.exchange == "neighbour":
-                # Each process block arrives once; the row chunks go through it before the next one is received.
-                ring = {"weight": weight, "anchor_chunk": self.mini_batch_size, "backward": backward}
-                value, low, high, counts = self._block_loss(
-                    columns[anchor_column], block, positive_index, params, keys, **ring
-                )
-                chunk_results = [(value, low, high, counts)]
-            else:
-                chunk_results = []
-                for begin in range(0, batch_size, self.mini_batch_size):
-                    end = min(begin + self.mini_batch_size, batch_size)
-                    value, low, high, counts = self._block_loss(
-                        columns[anchor_column][begin:end], block, positive_index[begin:end], params, keys
-                    )
-                    # The block loss is the mean over the chunk's anchors; the loss is the mean over all anchors.
-                    value = value * (weight * (end - begin) / batch_size)
-                    if backward:
-                        value.backward()
-                        value = value.detach()
-                    chunk_results.append((value, low, high, counts))
-            for value, low, high, counts in chunk_results:
-                total = total + value
-                if block_index == 0:  # the logged margin is the first block's, as in RBSigmoidLoss
-                    extremes = (low, high) if extremes is None else _merge(extremes, low, high)
-                    if counts is not None:
-                        guard_counts.append(counts)
-        if backward:
-            if all_gathers(options):
-                _backward_where_used(gathered, candidates)
-            _backward_where_used(normalized, columns)
-        # per-anchor counts of the row chunks, in row order
-        return total, extremes, FilterCounts.cat(guard_counts) if guard_counts else None
-
-
-def _merge(extremes: tuple[Tensor, Tensor], low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
-    return torch.minimum(extremes[0], low), torch.maximum(extremes[1], high)
-
-
-def _backward_where_used(outputs: list[Tensor], leaves: list[Tensor]) -> None:
-    """Back-propagate the gradients accumulated on detached ``leaves`` through the graph of ``outputs``."""
-    pairs = [(output, leaf.grad) for output, leaf in zip(outputs, leaves) if leaf.grad is not None]
-    if pairs:
-        torch.autograd.backward([output for output, _ in pairs], [grad for _, grad in pairs])

@@ -2,11 +2,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
 import tqdm
 from torch import Tensor
 
-from st_weince.losses._gradcache import GradCachedLoss
+from st_weince.losses._gradcache import GradCachedLoss, backward_from_leaves
 from st_weince.losses.weince import WEINCELoss
 
 
@@ -79,8 +78,7 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
         chunks = {"chunk_rows": self.mini_batch_size, "backward": with_backward, "progress": self._progress}
         loss = self._step(layout_of, embeddings[0].shape[0], **chunks)
         if with_backward:  # the chunks' gradients, accumulated on the leaves, through the normalisation and gather
-            used = [(column, leaf.grad) for column, leaf in zip(columns, leaves) if leaf.grad is not None]
-            torch.autograd.backward([column for column, _ in used], [grad for _, grad in used])
+            backward_from_leaves(columns, leaves)
         return loss
 
     def _progress(self, chunks: list[tuple[int, int]]) -> Iterable[tuple[int, int]]:

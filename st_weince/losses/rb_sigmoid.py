@@ -23,7 +23,9 @@ from st_weince.functional.sigmoid import (
     targets_from_positive_index,
 )
 from st_weince.losses._common import ColumnsLoss, guard_share_values
+from st_weince.losses._gradcache import backward_from_leaves
 from st_weince.losses._sigmoid_blocks import (
+    all_gathers,
     candidate_columns,
     directional_blocks,
     key_blocks,
@@ -291,29 +293,77 @@ class RBSigmoidLoss(ColumnsLoss):
             return loss
 
     def _loss_from_embeddings(self, embeddings: list[Tensor], row_keys: list[Tensor] | None) -> Tensor:
-        blocks, positive_index = self._blocks(embeddings, row_keys)
         params = self.loss_parameters()
-        results = [self._block_loss(anchors, block, positive_index, params, keys) for anchors, block, _, keys in blocks]
-        loss = sum(weight * value for (_, _, weight, _), (value, *_) in zip(blocks, results))
-        if self.log_statistics:
-            _, low, high, guard_counts = results[0]  # the first block's margin and guard shares are logged
-            self._record(params, constellation_margin_from_extremes(low, high)[0], guard_counts)
+        loss, extremes, guard_counts = self._block_losses(self._checked_columns(embeddings), params, row_keys)
+        if self.log_statistics:  # the first block's margin and guard shares
+            self._record(params, constellation_margin_from_extremes(*extremes)[0], guard_counts)
         return loss
 
-    def _blocks(
-        self, embeddings: list[Tensor], row_keys: list[Tensor] | None
-    ) -> tuple[list[tuple[Tensor, Tensor, float, Tensor | None]], Tensor]:
-        """The checked, unit-length columns as the loss scores them: every ``(anchors, candidates, weight, candidate
-        keys)`` block whose weighted sum is the loss (candidates all-gathered with gradient when the exchange is
-        ``"all_gather"``; keys None without the guard's "identical" rule), and the row of each local anchor's
-        positive among the candidates."""
-        columns = self._checked_columns(embeddings)
-        candidates, positive_index = candidate_columns(columns, self.options)
-        keys = key_blocks(columns, row_keys, self.options)
-        layout = directional_blocks(columns, candidates, self.options)
-        return [(columns[a], block, weight, k) for (a, block, weight), k in zip(layout, keys)], positive_index
-
     # ----- the pieces, shared with CachedRBSigmoidLoss -----
+    def _block_losses(
+        self,
+        normalized: list[Tensor],
+        params: dict[str, Tensor],
+        row_keys: list[Tensor] | None,
+        *,
+        chunk_rows: int | None = None,
+        backward: bool = False,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor], FilterCounts | None]:
+        """The loss of the checked, unit-length columns: the weighted sum of every anchors-against-candidates block's
+        loss (:func:`~st_weince.losses._sigmoid_blocks.directional_blocks`; candidates all-gathered with gradient when
+        the exchange is ``"all_gather"``), over row chunks of ``chunk_rows`` anchors (None: one chunk); with the first
+        block's extremes and its false-negative guard counts per anchor (None without the guard).
+
+        With ``backward`` (a cached loss's loss stage) each chunk is back-propagated at once and the loss returned
+        detached. Normalization and gathering then run once on leaves: each chunk's backward stops at the normalized
+        (and gathered) columns, and one backward per column then carries the accumulated gradients through the
+        gather and the normalization to the embeddings."""
+        options = self.options
+        columns = [column.detach().requires_grad_() for column in normalized] if backward else normalized
+        gathered, positive_index = candidate_columns(columns, options)
+        # Without gathering the candidates are the columns themselves; gathered ones become leaves of their own.
+        candidates = gathered
+        if all_gathers(options) and backward:
+            candidates = [column.detach().requires_grad_() for column in gathered]
+        batch_size = columns[0].shape[0]
+        step = batch_size if chunk_rows is None else chunk_rows
+
+        total = extremes = None
+        guard_counts: list[FilterCounts] = []
+        blocks = zip(directional_blocks(columns, candidates, options), key_blocks(columns, row_keys, options))
+        for block_index, ((anchor_column, block, weight), keys) in enumerate(blocks):
+            anchors = columns[anchor_column]
+            if options.gather_across_devices and options.exchange == "neighbour":
+                # Each process block arrives once; the row chunks go through it before the next one is received.
+                ring = {"weight": weight, "anchor_chunk": chunk_rows, "backward": backward}
+                chunk_results = [self._block_loss(anchors, block, positive_index, params, keys, **ring)]
+            else:
+                chunk_results = []
+                for begin in range(0, batch_size, step):
+                    end = min(begin + step, batch_size)
+                    anchor_rows, positive_rows = anchors, positive_index  # one chunk: no slice in the graph
+                    if chunk_rows is not None:
+                        anchor_rows, positive_rows = anchors[begin:end], positive_index[begin:end]
+                    value, low, high, counts = self._block_loss(anchor_rows, block, positive_rows, params, keys)
+                    # The block loss is the mean over the chunk's anchors; the loss is the mean over all anchors.
+                    value = value * (weight * (end - begin) / batch_size)
+                    if backward:
+                        value.backward()
+                        value = value.detach()
+                    chunk_results.append((value, low, high, counts))
+            for value, low, high, counts in chunk_results:
+                total = value if total is None else total + value
+                if block_index == 0:  # the logged margin is the first block's
+                    extremes = (low, high) if extremes is None else _merge(extremes, low, high)
+                    if counts is not None:
+                        guard_counts.append(counts)
+        if backward:
+            if all_gathers(options):
+                backward_from_leaves(gathered, candidates)
+            backward_from_leaves(normalized, columns)
+        # per-anchor counts of the row chunks, in row order
+        return total, extremes, FilterCounts.cat(guard_counts) if guard_counts else None
+
     def _block_loss(
         self,
         anchors: Tensor,
@@ -381,3 +431,7 @@ class RBSigmoidLoss(ColumnsLoss):
     @property
     def citation(self) -> str:
         return RB_SIGMOID_CITATION
+
+
+def _merge(extremes: tuple[Tensor, Tensor], low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
+    return torch.minimum(extremes[0], low), torch.maximum(extremes[1], high)

@@ -1,25 +1,12 @@
 """Trainer integration in one call, :func:`prepare_trainer`, for the loss state of :mod:`st_weince.training.protocol`.
 
-The sentence-transformers trainer puts a loss's parameters into its optimizer, but:
-
-1. under DDP only the model is wrapped, so the loss parameters' gradients are not averaged across processes;
-2. checkpoints hold only the model, so a resumed run restarts the loss parameters (and buffers) from their start;
-3. weight decay reaches every parameter whose name does not look like a bias or a norm (``log_t``, ``b_rel``);
-4. the loss parameters train at the model's learning rate, at which fine-tuning leaves them almost where they start;
-5. nothing logs a loss's own statistics, or lets the saved model carry values the loss trained.
-
-:func:`prepare_trainer` fixes all five through the protocol alone, also inside wrappers (``MatryoshkaLoss``,
-``Matryoshka2dLoss``, ``AdaptiveLayerLoss``) and for a dict of losses.
-
-How the loss state travels with checkpoints (transformers 5 ``Trainer``): ``_save_checkpoint`` writes the model, the
-optimizer, the RNG states and, last, ``trainer_state.json``, which holds the state of every callback that is an
-``ExportableState``. :class:`LossStateRecord` is such a callback: its ``state()`` is the loss state's record
-(:mod:`st_weince.training.checkpoints`). So the loss state is inside the one file without which the trainer cannot
-resume at all. On resume the trainer loads that file before ``on_train_begin``, where :class:`LossStateCallback`
-restores the loss state. With ``restore_callback_states_from_checkpoint`` (which :func:`prepare_trainer` sets) the
-trainer re-creates the record from the checkpoint before it loads the optimizer, and the record compares the loss it
-was written under with the trainer's then: a resume under another loss is refused naming the change, before torch
-would refuse the optimizer's parameter groups.
+The sentence-transformers trainer puts a loss's parameters into its optimizer, but does not average their gradients
+across processes, checkpoint them, keep weight decay off them or give them a learning rate of their own, and logs no
+loss statistics; :func:`prepare_trainer` adds all five through the protocol alone, also inside wrappers and for a dict
+of losses. The loss state travels inside every checkpoint's ``trainer_state.json``, as the state of the
+``ExportableState`` callback :class:`LossStateRecord`; on resume the trainer re-creates that record before it loads
+the optimizer, so a checkpoint of another loss is refused, naming the change, before torch would refuse the
+optimizer's parameter groups. docs/training.md ("Checkpoints: the loss state cannot go missing") explains each step.
 """
 
 from __future__ import annotations
