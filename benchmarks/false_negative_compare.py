@@ -76,7 +76,7 @@ from benchmarks.lab.false_negatives import (  # noqa: E402
 from benchmarks.lab.pairing import CodeState, paired_t, refusal  # noqa: E402
 from benchmarks.lab.runlog import append_line, read_lines, run_name  # noqa: E402
 from benchmarks.lab.summaries import format_stat, mean_std, paired_difference, write_summary  # noqa: E402
-from st_weince.utils.run_outputs import STANDARD_LOG_KEYS  # noqa: E402
+from recipes.recipe_tools import STANDARD_LOG_KEYS  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "false_negatives_same_label"
 ARMS = {  # arm: (loss class, its options)
@@ -343,7 +343,7 @@ def markdown(summary: dict[str, Any]) -> str:
 
 # ----- the plan, resumable --------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from st_weince.utils.pretrained import minilm_path
+    from recipes.recipe_tools import minilm_path
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=minilm_path(), help="default: the packaged all-MiniLM-L6-v2 "
