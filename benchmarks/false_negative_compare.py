@@ -75,7 +75,7 @@ from benchmarks.lab.false_negatives import (  # noqa: E402
 )
 from benchmarks.lab.pairing import CodeState, paired_t, refusal  # noqa: E402
 from benchmarks.lab.runlog import append_line, read_lines, run_name  # noqa: E402
-from benchmarks.lab.summaries import format_stat, mean_std, paired_difference, write_summary  # noqa: E402
+from benchmarks.lab.summaries import format_p, format_stat, mean_std, paired_difference, write_summary  # noqa: E402
 from recipes.recipe_tools import STANDARD_LOG_KEYS  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "false_negatives_same_label"
@@ -322,7 +322,7 @@ def markdown(summary: dict[str, Any]) -> str:
             per_seed = " / ".join(f"{row[metric]:+.2f}" for row in entry["per_seed"].values())
             test = entry["tests"][metric]
             t = "-" if test["t"] is None else f"{test['t']:+.2f}"
-            p = "-" if test["p_two_sided"] is None else f"{test['p_two_sided']:.3f}"
+            p = "-" if test["p_two_sided"] is None else format_p(test["p_two_sided"])
             lines.append(
                 f"| {name} | {names[metric]} | {test['n']} | {format_stat(entry[metric], 2, sign=True)} | {per_seed} "
                 f"| {t} | {p} |"

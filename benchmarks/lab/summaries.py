@@ -4,6 +4,7 @@ generated blocks of docs/evidence.md. The one statistics helper of benchmarks/ (
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 from collections.abc import Iterable
@@ -97,9 +98,25 @@ def update_docs(path: Path, markdown: str, block: str) -> None:
     path.write_text(f"{head}{start}\n{markdown}\n{end}{tail}")
 
 
+def format_p(p: float) -> str:
+    """A two-sided p as a table shows it: three decimals, and "< 0.001" below that (never "0.000")."""
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def _without_nan(value: Any) -> Any:
+    """``value`` with every float NaN (a statistic of no runs, or the spread of one) as None: JSON has no NaN."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _without_nan(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_without_nan(item) for item in value]
+    return value
+
+
 def write_summary(output_dir: Path, summary: dict[str, Any], markdown: str) -> None:
     """``summary.json`` and ``summary.md`` in ``output_dir``; the Markdown also to stdout."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (output_dir / "summary.json").write_text(json.dumps(_without_nan(summary), indent=2, allow_nan=False) + "\n")
     (output_dir / "summary.md").write_text(markdown + "\n")
     print(markdown, flush=True)
