@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from st_weince.functional.checks import check_score_shapes, compute_dtype
-from st_weince.functional.line_fit import fit_design, fit_lines, shared_design
+from st_weince.functional.line_fit import burn_in, fit_design, fit_lines, shared_design
 from st_weince.functional.options import TopM
 from st_weince.functional.weince import HardestNegatives, count_negatives, negative_selection, selected_values
 from st_weince.utils.options import integer_option
@@ -129,8 +129,8 @@ def batch_tail_fit(tail: BatchTail, options: TopM) -> BatchTailFit:
     if isinstance(tail.num_negatives, int):  # the design from the shapes alone, made once
         k = min(batch_tail_size(tail.num_negatives, options), length)
         design = shared_design(k, length, dtype, shortfalls.device, gumbel=False)
-        burn_in = max(1, k // 20)
-        n, first_used, fitted = float(max(k - burn_in, 1)), min(burn_in, length - 1), k >= MIN_BATCH_TAIL_POINTS
+        skipped = burn_in(k)
+        n, first_used, fitted = float(max(k - skipped, 1)), min(skipped, length - 1), k >= MIN_BATCH_TAIL_POINTS
     else:
         k = batch_tail_size(tail.num_negatives, options).clamp_max(length)
         design = fit_design(k[None], length, dtype, gumbel=False)

@@ -25,19 +25,27 @@ class Design(NamedTuple):
     centred: Tensor
 
 
+def burn_in(size: Tensor | int) -> Tensor | int:
+    """The ranks a tail fit of ``size`` points leaves out first, ``max(1, floor(size / 20))`` (docs/algorithms.md
+    1.1 step 4), for a Python int (a size the shapes give) or an integer tensor of sizes."""
+    if isinstance(size, Tensor):
+        return torch.clamp(torch.div(size, 20, rounding_mode="floor"), min=1)
+    return max(1, size // 20)
+
+
 def fit_design(sizes: Tensor, k_max: int, dtype: torch.dtype, *, gumbel: bool = True) -> Design:
     """The :class:`Design` of tails of sizes ``sizes`` [R]."""
     sizes = sizes[:, None]
     rank = torch.arange(1, k_max + 1, device=sizes.device, dtype=dtype)[None, :]
-    burn_in = torch.clamp(torch.div(sizes, 20, rounding_mode="floor"), min=1)
-    used = (rank <= sizes) & (rank > burn_in)
+    skipped = burn_in(sizes)
+    used = (rank <= sizes) & (rank > skipped)
     weight = used.to(dtype)
     n = weight.sum(1, keepdim=True).clamp_min(1.0)
     # positions outside the fit get a harmless 0.5 so no NaN enters the sums
     log_cdf = torch.log(torch.where(used, rank / (sizes.to(dtype) + 1.0), 0.5))
     responses = (log_cdf, torch.log(-log_cdf).neg_()) if gumbel else (log_cdf,)
     centred = torch.stack([(y - (y * weight).sum(1, keepdim=True) / n) * weight for y in responses])
-    return Design(burn_in.squeeze(1), weight, centred)
+    return Design(skipped.squeeze(1), weight, centred)
 
 
 # The designs of the tails that every row of a batch shares (their size follows from the shapes alone), made once per

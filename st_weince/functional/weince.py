@@ -38,7 +38,7 @@ from st_weince.functional.checks import (
     from_order_keys,
     order_keys,
 )
-from st_weince.functional.line_fit import fit_lines, row_design, shared_design
+from st_weince.functional.line_fit import burn_in, fit_lines, row_design, shared_design
 from st_weince.functional.options import BETA_AUTO_RANGE, DEFAULTS, WEINCEOptions
 from st_weince.utils.hotpath import DeferredChecks
 from st_weince.utils.options import real_option
@@ -192,7 +192,7 @@ def negatives_needed(options: WEINCEOptions = DEFAULTS) -> int:
     """The fewest negatives per anchor at which an anchor's tail is fitted (with the defaults: 4): its tail of
     :func:`max_tail_size` points keeps at least 3 after the burn-in of docs/algorithms.md 1.1 step 4."""
     count = 1
-    while (k := max_tail_size(count, options)) - max(1, k // 20) < _MIN_FIT_POINTS:
+    while (k := max_tail_size(count, options)) - burn_in(k) < _MIN_FIT_POINTS:
         count += 1
     return count
 
@@ -235,10 +235,10 @@ def weince_tail_fit(
         num_negatives = num_columns - int(positive_index is not None and bool(has_positive))
         k = max_tail_size(num_negatives, options)
         design = shared_design(k, k_max, dtype, scores.device)
-        burn_in = max(1, k // 20)
-        points = max(k - burn_in, 0)
+        skipped = burn_in(k)
+        points = max(k - skipped, 0)
         fitted, has_negatives = points >= _MIN_FIT_POINTS, num_negatives > 0
-        n, first_used = float(max(points, 1)), min(burn_in, k_max - 1)
+        n, first_used = float(max(points, 1)), min(skipped, k_max - 1)
         # a copy, not a view: a cached loss keeps every chunk's fit, and a view would keep its whole tail alive
         rho = shortfall[:, 0].clone() if has_negatives else torch.ones(num_rows, dtype=dtype, device=scores.device)
     else:
