@@ -73,7 +73,7 @@ from benchmarks.lab.false_negatives import (  # noqa: E402
     same_label_share,
     stratified_split,
 )
-from benchmarks.lab.pairing import CodeState, paired_t, refusal  # noqa: E402
+from benchmarks.lab.pairing import CodeState, add_holm, paired_t, refusal  # noqa: E402
 from benchmarks.lab.runlog import append_line, read_lines, run_name  # noqa: E402
 from benchmarks.lab.summaries import format_p, format_stat, mean_std, paired_difference, write_summary  # noqa: E402
 from recipes.recipe_tools import STANDARD_LOG_KEYS  # noqa: E402
@@ -258,6 +258,7 @@ def summarize(records: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
         if difference is not None:
             entry["tests"] = {m: paired_t(difference[m]) for m in metrics}
         paired[f"{arm}_minus_{reference}"] = entry
+    holm_family_size = add_holm(paired)
     seeds = sorted({r["seed"] for r in records})
     same_per_seed = {str(seed): pairing_checks([r for r in records if r["seed"] == seed]) for seed in seeds}
     states = sorted({(r["provenance"]["git_commit"], r["provenance"]["machine"]["cpu"]["family"]) for r in records})
@@ -265,6 +266,7 @@ def summarize(records: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
     return {
         "arms": arms,
         "paired": paired,
+        "holm_family_size": holm_family_size,
         "paired_batches_per_seed": same_per_seed,
         "code_states": [{"git_commit": c, "cpu_family": f} for c, f in states],
         "cpu": first["machine"]["cpu"],
@@ -310,10 +312,11 @@ def markdown(summary: dict[str, Any]) -> str:
     lines += [
         "",
         "Paired by seed (same pairs, batches, dropout): mean +- sample std of the per-seed differences, the per-seed "
-        "values in seed order, and the paired t (n - 1 degrees of freedom) with its two-sided p.",
+        "values in seed order, and the paired t (n - 1 degrees of freedom) with its two-sided p and the p "
+        f"Holm-adjusted over the study's {summary['holm_family_size']} tests.",
         "",
-        "| comparison | metric | n | mean +- std | per seed | t | p |",
-        "|---|---|---|---|---|---|---|",
+        "| comparison | metric | n | mean +- std | per seed | t | p | p (Holm) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, entry in summary["paired"].items():
         for metric in METRICS:
@@ -323,12 +326,13 @@ def markdown(summary: dict[str, Any]) -> str:
             test = entry["tests"][metric]
             t = "-" if test["t"] is None else f"{test['t']:+.2f}"
             p = "-" if test["p_two_sided"] is None else format_p(test["p_two_sided"])
+            p_holm = "-" if test.get("p_holm") is None else format_p(test["p_holm"])
             lines.append(
                 f"| {name} | {names[metric]} | {test['n']} | {format_stat(entry[metric], 2, sign=True)} | {per_seed} "
-                f"| {t} | {p} |"
+                f"| {t} | {p} | {p_holm} |"
             )
         for seed, why in entry["refused"].items():
-            lines.append(f"| {name} | seed {seed} refused | | {why} | | | |")
+            lines.append(f"| {name} | seed {seed} refused | | {why} | | | | |")
     checks = "; ".join(
         f"seed {seed}: " + ", ".join(f"{key} {value}" for key, value in check.items())
         for seed, check in summary["paired_batches_per_seed"].items()

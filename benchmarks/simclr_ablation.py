@@ -127,8 +127,8 @@ SHARPEST = "infonce-topm-infonce-scale3"
 # close together). Scale 2 left at step 52, scale 3 at step 126; scale 4 had not left by step 195, the end of its
 # one-epoch probe; 9-30.87 had not left by step 120, the end of theirs. Whether scales of 4 and more ever leave is
 # unknown: no such run went on to 5 epochs.
-# Collapse is judged by benchmarks/lab/collapse.py (the loss at most 0.05 above the collapsed encoder's, and k-NN
-# below the run's own at epoch 0).
+# Collapse is judged by benchmarks/lab/collapse.py (the projections of distinct images within 1e-3 of one direction,
+# and k-NN below the run's own at epoch 0).
 STUDY_ARMS = {**ARMS, **PER_VIEW_ARMS}
 SEEDS = (0, 1, 2)
 # Seed 0 of every arm first; InfoNCE and the temperature control first (they need no top-M option).
@@ -209,7 +209,7 @@ def collapsed_runs(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str,
     out = {}
     for name, records in runs.items():
         arm = STUDY_ARMS[records[0]["loss"]]
-        epochs = collapse.collapsed_epochs(records, arm, ABLATION["batch_size"])
+        epochs = collapse.collapsed_epochs(records)
         if not epochs:
             continue
         checkpoints = [r for r in records if r.get("type") == "checkpoint"]
@@ -220,6 +220,7 @@ def collapsed_runs(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str,
             "collapsed_at_end": last["epoch"] in epochs,
             "train_loss": last["train_loss"],
             "collapse_loss": collapse.collapse_loss(arm, ABLATION["batch_size"]),
+            "projection_similarity_q999": (last.get("pot_projection") or {}).get("threshold"),
             "knn_top1": last["knn_top1"],
             "knn_top1_epoch0": next((r["knn_top1"] for r in checkpoints if r["epoch"] == 0), None),
         }
@@ -274,7 +275,8 @@ def summarize(output_dir: Path) -> dict[str, Any]:
         "runs_finished": sorted(runlog.run_name(a, s) for a, s in finals),
         "runs_missing": [runlog.run_name(a, s) for a, s in RUN_ORDER if (a, s) not in finals],
         "per_arm": per_arm,
-        "paired": paired(finals),
+        "paired": (differences := paired(finals)),
+        "holm_family_size": holm_family(differences),
         "finals": {
             runlog.run_name(a, s): {
                 **{m: r[m] for m in (*METRICS, "linear_val_top1", "knn_top1_by_k")},
@@ -303,8 +305,9 @@ def markdown(summary: dict[str, Any]) -> str:
         )
     lines += ["", "Paired by seed (same initialisation, batches and augmentations), points", ""]
     lines += summaries.paired_table(summary["paired"])
-    lines += ["", "How sure: paired t (mean / (std / sqrt(n)), n - 1 degrees of freedom), its two-sided p and the sign "
-              "count", ""]  # fmt: skip
+    lines += ["", "How sure: paired t (mean / (std / sqrt(n)), n - 1 degrees of freedom), its two-sided p "
+              f"(Holm-adjusted over the study's {summary.get('holm_family_size', 0)} tests) and the sign count",
+              ""]  # fmt: skip
     lines += ["| comparison | n | linear: t, p, seeds > 0 | k-NN: t, p, seeds > 0 |", "| --- | --- | --- | --- |"]
     for name, difference in summary["paired"].items():
         cells = [paired_t_and_signs(difference, metric) for metric in METRICS]
@@ -312,20 +315,32 @@ def markdown(summary: dict[str, Any]) -> str:
     if summary["collapsed"]:
         lines += [
             "",
-            "Collapsed runs (a result, not an accuracy comparison; benchmarks/lab/collapse.py: the epoch's mean "
-            "training loss at most 0.05 above the collapsed encoder's, and k-NN below the run's own at epoch 0)",
+            "Collapsed runs (a result, not an accuracy comparison; benchmarks/lab/collapse.py: the 99.9 % quantile "
+            "of the cosine between distinct images' projections within 1e-3 of 1, and k-NN below the run's own at "
+            "epoch 0)",
             "",
-            "| run | collapsed epochs | last epoch | train loss | collapsed encoder's | k-NN (epoch 0) |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "| run | collapsed epochs | last epoch | cosine q99.9 | train loss | collapsed encoder's "
+            "| k-NN (epoch 0) |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for name, row in summary["collapsed"].items():
             lines.append(
-                f"| {name} | {', '.join(map(str, row['collapsed_epochs']))} | {row['epoch']} | {row['train_loss']:.3f} "
-                f"| {row['collapse_loss']:.3f} | {row['knn_top1']:.2f} ({row['knn_top1_epoch0']:.2f}) |"
+                f"| {name} | {', '.join(map(str, row['collapsed_epochs']))} | {row['epoch']} "
+                f"| {row['projection_similarity_q999']:.5f} | {row['train_loss']:.3f} "
+                f"| {'-' if row['collapse_loss'] is None else format(row['collapse_loss'], '.3f')} "
+                f"| {row['knn_top1']:.2f} ({row['knn_top1_epoch0']:.2f}) |"
             )
     if summary["runs_missing"]:
         lines += ["", f"Not finished yet: {', '.join(summary['runs_missing'])}"]
     return "\n".join(lines)
+
+
+def holm_family(differences: dict[str, Any]) -> int:
+    """The paired t of every difference (``tests``) and its Holm-adjusted p over the study's whole family of tests;
+    returns the family's size."""
+    for difference in differences.values():
+        difference["tests"] = {m: pairing.paired_t(difference[m]) for m in METRICS if m in difference}
+    return pairing.add_holm(differences)
 
 
 def paired_t_and_signs(difference: dict[str, Any], metric: str) -> str:
@@ -337,7 +352,9 @@ def paired_t_and_signs(difference: dict[str, Any], metric: str) -> str:
     test = pairing.paired_t(difference[metric])
     if test["t"] is None:
         return f"t -, {positive} of {len(values)} > 0"
-    return f"t = {test['t']:+.2f}, p = {test['p_two_sided']:.3f}, {positive} of {len(values)} > 0"
+    holm = (difference.get("tests") or {}).get(metric, {}).get("p_holm")
+    adjusted = "" if holm is None else f" (Holm {holm:.3f})"
+    return f"t = {test['t']:+.2f}, p = {test['p_two_sided']:.3f}{adjusted}, {positive} of {len(values)} > 0"
 
 
 def main(argv: list[str] | None = None) -> None:

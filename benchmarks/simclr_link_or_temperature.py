@@ -83,17 +83,21 @@ COMPARISONS = [
 def summarize(output_dir: Path) -> dict[str, Any]:
     """summary.json, summary.md and curves.png from the run files in ``output_dir``."""
     runs = runlog.run_files(output_dir)
-    finals, states = {}, {}
-    for records in runs.values():
+    finals, states, shown = {}, {}, {}
+    for name, records in runs.items():
         key = (records[0]["loss"], records[0]["seed"])
-        states[key] = pairing.code_state(records)
+        recorded = pairing.code_state(records)
+        # a run on a CPU family that reproduced another's kernels bit for bit pairs as that one (kernel_parity.json)
+        states[key] = pairing.kernel_family(recorded, name, output_dir)
+        shown[key] = f"{str(recorded.commit)[:7]} on {recorded.cpu_family}" + (
+            f" (kernels of {states[key].cpu_family})" if states[key].cpu_family != recorded.cpu_family else ""
+        )
         if (final := runlog.final_record(records)) is not None:
             finals[key] = final
     per_arm = {
         arm: {
             "seeds": sorted(s for a, s in finals if a == arm),
-            "code_states": sorted({f"{str(states[a, s].commit)[:7]} on {states[a, s].cpu_family}" for a, s in finals
-                                   if a == arm}),  # fmt: skip
+            "code_states": sorted({shown[a, s] for a, s in finals if a == arm}),
             **{m: summaries.mean_std([r[m] for (a, _), r in finals.items() if a == arm]) for m in METRICS},
         }
         for arm in ARMS
@@ -102,7 +106,7 @@ def summarize(output_dir: Path) -> dict[str, Any]:
     collapsed = {
         name: epochs
         for name, records in runs.items()
-        if (epochs := collapsed_epochs(records, ARMS[records[0]["loss"]], CONFIG["batch_size"]))
+        if (epochs := collapsed_epochs(records))
     }
     summary = {
         "description": __doc__.split("\n\n")[0],
@@ -112,7 +116,8 @@ def summarize(output_dir: Path) -> dict[str, Any]:
         "runs_missing": [runlog.run_name(a, s) for a, s in RUN_ORDER if (a, s) not in finals],
         "code_states": {runlog.run_name(*key): vars(state) for key, state in sorted(states.items())},
         "per_arm": per_arm,
-        "paired": pairing.paired_differences(finals, states, COMPARISONS, SEEDS, METRICS),
+        "paired": (paired := pairing.paired_differences(finals, states, COMPARISONS, SEEDS, METRICS)),
+        "holm_family_size": pairing.add_holm(paired),
         "finals": {
             runlog.run_name(a, s): {m: r[m] for m in (*METRICS, "linear_val_top1", "knn_top1_by_k")}
             for (a, s), r in sorted(finals.items())
@@ -133,7 +138,8 @@ def markdown(summary: dict[str, Any]) -> str:
             f"| {arm} | {', '.join(map(str, row['seeds']))} | {'; '.join(row['code_states'])} "
             f"| {summaries.format_stat(row['linear_top1'])} | {summaries.format_stat(row['knn_top1'])} |"
         )
-    lines += ["", "Paired by seed, points (mean +- sample std, n; paired t with n - 1 degrees of freedom, two-sided p)",
+    lines += ["", "Paired by seed, points (mean +- sample std, n; paired t with n - 1 degrees of freedom, two-sided p; "
+              f"Holm-adjusted over the study's {summary['holm_family_size']} tests)",
               "", "| comparison | n | linear top-1 | t, p | k-NN top-1 | t, p | refused |",
               "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for name, entry in summary["paired"].items():
@@ -143,13 +149,15 @@ def markdown(summary: dict[str, Any]) -> str:
                 cells += ["-", "-"]
                 continue
             test = entry["tests"][metric]
-            t = "-" if test["t"] is None else f"t = {test['t']:+.2f}, p = {test['p_two_sided']:.3f}"
+            t = "-"
+            if test["t"] is not None:
+                t = f"t = {test['t']:+.2f}, p = {test['p_two_sided']:.3f} (Holm {test['p_holm']:.3f})"
             cells += [summaries.format_stat(entry[metric], sign=True), t]
         n = len(entry.get("seeds", []))
         refused = "; ".join(f"seed {s}: {why}" for s, why in entry["refused"].items()) or "-"
         lines.append(f"| {name} | {n} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | {refused} |")
-    lines += ["", "Collapsed epochs (benchmarks/lab/collapse.py: the loss at most 0.05 above the collapsed encoder's, "
-              "k-NN below its own at initialisation): "
+    lines += ["", "Collapsed epochs (benchmarks/lab/collapse.py: the 99.9 % quantile of the cosine between distinct "
+              "images' projections within 1e-3 of 1, k-NN below its own at initialisation): "
               + (", ".join(f"{name} {epochs}" for name, epochs in summary["collapsed_epochs"].items()) or "none")]
     if summary["runs_missing"]:
         lines += ["", f"Not finished yet: {', '.join(summary['runs_missing'])}"]

@@ -273,16 +273,22 @@ def test_the_matched_arm_its_scale_the_decisive_comparison_and_collapse(ablation
     assert collapse.collapse_loss(ablation.STUDY_ARMS["composite"], 256) is None  # the blend: no closed form here
     header = {"type": "header", "loss": ablation.MATCHED}
     start = {"type": "checkpoint", "epoch": 0, "train_loss": None, "knn_top1": 30.0}
-    epoch_one = {"type": "checkpoint", "epoch": 1, "train_loss": collapsed + 0.02, "knn_top1": 25.0}
+    tight = {"threshold": 1 - collapse.SPREAD / 2}
+    epoch_one = {"type": "checkpoint", "epoch": 1, "train_loss": collapsed + 0.06, "knn_top1": 25.0,
+                 "pot_projection": tight}  # fmt: skip
     runs = {"a-run": [header, start, epoch_one]}
     row = ablation.collapsed_runs(runs)["a-run"]
     assert (row["collapsed_epochs"], row["collapsed_at_end"], row["knn_top1_epoch0"]) == ([1], True, 30.0)
-    # it left: below the collapsed value and above its own start at epoch 2
-    runs["a-run"].append({"type": "checkpoint", "epoch": 2, "train_loss": collapsed - 0.04, "knn_top1": 33.0})
+    # it left: its projections spread again and k-NN passed its start at epoch 2
+    epoch_two = {"type": "checkpoint", "epoch": 2, "train_loss": collapsed - 0.04, "knn_top1": 33.0,
+                 "pot_projection": {"threshold": 0.98}}  # fmt: skip
+    runs["a-run"].append(epoch_two)
     assert not ablation.collapsed_runs(runs)["a-run"]["collapsed_at_end"]
-    # near the collapsed value but below it (arm 10 seed 0 at epoch 1), or above it with k-NN above the start: training
-    for loss, knn in ((collapsed - 0.047, 25.0), (collapsed + 0.02, 31.0)):
-        assert not collapse.is_collapsed(loss, knn, 30.0, collapsed)
+    # each part alone is not collapse: projections spread with k-NN below the start (a healthy epoch 1), projections
+    # within SPREAD of one direction with k-NN above the start (the backbone still learns)
+    for similarity, knn in ((1 - 2 * collapse.SPREAD, 25.0), (1 - collapse.SPREAD / 2, 31.0)):
+        assert not collapse.is_collapsed(similarity, knn, 30.0)
+    assert collapse.is_collapsed(1 - 0.99 * collapse.SPREAD, 29.9, 30.0)
     # the probes: collapsed from the first step that is, left at the first of LEAVE_STEPS steps in a row that are not
     search = load_script("benchmarks/matched_scale_search.py", "matched_scale_search")
     probe = {"loss": [9.0, collapsed, collapsed, *[7.0] * search.LEAVE_STEPS], "rho0": [0.03, 0.001, 0.001]}
@@ -292,33 +298,31 @@ def test_the_matched_arm_its_scale_the_decisive_comparison_and_collapse(ablation
 
 
 def test_the_collapse_rule_on_every_committed_run_file(ablation):
-    """benchmarks/lab/collapse.py on every committed run file of the SimCLR studies (an arm by its name in the
-    ablation or the link-or-temperature study, else the loss of that name): the stopped matched runs are flagged at
-    their last epoch; no finished run is flagged at its end but the scheduled arm's, whose collapse is the result of
-    the link-or-temperature study (k-NN still below its start after 5 epochs). A new run file is judged too: a
-    finished run of another arm flagged at its end fails here, to be looked at."""
+    """benchmarks/lab/collapse.py on every committed run file of the SimCLR studies with an epoch-0 probe: the runs
+    that collapsed (the matched arm, stopped; the scheduled arm of the link-or-temperature study, whose collapse is
+    its result) are flagged at every epoch from epoch 1 on, and no other run at any epoch. A new run file is judged
+    too: a run of another arm flagged at any epoch, or a collapsed arm's run not flagged, fails here, to be looked
+    at."""
     link = load_script("benchmarks/simclr_link_or_temperature.py", "simclr_link_or_temperature")
-    arms = {**ablation.STUDY_ARMS, **link.ARMS}
-    judged, flagged_at_end = {}, set()
+    collapsing = (f"simclr_ablation/{ablation.MATCHED}-", f"simclr_link_or_temperature/{link.SCHEDULED}-")
+    judged, flagged, expected = {}, {}, {}
     for path in sorted((REPO_ROOT / "benchmarks" / "results").glob("simclr*/**/*.jsonl")):
         records = runlog.read_lines(path)
         if not records or records[0].get("type") != "header":
             continue  # the scale probes: per-step lines without k-NN (matched_scale_search.py)
+        checkpoints = [r["epoch"] for r in records if r.get("type") == "checkpoint"]
+        if 0 not in checkpoints:
+            continue  # studies 2-3: no epoch-0 probe
         name = str(path.relative_to(REPO_ROOT / "benchmarks" / "results"))
-        header = records[0]
-        arm, batch_size = arms.get(header["loss"], {"loss": header["loss"]}), header["config"]["batch_size"]
-        has_start = any(r.get("type") == "checkpoint" and r["epoch"] == 0 for r in records)
-        if collapse.collapse_loss(arm, batch_size) is None or not has_start:
-            continue  # the blend, the composite, RB-Sigmoid: no closed form; studies 2-3: no epoch-0 probe
-        judged[name] = collapse.collapsed_epochs(records, arm, batch_size)
-        if collapse.collapsed_at_end(records, arm, batch_size):
-            flagged_at_end.add(name)
+        judged[name] = collapse.collapsed_epochs(records)
+        expected[name] = [e for e in checkpoints if e > 0] if name.startswith(collapsing) else []
+        flagged[name] = judged[name]
     assert {name.split("/")[0] for name in judged} >= {"simclr_ablation", "simclr_ablation_matched_scale",
                                                       "simclr_link_or_temperature", "simclr_study"}  # fmt: skip
     assert len(judged) >= 30
-    matched = {f"simclr_ablation/{ablation.MATCHED}-seed{seed}.jsonl" for seed in (0, 1, 2)}
-    scheduled = {name for name in flagged_at_end if name.startswith(f"simclr_link_or_temperature/{link.SCHEDULED}-")}
-    assert matched <= flagged_at_end
-    assert flagged_at_end - scheduled == matched  # no other run, finished or not, ends flagged
-    # the old rule's false alarm: arm 10 seed 0 at epoch 1 (8.1546, below the collapsed 8.202) is not flagged
+    assert sum(1 for name in judged if name.startswith(collapsing)) >= 5  # 3 matched, 2+ scheduled
+    assert flagged == expected
+    # the earlier rules' misses and false alarms: the scheduled arm's epoch 1 (its mean loss 0.052 above the
+    # collapsed value) is flagged; arm 10 seed 0 at epoch 1 (8.1546, below the collapsed 8.202) is not
+    assert judged[f"simclr_link_or_temperature/{link.SCHEDULED}-seed0.jsonl"][0] == 1
     assert judged[f"simclr_ablation/{ablation.SHARPEST}-seed0.jsonl"] == []

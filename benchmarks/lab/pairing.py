@@ -1,7 +1,8 @@
 """Which runs may be paired: only runs of one code state and one CPU family.
 
-Float rounding alone moves a SimCLR run by seed-noise size: a rerun of the same code and seed moved by 0.7 k-NN
-points between an AMD EPYC and an Intel Xeon, and arm 3 moved by 1.8 points between two commits of the ablation. So a
+Float rounding alone moves a SimCLR run by seed-noise size: arm 3 moved by 1.8 k-NN points between two commits of
+the ablation, and a rerun of the same code and seed on an AMD EPYC missed the committed record (whose CPU was not
+recorded) by 0.7 k-NN points: a machine difference, inferred by elimination. So a
 paired difference is taken only between runs that trained at one commit (or at commits that a committed parity check,
 ``benchmarks/step_parity.py``, shows bit for bit the same for both runs' arms) and on one CPU family (the
 ``machine.cpu.family`` every run's header records). A run resumed at another commit or on another CPU is no single
@@ -50,6 +51,31 @@ def code_state(records: list[dict[str, Any]]) -> CodeState:
             other = _state_of(record)
             return CodeState(commit, family, f"resumed at {str(other[0])[:7]} on {other[1]}")
     return CodeState(commit, family)
+
+
+KERNEL_PARITY = "kernel_parity.json"
+
+
+def kernel_family(state: CodeState, run: str, output_dir: Path) -> CodeState:
+    """A run's code state with its CPU family read as the family whose kernels it reproduced bit for bit.
+
+    ``output_dir/kernel_parity.json`` (committed beside a study's runs) records that one CPU family, run with stated
+    settings (e.g. ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` on an AVX-512 CPU), reproduced another's
+    training at one commit: the 10-step fingerprint and a whole first epoch, bit for bit. A run it lists by name,
+    trained at that commit on that family, pairs as the reference family's; any other run keeps its own family."""
+    path = output_dir / KERNEL_PARITY
+    if state.problem is not None or not path.is_file():
+        return state
+    record = json.loads(path.read_text())
+    if (
+        run in record["runs"]
+        and state.cpu_family == record["family"]
+        and state.commit is not None
+        and record["commit"].startswith(state.commit[:7])
+        and record["reproduced"]
+    ):
+        return CodeState(state.commit, record["reference_family"])
+    return state
 
 
 def parity_groups(directory: Path = PARITY_DIR) -> list[tuple[frozenset[str], frozenset[str], str | None]]:
@@ -123,3 +149,28 @@ def paired_t(stat: dict[str, float | int]) -> dict[str, float | int | None]:
         return {"n": n, "t": None, "df": None, "p_two_sided": None}
     t = stat["mean"] / (stat["std"] / math.sqrt(n))
     return {"n": n, "t": t, "df": n - 1, "p_two_sided": float(2 * scipy.stats.t.sf(abs(t), n - 1))}
+
+
+def holm(p_values: dict[Any, float]) -> dict[Any, float]:
+    """Holm's step-down adjustment of a family of p-values (key -> p): the i-th smallest becomes the running maximum
+    of min(1, (m - j + 1) p_(j)) over j <= i. It controls the chance of any false "significant" in the family."""
+    ordered = sorted(p_values.items(), key=lambda item: item[1])
+    adjusted, running = {}, 0.0
+    for rank, (key, p) in enumerate(ordered):
+        running = max(running, min(1.0, (len(ordered) - rank) * p))
+        adjusted[key] = running
+    return adjusted
+
+
+def add_holm(paired: dict[str, Any]) -> int:
+    """Holm-adjusted p (``p_holm``) beside every paired t's p in a study's ``paired`` dict (``entry["tests"]``): the
+    family is every test of the study that has a p. Returns the family's size."""
+    family = {
+        (name, metric): test["p_two_sided"]
+        for name, entry in paired.items()
+        for metric, test in (entry.get("tests") or {}).items()
+        if test.get("p_two_sided") is not None
+    }
+    for (name, metric), p in holm(family).items():
+        paired[name]["tests"][metric]["p_holm"] = p
+    return len(family)
