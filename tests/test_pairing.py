@@ -7,11 +7,12 @@ import itertools
 import json
 import random
 
+import numpy as np
 import pytest
 
 from benchmarks.lab import pairing
 from benchmarks.lab.pairing import CodeState
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, load_script
 
 REFERENCE = "AuthenticAMD family 25 model 1, AVX2"
 OTHER = "AuthenticAMD family 25 model 17, AVX2"
@@ -95,3 +96,33 @@ def test_runs_pair_only_within_one_commit_and_family_or_a_committed_parity_group
     parity = [(frozenset({COMMIT, "1" * 40}), frozenset({"x", "y"}), REFERENCE)]
     assert pairing.refusal(states[0], "x", states[1], "y", parity) is None
     assert pairing.refusal(states[0], "x", states[1], "z", parity) is not None  # the check covered other arms
+
+
+def test_the_committed_kernel_parity_record_follows_from_its_evidence_and_one_changed_step_breaks_it(
+    tmp_path, monkeypatch
+):
+    """benchmarks/kernel_parity.py recomputed from the committed evidence gives the committed record; a rerun whose
+    one step's loss differs by one ulp is not reproduced."""
+    script = load_script("benchmarks/kernel_parity.py", "kernel_parity")
+    study = REPO_ROOT / "benchmarks/results/simclr_link_or_temperature"
+    committed = json.loads((study / pairing.KERNEL_PARITY).read_text())
+    evidence = committed["evidence"]
+    argv = ["--study-dir", str(tmp_path), "--reference-fingerprint", evidence["ten_steps"]["reference"],
+            "--fingerprint", evidence["ten_steps"]["here"], "--reference-run", evidence["first_epoch"]["reference"],
+            "--settings", *(f"{k}={v}" for k, v in committed["settings"].items()),
+            "--runs", *committed["runs"]]  # fmt: skip
+    monkeypatch.chdir(REPO_ROOT)  # the record names its evidence relative to the repository
+    script.main([*argv, "--rerun", evidence["first_epoch"]["here"]])
+    assert json.loads((tmp_path / pairing.KERNEL_PARITY).read_text()) == committed
+    assert committed["reproduced"] and committed["evidence"]["first_epoch"]["lines_compared"] == 3
+
+    lines = (REPO_ROOT / evidence["first_epoch"]["here"]).read_text().splitlines()
+    steps = next(i for i, line in enumerate(lines) if json.loads(line)["type"] == "steps")
+    record = json.loads(lines[steps])
+    record["loss"][100] = float(np.nextafter(np.float32(record["loss"][100]), np.float32(np.inf)))
+    lines[steps] = json.dumps(record)
+    changed = tmp_path / "rerun.jsonl"
+    changed.write_text("\n".join(lines) + "\n")
+    script.main([*argv, "--rerun", str(changed)])
+    broken = json.loads((tmp_path / pairing.KERNEL_PARITY).read_text())
+    assert not broken["reproduced"] and not broken["evidence"]["first_epoch"]["equal"]
