@@ -34,18 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.lab import runlog  # noqa: E402
-from benchmarks.lab.pairing import KERNEL_PARITY  # noqa: E402
-
-TIMINGS = ("train_seconds", "eval_seconds", "elapsed_seconds", "load_average")
-
-
-def first_epoch(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The lines of epochs 0 and 1 (checkpoints and steps), timings left out."""
-    return [
-        {k: v for k, v in r.items() if k not in TIMINGS}
-        for r in records
-        if r.get("type") in ("checkpoint", "steps") and r["epoch"] <= 1
-    ]
+from benchmarks.lab.pairing import KERNEL_PARITY, first_epoch  # noqa: E402
 
 
 def fingerprint_of(check: dict[str, Any], commit: str) -> dict[str, Any]:

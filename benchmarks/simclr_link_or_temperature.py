@@ -107,6 +107,13 @@ def summarize(output_dir: Path) -> dict[str, Any]:
         )
         if (final := runlog.final_record(records)) is not None:
             finals[key] = final
+    for (arm, seed), state in list(states.items()):
+        source = (ARMS[arm].get("warm_start") or {}).get("arm")
+        if source is not None and (source, seed) in states:  # paired through its first epoch, bit for bit the source's
+            name, source_name = runlog.run_name(arm, seed), runlog.run_name(source, seed)
+            states[arm, seed] = pairing.warm_start_state(runs[name], runs[source_name], states[source, seed])
+            if states[arm, seed] != state:
+                shown[arm, seed] += f" (first epoch bit for bit {source_name}'s)"
     per_arm = {
         arm: {
             "seeds": sorted(s for a, s in finals if a == arm),

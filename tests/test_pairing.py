@@ -126,3 +126,23 @@ def test_the_committed_kernel_parity_record_follows_from_its_evidence_and_one_ch
     script.main([*argv, "--rerun", str(changed)])
     broken = json.loads((tmp_path / pairing.KERNEL_PARITY).read_text())
     assert not broken["reproduced"] and not broken["evidence"]["first_epoch"]["equal"]
+
+
+def test_a_warm_started_run_pairs_with_its_source_only_through_a_bit_for_bit_first_epoch():
+    def run(commit, family, step_losses, probe):
+        header = {"type": "header", "git_commit": commit, "machine": {"cpu": {"family": family}}}
+        return [
+            header,
+            {"type": "checkpoint", "epoch": 0, "knn_top1": 30.0, "elapsed_seconds": 1.0},
+            {"type": "steps", "epoch": 1, "loss": step_losses},
+            {"type": "checkpoint", "epoch": 1, "knn_top1": probe, "elapsed_seconds": 9.0},
+            {"type": "checkpoint", "epoch": 2, "knn_top1": probe + 1},  # after the handover: may differ
+        ]
+
+    source = run(COMMIT, REFERENCE, [9.5, 9.25], 35.5)
+    source_state = pairing.code_state(source)
+    warm = run("2" * 40, OTHER, [9.5, 9.25], 35.5)
+    warm[-1]["knn_top1"] = 20.0
+    assert pairing.warm_start_state(warm, source, source_state) == source_state
+    for changed in (run("2" * 40, OTHER, [9.5, 9.250001], 35.5), run("2" * 40, OTHER, [9.5, 9.25], 35.51)):
+        assert pairing.warm_start_state(changed, source, source_state) == CodeState("2" * 40, OTHER)

@@ -54,6 +54,29 @@ def code_state(records: list[dict[str, Any]]) -> CodeState:
 
 
 KERNEL_PARITY = "kernel_parity.json"
+TIMINGS = ("train_seconds", "eval_seconds", "elapsed_seconds", "load_average")
+
+
+def first_epoch(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A run file's lines of epochs 0 and 1 (checkpoints and per-step lines), timings left out: what two runs that
+    trained bit for bit alike through epoch 1 have in common."""
+    return [
+        {k: v for k, v in r.items() if k not in TIMINGS}
+        for r in records
+        if r.get("type") in ("checkpoint", "steps") and r["epoch"] <= 1
+    ]
+
+
+def warm_start_state(warm: list[dict[str, Any]], source: list[dict[str, Any]], source_state: CodeState) -> CodeState:
+    """The code state a warm-started run pairs under with its source arm's run of the same seed: the source's, when
+    the warm run's first epoch (the source arm's, by construction) equals the source run's bit for bit (every step's
+    loss and statistics, the probes); else its own. That equality shows, for this run, that its commit and machine
+    train the source arm as the source run did, whatever commit and CPU family its header records."""
+    own = code_state(warm)
+    lines = first_epoch(warm)
+    if own.problem is None and source_state.problem is None and lines and lines == first_epoch(source):
+        return source_state
+    return own
 
 
 def kernel_family(state: CodeState, run: str, output_dir: Path) -> CodeState:
