@@ -114,11 +114,13 @@ def carried_match_probability(model: nn.Module) -> MatchProbability | None:
 def mark_values_not_carried(model: nn.Module, reason: str) -> bool:
     """Record in the model's configuration, in place of any values there, why it carries no trained values although
     sigmoid losses trained some (``reason``, e.g. several of them, whose values differ): :func:`match_probability`
-    then names that cause. False when the model has no Hugging Face configuration."""
+    then names that cause. Whether that changed the configuration (False: the same reason was there already, or the
+    model has no Hugging Face configuration)."""
     config = _hf_config(model)
-    if config is None:
+    record = {"not_carried": reason}
+    if config is None or getattr(config, CONFIG_KEY, None) == record:
         return False
-    setattr(config, CONFIG_KEY, {"not_carried": reason})
+    setattr(config, CONFIG_KEY, record)
     return True
 
 
