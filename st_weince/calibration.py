@@ -31,6 +31,7 @@ __all__ = [
     "carried_match_probability",
     "carry_values",
     "mark_carried_values_stale",
+    "mark_values_not_carried",
     "match_probability",
 ]
 
@@ -107,7 +108,20 @@ def _carried(model: nn.Module) -> dict[str, Any] | None:
 def carried_match_probability(model: nn.Module) -> MatchProbability | None:
     """The trained values the model carries (also values marked stale), or None."""
     stored = _carried(model)
-    return None if stored is None else MatchProbability.from_dict(stored)
+    return None if stored is None or "not_carried" in stored else MatchProbability.from_dict(stored)
+
+
+def mark_values_not_carried(model: nn.Module, reason: str) -> bool:
+    """Record in the model's configuration, in place of any values there, why it carries no trained values although
+    sigmoid losses trained some (``reason``, e.g. several of them, whose values differ): :func:`match_probability`
+    then names that cause. Whether that changed the configuration (False: the same reason was there already, or the
+    model has no Hugging Face configuration)."""
+    config = _hf_config(model)
+    record = {"not_carried": reason}
+    if config is None or getattr(config, CONFIG_KEY, None) == record:
+        return False
+    setattr(config, CONFIG_KEY, record)
+    return True
 
 
 def mark_carried_values_stale(model: nn.Module, trained_by: str) -> None:
@@ -115,7 +129,7 @@ def mark_carried_values_stale(model: nn.Module, trained_by: str) -> None:
     ``b_rel``) is training the encoder further. The values stay, with what produced them and why they are stale;
     :func:`match_probability` refuses them. Nothing is read from a device."""
     stored = _carried(model)
-    if stored is not None and "stale" not in stored:
+    if stored is not None and "stale" not in stored and "not_carried" not in stored:
         produced = f"{stored.get('loss', 'an RB-Sigmoid loss')} at step {stored.get('global_step', '?')}"
         stored["stale"] = (
             f"they were trained by {produced}, and the encoder was then trained further with {trained_by}, which "
@@ -141,6 +155,8 @@ def match_probability(model: nn.Module, texts_a: list[str], texts_b: list[str], 
             "CachedRBSigmoidLoss) and call st_weince.training.prepare_trainer(trainer) before trainer.train(); the "
             "saved model then carries them"
         )
+    if "not_carried" in stored:
+        raise ValueError(f"this model carries no trained RB-Sigmoid t and b_rel: {stored['not_carried']}")
     if "stale" in stored:
         raise ValueError(
             f"this model's t and b_rel ({CONFIG_KEY!r} in its config.json) are stale: {stored['stale']}. Train it "

@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 from tests.identical_guard_worker import GLOBAL_BATCH, LOSSES  # the same losses and batch as the "identical" run
 
-# rank 0 holds rows 0-5, rank 1 rows 6-11: labels 0, 1 and 2 appear on both ranks
-LABELS = torch.tensor([0, 1, 2, 3, 0, 4, 1, 5, 2, 6, 0, 7])
+# rank 0 holds rows 0-5, rank 1 rows 6-11: labels 0, 1 and 2 appear on both ranks; as 64-bit ids above 2^53, where
+# neighbouring ids are equal as float64 (2^53 + 1 rounds to 2^53): they must travel and compare as int64
+LABELS = torch.tensor([0, 1, 2, 3, 0, 4, 1, 5, 2, 6, 0, 7]) + 2**53
 
 
 def global_batch() -> list[torch.Tensor]:

@@ -58,7 +58,13 @@ def test_rule_adds_a_guard_when_the_hardest_negatives_beat_the_positives() -> No
     assert labelled.false_negatives_likely and labelled.loss == "WEINCE"
     expected = "false negatives: yes (hardest-negative mean 0.790 > positive mean 0.570; 60% share the anchor's intent)"
     assert expected in labelled.line()
-    assert labelled.line().endswith('loss: WEINCE, with false_negative_filter="same_label" (labels: intent).')
+    assert labelled.line().endswith(
+        'loss: WEINCE, with false_negative_filter="same_label" (labels: intent; it reads integer class ids from a '
+        'column named "label": dataset.rename_column("intent", "label"), then dataset.class_encode_column("label") '
+        "if they are names)."
+    )
+    named_label = decide(pot, gate, 0.57, 0.79, label_column="label").guard
+    assert named_label.endswith('named "label": dataset.class_encode_column("label") if they are names)')
     unlabelled = decide(pot, gate, 0.57, 0.79)
     assert 'threshold guard (false_negative_filter=("absolute", m)' in unlabelled.guard
     assert unlabelled.to_dict()["line"] == unlabelled.line()
@@ -113,7 +119,9 @@ VERDICT = re.compile(
     r"(?P<xi_high>\S+)\]\); WEINCE's lambda at scale 20: mean (?P<lam>\S+) \((?P<weight>non-negligible|negligible), "
     r"threshold 0\.1\); hardest negatives look like false negatives: (?P<fn>yes|no) \(hardest-negative mean "
     r"(?P<hardest>\S+) (?:>|<=) positive mean (?P<positive>\S+); (?P<same>\d+)% share the anchor's intent\); "
-    r"loss: (?P<loss>WEINCE|MNRL/InfoNCE)(?P<guard>, with false_negative_filter=\"same_label\" \(labels: intent\))?\.$"
+    r"loss: (?P<loss>WEINCE|MNRL/InfoNCE)(?P<guard>, with false_negative_filter=\"same_label\" \(labels: intent; it "
+    r"reads integer class ids from a column named \"label\": dataset\.rename_column\(\"intent\", \"label\"\), then "
+    r"dataset\.class_encode_column\(\"label\"\) if they are names\))?\.$"
 )
 
 

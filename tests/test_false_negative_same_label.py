@@ -116,7 +116,8 @@ def test_cached_equals_uncached_with_shared_labels(cls):
 def test_a_missing_label_column_names_the_option_and_the_column(cls):
     with pytest.raises(ValueError, match=r"false_negative_filter='same_label' needs the dataset's 'label' column"):
         cls(None, false_negative_filter="same_label").compute_loss_from_embeddings(columns(), None)
-    with pytest.raises(ValueError, match="one label per row, got 5 labels for 12 rows"):
+    with pytest.raises(ValueError, match=r"one label per row, a 1-D tensor of 12 class ids, got 5 labels of shape "
+                       r"\(5,\) for 12 rows"):  # fmt: skip
         cls(None, false_negative_filter="same_label").compute_loss_from_embeddings(columns(), torch.arange(5))
     with pytest.raises(ValueError, match="score matrix"):
         cls(None, false_negative_filter="same_label").loss_from_scores(

@@ -146,7 +146,12 @@ def decide(
     false_negatives = hardest_negative_mean > positive_mean
     guard = None
     if false_negatives and label_column is not None:
-        guard = f'false_negative_filter="same_label" (labels: {label_column})'
+        # the guard reads integer class ids from the column sentence-transformers passes as labels ("label")
+        rename = "" if label_column == "label" else f'dataset.rename_column("{label_column}", "label"), then '
+        guard = (
+            f'false_negative_filter="same_label" (labels: {label_column}; it reads integer class ids from a column '
+            f'named "label": {rename}dataset.class_encode_column("label") if they are names)'
+        )
     elif false_negatives:
         guard = 'a threshold guard (false_negative_filter=("absolute", m) or ("relative", r)) or cleaned data'
     return Verdict(

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from st_weince.functional.checks import check_score_shapes, compute_dtype
 from st_weince.functional.line_fit import burn_in, fit_design, fit_lines, shared_design
-from st_weince.functional.options import TopM
+from st_weince.functional.options import TopM, require_options
 from st_weince.functional.weince import HardestNegatives, count_negatives, negative_selection, selected_values
 from st_weince.utils.options import integer_option
 
@@ -37,6 +37,7 @@ def negative_mask(scores: Tensor, positive_index: Tensor, valid_mask: Tensor | N
 
 def batch_tail_size(num_negatives: Tensor | int, options: TopM) -> Tensor | int:
     """``k = min(K_all, max(beta_tail_min_points, floor(beta_tail_frac * K_all)))`` for an int or a long tensor."""
+    require_options(options, TopM)
     if isinstance(num_negatives, Tensor):
         share = torch.floor(options.beta_tail_frac * num_negatives.double()).long()
         return torch.minimum(num_negatives, share.clamp_min(options.beta_tail_min_points))
@@ -81,6 +82,7 @@ def batch_negative_tail(
     selection kept, whose selection (the positives and masked entries already out) this selects from, instead of
     making its own; ``has_positive`` as there.
     """
+    require_options(options, TopM)
     check_score_shapes(scores, positive_index, valid_mask)
     if positive_index.dtype != torch.long:  # any integer dtype, as in torch's losses
         positive_index = positive_index.long()
@@ -118,6 +120,7 @@ def batch_tail_fit(tail: BatchTail, options: TopM) -> BatchTailFit:
     """Fit ``log F_r ~ a + slope * log d_r`` on the k smallest shortfalls (sorted ascending, ``F_r = r / (k + 1)``,
     the first ``max(1, floor(k / 20))`` dropped) and its R^2 (docs/algorithms.md 1.2b). Shortfalls whose log spreads by
     no more than rounding give slope 0 (no tail shape), hence an untrusted fit."""
+    require_options(options, TopM)
     # the parts of a concatenated tail are each sorted only
     shortfalls = tail.shortfalls if tail.ascending else torch.sort(tail.shortfalls).values
     length = shortfalls.shape[0]
@@ -155,6 +158,7 @@ def update_beta_ema(beta_ema: Tensor, fit: BatchTailFit, options: TopM) -> Tenso
     """The new moving average (a tensor in ``beta_ema``'s dtype, no host sync):
     ``momentum * beta_ema + (1 - momentum) * clamp(slope, beta_min, beta_max)`` when the fit is trusted, else
     ``beta_ema`` unchanged. The batch's ``beta_t`` is the returned value."""
+    require_options(options, TopM)
     if not isinstance(beta_ema, Tensor):
         raise TypeError(f"beta_ema must be a tensor (the state the caller keeps), got {type(beta_ema).__name__}")
     momentum = options.beta_ema_momentum
@@ -167,4 +171,5 @@ def initial_beta_ema(
     options: TopM, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
 ) -> Tensor:
     """The moving average's start value as a scalar tensor (a buffer's initial value)."""
+    require_options(options, TopM)
     return torch.tensor(options.beta_ema_start, device=device, dtype=dtype)

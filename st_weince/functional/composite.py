@@ -29,7 +29,7 @@ from torch import Tensor
 from st_weince.functional.batch_tail import negative_mask
 from st_weince.functional.checks import check_score_shapes, compute_dtype
 from st_weince.functional.effective_scale import selection_shortfall_scale
-from st_weince.functional.options import TopM
+from st_weince.functional.options import TopM, require_options
 from st_weince.functional.weince import HardestNegatives, count_negatives
 
 
@@ -120,6 +120,7 @@ def top_m_terms(
     InfoNCE over the same set at ``scale`` (``L_infonce_topM``), each with the positive as the target, and the secant
     slope of the shortfall logit over the set (:mod:`st_weince.functional.effective_scale`; the InfoNCE term's is
     ``scale``; None without ``effective_scale``). ``hardest``, ``has_positive``: as in :func:`top_m_selection`."""
+    require_options(options, TopM)
     check_score_shapes(scores, positive_index, valid_mask)
     if positive_index.dtype != torch.long:  # any integer dtype, as in torch's losses
         positive_index = positive_index.long()

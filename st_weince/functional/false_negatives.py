@@ -76,13 +76,41 @@ def label_keys(labels: Tensor, num_columns: int, hard_negative_columns: bool = T
     """The ``"same_label"`` rule's keys of every column, [B, 2] each: ``(label, 0)`` for the anchor and positive
     columns (their rows' label), ``(label, 1)`` for the hard-negative columns (``hard_negative_columns``), which
     therefore match no row's reference (taken from an anchor or positive column): mined negatives are never
-    masked. Labels are compared exactly, as float64."""
-    labels = labels.detach().reshape(-1).to(torch.float64)
+    masked. ``labels``: a 1-D integer (or bool) tensor, compared exactly as int64 (64-bit ids never merge, as they
+    would as float64 above 2^53); :func:`check_labels` checks them."""
+    labels = labels.detach().reshape(-1).to(torch.int64)
     keys = []
     for column in range(num_columns):
-        flag = 1.0 if hard_negative_columns and column >= 2 else 0.0
+        flag = 1 if hard_negative_columns and column >= 2 else 0
         keys.append(torch.stack([labels, torch.full_like(labels, flag)], dim=1))
     return keys
+
+
+def check_labels(labels: object, num_rows: int, owner: str) -> None:
+    """The ``"same_label"`` rule's labels are a 1-D integer (or bool) tensor with one class or group id per row; the
+    errors name the problem and the fix. Type, shape and dtype only (free: no device value is read). Floating-point
+    labels are refused, not compared: class ids are integers, a float column is either scores (no classes) or ids
+    already rounded (float32 merges ids above 2^24), and an integer tensor cannot hold NaN, so no value needs reading
+    on the hot path."""
+    rule = "false_negative_filter='same_label'"
+    if not isinstance(labels, Tensor):
+        raise TypeError(
+            f"{owner}: {rule} needs the labels as a torch tensor of integer class ids (one per row), got "
+            f"{type(labels).__name__}: convert them with torch.as_tensor(labels)"
+        )
+    if labels.dim() != 1 or labels.shape[0] != num_rows:
+        raise ValueError(
+            f"{owner}: {rule} needs one label per row, a 1-D tensor of {num_rows} class ids, got "
+            f"{labels.numel()} labels of shape {tuple(labels.shape)} for {num_rows} rows"
+        )
+    if labels.is_floating_point() or labels.is_complex():
+        raise ValueError(
+            f"{owner}: {rule} compares class or group ids, which are integers, and the labels are {labels.dtype}: "
+            "a float column is either similarity scores (which have no classes: choose another "
+            "false_negative_filter) or ids that were rounded (float32 merges ids above 2^24) and may hold NaN. Give "
+            "integer ids: dataset.class_encode_column('label') for names, "
+            "dataset.cast_column('label', datasets.Value('int64')) for whole numbers"
+        )
 
 
 def feature_keys(features: dict[str, Tensor], owner: str) -> Tensor:

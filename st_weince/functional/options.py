@@ -103,6 +103,22 @@ class Options:
         return config
 
 
+def checked_field(options_class: type[Options], name: str, value: Any) -> float | int:
+    """``value`` for the field ``name`` of ``options_class``, checked against that field's range as the constructor
+    checks it (for a function that takes one option as an argument of its own, e.g. ``batch_pivot``'s ``q``)."""
+    default, spec = options_class._ranges[name]
+    return _checked(name, value, default, spec, options_class.dtype)
+
+
+def require_options(value: Any, options_class: type, name: str = "options") -> None:
+    """Refuse with a TypeError naming the parameter a ``value`` that is not an ``options_class`` (``None``, a dict,
+    another options class): at the entry of a public function, before an attribute is read deep inside. An
+    ``isinstance`` check, free."""
+    if not isinstance(value, options_class):
+        hint = f" (build it with {options_class.__name__}(**d))" if isinstance(value, Mapping) else ""
+        raise TypeError(f"{name} must be a {options_class.__name__}, got {type(value).__name__} {value!r}{hint}")
+
+
 def options(cls: type) -> type:
     """A frozen dataclass of :class:`Options` whose ``Annotated[..., Within(...)]`` fields are checked at
     construction."""

@@ -39,7 +39,7 @@ from st_weince.functional.checks import (
     order_keys,
 )
 from st_weince.functional.line_fit import burn_in, fit_lines, row_design, shared_design
-from st_weince.functional.options import BETA_AUTO_RANGE, DEFAULTS, WEINCEOptions
+from st_weince.functional.options import BETA_AUTO_RANGE, DEFAULTS, Gate, WEINCEOptions, checked_field, require_options
 from st_weince.utils.hotpath import DeferredChecks
 from st_weince.utils.options import real_option
 
@@ -191,6 +191,7 @@ def max_tail_size(num_candidates: int, options: WEINCEOptions) -> int:
 def negatives_needed(options: WEINCEOptions = DEFAULTS) -> int:
     """The fewest negatives per anchor at which an anchor's tail is fitted (with the defaults: 4): its tail of
     :func:`max_tail_size` points keeps at least 3 after the burn-in of docs/algorithms.md 1.1 step 4."""
+    require_options(options, WEINCEOptions)
     count = 1
     while (k := max_tail_size(count, options)) - burn_in(k) < _MIN_FIT_POINTS:
         count += 1
@@ -209,6 +210,7 @@ def weince_tail_fit(
     that sort with the top-M terms; computed here otherwise. ``has_positive``: as in :func:`hardest_negatives`; with
     no ``valid_mask`` and a known ``has_positive`` every row has the same number of negatives, so each row's tail
     size and fit design follow from the shapes (the same values, fewer operators)."""
+    require_options(options, WEINCEOptions)
     check_score_shapes(scores, positive_index, valid_mask)
     if positive_index is not None and positive_index.dtype != torch.long:
         positive_index = positive_index.long()
@@ -280,8 +282,10 @@ def batch_pivot(rho: Tensor, has_negatives: Tensor | bool, q: float = DEFAULTS.g
     Sort plus gather, no boolean-mask indexing: rows without negatives sort last (+inf) and the index counts only
     the others. 1.0 when no anchor has a negative. ``has_negatives``: per anchor, or one Python bool for all (then
     the quantile is one selection, with the same value). Pass the rho of the whole (global) batch: under data
-    parallelism, gather first, so the pivot does not depend on how the batch is split over processes.
+    parallelism, gather first, so the pivot does not depend on how the batch is split over processes. ``q`` is
+    checked as ``Gate.q`` is (a finite real in [0, 1]; a Python number, so the check reads no device value).
     """
+    q = checked_field(Gate, "q", q)
     if isinstance(has_negatives, bool):
         if not has_negatives:
             return torch.ones((), dtype=rho.dtype, device=rho.device)
@@ -303,6 +307,7 @@ def _where_fitted(fit: TailFit, value: Tensor, otherwise: float) -> Tensor:
 @torch.no_grad()
 def blend_weights(fit: TailFit, rho0: Tensor | float, options: WEINCEOptions = DEFAULTS) -> Tensor:
     """lambda(a) = sigmoid(kappa_rho log(rho0 / rho)) * sigmoid(kappa_aic (dAIC - margin)); 0 where not fitted."""
+    require_options(options, WEINCEOptions)
     gate = options.gate
     if options.mode == "none":  # InfoNCE
         return torch.zeros_like(fit.rho)
@@ -331,6 +336,7 @@ def statistics_from_fit(
 ) -> WeinceStatistics:
     """Steps 5-7 of docs/algorithms.md 1.1 on given tail fits: the pivot (over ``gather``'s global batch unless ``rho0``
     is given), the blend weights and the tail index."""
+    require_options(options, WEINCEOptions)
     if rho0 is not None and not isinstance(rho0, Tensor):
         # a pivot is a shortfall 1 - s of a cosine score: in (0, 2]; log(rho0) enters lambda
         rho0 = real_option("rho0", rho0, positive=True, dtype=torch.float32)
@@ -363,6 +369,7 @@ def weince_statistics(
     ``rho0`` overrides the batch pivot. ``gather`` maps a per-anchor tensor of this process to the one of the global
     batch (e.g. an all-gather under data parallelism), so that the pivot is taken over every process's anchors.
     """
+    require_options(options, WEINCEOptions)
     fit = weince_tail_fit(scores, positive_index, valid_mask, options)
     return statistics_from_fit(fit, options, rho0=rho0, gather=gather)
 
@@ -493,6 +500,7 @@ def weince_cross_entropy(
     with one host-device sync; ``options.check_inputs=False`` skips that (no sync, so
     ``torch.compile(fullgraph=True)`` traces it whole).
     """
+    require_options(options, WEINCEOptions)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     check_score_shapes(scores, positive_index, valid_mask)

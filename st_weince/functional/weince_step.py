@@ -31,7 +31,7 @@ from st_weince.functional.composite import top_m_terms, top_m_width
 from st_weince.functional.effective_scale import blend_effective_scale
 from st_weince.functional.false_negatives import FilterCounts
 from st_weince.functional.layouts import MNRLLayout, mnrl_cross_entropy
-from st_weince.functional.options import TopM, WEINCEOptions
+from st_weince.functional.options import TopM, WEINCEOptions, require_options
 from st_weince.functional.weince import (
     HardestNegatives,
     TailFit,
@@ -240,6 +240,7 @@ def weince_step(
     chunk's share of the loss as it is computed (a cached loss's loss stage), and return the loss detached.
     ``effective_scales``: compute the terms' effective scales (logged values, off where nobody reads them).
     ``progress`` wraps the second pass's chunks (a progress bar)."""
+    require_options(options, WEINCEOptions)
     top_m = options.top_m
     step = num_rows if chunk_rows is None else chunk_rows
     chunks = [(begin, min(begin + step, num_rows)) for begin in range(0, num_rows, step)]

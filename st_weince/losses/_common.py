@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from st_weince.calibration import mark_carried_values_stale
 from st_weince.functional.checks import check_score_shapes, compute_dtype, full_precision, require_valid_scores
-from st_weince.functional.false_negatives import KEY_RULES, FilterCounts, feature_keys, label_keys
+from st_weince.functional.false_negatives import KEY_RULES, FilterCounts, check_labels, feature_keys, label_keys
 from st_weince.functional.layouts import normalize_rows
 from st_weince.training.protocol import LossState
 from st_weince.utils.hotpath import DeferredChecks
@@ -263,11 +263,8 @@ class ColumnsLoss(nn.Module, LossState):
                     "class or group id per row, which sentence-transformers passes to the loss as labels), and this "
                     "batch has none: add a 'label' column, or choose another false_negative_filter"
                 )
-            if labels.numel() != embeddings[0].shape[0]:
-                raise ValueError(
-                    f"{type(self).__name__}: false_negative_filter='same_label' needs one label per row, got "
-                    f"{labels.numel()} labels for {embeddings[0].shape[0]} rows"
-                )
+            check_labels(labels, embeddings[0].shape[0], type(self).__name__)
+            labels = labels.to(embeddings[0].device)  # a no-op in training (the trainer moved them)
             return label_keys(labels, len(embeddings), hard_negative_columns=self._has_hard_negative_columns())
         self._warn_unused_labels(labels)
         if rule != "identical":

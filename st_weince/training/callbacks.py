@@ -24,7 +24,7 @@ from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from st_weince.calibration import CONFIG_KEY, carry_values
+from st_weince.calibration import CONFIG_KEY, carry_values, mark_values_not_carried
 from st_weince.training.checkpoints import (
     LOSS_STATE_RECORD,
     TRAINER_STATE_FILE,
@@ -34,6 +34,7 @@ from st_weince.training.checkpoints import (
     record_loss_state,
     stored_record,
 )
+from st_weince.training.label_columns import check_label_columns
 from st_weince.training.loss_tensors import (
     LossTree,
     after_optimizer_step,
@@ -93,9 +94,12 @@ class LossStateCallback(TrainerCallback):
     checkpoint's loss state with the best model, and lets the model carry the loss's trained values. Added by
     :func:`prepare_trainer`."""
 
-    def __init__(self, trainer: Any, allow_missing_loss_state: bool = False) -> None:
+    def __init__(
+        self, trainer: Any, allow_missing_loss_state: bool = False, carried_values_from: str | None = None
+    ) -> None:
         self.trainer = trainer
         self.allow_missing_loss_state = allow_missing_loss_state
+        self.carried_values_from = carried_values_from
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         for record in self.trainer.callback_handler.callbacks:
@@ -106,7 +110,7 @@ class LossStateCallback(TrainerCallback):
         if state.global_step == 0:
             return  # not a resume (the trainer restored a checkpoint's trainer state)
         source = f"the {TRAINER_STATE_FILE} of the checkpoint resumed from (step {state.global_step})"
-        stored = stored_record(state.stateful_callbacks)
+        stored = stored_record(state.stateful_callbacks, source)
         # Another loss class or configuration, or no loss state for a loss with parameters: refused with the reason.
         check_record_resumable(self.trainer.loss, stored, source, self.allow_missing_loss_state)
         if not state_tensors(self.trainer.loss):
@@ -137,7 +141,7 @@ class LossStateCallback(TrainerCallback):
         if control.should_save:
             if state.is_world_process_zero:
                 check_finite_loss_state(loss_state_dict(self.trainer.loss), f"checkpoint at step {state.global_step}")
-            carry_trained_values(self.trainer.model, self.trainer.loss, state.global_step)
+            carry_trained_values(self.trainer.model, self.trainer.loss, state.global_step, self.carried_values_from)
 
     def on_step_end(self, args, state, control, **kwargs):
         self._before_save(state, control)
@@ -152,7 +156,7 @@ class LossStateCallback(TrainerCallback):
             if values is None:
                 raise FileNotFoundError(f"{os.path.join(best, TRAINER_STATE_FILE)} holds no st-weince loss state")
             load_loss_state_dict(self.trainer.loss, values, source=os.path.join(best, TRAINER_STATE_FILE))
-        carry_trained_values(self.trainer.model, self.trainer.loss, state.global_step)
+        carry_trained_values(self.trainer.model, self.trainer.loss, state.global_step, self.carried_values_from)
 
 
 class LossStatisticsCallback(TrainerCallback):
@@ -198,13 +202,19 @@ class LossStatisticsCallback(TrainerCallback):
             state.log_history[-1].update(extra)
 
 
-def carry_trained_values(model: nn.Module, loss: LossTree, global_step: int) -> None:
+def carry_trained_values(model: nn.Module, loss: LossTree, global_step: int, source: str | None = None) -> None:
     """Store the trained values of the loss tree's one carrying loss in the model's configuration (and its model card),
-    at ``global_step``; with several carrying losses, whose values would disagree, none (with a warning)."""
+    at ``global_step``; ``source``: the dataset of a dict of losses whose loss's values the model carries. With several
+    carrying losses and no ``source``, whose values would disagree, none: the model records why (which
+    :func:`st_weince.match_probability` then names), with a warning."""
     carrying = [(prefix, module) for prefix, module in state_modules(loss).items() if module.carried_values()]
+    if source is not None:
+        carrying = [(prefix, module) for prefix, module in carrying if prefix.split(".")[0] == source]
     if len(carrying) != 1:
         if carrying:
-            logger.warning("%d losses train values to carry; the model carries none of them", len(carrying))
+            reason = _several_carrying_losses(loss, [prefix for prefix, _ in carrying])
+            if mark_values_not_carried(model, reason):  # warned once, not at every checkpoint
+                logger.warning("%s", reason)
         return
     prefix, module = carrying[0]
     values = {**module.carried_values(), "global_step": int(global_step)}
@@ -216,6 +226,21 @@ def carry_trained_values(model: nn.Module, loss: LossTree, global_step: int) -> 
         )
         return
     _annotate_model_card(model, loss, prefix, values)
+
+
+def _several_carrying_losses(loss: LossTree, prefixes: list[str]) -> str:
+    """Why the model carries no trained values when several losses train them, and how to choose one."""
+    where = [prefix.split(".")[0] if isinstance(loss, dict) else prefix.rstrip(".") or "loss" for prefix in prefixes]
+    choose = (
+        "choose the dataset whose loss's values the model carries with "
+        f"st_weince.training.prepare_trainer(trainer, carried_values_from={where[0]!r})"
+        if isinstance(loss, dict)
+        else "train the encoder with one of them"
+    )
+    return (
+        f"{len(prefixes)} losses train their own t and b_rel (those of {', '.join(where)}), one pair per loss and "
+        f"their values differ, so the model carries none of them: {choose}"
+    )
 
 
 def _annotate_model_card(model: nn.Module, loss: LossTree, prefix: str, values: dict[str, Any]) -> None:
@@ -250,6 +275,7 @@ def prepare_trainer(
     trainer: Any,
     loss_learning_rate: float | None = DEFAULT_LOSS_LEARNING_RATE,
     allow_missing_loss_state: bool = False,
+    carried_values_from: str | None = None,
 ) -> Any:
     """One call after building a SentenceTransformerTrainer (or any transformers Trainer with a ``loss``) and before
     ``trainer.train()``. For every loss module of the trainer's loss (:mod:`st_weince.training.protocol`; also inside
@@ -267,18 +293,33 @@ def prepare_trainer(
     - their gradients are averaged across processes, and the loss's own step runs after every optimizer step;
     - its statistics are added to the training logs (named after their dataset with a dict of losses);
     - the values it trains for the model (RB-Sigmoid's ``t`` and ``b_rel``) are written into the model's configuration
-      and model card before every checkpoint and at the end of training (:func:`st_weince.match_probability`).
+      and model card before every checkpoint and at the end of training (:func:`st_weince.match_probability`); with
+      several such losses in a dict, those of the dataset named by ``carried_values_from`` (None: none, with a
+      warning, and the model records why);
+    - a dataset whose loss uses ``false_negative_filter="same_label"`` is refused before step 1 when it has no label
+      column or one that is not integer class ids (:mod:`st_weince.training.label_columns`).
 
-    Nothing of the trainer is replaced: it adds callbacks, and on a copy of ``trainer.args`` a ``learning_rate_mapping``
-    entry and ``restore_callback_states_from_checkpoint=True``. An optimizer passed to the trainer is used as built,
-    and refused if it misses a loss parameter or decays one. Idempotent; returns the trainer.
+    It adds callbacks, and on a copy of ``trainer.args`` a ``learning_rate_mapping`` entry and
+    ``restore_callback_states_from_checkpoint=True``; the one trainer method it wraps is ``_load_callback_state``, to
+    check the checkpoint's loss-state record before transformers reads it. An optimizer passed to the trainer is used
+    as built, and refused if it misses a loss parameter or decays one. A second call with the same arguments does
+    nothing; with other arguments it is refused, naming the first call's. Returns the trainer.
     """
-    if any(isinstance(cb, LossStateCallback) for cb in trainer.callback_handler.callbacks):
+    arguments = {
+        "loss_learning_rate": loss_learning_rate,
+        "allow_missing_loss_state": allow_missing_loss_state,
+        "carried_values_from": carried_values_from,
+    }
+    prepared = next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, LossStateCallback)), None)
+    if prepared is not None:
+        _check_same_arguments(getattr(prepared, "prepared_with", {}), arguments)
         return trainer  # prepared already
     if loss_learning_rate is not None and not (
         isinstance(loss_learning_rate, (int, float)) and math.isfinite(loss_learning_rate) and loss_learning_rate > 0
     ):
         raise ValueError(f"loss_learning_rate must be a finite number > 0 or None, got {loss_learning_rate!r}")
+    _check_carried_values_from(trainer.loss, carried_values_from)
+    check_label_columns(trainer)
     for module in state_modules(trainer.loss).values():
         module.mark_state_managed("st_weince.training.prepare_trainer")  # the callbacks below handle it
     trainer.callback_handler.callbacks.insert(0, LossStatisticsCallback(trainer.loss))  # before printers, reporters
@@ -288,8 +329,11 @@ def prepare_trainer(
     _PREPARED[output_dir] = trainer
     record = LossStateRecord(output_dir)
     trainer.add_callback(record)
-    trainer.add_callback(LossStateCallback(trainer, allow_missing_loss_state=allow_missing_loss_state))
-    carry_trained_values(trainer.model, trainer.loss, 0)  # the configured starts until the first save
+    callback = LossStateCallback(trainer, allow_missing_loss_state, carried_values_from)
+    callback.prepared_with = arguments
+    trainer.add_callback(callback)
+    _check_record_before_restore(trainer, allow_missing_loss_state)
+    carry_trained_values(trainer.model, trainer.loss, 0, carried_values_from)  # the configured starts until a save
 
     # Their own learning rate, through the trainer's learning_rate_mapping, which also gives them optimizer groups of
     # their own, so that LossStateCallback can take the weight decay off those groups at on_train_begin.
@@ -304,6 +348,59 @@ def prepare_trainer(
     if trainer.optimizer is not None:
         _check_given_optimizer(trainer)
     return trainer
+
+
+def _check_same_arguments(first: dict[str, Any], now: dict[str, Any]) -> None:
+    """Refuse a second ``prepare_trainer`` call whose arguments differ from the first's (its setup would be ignored)."""
+    changed = [
+        f"{name}={now[name]!r} now, {first[name]!r} in the first call"
+        for name in now
+        if name in first and first[name] != now[name]
+    ]
+    if changed:
+        raise ValueError(
+            f"prepare_trainer was called on this trainer already, with other arguments ({'; '.join(changed)}): the "
+            "first call's setup stays, so this call would change nothing. Pass the arguments you want in one call "
+            "(on a new trainer to change them)"
+        )
+
+
+def _check_carried_values_from(loss: LossTree, dataset: str | None) -> None:
+    """``carried_values_from`` names a dataset of a dict of losses whose loss trains values the model can carry."""
+    if dataset is None:
+        return
+    if not isinstance(loss, dict):
+        raise ValueError(
+            f"carried_values_from={dataset!r} names a dataset of a dict of losses, and this trainer has one loss "
+            f"({type(loss).__name__}): leave it None"
+        )
+    if dataset not in loss:
+        raise ValueError(f"carried_values_from={dataset!r} is none of the trainer's datasets {sorted(loss)}")
+    if not any(module.carried_values() for module in state_modules({dataset: loss[dataset]}).values()):
+        raise ValueError(
+            f"carried_values_from={dataset!r}: its loss ({type(loss[dataset]).__name__}) trains no values for the "
+            "model to carry (RBSigmoidLoss and CachedRBSigmoidLoss do)"
+        )
+
+
+def _check_record_before_restore(trainer: Any, allow_missing_loss_state: bool) -> None:
+    """Wrap the trainer's ``_load_callback_state`` (which transformers runs on resume, after it loaded the checkpoint's
+    ``trainer_state.json`` into ``trainer.state`` and before the optimizer) so that the loss-state record is checked
+    first, against this trainer's loss: a corrupt entry (transformers would fail on it with an AttributeError) and a
+    checkpoint of another loss are refused naming the file, the entry or the change, wherever the checkpoint lies
+    (also one copied from another ``output_dir``). No other hook runs between the two."""
+    restore = getattr(trainer, "_load_callback_state", None)
+    if restore is None:
+        return
+
+    def load_callback_state() -> None:
+        state = trainer.state
+        source = f"the {TRAINER_STATE_FILE} of the checkpoint resumed from (step {state.global_step})"
+        record = stored_record(state.stateful_callbacks, source)
+        check_record_resumable(trainer.loss, record, source, allow_missing_loss_state)
+        restore()
+
+    trainer._load_callback_state = load_callback_state
 
 
 def take_weight_decay_off(optimizer: Any, loss: LossTree) -> None:

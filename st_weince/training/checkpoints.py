@@ -87,7 +87,13 @@ def record_loss_state(record: Any, source: str) -> tuple[int, dict[str, Tensor]]
     """(global step, state) of a record."""
     if not isinstance(record, dict) or record.get("format") != _RECORD_FORMAT:
         raise ValueError(f"{source}: the loss-state record is corrupt or of an unknown format")
-    return int(record.get("global_step", -1)), _decode(record.get("entries"), source)
+    step = record.get("global_step", -1)
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ValueError(
+            f"{source}: the loss-state record is corrupt: its field 'global_step' must be an integer (the training "
+            f"step it was written at), got {type(step).__name__} {step!r}"
+        )
+    return step, _decode(record.get("entries"), source)
 
 
 def restore_loss_state(loss: LossTree, record: Any, source: str = "the loss-state record") -> int:
@@ -156,12 +162,45 @@ def describe_loss_change(saved: dict[str, Any], current: dict[str, Any]) -> str 
     return "; ".join(changes) if changes else None
 
 
-def stored_record(stateful_callbacks: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The loss-state record among a trainer state's ``stateful_callbacks`` (the first of several), or None."""
+def stored_record(stateful_callbacks: dict[str, Any] | None, source: str = TRAINER_STATE_FILE) -> dict[str, Any] | None:
+    """The loss-state record among a trainer state's ``stateful_callbacks`` (the first of several), or None when
+    there is none. An entry that is not what :class:`~st_weince.training.callbacks.LossStateRecord` writes (a
+    string, a list of numbers ...) is refused with a ValueError naming ``source`` and the entry
+    (:func:`check_record_entry`)."""
+    check_record_entry(stateful_callbacks, source)
     entry = (stateful_callbacks or {}).get(LOSS_STATE_RECORD)
     if isinstance(entry, list):
         entry = entry[0] if entry else None
     return entry.get("attributes") if isinstance(entry, dict) else None
+
+
+def check_record_entry(stateful_callbacks: Any, source: str = TRAINER_STATE_FILE) -> None:
+    """Refuse, naming ``source`` and the entry, a ``stateful_callbacks[LOSS_STATE_RECORD]`` entry that the trainer
+    cannot restore: each must be ``{"args": {"output_dir": ...}, "attributes": {...}}`` (or a list of such), as
+    :class:`~st_weince.training.callbacks.LossStateRecord` writes it. Without this check transformers' callback restore
+    fails on it with an AttributeError that names neither."""
+    if not isinstance(stateful_callbacks, dict):
+        if stateful_callbacks is None:
+            return
+        raise ValueError(
+            f"{source}: its 'stateful_callbacks' is corrupt (expected a mapping of callback names to their states, got "
+            f"{type(stateful_callbacks).__name__} {_shortened(stateful_callbacks)})"
+        )
+    entry = stateful_callbacks.get(LOSS_STATE_RECORD)
+    for part in entry if isinstance(entry, list) else [] if entry is None else [entry]:
+        args, attributes = (part.get("args", {}), part.get("attributes", {})) if isinstance(part, dict) else (0, 0)
+        if not (isinstance(args, dict) and set(args) <= {"output_dir"} and isinstance(attributes, dict)):
+            raise ValueError(
+                f"{source}: its loss-state entry stateful_callbacks[{LOSS_STATE_RECORD!r}] is corrupt (expected "
+                "{'args': {'output_dir': ...}, 'attributes': {...}} as st_weince.training.prepare_trainer writes it, "
+                f"got {type(entry).__name__} {_shortened(entry)}). The checkpoint's loss state cannot be read: resume "
+                "from another checkpoint, or restore the file from a copy"
+            )
+
+
+def _shortened(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _checkpoint_record(checkpoint: str, consequence: str = "") -> tuple[str, Any]:
@@ -174,7 +213,7 @@ def _checkpoint_record(checkpoint: str, consequence: str = "") -> tuple[str, Any
             f"{path} {problem}: this checkpoint is incomplete (was the run killed while saving it?){consequence}"
         )
     with open(path, encoding="utf-8") as handle:
-        return path, stored_record(json.load(handle).get("stateful_callbacks"))
+        return path, stored_record(json.load(handle).get("stateful_callbacks"), path)
 
 
 def missing_loss_state_error(source: str, loss: LossTree) -> FileNotFoundError:
