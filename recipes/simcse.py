@@ -232,7 +232,8 @@ def build_loss(args: argparse.Namespace, model):
             raise ValueError(f"--loss {args.loss}: give the scale with --scale, not --loss-option scale=...")
         options["scale"] = args.scale
     try:
-        return LOSSES[args.loss](model, gather_across_devices=args.gather_across_devices, **options)
+        gather = resolve_gather_across_devices(args, int(os.environ.get("WORLD_SIZE", "1")))
+        return LOSSES[args.loss](model, gather_across_devices=gather, **options)
     except (TypeError, ValueError) as error:  # an unknown or invalid option, in the loss class's own words
         raise ValueError(f"--loss {args.loss} --loss-option {options}: {error}") from error
 

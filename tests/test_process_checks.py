@@ -3,8 +3,9 @@ gathering loss (by prepare_trainer and by the loss at its first training step), 
 processes than train gets a warning from prepare_trainer, SimCSE gathers by default on several processes, and the
 loss's own parameters obey max_grad_norm (clipped on their own, their norm logged as loss_grad_norm).
 
-The process group of 2 is stood in for by ``process_group_size`` (the one place the checks read it);
-tests/test_engines.py runs the same refusal with a real 2-process group."""
+The process group of 2 is stood in for by torch.distributed's answers (for a whole trainer run, by
+``process_group_size``, the one place the checks read them); tests/test_engines.py runs the same refusal with a real
+2-process group."""
 
 from __future__ import annotations
 
@@ -22,7 +23,19 @@ from tests.test_processes import ACCELERATE_CPU_TWO, ACCELERATE_CPU_TWO_ARGV, LA
 
 @pytest.fixture
 def two_process_group(monkeypatch):
-    """A process group of 2 that transformers trains NOT_PARALLEL (torchrun on a CPU without use_cpu=True)."""
+    """A process group of 2 that transformers trains NOT_PARALLEL (torchrun on a CPU without use_cpu=True), as
+    torch.distributed reports it; set after the trainer is built."""
+
+    def start() -> None:
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+
+    return start
+
+
+@pytest.fixture
+def two_process_group_in_training(monkeypatch):
+    """The same for a whole trainer run: only the checks' one reader sees the group, not the trainer's collectives."""
     monkeypatch.setattr(processes, "process_group_size", lambda: 2)
 
 
@@ -39,6 +52,7 @@ def test_prepare_trainer_refuses_a_process_group_trained_not_parallel(
 ):
     trainer = build_trainer(tiny_model, loss_cls(tiny_model, gather_across_devices=True), tmp_path, max_steps=1)
     assert trainer.args.world_size == 1  # what transformers makes of it
+    two_process_group()
     with pytest.raises(RuntimeError) as error:
         prepare_trainer(trainer)
     message = str(error.value)
@@ -48,12 +62,13 @@ def test_prepare_trainer_refuses_a_process_group_trained_not_parallel(
 
 def test_without_gathering_prepare_trainer_accepts_the_group(tiny_model, tmp_path, two_process_group, no_launcher):
     trainer = build_trainer(tiny_model, RBSigmoidLoss(tiny_model), tmp_path, max_steps=1)
+    two_process_group()
     prepare_trainer(trainer)  # each process trains alone, on its own data: not the loss's concern
 
 
 @pytest.mark.parametrize("loss_cls", [WEINCELoss, CachedRBSigmoidLoss])
 def test_the_loss_refuses_its_first_step_in_an_unparallel_trainer(
-    tiny_model, tmp_path, two_process_group, no_launcher, loss_cls
+    tiny_model, tmp_path, two_process_group_in_training, no_launcher, loss_cls
 ):
     """A trainer built without prepare_trainer (WEINCE needs none): the loss's first training step refuses."""
     loss = loss_cls(tiny_model, gather_across_devices=True)
