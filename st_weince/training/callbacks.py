@@ -90,10 +90,10 @@ class LossStateRecord(TrainerCallback, ExportableState):
 
 
 class LossStateCallback(TrainerCallback):
-    """Restores the loss state on resume, runs each loss's
-    step after the optimizer's, stops training before a non-finite loss state is checkpointed, loads the best
-    checkpoint's loss state with the best model, and lets the model carry the loss's trained values. Added by
-    :func:`prepare_trainer`."""
+    """Restores the loss state on resume, runs each loss's step after the optimizer's (the gradients were averaged
+    and clipped by :class:`LossGradientClipping`), stops training before a non-finite loss state is checkpointed,
+    loads the best checkpoint's loss state with the best model, and lets the model carry the loss's trained values.
+    Added by :func:`prepare_trainer`."""
 
     def __init__(self, trainer: Any, allow_missing_loss_state: bool = False) -> None:
         self.trainer = trainer
