@@ -13,11 +13,12 @@ without BatchNorm or biases, Adam lr 3e-4, jitter 0.8/0.8/0.8/0.2, no normalisat
         --width 16 --batch-size 64 --max-steps 200 --limit-train 10000 --limit-eval 2000 --output-dir runs/demo
     accelerate launch recipes/simclr.py --preset released --dataset cifar100 --data-dir data --loss weince
     torchrun --nproc_per_node 2 recipes/simclr.py ...   # several processes on a CPU (gloo)
-    accelerate launch --multi_gpu --num_processes 2 recipes/simclr.py ...   # on 2 GPUs
+    accelerate launch --multi_gpu --num_processes 2 recipes/simclr.py ...   # on 2 GPUs (or 2 CPU processes)
 
-``--batch-size`` is per process. The script prints how many processes it trains on, and warns when the launcher asked
-for more (on a CPU, ``accelerate launch`` with ``--num_processes 2`` starts one). ``--output-dir`` gets results.json,
-training_curves.png and the model (load_encoder).
+``--batch-size`` is per process: each process scores its own pairs (the NT-Xent score matrix is built locally, so
+nothing is gathered across processes). The script prints how many processes it trains on, and warns when the launcher
+asked for more (on a CPU, ``accelerate launch --cpu --num_processes 2`` starts one; ``--multi_gpu`` or torchrun start
+two). ``--output-dir`` gets results.json, training_curves.png and the model (load_encoder).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
+from st_weince.training.processes import count_processes
 from st_weince.utils.cli import quiet_known_warnings, user_errors_exit
 from st_weince.vision.augment import SimCLRAugment, SimCLRAugmentConfig, eval_transform
 from st_weince.vision.data import DEFAULT_SPLITS, ImageTensorDataset, load_dataset
@@ -43,7 +45,7 @@ from st_weince.vision.objectives import LOSSES, SIMCLR_BETA, SIMCLR_SCALE, SimCL
 from st_weince.vision.setups import SETUPS
 from st_weince.vision.training import SimCLRTraining, build_model, build_optimizer, data_order
 
-from recipe_tools import count_processes, merge_options, parse_key_values, positive_float, write_run_outputs
+from recipe_tools import merge_options, parse_key_values, positive_float, write_run_outputs
 
 FEATURE_WIDTH = "features"  # --hidden-dim value: as wide as the backbone features
 

@@ -8,11 +8,13 @@ infonce/weince's factor on cosine scores (1 / temperature) and RB-Sigmoid's star
 ``--preset paper`` is SimCSE's setup; ``cpu-demo`` runs offline in minutes on a CPU. docs/simcse.md has the outputs.
 
     python recipes/simcse.py --preset cpu-demo
-    torchrun --nproc_per_node 2 recipes/simcse.py --preset cpu-demo --loss infonce --gather-across-devices
-    accelerate launch --multi_gpu --num_processes 4 recipes/simcse.py --preset paper --gather-across-devices
+    torchrun --nproc_per_node 2 recipes/simcse.py --preset cpu-demo --loss infonce
+    accelerate launch --multi_gpu --num_processes 4 recipes/simcse.py --preset paper
 
-The script prints how many processes it trains on, and warns when the launcher asked for more (on a CPU, ``accelerate
-launch`` with ``--num_processes 2`` starts one process: use torchrun there).
+``--batch-size`` is the global batch: on several processes the loss gathers the in-batch negatives across them by
+default, so 1 and N processes train the same loss (``--no-gather-across-devices``: each process's own share only).
+The script prints how many processes it trains on; ``prepare_trainer`` warns when the launcher asked for more (on a
+CPU, ``accelerate launch --cpu --num_processes 2`` starts one process; ``--multi_gpu`` or torchrun start two).
 """
 
 from __future__ import annotations
@@ -34,11 +36,11 @@ from transformers import set_seed
 
 from st_weince.losses import RBSigmoidLoss, WEINCELoss
 from st_weince.training import last_complete_checkpoint, prepare_trainer
+from st_weince.training.processes import count_processes
 from st_weince.utils.cli import check_model_path, quiet_known_warnings, user_errors_exit
 
 from recipe_tools import (
     build_tiny_bert,
-    count_processes,
     minilm_path,
     parse_key_values,
     positive_float,
@@ -95,7 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mlp-head", action=argparse.BooleanOptionalAction, help="MLP over the embedding, training only")
     p.add_argument("--dropout", type=float, help="override the encoder's dropout probability (the augmentation)")
     p.add_argument("--eval-before", action=argparse.BooleanOptionalAction, help="STS-B dev/test before training")
-    p.add_argument("--gather-across-devices", action="store_true", help="in-batch negatives from all processes")
+    p.add_argument("--gather-across-devices", action=argparse.BooleanOptionalAction,
+                   help="in-batch negatives from all processes (default: on with several processes)")  # fmt: skip
     p.add_argument("--resume-from-checkpoint", help="a checkpoint-* directory, or 'latest' (the last complete one)")
     p.add_argument("--save-total-limit", type=int, default=2)
     p.add_argument("--save-optimizer-state", action=argparse.BooleanOptionalAction, help="checkpoints can resume")
@@ -229,9 +232,16 @@ def build_loss(args: argparse.Namespace, model):
             raise ValueError(f"--loss {args.loss}: give the scale with --scale, not --loss-option scale=...")
         options["scale"] = args.scale
     try:
-        return LOSSES[args.loss](model, gather_across_devices=args.gather_across_devices, **options)
+        gather = resolve_gather_across_devices(args, int(os.environ.get("WORLD_SIZE", "1")))
+        return LOSSES[args.loss](model, gather_across_devices=gather, **options)
     except (TypeError, ValueError) as error:  # an unknown or invalid option, in the loss class's own words
         raise ValueError(f"--loss {args.loss} --loss-option {options}: {error}") from error
+
+
+def resolve_gather_across_devices(args: argparse.Namespace, world_size: int) -> bool:
+    """``--[no-]gather-across-devices`` as given, else on with several processes: ``--batch-size`` is the global batch,
+    so 1 and N processes train the same loss (each process's anchors against all the batch's candidates)."""
+    return world_size > 1 if args.gather_across_devices is None else args.gather_across_devices
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -239,7 +249,8 @@ def train(args: argparse.Namespace) -> dict:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; the trainer's process group has the same
     processes = count_processes(world_size, gpus=torch.cuda.device_count())
     if int(os.environ.get("RANK", "0")) == 0:
-        processes.announce()  # and a warning when the launcher asked for more (accelerate launch on a CPU)
+        processes.announce(warn=False)  # prepare_trainer warns when the launcher asked for more processes
+    args.gather_across_devices = resolve_gather_across_devices(args, world_size)
     if args.batch_size % world_size:
         raise ValueError(f"--batch-size {args.batch_size} is the global batch and must be divisible by the "
                          f"{world_size} processes")  # fmt: skip

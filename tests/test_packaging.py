@@ -57,12 +57,13 @@ def test_wheel_ships_py_typed_license_and_the_version(tmp_path):
     assert any(re.fullmatch(r"st_weince-[^/]+\.dist-info/licenses/LICENSE", name) for name in names)
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "License-Expression: Apache-2.0" in metadata
-    assert re.search(r"Requires-Dist: sentence-transformers\[train\]<7,>=6\.2\.0", metadata)
+    assert re.search(r"Requires-Dist: sentence-transformers\[train\]<7,>=6\.3\.0", metadata)
 
 
 def test_sentence_transformers_major_version_is_the_pinned_one():
     (requirement,) = [d for d in PYPROJECT["project"]["dependencies"] if d.startswith("sentence-transformers")]
-    assert ">=6.2.0" in requirement and "<7" in requirement
+    # >=6.3.0 (issue 53): 6.2's GradCache all-reduces once per mini-batch under DDP, 6.3's once per optimizer step
+    assert ">=6.3.0" in requirement and "<7" in requirement
     assert int(importlib.metadata.version("sentence-transformers").split(".")[0]) == 6
 
 

@@ -1,4 +1,5 @@
-"""recipes/recipe_tools.py's process count: the processes a launcher asked for against those a recipe trains on,
+"""st_weince.training.processes' process count (read by prepare_trainer and the recipes): the processes a launcher
+asked for against those that train,
 with the environment each launcher gives its processes (as observed with accelerate 1.16 and torch 2.14's torchrun)."""
 
 from __future__ import annotations
@@ -7,8 +8,10 @@ import json
 
 import pytest
 
-import recipe_tools as processes_module
-from recipe_tools import count_processes, write_run_outputs
+import st_weince.training.processes as processes_module
+from st_weince.training.processes import count_processes
+
+from recipe_tools import write_run_outputs
 
 SCRIPT_ARGV = ["recipes/simcse.py", "--preset", "cpu-demo"]
 # What `torchrun --nproc_per_node 2` sets in rank 0 (besides TORCHELASTIC_ERROR_FILE and its signals)
@@ -57,8 +60,10 @@ def test_accelerate_launch_on_a_cpu_runs_one_of_two_and_names_torchrun(launched)
     count = count_processes(1, gpus=0, launcher_argv=ACCELERATE_CPU_TWO_ARGV, argv=SCRIPT_ARGV)
     assert (count.launcher, count.requested, count.actual) == ("accelerate launch", 2, 1)
     assert count.summary == "training on 1 process (world size 1)"
-    assert count.warning.startswith("warning: accelerate launch asked for 2 processes, but this run trains on 1")
-    assert "only through MPI" in count.warning
+    assert count.warning.startswith("accelerate launch asked for 2 processes, but this run trains on 1")
+    # issue 53: accelerate launch --multi_gpu does start several CPU processes (not only MPI), with use_cpu=True
+    assert "MPI" not in count.warning
+    assert "use_cpu=True" in count.warning and "only with --multi_gpu (with --cpu it starts one)" in count.warning
     assert count.warning.endswith("\n    torchrun --nproc_per_node 2 recipes/simcse.py --preset cpu-demo")
     # On a machine with GPUs the command that works is accelerate's own, with --multi_gpu.
     on_gpus = count_processes(1, gpus=2, launcher_argv=ACCELERATE_CPU_TWO_ARGV, argv=SCRIPT_ARGV)
@@ -91,7 +96,7 @@ def test_one_process_asked_for_one_run_no_warning(launched):
 def test_mpirun_count(launched):
     launched({"PMI_SIZE": "2", "ACCELERATE_USE_CPU": "True"})
     assert count_processes(2, gpus=0, argv=SCRIPT_ARGV).warning is None
-    assert count_processes(1, gpus=0, argv=SCRIPT_ARGV).warning.startswith("warning: mpirun asked for 2 processes")
+    assert count_processes(1, gpus=0, argv=SCRIPT_ARGV).warning.startswith("mpirun asked for 2 processes")
 
 
 def test_announce_prints_summary_and_warning(launched, capsys):

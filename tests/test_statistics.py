@@ -3,12 +3,14 @@ callbacks of prepare_trainer cause no host-device synchronisation; the values ar
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import TrainerControl, TrainerState
 
 from st_weince.losses import RBSigmoidLoss
-from st_weince.training.callbacks import LossStateCallback
+from st_weince.training.callbacks import LossGradientClipping, LossStateCallback
 from st_weince.utils.hotpath import count_host_syncs
 from st_weince.utils.logged_statistics import RunningMeans
 
@@ -40,9 +42,11 @@ def test_per_step_callbacks_do_not_sync(tiny_model):
     trainer = Trainer()
     trainer.loss, trainer.model = loss, tiny_model
     callback = LossStateCallback(trainer)
+    clipping = LossGradientClipping(loss)  # averages and clips the loss parameters' gradients (issue 53)
     state, control = TrainerState(global_step=3), TrainerControl()
+    loss.log_t.grad, loss.b_rel.grad = torch.ones_like(loss.log_t), torch.ones_like(loss.b_rel)
     with count_host_syncs() as syncs:
-        callback.on_pre_optimizer_step(None, state, control)
+        clipping.on_pre_optimizer_step(SimpleNamespace(max_grad_norm=1.0), state, control)
         callback.on_optimizer_step(None, state, control)
         callback.on_step_end(None, state, control)
     assert syncs.total == 0, syncs.by_op

@@ -24,6 +24,7 @@ from st_weince.calibration import mark_carried_values_stale
 from st_weince.functional.checks import check_score_shapes, compute_dtype, full_precision, require_valid_scores
 from st_weince.functional.false_negatives import KEY_RULES, FilterCounts, check_labels, feature_keys, label_keys
 from st_weince.functional.layouts import normalize_rows
+from st_weince.training.processes import check_process_group
 from st_weince.training.protocol import LossState
 from st_weince.utils.hotpath import DeferredChecks
 from st_weince.utils.logged_statistics import RunningMeans
@@ -152,11 +153,14 @@ class ColumnsLoss(nn.Module, LossState):
         return self.logged_statistics.pop()
 
     def _at_first_training_step(self) -> None:
-        """Once, at the first forward in training mode with gradients on: an error when the loss has state that
+        """Once, at the first forward in training mode with gradients on: an error when the loss gathers across the
+        processes of a group that the trainer trains each alone, an error when the loss has state that
         nobody was declared to handle, and the model's carried trained values marked as not this training's (a
         Python check on construction-time facts; no tensor is read)."""
         if self._first_training_step_done or not (self.training and torch.is_grad_enabled()):
             return
+        # A process group that accelerate (the trainer) trains NOT_PARALLEL, with gathering: docs/distributed.md
+        check_process_group(bool(getattr(self.options, "gather_across_devices", False)), type(self).__name__)
         self._first_training_step_done = True
         names = list(self.state_tensors())
         if names and self.state_managed_by is None:

@@ -13,7 +13,13 @@ from st_weince.training.checkpoints import (
     restore_loss_state,
     save_loss_state,
 )
-from st_weince.training.loss_tensors import after_optimizer_step, average_loss_gradients, state_tensors
+from st_weince.training.loss_tensors import (
+    after_optimizer_step,
+    average_loss_gradients,
+    clip_loss_gradients,
+    state_tensors,
+)
+from st_weince.training.processes import count_processes
 from st_weince.training.protocol import LossState
 
 __all__ = [
@@ -24,6 +30,8 @@ __all__ = [
     "after_optimizer_step",
     "average_loss_gradients",
     "check_resumable",
+    "clip_loss_gradients",
+    "count_processes",
     "last_complete_checkpoint",
     "load_loss_state",
     "loss_state_record",

@@ -40,6 +40,7 @@ from st_weince.training.loss_tensors import (
     after_optimizer_step,
     average_loss_gradients,
     check_finite_loss_state,
+    clip_loss_gradients,
     load_loss_state_dict,
     loss_state_dict,
     no_weight_decay_names,
@@ -47,6 +48,7 @@ from st_weince.training.loss_tensors import (
     state_parameters,
     state_tensors,
 )
+from st_weince.training.processes import check_trained_in_parallel, warn_fewer_processes
 
 logger = logging.getLogger(__name__)
 
@@ -89,10 +91,10 @@ class LossStateRecord(TrainerCallback, ExportableState):
 
 
 class LossStateCallback(TrainerCallback):
-    """Restores the loss state on resume, averages the loss parameters' gradients across processes, runs each loss's
-    step after the optimizer's, stops training before a non-finite loss state is checkpointed, loads the best
-    checkpoint's loss state with the best model, and lets the model carry the loss's trained values. Added by
-    :func:`prepare_trainer`."""
+    """Restores the loss state on resume, runs each loss's step after the optimizer's (the gradients were averaged
+    and clipped by :class:`LossGradientClipping`), stops training before a non-finite loss state is checkpointed,
+    loads the best checkpoint's loss state with the best model, and lets the model carry the loss's trained values.
+    Added by :func:`prepare_trainer`."""
 
     def __init__(
         self, trainer: Any, allow_missing_loss_state: bool = False, carried_values_from: str | None = None
@@ -128,9 +130,6 @@ class LossStateCallback(TrainerCallback):
             raise ValueError(f"{source}: its loss state is from step {step}, not from step {state.global_step}")
         load_loss_state_dict(self.trainer.loss, values, source=source)
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        average_loss_gradients(self.trainer.loss)
-
     def on_optimizer_step(self, args, state, control, **kwargs):
         # after the step of the averaged gradients: the same on every process, so they stay equal
         after_optimizer_step(self.trainer.loss)
@@ -157,6 +156,29 @@ class LossStateCallback(TrainerCallback):
                 raise FileNotFoundError(f"{os.path.join(best, TRAINER_STATE_FILE)} holds no st-weince loss state")
             load_loss_state_dict(self.trainer.loss, values, source=os.path.join(best, TRAINER_STATE_FILE))
         carry_trained_values(self.trainer.model, self.trainer.loss, state.global_step, self.carried_values_from)
+
+
+class LossGradientClipping(TrainerCallback):
+    """Averages the loss parameters' gradients across processes, then clips them to the trainer's ``max_grad_norm``
+    on their own (:func:`~st_weince.training.loss_tensors.clip_loss_gradients`: the trainer clips
+    ``model.parameters()`` only, just before ``on_pre_optimizer_step``), and logs their norm before clipping as
+    ``loss_grad_norm`` beside the trainer's ``grad_norm`` (the model's). Added first by :func:`prepare_trainer`, so
+    that the printers and reporters see the logged value."""
+
+    def __init__(self, loss: LossTree) -> None:
+        self.loss = loss
+        self.gradient_norm: Any = None  # the last optimizer step's, a device tensor: read at logging steps only
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        average_loss_gradients(self.loss)
+        self.gradient_norm = clip_loss_gradients(self.loss, args.max_grad_norm)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or "loss" not in logs or self.gradient_norm is None:
+            return
+        logs["loss_grad_norm"] = float(self.gradient_norm)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1]["loss_grad_norm"] = logs["loss_grad_norm"]
 
 
 class LossStatisticsCallback(TrainerCallback):
@@ -290,7 +312,12 @@ def prepare_trainer(
     - its parameters get their own learning rate ``loss_learning_rate`` through the trainer's
       ``learning_rate_mapping`` (an entry the caller gave for the same parameters wins; None: the trainer's rate),
       and no weight decay on those the loss names (set to 0 on their optimizer groups at ``on_train_begin``);
-    - their gradients are averaged across processes, and the loss's own step runs after every optimizer step;
+    - their gradients are averaged across processes and clipped to ``max_grad_norm`` on their own (the trainer clips
+      the model's), their norm logged as ``loss_grad_norm``, and the loss's own step runs after every optimizer step;
+    - a process group of several processes that the trainer trains each alone (``torchrun`` on a CPU without
+      ``use_cpu=True``) is refused when the loss gathers across devices, and a launcher that asked for more processes
+      than train (``accelerate launch --cpu --num_processes 2``) gets a warning naming a working command
+      (docs/distributed.md);
     - its statistics are added to the training logs (named after their dataset with a dict of losses);
     - the values it trains for the model (RB-Sigmoid's ``t`` and ``b_rel``) are written into the model's configuration
       and model card before every checkpoint and at the end of training (:func:`st_weince.match_probability`); with
@@ -320,9 +347,14 @@ def prepare_trainer(
         raise ValueError(f"loss_learning_rate must be a finite number > 0 or None, got {loss_learning_rate!r}")
     _check_carried_values_from(trainer.loss, carried_values_from)
     check_label_columns(trainer)
+    trained = getattr(trainer.args, "world_size", 1)
+    check_trained_in_parallel(trainer.loss, trained)  # a process group the trainer trains NOT_PARALLEL
+    if getattr(trainer.args, "process_index", 0) == 0:
+        warn_fewer_processes(trained)  # the launcher asked for more processes than train
     for module in state_modules(trainer.loss).values():
         module.mark_state_managed("st_weince.training.prepare_trainer")  # the callbacks below handle it
     trainer.callback_handler.callbacks.insert(0, LossStatisticsCallback(trainer.loss))  # before printers, reporters
+    trainer.callback_handler.callbacks.insert(0, LossGradientClipping(trainer.loss))
     trainer.args = copy.copy(trainer.args)  # an arguments object reused for another trainer must not carry these
     trainer.args.restore_callback_states_from_checkpoint = True
     output_dir = os.path.abspath(trainer.args.output_dir or ".")
@@ -447,6 +479,7 @@ def _check_given_optimizer(trainer: Any) -> None:
 
 __all__ = [
     "DEFAULT_LOSS_LEARNING_RATE",
+    "LossGradientClipping",
     "LossStateCallback",
     "LossStateRecord",
     "LossStatisticsCallback",

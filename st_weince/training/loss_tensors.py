@@ -1,8 +1,10 @@
 """The loss state of a loss tree (:class:`~st_weince.training.protocol.LossState` modules, inside wrappers such as
 ``MatryoshkaLoss`` too, or a dict of losses), by the names the trainer gives its parameters: the tensors, which take
-no weight decay, the step after each optimizer step, and the gradients averaged across processes."""
+no weight decay, the step after each optimizer step, and the gradients averaged across processes and clipped."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -108,3 +110,22 @@ def average_loss_gradients(loss: LossTree) -> None:
         count = p.numel()
         p.grad = flat[offset : offset + count].view_as(p).to(p.dtype)
         offset += count
+
+
+def clip_loss_gradients(loss: LossTree, max_norm: float | None) -> Tensor | None:
+    """Clip the gradients of the loss's own trainable parameters (RB-Sigmoid's ``log_t``, ``b_rel``) to a total 2-norm
+    of ``max_norm`` (the trainer's ``max_grad_norm``), as ``torch.nn.utils.clip_grad_norm_`` clips the model's, and
+    return their norm before clipping (a 0-d tensor on their device: no host sync), or None when none has a gradient.
+    ``max_norm`` None, 0 or infinite: the norm only, nothing clipped.
+
+    On their own, not jointly with the model's: the trainer clips the model first, and the loss parameters' gradient
+    (the scale's can be orders of magnitude above the model's) would otherwise shrink the model's step, so that a loss
+    with trainable parameters would train the model differently from one without (docs/training.md). ``prepare_trainer``
+    calls it at every optimizer step; a training loop of your own calls it once per step, after
+    :func:`average_loss_gradients` and before ``optimizer.step()``."""
+    params = [p for p in state_parameters(loss).values() if p.grad is not None]
+    if not params:
+        return None
+    if max_norm is None or not 0 < max_norm < math.inf:
+        return torch.nn.utils.get_total_norm([p.grad for p in params])
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
