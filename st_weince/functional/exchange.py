@@ -1,13 +1,22 @@
-"""Neighbour exchange: candidate blocks passed around the ring of processes instead of all-gathered (SigLIP, Zhai et
-al., ICCV 2023; open_clip's ``SigLipLoss(dist_impl="bidir")``), for a loss that is a sum over candidate blocks, as the
-sigmoid loss is. docs/rb-sigmoid.md ("Many processes") describes the scheme and what was tested.
+"""The exchanges between processes, all through torch's functional collectives
+(``torch.distributed._functional_collectives``), which torch keeps (``torch.distributed.nn.all_gather`` and the
+``*_tensor`` aliases warn from torch 2.13/2.14 on) and which ``torch.compile(fullgraph=True)`` traces with a live
+process group (``dist.P2POp`` does not):
+
+- :func:`all_gather_with_grad`: every process's rows, the gradient of each block sent back to its owner (the backward
+  is a sum reduce-scatter), for the candidates of both losses;
+- :func:`all_gather`: every process's rows without gradient, this process's own rows as given (sentence-transformers'
+  ``all_gather`` semantics), for input keys, labels and per-anchor statistics;
+- the neighbour exchange: candidate blocks passed around the ring of processes instead of all-gathered (SigLIP, Zhai et
+  al., ICCV 2023; open_clip's ``SigLipLoss(dist_impl="bidir")``), for a loss that is a sum over candidate blocks, as the
+  sigmoid loss is. docs/rb-sigmoid.md ("Many processes") describes the scheme and what was tested.
 
 Each process scores its anchors against its own block, then against its neighbours' blocks as they arrive around the
 ring in both directions; no process holds the global candidate matrix. Gradients travel back the way the blocks came:
-each shift is an autograd function whose backward sends the received block's gradient to its sender. The
-point-to-point operations wait on their requests (``Work.wait``): with NCCL that orders the current CUDA stream after
-the transfer, without a host-device sync; with gloo (CPU) it blocks until the transfer is done. Every process must pass
-blocks of the same shape and dtype (as ``all_gather`` also needs).
+each shift is an ``all_to_all_single`` with one non-empty split each way, whose backward sends the received block's
+gradient to its sender. A collective's result is waited on at its first use: with NCCL that orders the current CUDA
+stream after the transfer, without a host-device sync; with gloo (CPU) it blocks until the transfer is done. Every
+process must pass blocks of the same shape and dtype (as ``all_gather`` also needs).
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as functional_collectives
 from torch import Tensor
 
 from st_weince.functional.false_negatives import FilterCounts, positive_keys
@@ -31,39 +41,49 @@ def process_count(group: ProcessGroup = None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _peer(group: ProcessGroup, group_rank: int) -> int:
-    """The global rank point-to-point operations address."""
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+def _group(group: ProcessGroup) -> dist.ProcessGroup:
+    return dist.group.WORLD if group is None else group
 
 
-def _shift(tensors: Sequence[Tensor], shifts: Sequence[int], group: ProcessGroup) -> list[Tensor]:
-    """Send ``tensors[i]`` to ``rank + shifts[i]`` and receive a tensor of the same shape from ``rank - shifts[i]``,
-    all transfers in flight at once (one tag per tensor, so two tensors between the same pair of processes cannot be
-    confused)."""
+def _gathered(tensor: Tensor, group: ProcessGroup) -> Tensor:
+    """Every process's ``tensor`` concatenated along dim 0, in rank order; differentiable (the backward is a sum
+    reduce-scatter: each block's gradient summed over the processes goes to its owner). ``all_gather_single_autograd``
+    (torch 2.14) is ``all_gather_tensor_autograd`` of torch 2.13, which 2.14 deprecates."""
+    gather = getattr(functional_collectives, "all_gather_single_autograd", None)
+    if gather is None:  # torch 2.13
+        gather = functional_collectives.all_gather_tensor_autograd
+    return gather(tensor.contiguous(), 0, _group(group))
+
+
+def all_gather_with_grad(tensor: Tensor, group: ProcessGroup = None) -> Tensor:
+    """Every process's rows of ``tensor`` (same shape on all), concatenated in rank order; the gradient of each
+    process's rows goes back to that process. ``tensor`` itself without an initialized process group."""
+    if process_count(group)[1] == 1:
+        return tensor
+    return _gathered(tensor, group)
+
+
+def all_gather(tensor: Tensor, group: ProcessGroup = None) -> Tensor:
+    """Every process's rows of ``tensor`` concatenated in rank order, the others' without gradient and this process's
+    own rows as given (with their gradient), as sentence-transformers' ``all_gather``; for integer keys, labels and
+    per-anchor statistics. ``tensor`` itself without an initialized process group."""
     rank, world_size = process_count(group)
-    received = [torch.empty_like(tensor, memory_format=torch.contiguous_format) for tensor in tensors]
-    operations = []
-    for tag, (tensor, target, shift) in enumerate(zip(tensors, received, shifts)):
-        send_to, receive_from = _peer(group, (rank + shift) % world_size), _peer(group, (rank - shift) % world_size)
-        operations.append(dist.P2POp(dist.isend, tensor.contiguous(), send_to, group, tag))
-        operations.append(dist.P2POp(dist.irecv, target, receive_from, group, tag))
-    for request in dist.batch_isend_irecv(operations):
-        request.wait()
-    return received
+    if world_size == 1:
+        return tensor
+    gathered = _gathered(tensor.detach(), group)
+    rows = tensor.shape[0]
+    return torch.cat([gathered[: rank * rows], tensor, gathered[(rank + 1) * rows :]])
 
 
-class _RingShift(torch.autograd.Function):
-    """Differentiable :func:`_shift`: the backward sends each received tensor's gradient back to its sender."""
-
-    @staticmethod
-    def forward(ctx, group: ProcessGroup, shifts: tuple[int, ...], *tensors: Tensor) -> tuple[Tensor, ...]:
-        ctx.group, ctx.shifts = group, shifts
-        return tuple(_shift(tensors, shifts, group))
-
-    @staticmethod
-    def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        returned = _shift(grads, tuple(-shift for shift in ctx.shifts), ctx.group)
-        return (None, None, *returned)
+def _shift_one(tensor: Tensor, shift: int, group: ProcessGroup) -> Tensor:
+    """Send ``tensor`` to ``rank + shift``, receive the tensor of ``rank - shift``: an ``all_to_all_single`` with one
+    non-empty split each way, differentiable (its backward sends the gradient back to the sender)."""
+    rank, world_size = process_count(group)
+    send_to, receive_from = (rank + shift) % world_size, (rank - shift) % world_size
+    rows = tensor.shape[0]
+    sent = [rows if peer == send_to else 0 for peer in range(world_size)]
+    received = [rows if peer == receive_from else 0 for peer in range(world_size)]
+    return functional_collectives.all_to_all_single_autograd(tensor.contiguous(), received, sent, _group(group))
 
 
 def ring_shift(tensors: Sequence[Tensor], shifts: Sequence[int], group: ProcessGroup = None) -> tuple[Tensor, ...]:
@@ -71,7 +91,7 @@ def ring_shift(tensors: Sequence[Tensor], shifts: Sequence[int], group: ProcessG
     (shifts modulo the world size; every process must call it with the same shifts and shapes). Differentiable."""
     if len(tensors) != len(shifts) or not tensors:
         raise ValueError(f"give one shift per tensor (and at least one), got {len(tensors)} and {len(shifts)}")
-    return _RingShift.apply(group, tuple(int(shift) for shift in shifts), *tensors)
+    return tuple(_shift_one(tensor, int(shift), group) for tensor, shift in zip(tensors, shifts))
 
 
 def ring_blocks(local: Tensor, group: ProcessGroup = None) -> Iterator[tuple[int, Tensor]]:
