@@ -110,8 +110,11 @@ def main() -> None:
     result = {
         "warnings": {name: warning_messages(name, rank) for name in LOSSES},
         "compiled": {name: compiled_against_eager(name, rank) for name in LOSSES},
-        "exact": exact_pairs(rank),
     }
+    try:
+        result["exact"] = exact_pairs(rank)
+    except ImportError as error:  # the collectives are not there (before they existed): the test shows it
+        result["exact"] = {"error": (str(error), "")}
     torch.save(result, output_dir / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
