@@ -14,10 +14,10 @@ process on its own random float32 embeddings, measured on every process:
   candidate matrix with all-gather, one process's candidate block with the neighbour exchange;
 - ``peak_live_tensor_bytes``: the peak of live tensor memory during the step (PyTorch profiler events,
   :func:`benchmarks.lab.profiling.cpu_peak_bytes`), after a warm-up step;
-- ``bytes_sent``: the payload this process sends, counted at the ``torch.distributed`` calls: every point-to-point
-  send exactly; for ``all_gather`` (W - 1) x its block (what each process sends in a ring or direct all-gather); for
-  ``scatter`` (which the gloo backward of ``torch.distributed.nn.all_gather`` uses) the chunks the root sends to the
-  others; forward and backward separately for the uncached loss;
+- ``bytes_sent``: the payload this process sends, counted at the functional collectives' dispatch: a shift's
+  ``all_to_all_single`` exactly; an all-gather as (W - 1) x its block, its backward's reduce-scatter as (W - 1) / W x
+  its input; forward and backward separately for the uncached loss (results before 2026-12-06 were counted at the
+  ``torch.distributed`` calls of the scheme then, point-to-point sends and the gloo all-gather's scatter);
 - ``global_loss``: the mean of the processes' losses, equal for both exchanges (both computed the same loss).
 
 Timings are left out: four processes on a shared two-core machine time the scheduler, not the exchange.
@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.lab
 from benchmarks.lab.profiling import cpu_peak_bytes  # noqa: E402
+from benchmarks.rb_sigmoid_ring_memory import CollectiveBytes  # noqa: E402
 from st_weince.losses import CachedRBSigmoidLoss, RBSigmoidLoss  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
 
@@ -69,37 +70,20 @@ class TensorSizes(TorchDispatchMode):
 
 
 class SentBytes:
-    """Counts the payload this process sends through the ``torch.distributed`` functions the losses call."""
+    """Counts the payload this process sends through torch's functional collectives (which the losses call), at
+    dispatch, forward and backward (:class:`benchmarks.rb_sigmoid_ring_memory.CollectiveBytes`)."""
 
     def __init__(self) -> None:
         self.count = 0
 
     @contextmanager
     def counting(self):
-        originals = {name: getattr(dist, name) for name in ("batch_isend_irecv", "all_gather", "scatter")}
-        world_size, rank = dist.get_world_size(), dist.get_rank()
-
-        def batch_isend_irecv(operations):
-            self.count += sum(op.tensor.nbytes for op in operations if op.op is dist.isend)
-            return originals["batch_isend_irecv"](operations)
-
-        def all_gather(tensor_list, tensor, *args, **kwargs):
-            self.count += (world_size - 1) * tensor.nbytes
-            return originals["all_gather"](tensor_list, tensor, *args, **kwargs)
-
-        def scatter(tensor, scatter_list=None, src=0, *args, **kwargs):
-            if src == rank and scatter_list is not None:
-                self.count += sum(t.nbytes for i, t in enumerate(scatter_list) if i != rank)
-            return originals["scatter"](tensor, scatter_list, src, *args, **kwargs)
-
-        replacements = {"batch_isend_irecv": batch_isend_irecv, "all_gather": all_gather, "scatter": scatter}
-        for name, replacement in replacements.items():
-            setattr(dist, name, replacement)
+        counter = CollectiveBytes()
         try:
-            yield self
+            with counter:
+                yield self
         finally:
-            for name, original in originals.items():
-                setattr(dist, name, original)
+            self.count += counter.count
 
 
 def make_columns(local_batch: int, num_columns: int, dim: int, seed: int) -> list[torch.Tensor]:

@@ -161,7 +161,7 @@ def test_ring_block_losses_without_processes_match_the_dense_loss():
     )
     expected[0].backward()
 
-    def block_loss(rows, block, index, positive_scores):
+    def block_loss(params, rows, block, index, positive_scores):
         guard = CandidateGuard(rule, positive_scores=positive_scores)
         return chunked_sigmoid_contrastive_loss(rows, block, index, logits, guard=guard)
 

@@ -1,27 +1,43 @@
-"""Neighbour exchange: candidate blocks passed around the ring of processes instead of all-gathered (SigLIP, Zhai et
-al., ICCV 2023; open_clip's ``SigLipLoss(dist_impl="bidir")``), for a loss that is a sum over candidate blocks, as the
-sigmoid loss is. docs/rb-sigmoid.md ("Many processes") describes the scheme and what was tested.
+"""The exchanges between processes, all through torch's functional collectives
+(``torch.distributed._functional_collectives``), which torch keeps (``torch.distributed.nn.all_gather`` and the
+``*_tensor`` aliases warn from torch 2.13/2.14 on) and which ``torch.compile(fullgraph=True)`` traces with a live
+process group (``dist.P2POp`` does not):
+
+- :func:`all_gather_with_grad`: every process's rows, the gradient of each block sent back to its owner (the backward
+  is a sum reduce-scatter), for the candidates of both losses;
+- :func:`all_gather`: every process's rows without gradient, this process's own rows as given (sentence-transformers'
+  ``all_gather`` semantics), for input keys, labels and per-anchor statistics;
+- the neighbour exchange: candidate blocks passed around the ring of processes instead of all-gathered (SigLIP, Zhai et
+  al., ICCV 2023; open_clip's ``SigLipLoss(dist_impl="bidir")``), for a loss that is a sum over candidate blocks, as the
+  sigmoid loss is. docs/rb-sigmoid.md ("Many processes") describes the scheme and what was tested.
 
 Each process scores its anchors against its own block, then against its neighbours' blocks as they arrive around the
 ring in both directions; no process holds the global candidate matrix. Gradients travel back the way the blocks came:
-each shift is an autograd function whose backward sends the received block's gradient to its sender. The
-point-to-point operations wait on their requests (``Work.wait``): with NCCL that orders the current CUDA stream after
-the transfer, without a host-device sync; with gloo (CPU) it blocks until the transfer is done. Every process must pass
-blocks of the same shape and dtype (as ``all_gather`` also needs).
+each shift is an ``all_to_all_single`` with one non-empty split each way, whose backward sends the received block's
+gradient to its sender. A collective's result is waited on at its first use: with NCCL that orders the current CUDA
+stream after the transfer, without a host-device sync; with gloo (CPU) it blocks until the transfer is done. Every
+process must pass blocks of the same shape and dtype (as ``all_gather`` also needs).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as functional_collectives
 from torch import Tensor
 
 from st_weince.functional.false_negatives import FilterCounts, positive_keys
 
 ProcessGroup = dist.ProcessGroup | None
-BlockLoss = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor, FilterCounts | None]]
+#: Whether the neighbour exchange's backward runs the ring again (:class:`_RecomputedRing`); False keeps every received
+#: block and its graph for backward instead, the scheme it replaced, which benchmarks/rb_sigmoid_exchange.py measures
+#: against it in the same run.
+RECOMPUTE_IN_BACKWARD = True
+# (loss parameters by name, anchor rows, candidate block, positive index, positive scores[, block keys, reference keys])
+BlockLoss = Callable[..., tuple[Tensor, Tensor, Tensor, FilterCounts | None]]
 
 
 def process_count(group: ProcessGroup = None) -> tuple[int, int]:
@@ -31,39 +47,49 @@ def process_count(group: ProcessGroup = None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _peer(group: ProcessGroup, group_rank: int) -> int:
-    """The global rank point-to-point operations address."""
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+def _group(group: ProcessGroup) -> dist.ProcessGroup:
+    return dist.group.WORLD if group is None else group
 
 
-def _shift(tensors: Sequence[Tensor], shifts: Sequence[int], group: ProcessGroup) -> list[Tensor]:
-    """Send ``tensors[i]`` to ``rank + shifts[i]`` and receive a tensor of the same shape from ``rank - shifts[i]``,
-    all transfers in flight at once (one tag per tensor, so two tensors between the same pair of processes cannot be
-    confused)."""
+def _gathered(tensor: Tensor, group: ProcessGroup) -> Tensor:
+    """Every process's ``tensor`` concatenated along dim 0, in rank order; differentiable (the backward is a sum
+    reduce-scatter: each block's gradient summed over the processes goes to its owner). ``all_gather_single_autograd``
+    (torch 2.14) is ``all_gather_tensor_autograd`` of torch 2.13, which 2.14 deprecates."""
+    gather = getattr(functional_collectives, "all_gather_single_autograd", None)
+    if gather is None:  # torch 2.13
+        gather = functional_collectives.all_gather_tensor_autograd
+    return gather(tensor.contiguous(), 0, _group(group))
+
+
+def all_gather_with_grad(tensor: Tensor, group: ProcessGroup = None) -> Tensor:
+    """Every process's rows of ``tensor`` (same shape on all), concatenated in rank order; the gradient of each
+    process's rows goes back to that process. ``tensor`` itself without an initialized process group."""
+    if process_count(group)[1] == 1:
+        return tensor
+    return _gathered(tensor, group)
+
+
+def all_gather(tensor: Tensor, group: ProcessGroup = None) -> Tensor:
+    """Every process's rows of ``tensor`` concatenated in rank order, the others' without gradient and this process's
+    own rows as given (with their gradient), as sentence-transformers' ``all_gather``; for integer keys, labels and
+    per-anchor statistics. ``tensor`` itself without an initialized process group."""
     rank, world_size = process_count(group)
-    received = [torch.empty_like(tensor, memory_format=torch.contiguous_format) for tensor in tensors]
-    operations = []
-    for tag, (tensor, target, shift) in enumerate(zip(tensors, received, shifts)):
-        send_to, receive_from = _peer(group, (rank + shift) % world_size), _peer(group, (rank - shift) % world_size)
-        operations.append(dist.P2POp(dist.isend, tensor.contiguous(), send_to, group, tag))
-        operations.append(dist.P2POp(dist.irecv, target, receive_from, group, tag))
-    for request in dist.batch_isend_irecv(operations):
-        request.wait()
-    return received
+    if world_size == 1:
+        return tensor
+    gathered = _gathered(tensor.detach(), group)
+    rows = tensor.shape[0]
+    return torch.cat([gathered[: rank * rows], tensor, gathered[(rank + 1) * rows :]])
 
 
-class _RingShift(torch.autograd.Function):
-    """Differentiable :func:`_shift`: the backward sends each received tensor's gradient back to its sender."""
-
-    @staticmethod
-    def forward(ctx, group: ProcessGroup, shifts: tuple[int, ...], *tensors: Tensor) -> tuple[Tensor, ...]:
-        ctx.group, ctx.shifts = group, shifts
-        return tuple(_shift(tensors, shifts, group))
-
-    @staticmethod
-    def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        returned = _shift(grads, tuple(-shift for shift in ctx.shifts), ctx.group)
-        return (None, None, *returned)
+def _shift_one(tensor: Tensor, shift: int, group: ProcessGroup) -> Tensor:
+    """Send ``tensor`` to ``rank + shift``, receive the tensor of ``rank - shift``: an ``all_to_all_single`` with one
+    non-empty split each way, differentiable (its backward sends the gradient back to the sender)."""
+    rank, world_size = process_count(group)
+    send_to, receive_from = (rank + shift) % world_size, (rank - shift) % world_size
+    rows = tensor.shape[0]
+    sent = [rows if peer == send_to else 0 for peer in range(world_size)]
+    received = [rows if peer == receive_from else 0 for peer in range(world_size)]
+    return functional_collectives.all_to_all_single_autograd(tensor.contiguous(), received, sent, _group(group))
 
 
 def ring_shift(tensors: Sequence[Tensor], shifts: Sequence[int], group: ProcessGroup = None) -> tuple[Tensor, ...]:
@@ -71,7 +97,7 @@ def ring_shift(tensors: Sequence[Tensor], shifts: Sequence[int], group: ProcessG
     (shifts modulo the world size; every process must call it with the same shifts and shapes). Differentiable."""
     if len(tensors) != len(shifts) or not tensors:
         raise ValueError(f"give one shift per tensor (and at least one), got {len(tensors)} and {len(shifts)}")
-    return _RingShift.apply(group, tuple(int(shift) for shift in shifts), *tensors)
+    return tuple(_shift_one(tensor, int(shift), group) for tensor, shift in zip(tensors, shifts))
 
 
 def ring_blocks(local: Tensor, group: ProcessGroup = None) -> Iterator[tuple[int, Tensor]]:
@@ -93,12 +119,141 @@ def ring_blocks(local: Tensor, group: ProcessGroup = None) -> Iterator[tuple[int
         yield (rank - world_size // 2) % world_size, from_left
 
 
+@dataclass
+class _Ring:
+    """What a ring pass needs besides the differentiable tensors (anchors, candidates, loss parameters)."""
+
+    block_loss: BlockLoss
+    names: tuple[str, ...]
+    positive_index: Tensor
+    positive_scores: Tensor
+    weight: float
+    anchor_chunk: int | None
+    group: ProcessGroup
+    candidate_keys: Tensor | None
+    reference_keys: Tensor | None
+    guarded: bool = False  # set by the forward: whether the block loss returned guard counts
+
+    def chunks(self, num_anchors: int) -> Iterator[slice]:
+        step = num_anchors if self.anchor_chunk is None else self.anchor_chunk
+        for begin in range(0, num_anchors, step):
+            yield slice(begin, min(begin + step, num_anchors))
+
+    def block_value(self, params: dict[str, Tensor], row_anchors: Tensor, block: Tensor, own: bool, keys, rows: slice,
+                    num_anchors: int):
+        """The weighted loss of the anchors ``row_anchors`` (rows ``rows`` of ``num_anchors``) against one process's
+        block (``own``: this process's), with the block's extremes and guard counts."""
+        index = self.positive_index[rows] if own else torch.full_like(self.positive_index[rows], -1)
+        key_arguments = () if keys is None else (keys, self.reference_keys[rows])
+        value, low, high, masked = self.block_loss(
+            params, row_anchors, block, index, self.positive_scores[rows], *key_arguments
+        )
+        return value * (self.weight * (rows.stop - rows.start) / num_anchors), low, high, masked
+
+    def forward_pass(self, anchors: Tensor, candidates: Tensor, params: dict[str, Tensor]):
+        """The loss over every process's block, received around the ring in both directions (:func:`ring_blocks`);
+        differentiable through the shifts when its inputs require grad."""
+        key_blocks = None if self.candidate_keys is None else ring_blocks(self.candidate_keys, self.group)
+        total = anchors.new_zeros(())
+        min_positive = anchors.new_tensor(float("inf"))
+        max_negative = anchors.new_tensor(float("-inf"))
+        guard_counts: FilterCounts | None = None
+        rank, _ = process_count(self.group)
+        for source, block in ring_blocks(candidates, self.group):
+            keys = None if key_blocks is None else next(key_blocks)[1]
+            counts = []
+            for rows in self.chunks(anchors.shape[0]):
+                value, low, high, masked = self.block_value(
+                    params, anchors[rows], block, source == rank, keys, rows, anchors.shape[0]
+                )
+                total = total + value
+                min_positive, max_negative = torch.minimum(min_positive, low), torch.maximum(max_negative, high)
+                if masked is not None:
+                    counts.append(masked)
+            if counts:
+                block_counts = FilterCounts.cat(counts)
+                guard_counts = block_counts if guard_counts is None else guard_counts.plus(block_counts)
+        return total, min_positive, max_negative, guard_counts
+
+
+class _RecomputedRing(torch.autograd.Function):
+    """The ring's loss, keeping for backward only this process's anchors, candidates and the loss parameters: the
+    backward runs the ring again (one direction), and at each step receives a neighbour's block with the gradient
+    that the processes before accumulated for it, recomputes that block's loss and its gradients, adds its own part
+    and passes both on; after a full turn each block's gradient reaches its owner (as ring attention does). Memory
+    for backward is one block at a time, whatever the number of processes; the price is a second pass of the
+    blocks (and their gradients) around the ring and the recomputed block losses."""
+
+    @staticmethod
+    def forward(ctx, ring: _Ring, anchors: Tensor, candidates: Tensor, *values: Tensor):
+        total, low, high, counts = ring.forward_pass(anchors, candidates, dict(zip(ring.names, values)))
+        ring.guarded = counts is not None
+        masked, negatives = (counts.masked, counts.negatives) if counts is not None else (low.new_empty(0),) * 2
+        ctx.ring = ring
+        ctx.save_for_backward(anchors, candidates, *values)
+        ctx.mark_non_differentiable(low, high, masked, negatives)
+        return total, low, high, masked, negatives
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor, *_: Tensor):
+        ring: _Ring = ctx.ring
+        anchors, candidates, *values = ctx.saved_tensors
+        needs = ctx.needs_input_grad[1:]
+        grad_anchors = torch.zeros_like(anchors) if needs[0] else None
+        grad_values = [torch.zeros_like(value) if need else None for value, need in zip(values, needs[2:])]
+        params = {name: value.detach().requires_grad_(need) for name, value, need in zip(ring.names, values, needs[2:])}
+
+        def block_gradient(block: Tensor, keys: Tensor | None, own: bool) -> Tensor | None:
+            """Accumulate this block's part of the anchors' and parameters' gradients; return the block's."""
+            block = block.detach().requires_grad_(needs[1])
+            block_grad = None
+            for rows in ring.chunks(anchors.shape[0]):
+                with torch.enable_grad():
+                    row_anchors = anchors[rows].detach().requires_grad_(needs[0])
+                    value = ring.block_value(params, row_anchors, block, own, keys, rows, anchors.shape[0])[0]
+                    inputs = [row_anchors, block, *params.values()]
+                    wanted = [tensor for tensor in inputs if tensor.requires_grad]
+                    grads = iter(torch.autograd.grad(value, wanted, grad_total, allow_unused=True))
+                got = [next(grads) if tensor.requires_grad else None for tensor in inputs]
+                if got[0] is not None:
+                    grad_anchors[rows] += got[0]
+                block_grad = _plus(block_grad, got[1])
+                for index, grad in enumerate(got[2:]):
+                    if grad is not None and grad_values[index] is not None:
+                        grad_values[index] += grad
+            return block_grad
+
+        world_size = process_count(ring.group)[1]
+        grad_candidates = block_gradient(candidates, ring.candidate_keys, own=True)
+        block, keys, carried = candidates, ring.candidate_keys, None
+        for _ in range(1, world_size):
+            # One step along the ring: the block of rank - step arrives with its gradient so far (none at step 1).
+            moving = [block] + ([] if keys is None else [keys]) + ([] if carried is None else [carried])
+            moved = [_shift_one(tensor, 1, ring.group) for tensor in moving]
+            block = moved[0]
+            keys = None if keys is None else moved[1]
+            grad = block_gradient(block, keys, own=False)
+            carried = grad if carried is None else moved[-1] + grad
+        if carried is not None:  # one step further: home to the block's owner
+            grad_candidates = _plus(grad_candidates, _shift_one(carried, 1, ring.group))
+        if not needs[1]:
+            grad_candidates = None
+        return None, grad_anchors, grad_candidates, *grad_values
+
+
+def _plus(total: Tensor | None, part: Tensor | None) -> Tensor | None:
+    if part is None:
+        return total
+    return part if total is None else total + part
+
+
 def ring_block_losses(
     anchors: Tensor,
     candidates: Tensor,
     positive_index: Tensor,
     block_loss: BlockLoss,
     *,
+    params: dict[str, Tensor] | None = None,
     weight: float = 1.0,
     anchor_chunk: int | None = None,
     backward: bool = False,
@@ -112,16 +267,17 @@ def ring_block_losses(
         candidates: [C, D] the local candidates (one process's block; hard-negative rows travel with it).
         positive_index: [A] each anchor's positive row in the local ``candidates`` (-1: none); no anchor has a
             positive in another process's block.
-        block_loss: ``(anchor rows, candidate block, positive index of the rows in the block, positive scores)`` ->
-            ``(mean loss over the rows, smallest matching score, largest non-matching score, what the false-negative
-            guard removed per row as FilterCounts, or None without a guard)``. ``positive scores`` [rows] are the rows'
-            matching-pair cosine scores (``+inf`` without a positive), the guard's threshold also in blocks that do
-            not hold the positive.
-        weight: factor on the loss (applied before a chunk's backward).
+        block_loss: ``(params, anchor rows, candidate block, positive index of the rows in the block, positive
+            scores)`` -> ``(mean loss over the rows, smallest matching score, largest non-matching score, what the
+            false-negative guard removed per row as FilterCounts, or None without a guard)``. ``params`` are the
+            loss parameters (``params``, or stand-ins for them in backward); ``positive scores`` [rows] are the
+            rows' matching-pair cosine scores (``+inf`` without a positive), the guard's threshold also in blocks
+            that do not hold the positive.
+        params: the loss parameters by name, which ``block_loss`` reads; they receive their gradients.
+        weight: factor on the loss.
         anchor_chunk: score this many anchors at a time against each block (None: all at once).
-        backward: back-propagate each chunk's loss at once (the cached loss's stage 2) and return the loss detached;
-            each received block's accumulated gradient is then sent back to its owner through the exchange, so
-            ``anchors`` and ``candidates`` (leaves, or any tensors requiring grad) receive their full gradients.
+        backward: back-propagate the loss at once (the cached loss's stage 2) and return it detached: ``anchors``,
+            ``candidates`` and ``params`` (leaves, or any tensors requiring grad) receive their full gradients.
         candidate_keys: [C, K] the local candidates' input keys (the false-negative guard's ``"identical"`` rule):
             they travel around the ring with their block, and ``block_loss`` is then called with two more
             arguments, the block's keys and the rows' positives' keys (-1 rows: no positive).
@@ -130,53 +286,32 @@ def ring_block_losses(
         ``weight`` times the mean over the anchors of their loss against every process's candidates, the extremes
         over all blocks and what the guard removed per anchor summed over all blocks (FilterCounts; None without a
         guard).
+
+    In eager mode with gradients the loss is a :class:`_RecomputedRing`: what backward keeps does not grow with the
+    number of processes. Under ``torch.compile`` (which cannot trace a backward that calls autograd) gradients flow
+    through the shifts instead, keeping every received block and its scores for backward.
     """
-    num_anchors = anchors.shape[0]
-    step = num_anchors if anchor_chunk is None else anchor_chunk
+    params = {} if params is None else params
     with torch.no_grad():
         pairs = candidates.detach()[positive_index.clamp_min(0)]
         pair_scores = (anchors.detach() * pairs).sum(-1)
         positive_scores = torch.where(positive_index >= 0, pair_scores, float("inf"))
-    key_blocks = reference_keys = None
+    reference_keys = None
     if candidate_keys is not None:
         reference_keys = positive_keys(candidate_keys, positive_index, candidates.shape[0])
-        # integers, without gradient: shifted beside the candidate blocks, in the same order on every process
-        key_blocks = ring_blocks(candidate_keys, group)
-    elsewhere = torch.full_like(positive_index, -1)
-    total = anchors.new_zeros(())
-    min_positive = anchors.new_tensor(float("inf"))
-    max_negative = anchors.new_tensor(float("-inf"))
-    guard_counts: FilterCounts | None = None
-    received, leaves = [], []
-    rank, _ = process_count(group)
-    for source, block in ring_blocks(candidates, group):
-        keys = () if key_blocks is None else (next(key_blocks)[1],)
-        index = positive_index if source == rank else elsewhere
-        if backward and block is not candidates and block.requires_grad:
-            # The chunks' backward stops at this leaf; its gradient goes back through the exchange at the end.
-            received.append(block)
-            block = block.detach().requires_grad_()
-            leaves.append(block)
-        counts = []
-        for begin in range(0, num_anchors, step):
-            rows = slice(begin, min(begin + step, num_anchors))
-            key_arguments = () if not keys else (keys[0], reference_keys[rows])
-            value, low, high, masked = block_loss(
-                anchors[rows], block, index[rows], positive_scores[rows], *key_arguments
-            )
-            value = value * (weight * (rows.stop - rows.start) / num_anchors)
-            if backward:
-                value.backward()
-                value = value.detach()
-            total = total + value
-            min_positive, max_negative = torch.minimum(min_positive, low), torch.maximum(max_negative, high)
-            if masked is not None:
-                counts.append(masked)
-        if counts:
-            block_counts = FilterCounts.cat(counts)
-            guard_counts = block_counts if guard_counts is None else guard_counts.plus(block_counts)
-    if received:
-        # A zero gradient rather than none: every process must run the same backward transfers.
-        grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
-        torch.autograd.backward(received, grads)
-    return total, min_positive, max_negative, guard_counts
+    ring = _Ring(
+        block_loss, tuple(params), positive_index, positive_scores, weight, anchor_chunk, group, candidate_keys,
+        reference_keys,
+    )
+    differentiable = torch.is_grad_enabled() and any(
+        tensor.requires_grad for tensor in (anchors, candidates, *params.values())
+    )
+    if differentiable and RECOMPUTE_IN_BACKWARD and not torch.compiler.is_compiling():
+        total, low, high, masked, negatives = _RecomputedRing.apply(ring, anchors, candidates, *params.values())
+        guard_counts = FilterCounts(masked, negatives) if ring.guarded else None
+    else:
+        total, low, high, guard_counts = ring.forward_pass(anchors, candidates, params)
+    if backward:
+        total.backward()
+        total = total.detach()
+    return total, low, high, guard_counts

@@ -380,7 +380,7 @@ class RBSigmoidLoss(ColumnsLoss):
         with its ``weight``, ``anchor_chunk`` and ``backward`` in ``ring``; the candidates' input keys travel with
         their block)."""
 
-        def block_loss(rows, block, index, positive_scores=None, block_keys=None, reference_keys=None):
+        def block_loss(params, rows, block, index, positive_scores=None, block_keys=None, reference_keys=None):
             # ``positive_scores``, ``reference_keys``: the guard's threshold scores and the positives' input keys,
             # when the block may not hold the rows' positives
             logits = SigmoidLogits(
@@ -398,8 +398,10 @@ class RBSigmoidLoss(ColumnsLoss):
             )
 
         if not (self.options.gather_across_devices and self.options.exchange == "neighbour"):
-            return block_loss(anchors, candidates, positive_index, block_keys=candidate_keys)
-        return ring_block_losses(anchors, candidates, positive_index, block_loss, candidate_keys=candidate_keys, **ring)
+            return block_loss(params, anchors, candidates, positive_index, block_keys=candidate_keys)
+        return ring_block_losses(
+            anchors, candidates, positive_index, block_loss, params=params, candidate_keys=candidate_keys, **ring
+        )
 
     @torch.no_grad()
     def _record(

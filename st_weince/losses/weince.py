@@ -6,11 +6,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim, get_rank
+from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
 from st_weince.functional.batch_tail import initial_beta_ema
 from st_weince.functional.checks import full_precision
+from st_weince.functional.exchange import all_gather, all_gather_with_grad, process_count
 from st_weince.functional.false_negatives import FilterCounts, apply_false_negative_filter
 from st_weince.functional.layouts import CandidateGroup, MNRLLayout, guard_layout, mnrl_layout
 from st_weince.functional.options import RELEASED_COMPOSITE, WEINCEOptions
@@ -198,7 +199,7 @@ class WEINCELoss(ColumnsLoss):
         columns = self._checked_columns(embeddings, all_gather_with_grad if gather else None)
         used = [column.detach().requires_grad_() for column in columns] if leaves else columns
         queries, *docs = used
-        offset = get_rank() * embeddings[0].shape[0] if gather else 0
+        offset = process_count()[0] * embeddings[0].shape[0] if gather else 0
         self._warn_once_if_no_tail_fits(queries.shape[0], len(docs))
 
         def layout_of(begin: int, end: int) -> tuple[MNRLLayout, FilterCounts | None]:
