@@ -2,10 +2,12 @@
 the released composite's top-M terms, :class:`TopM`, nested in it) and :class:`RBSigmoidOptions`.
 
 Each is the one home of its defaults and of their checks. The loss classes take its fields as their keyword
-arguments (their signature is built from it), the functional API takes the object, and checkpoints and model cards
-record it (:meth:`Options.to_config`). Every field is checked once, at construction, with an error naming it: a
-numeric field declares its range (:class:`Within`), numbers may be any real (Python or NumPy) number and are stored
-as Python ``float`` / ``int``, and bools, strings and non-finite values are refused.
+arguments (their written-out signatures read the defaults, :func:`defaults_of`), the functional API takes the object,
+and checkpoints and model cards record it (:meth:`Options.to_config`); a field made with :func:`operational` changes
+only how the loss is computed, so a resume accepts another value of it. Every field is checked once, at
+construction, with an error naming it: a numeric field declares its range (:class:`Within`), numbers may be any real
+(Python or NumPy) number and are stored as Python ``float`` / ``int``, and bools, strings and non-finite values are
+refused.
 """
 
 from __future__ import annotations
