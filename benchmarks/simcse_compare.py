@@ -3,7 +3,8 @@
 Every run is ``recipes/simcse.py --preset cpu-demo`` from all-MiniLM-L6-v2 with the same data, steps, batch and
 evaluation; only the loss (and the seed) changes. The runs go one after the other, single-threaded, each in its own
 process with its log in ``runs/simcse-compare/<config>-seed<k>/run.log``; a run whose ``results.json`` exists is
-skipped, so the script can be restarted. After each run the tables in ``benchmarks/results/simcse/`` are rewritten:
+skipped, so the script can be restarted. After each run the tables in ``--results-dir`` are rewritten (by default
+``<runs-dir>/tables``; the committed ones, in ``benchmarks/results/simcse/``, only when it names that folder):
 
     runs.csv       one row per run (config, seed, steps, STS-B dev best, best step, STS-B test, seconds)
     summary.json   per config: mean and sample std over seeds; the starting model's scores; scale, seeds,
@@ -14,6 +15,7 @@ Usage (5-12 minutes per run on one core of this busy 2-core machine, most of it 
 
     OMP_NUM_THREADS=1 python benchmarks/simcse_compare.py                      # everything
     OMP_NUM_THREADS=1 python benchmarks/simcse_compare.py --configs infonce weince --seeds 0
+    python benchmarks/simcse_compare.py --summarize-only --results-dir benchmarks/results/simcse  # the committed tables
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from eval.sts_tasks import STSEvaluator, read_stsb_splits  # noqa: E402
 from recipes.recipe_tools import minilm_path  # noqa: E402
 
 RECIPE = REPO / "recipes" / "simcse.py"
-RESULTS = REPO / "benchmarks" / "results" / "simcse"
+COMMITTED_RESULTS = REPO / "benchmarks" / "results" / "simcse"  # rewritten only when --results-dir names it
 STSB_DIR = REPO / "eval" / "data" / "stsb"
 
 # The scale (see docs/simcse.md for the justification; it is set by the shared 2-core machine, where one training
@@ -123,8 +125,10 @@ def full_dev(runs_dir: Path, configs: list[str], seeds: list[int]) -> None:
             (run / "full_dev.json").write_text(json.dumps({"stsb_dev_full": score, "pairs": 1500}) + "\n")
 
 
-def summarize(runs_dir: Path, configs: list[str], seeds: list[int], base: dict[str, float], command: str) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def summarize(
+    runs_dir: Path, configs: list[str], seeds: list[int], base: dict[str, float], command: str, results: Path
+) -> None:
+    results.mkdir(parents=True, exist_ok=True)
     rows, environment, loss_configs = [], None, {}
     for config in configs:
         for seed in seeds:
@@ -152,7 +156,7 @@ def summarize(runs_dir: Path, configs: list[str], seeds: list[int], base: dict[s
                     "command": r["command"],
                 }
             )
-    with open(RESULTS / "runs.csv", "w", newline="") as handle:
+    with open(results / "runs.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["config"])
         writer.writeheader()
         writer.writerows(rows)
@@ -202,7 +206,7 @@ def summarize(runs_dir: Path, configs: list[str], seeds: list[int], base: dict[s
         "environment": environment,
         "updated": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
-    (RESULTS / "summary.json").write_text(json.dumps(payload, indent=2) + "\n")
+    (results / "summary.json").write_text(json.dumps(payload, indent=2) + "\n")
 
     lines = [
         f"Starting model (all-MiniLM-L6-v2): STS-B test {base['stsb_test']:.2f}, dev first 500 pairs "
@@ -223,7 +227,7 @@ def summarize(runs_dir: Path, configs: list[str], seeds: list[int], base: dict[s
         for name, p in paired.items():
             per_seed = ", ".join(f"{d:+.2f}" for d in p["per_seed"])
             lines.append(f"| {name} | {format_stat(p['stsb_test_minus_infonce'])} | {per_seed} |")
-    (RESULTS / "summary.md").write_text("\n".join(lines) + "\n")
+    (results / "summary.md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
@@ -235,19 +239,26 @@ def main() -> None:
         "--full-dev", nargs="*", metavar="CONFIG", help="only evaluate these configs' final models on all of STS-B dev"
     )
     parser.add_argument("--summarize-only", action="store_true", help="only rewrite the tables from finished runs")
+    parser.add_argument(
+        "--results-dir",
+        default=None,
+        help=f"where the tables go (default: RUNS_DIR/tables); {COMMITTED_RESULTS.relative_to(REPO)} rewrites the "
+        "committed ones",
+    )
     args = parser.parse_args()
+    results = Path(args.results_dir) if args.results_dir else Path(args.runs_dir) / "tables"
     command = " ".join(["python", "benchmarks/simcse_compare.py"] + sys.argv[1:])
     runs_dir = Path(args.runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if args.summarize_only:
-        summarize(runs_dir, args.configs, args.seeds, baseline(runs_dir), command)
-        print((RESULTS / "summary.md").read_text(), flush=True)
+        summarize(runs_dir, args.configs, args.seeds, baseline(runs_dir), command, results)
+        print((results / "summary.md").read_text(), flush=True)
         return
     if args.full_dev is not None:
         full_dev(runs_dir, args.full_dev or args.configs, args.seeds)
-        summarize(runs_dir, args.configs, args.seeds, baseline(runs_dir), command)
-        print((RESULTS / "summary.md").read_text(), flush=True)
+        summarize(runs_dir, args.configs, args.seeds, baseline(runs_dir), command, results)
+        print((results / "summary.md").read_text(), flush=True)
         return
     print("starting model ...", flush=True)
     base = baseline(runs_dir)
@@ -270,9 +281,9 @@ def main() -> None:
         with open(out / "run.log", "w") as log:
             code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         print(f"    exit {code} after {time.time() - started:.0f} s", flush=True)
-        summarize(runs_dir, args.configs, args.seeds, base, command)
-    summarize(runs_dir, args.configs, args.seeds, base, command)
-    print((RESULTS / "summary.md").read_text(), flush=True)
+        summarize(runs_dir, args.configs, args.seeds, base, command, results)
+    summarize(runs_dir, args.configs, args.seeds, base, command, results)
+    print((results / "summary.md").read_text(), flush=True)
 
 
 if __name__ == "__main__":

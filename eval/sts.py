@@ -44,7 +44,9 @@ from sts_tasks import (
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="SentenceTransformer path or hub name")
+    parser.add_argument(
+        "--model", default=None, help="SentenceTransformer path or hub name (required unless --download alone)"
+    )
     parser.add_argument("--tasks", nargs="+", default=None, help=f"any of {' '.join(TASKS)} (default: all)")
     parser.add_argument("--data-dir", default=None, help="folder with stsb/, sts_senteval/ (default: ../shared/data)")
     parser.add_argument("--split", default="test", choices=SPLITS)
@@ -55,7 +57,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--name", default=None, help="model name in the output (default: --model)")
     parser.add_argument("--download", action="store_true", help="download missing data (online only)")
     parser.add_argument("--output", default=None, help="JSON file to write")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.model is None and not args.download:
+        parser.error("--model is required (or --download alone, to fetch the STS data without evaluating)")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -76,6 +81,9 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> dict[str
         download_sts_data(data_dir)
     for task in tasks:  # missing data fails before the model is loaded
         load_sts_task(task, data_dir, args.split)
+    if args.model is None:  # --download alone: the data is in place, nothing to evaluate
+        print(f"STS data for {' '.join(tasks)} ({args.split}) is in {data_dir}")
+        return {"data_dir": str(data_dir), "tasks": tasks}
     start = time.perf_counter()
     model = load_model(args.model, device=args.device, max_seq_length=args.max_seq_length)
     details = sts_details(model, tasks, data_dir, split=args.split, batch_size=args.batch_size, show_progress_bar=True)

@@ -482,3 +482,15 @@ def test_eval_sts_is_the_command_line_only():
         sts_cli.read_stsb_csv  # noqa: B018 - lives in eval/sts_tasks.py
     with pytest.raises(AttributeError, match="no attribute 'paired_cosine'"):
         sts_cli.paired_cosine  # noqa: B018 - removed: sentence-transformers' evaluator computes the cosines
+
+
+def test_download_alone_needs_no_model(shared_data: Path, capsys):
+    """``python eval/sts.py --download`` (docs/setup.md) fills or checks the data folder and exits 0 without a model;
+    without --download, --model is still required (argparse's exit status 2, naming it)."""
+    result = sts_cli.main(["--download", "--data-dir", str(shared_data)])  # complete: nothing to fetch
+    assert result == {"data_dir": str(shared_data), "tasks": list(sts.TASKS)}
+    assert str(shared_data) in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        sts_cli.parse_args(["--tasks", "STSBenchmark"])
+    assert exit_info.value.code == 2
+    assert "--model is required" in capsys.readouterr().err

@@ -2,16 +2,19 @@
 the released composite's top-M terms, :class:`TopM`, nested in it) and :class:`RBSigmoidOptions`.
 
 Each is the one home of its defaults and of their checks. The loss classes take its fields as their keyword
-arguments (their signature is built from it), the functional API takes the object, and checkpoints and model cards
-record it (:meth:`Options.to_config`). Every field is checked once, at construction, with an error naming it: a
-numeric field declares its range (:class:`Within`), numbers may be any real (Python or NumPy) number and are stored
-as Python ``float`` / ``int``, and bools, strings and non-finite values are refused.
+arguments (their written-out signatures read the defaults, :func:`defaults_of`), the functional API takes the object,
+and checkpoints and model cards record it (:meth:`Options.to_config`); a field made with :func:`operational` changes
+only how the loss is computed, so a resume accepts another value of it. Every field is checked once, at
+construction, with an error naming it: a numeric field declares its range (:class:`Within`), numbers may be any real
+(Python or NumPy) number and are stored as Python ``float`` / ``int``, and bools, strings and non-finite values are
+refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import types
 import typing
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
@@ -66,9 +69,23 @@ def _checked(name: str, value: Any, default: Any, spec: Within, dtype: torch.dty
     return number
 
 
+def operational(default: Any) -> Any:
+    """A field (``check_inputs: bool = operational(True)``) that changes only how the loss is computed (memory, checks,
+    progress bars), not what it computes: a resume accepts a checkpoint written with another value of it."""
+    return dataclasses.field(default=default, metadata={"operational": True})
+
+
+def defaults_of(options_class: type[Options]) -> types.SimpleNamespace:
+    """The fields' defaults of an options class as attributes (``defaults_of(WEINCEOptions).scale``), as written in
+    the class (before construction resolves any of them): what the loss constructors' signatures read, so that each
+    default is written once."""
+    return types.SimpleNamespace(**{field.name: field.default for field in dataclasses.fields(options_class)})
+
+
 class Options:
     """A frozen options dataclass (made by :func:`options`): its :class:`Within` fields are checked at construction,
-    the others by the subclass's ``_check_other_fields``."""
+    the others by the subclass's ``_check_other_fields``. A field made with :func:`operational` changes only how the
+    loss is computed; every other one changes what it computes."""
 
     #: each number must also be finite in this dtype (the one the statistics and logits are computed in)
     dtype: ClassVar[torch.dtype | None] = None
@@ -88,6 +105,11 @@ class Options:
     def replace(self, **changes: Any) -> Any:
         """A copy with ``changes`` applied, checked like the constructor."""
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def operational_fields(cls) -> frozenset[str]:
+        """The names of the fields that change only how the loss is computed (made with :func:`operational`)."""
+        return frozenset(field.name for field in dataclasses.fields(cls) if field.metadata.get("operational"))
 
     def to_config(self) -> dict[str, Any]:
         """The JSON form of the options (``type(options)(**config)`` rebuilds them; so does the loss class): nested
@@ -274,7 +296,7 @@ class WEINCEOptions(Options):
     min_tail_points: Annotated[int, Within("[1, inf)")] = 32
     eps: Annotated[float, Within("(0, 0.5)")] = 1e-6
     false_negative_filter: FalseNegativeFilter | None = None
-    check_inputs: bool = True
+    check_inputs: bool = operational(True)
     top_m: TopM | None = None
 
     def _check_other_fields(self) -> None:
@@ -376,8 +398,8 @@ class RBSigmoidOptions(Options):
     columns: ColumnMode = "negatives"
     locked_adapter: bool = False
     adapter_logit: float = 0.0
-    chunk_size: int | None = None
-    check_inputs: bool = True
+    chunk_size: int | None = operational(None)
+    check_inputs: bool = operational(True)
     false_negative_filter: FalseNegativeFilter | None = None
 
     def _check_other_fields(self) -> None:

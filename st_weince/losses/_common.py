@@ -8,9 +8,7 @@ by :func:`st_weince.functional.normalize_rows`, in the loss's one host sync."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import numbers
-import typing
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
@@ -24,6 +22,7 @@ from st_weince.calibration import mark_carried_values_stale
 from st_weince.functional.checks import check_score_shapes, compute_dtype, full_precision, require_valid_scores
 from st_weince.functional.false_negatives import KEY_RULES, FilterCounts, check_labels, feature_keys, label_keys
 from st_weince.functional.layouts import normalize_rows
+from st_weince.functional.options import Options
 from st_weince.training.processes import check_process_group
 from st_weince.training.protocol import LossState
 from st_weince.utils.hotpath import DeferredChecks
@@ -89,52 +88,62 @@ def guard_share_values(prefix: str, counts: FilterCounts | None) -> dict[str, Te
 class ColumnsLoss(nn.Module, LossState):
     """A loss on the columns of a sentence-transformers batch (``[anchor, positive, *negatives]``) with one frozen
     options object (``options_class``; the cached variants add ``cache_options_class``) and statistics logged by
-    name. A subclass computes ``_loss_from_embeddings(embeddings, row_keys)`` and gives its ``citation``.
-
-    The signature of every subclass is built from its options classes: ``model``, then every option with its default
-    (``scale`` may be positional, the rest are keyword-only), then MultipleNegativesRankingLoss's arguments that the
-    loss accepts at their no-op values (``mnrl_arguments``). So an option is written once, in its options class.
+    name. A subclass writes out its constructor (every option a parameter whose default reads the options class's,
+    and MultipleNegativesRankingLoss's arguments it accepts at their no-op values), computes
+    ``_loss_from_embeddings(embeddings, row_keys)`` and gives its ``citation``.
 
     A loss with state of its own that training changes (:meth:`state_tensors`) refuses its first training step
     (``forward`` in training mode with gradients on) until :meth:`mark_state_managed` says who handles that state: the
     sentence-transformers trainer neither checkpoints, syncs across processes nor trains it at its own learning
     rate, so without the setup it would be lost silently."""
 
-    options_class: ClassVar[type]
-    cache_options_class: ClassVar[type | None] = None
-    #: MultipleNegativesRankingLoss's arguments the loss has no use for: name -> (no-op default, why other values are
-    #: refused)
-    mnrl_arguments: ClassVar[dict[str, tuple[Any, str]]] = {}
+    options_class: ClassVar[type[Options]]
+    cache_options_class: ClassVar[type[Options] | None] = None
+    #: MultipleNegativesRankingLoss's arguments the loss has no use for: name -> why values other than the no-op one
+    #: are refused
+    mnrl_refusals: ClassVar[dict[str, str]] = {}
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if getattr(cls, "options_class", None) is not None:
-            cls.__signature__ = _signature(cls)
-
-    def __init__(self, model: nn.Module | None = None, *args: Any, **kwargs: Any) -> None:
-        given = type(self).__signature__.bind(model, *args, **kwargs).arguments  # Python's own errors for bad names
+    def __init__(self, model: nn.Module | None, options: Options) -> None:
         super().__init__()
-        self.model = given.pop("model", None)
-        mnrl = {name: given.pop(name) for name in list(given) if name in self.mnrl_arguments}
-        given = self._options_arguments(given, mnrl)
-        fields = {f.name for f in dataclasses.fields(self.options_class)}
-        self.options = self.options_class(**{name: value for name, value in given.items() if name in fields})
-        if self.cache_options_class is not None:
-            self.cache_options = self.cache_options_class(
-                **{name: value for name, value in given.items() if name not in fields}
-            )
+        self.model = model
+        self.options = options
         self.logged_statistics = RunningMeans()
         self._first_training_step_done = False
 
-    def _options_arguments(self, given: dict[str, Any], mnrl: dict[str, Any]) -> dict[str, Any]:
-        """The options given to the constructor, after MultipleNegativesRankingLoss's arguments ``mnrl`` are checked
-        (accepted at their no-op values, refused otherwise with the loss's reason)."""
-        for name, value in mnrl.items():
+    def _refuse_mnrl_arguments(self, **arguments: Any) -> None:
+        """Accept MultipleNegativesRankingLoss's ``arguments`` at their no-op values; refuse other values with the
+        loss's reason (:attr:`mnrl_refusals`)."""
+        for name, value in arguments.items():
             if not _MNRL_NO_OPS[name](value):
                 shown = getattr(value, "__name__", None) if callable(value) else None
-                reason = self.mnrl_arguments[name][1]
+                reason = self.mnrl_refusals[name]
                 raise ValueError(f"{type(self).__name__} does not support {name}={shown or repr(value)}: {reason}")
-        return given
+
+    # -- MultipleNegativesRankingLoss's attributes, read from the options ---------------------------------------
+
+    @property
+    def temperature(self) -> float | Tensor:
+        """``1 / scale``, as MNRL's ``temperature``."""
+        return 1.0 / self.scale
+
+    @property
+    def gather_across_devices(self) -> bool:
+        return self.options.gather_across_devices
+
+    @property
+    def similarity_fct(self) -> Callable[[Tensor, Tensor], Tensor]:
+        """Always ``cos_sim``: both losses are defined on cosine scores."""
+        return cos_sim
+
+    @property
+    def hardness_mode(self) -> None:
+        """Always None: neither loss has MNRL's hardness weighting."""
+        return None
+
+    @property
+    def hardness_strength(self) -> float:
+        """Always 0 (no hardness weighting)."""
+        return 0.0
 
     # -- the training protocol (st_weince.training.protocol) ----------------------------------------------------
 
@@ -307,16 +316,23 @@ class ColumnsLoss(nn.Module, LossState):
             config.update(self.cache_options.to_config())
         return config
 
+    def resume_config(self, config: dict[str, Any] | None = None) -> dict[str, Any]:
+        """What a checkpoint records and a resume compares: ``config`` (a configuration of this loss class that a
+        checkpoint recorded, perhaps under an older version; None: this loss's own) as this version reads it. An
+        option it lacks takes its default (an option added later keeps the old behaviour at its default, so an older
+        run resumes); an option this version no longer has stays as written, so that the resume names it. The
+        options that change only how the loss is computed (``operational`` fields) are left out."""
+        classes = [cls for cls in (self.options_class, self.cache_options_class) if cls is not None]
+        if config is None:
+            config = self.get_config_dict()
+        else:
+            config = dict(config)
+            for options_class in classes:
+                names = {field.name for field in dataclasses.fields(options_class)}
+                try:
+                    config.update(options_class(**{k: v for k, v in config.items() if k in names}).to_config())
+                except (TypeError, ValueError):
+                    pass  # a value this version refuses: compared as written, so that the resume names it
+        operational = frozenset().union(*(cls.operational_fields() for cls in classes))
+        return {name: value for name, value in config.items() if name not in operational}
 
-def _signature(cls: type[ColumnsLoss]) -> inspect.Signature:
-    """``(model=None, scale=..., *, <every other option>, <MNRL's no-op arguments>)``: the constructor's signature,
-    from the options classes' fields and their defaults."""
-    keyword = inspect.Parameter.KEYWORD_ONLY
-    parameters = [inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)]
-    for options_class in filter(None, (cls.options_class, cls.cache_options_class)):
-        types = typing.get_type_hints(options_class)  # without the ranges' Annotated wrappers
-        for field in dataclasses.fields(options_class):
-            kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if field.name == "scale" else keyword
-            parameters.append(inspect.Parameter(field.name, kind, default=field.default, annotation=types[field.name]))
-    parameters += [inspect.Parameter(name, keyword, default=value) for name, (value, _) in cls.mnrl_arguments.items()]
-    return inspect.Signature(parameters)

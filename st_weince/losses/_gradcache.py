@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 from sentence_transformers.base.losses.gradcache import CachedLossMixin, has_static_embedding_input
-from torch import Tensor, nn
+from torch import Tensor
 
 from st_weince.functional.checks import full_precision
-from st_weince.functional.options import Options, options
+from st_weince.functional.options import Options, operational, options
 from st_weince.utils.options import flag_option, positive_int_option
 
 GRADCACHE_CITATION = """
@@ -40,9 +40,9 @@ class GradCacheOptions(Options):
         show_progress_bar: show progress bars over the mini-batches.
     """
 
-    mini_batch_size: int = 32
-    mini_batch_num_tokens: int | None = None
-    show_progress_bar: bool = False
+    mini_batch_size: int = operational(32)
+    mini_batch_num_tokens: int | None = operational(None)
+    show_progress_bar: bool = operational(False)
 
     def _check_other_fields(self) -> None:
         self._store("mini_batch_size", positive_int_option("mini_batch_size", self.mini_batch_size))
@@ -72,14 +72,16 @@ class GradCachedLoss(CachedLossMixin):
     # The whole batch's input keys for the guard's "identical" rule, taken before the batch is split into mini-batches.
     _pending_row_keys: list[Tensor] | None = None
 
-    def __init__(self, model: nn.Module | None = None, *args: Any, **kwargs: Any) -> None:
-        super().__init__(model, *args, **kwargs)
-        if model is not None and has_static_embedding_input(model):
+    def _set_cache_options(self, cache_options: GradCacheOptions) -> None:
+        """Keep ``cache_options``, after the uncached loss's constructor; refuses a model that cannot be split into
+        mini-batches."""
+        if self.model is not None and has_static_embedding_input(self.model):
             name = type(self).__name__
             raise ValueError(
                 f"{name} cannot split the inputs of a StaticEmbedding model into mini-batches (they have no batch "
                 f"dimension); use {name.removeprefix('Cached')} instead"
             )
+        self.cache_options = cache_options
 
     @property
     def mini_batch_size(self) -> int:

@@ -1,10 +1,18 @@
 from __future__ import annotations
 
-from torch import Tensor
+from collections.abc import Callable
 
+from sentence_transformers.util import cos_sim
+from torch import Tensor, nn
+
+from st_weince.functional.false_negatives import FalseNegativeFilter
+from st_weince.functional.options import ColumnMode, Exchange, Parametrization, RBSigmoidOptions, defaults_of
 from st_weince.functional.sigmoid import constellation_margin_from_extremes
-from st_weince.losses._gradcache import GradCachedLoss
+from st_weince.losses._gradcache import GradCachedLoss, GradCacheOptions
 from st_weince.losses.rb_sigmoid import RBSigmoidLoss
+
+_DEFAULTS = defaults_of(RBSigmoidOptions)  # the signature's defaults: read from the options classes, their one home
+_CACHE_DEFAULTS = defaults_of(GradCacheOptions)
 
 
 class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
@@ -31,12 +39,35 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
 
     Args:
         model: SentenceTransformer model.
-        **options: every option of :class:`RBSigmoidLoss` (:class:`~st_weince.functional.RBSigmoidOptions`), with its
-            defaults and checks, MNRL's arguments as it takes them, and
-            :class:`~st_weince.losses._gradcache.GradCacheOptions`: ``mini_batch_size`` (rows per mini-batch when
-            embedding, and anchors per chunk of the loss), ``mini_batch_num_tokens`` and ``show_progress_bar``. The
-            signature shows them all. With ``exchange="neighbour"`` each process's candidate block arrives once, and
-            all row chunks are scored against it before the next one is received.
+        scale: as :class:`RBSigmoidLoss`'s.
+        max_scale: as :class:`RBSigmoidLoss`'s.
+        parametrization: as :class:`RBSigmoidLoss`'s.
+        relative_bias: as :class:`RBSigmoidLoss`'s.
+        bias: as :class:`RBSigmoidLoss`'s.
+        trainable_scale: as :class:`RBSigmoidLoss`'s.
+        trainable_bias: as :class:`RBSigmoidLoss`'s.
+        gather_across_devices: as :class:`RBSigmoidLoss`'s.
+        exchange: as :class:`RBSigmoidLoss`'s.
+        symmetric: as :class:`RBSigmoidLoss`'s.
+        columns: as :class:`RBSigmoidLoss`'s.
+        locked_adapter: as :class:`RBSigmoidLoss`'s.
+        adapter_logit: as :class:`RBSigmoidLoss`'s.
+        chunk_size: as :class:`RBSigmoidLoss`'s.
+        check_inputs: as :class:`RBSigmoidLoss`'s.
+        false_negative_filter: as :class:`RBSigmoidLoss`'s.
+        mini_batch_size: anchors per row chunk of the loss and rows per embedding mini-batch; memory grows with it,
+            speed too. The loss is the same for every value.
+        mini_batch_num_tokens: if set, embedding mini-batches are packed by this many non-padding tokens instead (as
+            in ``CachedMultipleNegativesRankingLoss``); the loss's row chunks keep ``mini_batch_size`` anchors.
+        show_progress_bar: show progress bars over the mini-batches.
+        directions: as :class:`RBSigmoidLoss`'s (MNRL's, as ``symmetric``).
+        similarity_fct: as :class:`RBSigmoidLoss`'s (only ``cos_sim``).
+        hardness_mode: as :class:`RBSigmoidLoss`'s (only None).
+        hardness_strength: as :class:`RBSigmoidLoss`'s (only 0).
+        partition_mode: as :class:`RBSigmoidLoss`'s (only None).
+
+    With ``exchange="neighbour"`` each process's candidate block arrives once, and all row chunks are scored against
+    it before the next one is received.
 
     References:
         - Gao, Zhang, Han, Callan: Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup
@@ -72,6 +103,66 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
             prepare_trainer(trainer)
             trainer.train()
     """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        scale: float = _DEFAULTS.scale,
+        *,
+        max_scale: float = _DEFAULTS.max_scale,
+        parametrization: Parametrization = _DEFAULTS.parametrization,
+        relative_bias: float | None = _DEFAULTS.relative_bias,
+        bias: float | None = _DEFAULTS.bias,
+        trainable_scale: bool = _DEFAULTS.trainable_scale,
+        trainable_bias: bool = _DEFAULTS.trainable_bias,
+        gather_across_devices: bool = _DEFAULTS.gather_across_devices,
+        exchange: Exchange = _DEFAULTS.exchange,
+        symmetric: bool = _DEFAULTS.symmetric,
+        columns: ColumnMode = _DEFAULTS.columns,
+        locked_adapter: bool = _DEFAULTS.locked_adapter,
+        adapter_logit: float = _DEFAULTS.adapter_logit,
+        chunk_size: int | None = _DEFAULTS.chunk_size,
+        check_inputs: bool = _DEFAULTS.check_inputs,
+        false_negative_filter: FalseNegativeFilter | tuple[str, float] | str | None = _DEFAULTS.false_negative_filter,
+        mini_batch_size: int = _CACHE_DEFAULTS.mini_batch_size,
+        mini_batch_num_tokens: int | None = _CACHE_DEFAULTS.mini_batch_num_tokens,
+        show_progress_bar: bool = _CACHE_DEFAULTS.show_progress_bar,
+        directions: tuple[str, ...] | None = None,
+        similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
+        hardness_mode: str | None = None,
+        hardness_strength: float = 0.0,
+        partition_mode: str | None = None,
+    ) -> None:
+        cache_options = GradCacheOptions(
+            mini_batch_size=mini_batch_size,
+            mini_batch_num_tokens=mini_batch_num_tokens,
+            show_progress_bar=show_progress_bar,
+        )
+        super().__init__(
+            model,
+            scale,
+            max_scale=max_scale,
+            parametrization=parametrization,
+            relative_bias=relative_bias,
+            bias=bias,
+            trainable_scale=trainable_scale,
+            trainable_bias=trainable_bias,
+            gather_across_devices=gather_across_devices,
+            exchange=exchange,
+            symmetric=symmetric,
+            columns=columns,
+            locked_adapter=locked_adapter,
+            adapter_logit=adapter_logit,
+            chunk_size=chunk_size,
+            check_inputs=check_inputs,
+            false_negative_filter=false_negative_filter,
+            directions=directions,
+            similarity_fct=similarity_fct,
+            hardness_mode=hardness_mode,
+            hardness_strength=hardness_strength,
+            partition_mode=partition_mode,
+        )
+        self._set_cache_options(cache_options)
 
     def _cached_loss(self, embeddings: list[Tensor], row_keys: list[Tensor] | None, with_backward: bool) -> Tensor:
         """The loss over row chunks of ``mini_batch_size`` anchors; with ``with_backward`` each chunk is

@@ -1,12 +1,20 @@
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import tqdm
-from torch import Tensor
+from sentence_transformers.util import cos_sim
+from torch import Tensor, nn
 
-from st_weince.losses._gradcache import GradCachedLoss, backward_from_leaves
+from st_weince.functional.false_negatives import FalseNegativeFilter
+from st_weince.functional.layouts import Direction, PartitionMode
+from st_weince.functional.options import Gate, TopM, WeinceMode, WEINCEOptions, defaults_of
+from st_weince.losses._gradcache import GradCachedLoss, GradCacheOptions, backward_from_leaves
 from st_weince.losses.weince import WEINCELoss
+
+_DEFAULTS = defaults_of(WEINCEOptions)  # the signature's defaults: read from the options classes, their one home
+_CACHE_DEFAULTS = defaults_of(GradCacheOptions)
 
 
 class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
@@ -32,10 +40,27 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
 
     Args:
         model: SentenceTransformer model.
-        **options: every option of :class:`WEINCELoss` (:class:`~st_weince.functional.WEINCEOptions`), with its
-            defaults and checks, and of :class:`~st_weince.losses._gradcache.GradCacheOptions`: ``mini_batch_size``
-            (rows per mini-batch, for embedding and for the loss's row chunks), ``mini_batch_num_tokens`` and
-            ``show_progress_bar``. The signature shows them all.
+        scale: as :class:`WEINCELoss`'s.
+        gather_across_devices: as :class:`WEINCELoss`'s.
+        directions: as :class:`WEINCELoss`'s.
+        partition_mode: as :class:`WEINCELoss`'s.
+        beta: as :class:`WEINCELoss`'s.
+        mode: as :class:`WEINCELoss`'s.
+        gate: as :class:`WEINCELoss`'s.
+        tail_frac: as :class:`WEINCELoss`'s.
+        min_tail_points: as :class:`WEINCELoss`'s.
+        eps: as :class:`WEINCELoss`'s.
+        false_negative_filter: as :class:`WEINCELoss`'s.
+        check_inputs: as :class:`WEINCELoss`'s.
+        top_m: as :class:`WEINCELoss`'s.
+        mini_batch_size: rows per mini-batch, for embedding and for the loss's row chunks; memory grows with it,
+            speed too. The loss is the same for every value.
+        mini_batch_num_tokens: if set, embedding mini-batches are packed by this many non-padding tokens instead (as
+            in ``CachedMultipleNegativesRankingLoss``); the loss's row chunks keep ``mini_batch_size`` rows.
+        show_progress_bar: show progress bars over the mini-batches.
+        similarity_fct: as :class:`WEINCELoss`'s (only ``cos_sim``).
+        hardness_mode: as :class:`WEINCELoss`'s (only None).
+        hardness_strength: as :class:`WEINCELoss`'s (only 0).
 
     References:
         - Erol et al., When Softmax Fails at the Top: Extreme-Value Corrections for InfoNCE, ICML 2026.
@@ -72,6 +97,56 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
             prepare_trainer(trainer)
             trainer.train()
     """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        scale: float = _DEFAULTS.scale,
+        *,
+        gather_across_devices: bool = _DEFAULTS.gather_across_devices,
+        directions: tuple[Direction, ...] = _DEFAULTS.directions,
+        partition_mode: PartitionMode = _DEFAULTS.partition_mode,
+        beta: float | str = _DEFAULTS.beta,
+        mode: WeinceMode = _DEFAULTS.mode,
+        gate: Gate | dict[str, float] = _DEFAULTS.gate,
+        tail_frac: float = _DEFAULTS.tail_frac,
+        min_tail_points: int = _DEFAULTS.min_tail_points,
+        eps: float = _DEFAULTS.eps,
+        false_negative_filter: FalseNegativeFilter | tuple[str, float] | str | None = _DEFAULTS.false_negative_filter,
+        check_inputs: bool = _DEFAULTS.check_inputs,
+        top_m: TopM | dict[str, Any] | None = _DEFAULTS.top_m,
+        mini_batch_size: int = _CACHE_DEFAULTS.mini_batch_size,
+        mini_batch_num_tokens: int | None = _CACHE_DEFAULTS.mini_batch_num_tokens,
+        show_progress_bar: bool = _CACHE_DEFAULTS.show_progress_bar,
+        similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
+        hardness_mode: str | None = None,
+        hardness_strength: float = 0.0,
+    ) -> None:
+        cache_options = GradCacheOptions(
+            mini_batch_size=mini_batch_size,
+            mini_batch_num_tokens=mini_batch_num_tokens,
+            show_progress_bar=show_progress_bar,
+        )
+        super().__init__(
+            model,
+            scale,
+            gather_across_devices=gather_across_devices,
+            directions=directions,
+            partition_mode=partition_mode,
+            beta=beta,
+            mode=mode,
+            gate=gate,
+            tail_frac=tail_frac,
+            min_tail_points=min_tail_points,
+            eps=eps,
+            false_negative_filter=false_negative_filter,
+            check_inputs=check_inputs,
+            top_m=top_m,
+            similarity_fct=similarity_fct,
+            hardness_mode=hardness_mode,
+            hardness_strength=hardness_strength,
+        )
+        self._set_cache_options(cache_options)
 
     def _cached_loss(self, embeddings: list[Tensor], row_keys: list[Tensor] | None, with_backward: bool) -> Tensor:
         layout_of, columns, leaves = self._layout_of(embeddings, row_keys, leaves=with_backward)

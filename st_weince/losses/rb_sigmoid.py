@@ -10,8 +10,8 @@ from torch import Tensor, nn
 
 from st_weince.functional.checks import compute_dtype, full_precision
 from st_weince.functional.exchange import ring_block_losses
-from st_weince.functional.false_negatives import FilterCounts, apply_false_negative_filter
-from st_weince.functional.options import RBSigmoidOptions
+from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
+from st_weince.functional.options import ColumnMode, Exchange, Parametrization, RBSigmoidOptions, defaults_of
 from st_weince.functional.sigmoid import (
     CandidateGuard,
     SigmoidLogits,
@@ -33,6 +33,8 @@ from st_weince.losses._sigmoid_blocks import (
 )
 from st_weince.utils.hotpath import DeferredChecks
 from st_weince.utils.options import log_scale_cap
+
+_DEFAULTS = defaults_of(RBSigmoidOptions)  # the signature's defaults: read from the options class, their one home
 
 _SOFTMAX_ONLY = "hardness weighting re-weights the softmax denominator of InfoNCE, and the sigmoid loss has none"
 
@@ -66,17 +68,51 @@ class RBSigmoidLoss(ColumnsLoss):
 
     Args:
         model: SentenceTransformer model (None to use only ``compute_loss_from_embeddings`` / ``loss_from_scores``).
-        **options: every field of :class:`~st_weince.functional.RBSigmoidOptions`, with its default (the signature
-            shows them): ``scale``, ``max_scale``, ``parametrization``, ``relative_bias``, ``bias``,
-            ``trainable_scale``, ``trainable_bias``, ``gather_across_devices``, ``exchange``, ``symmetric``,
-            ``columns``, ``locked_adapter``, ``adapter_logit``, ``chunk_size``, ``check_inputs``,
-            ``false_negative_filter``. Each is checked when the loss is built; the loss reads them as
-            ``loss.options.<name>`` (the trained values of ``t`` and the bias live in its parameters).
-        directions: MNRL's argument: ``("query_to_doc",)`` or ``("query_to_doc", "doc_to_query")``
-            (= ``symmetric=True``); the other directions are refused.
-        similarity_fct, hardness_mode, hardness_strength, partition_mode: MNRL's, accepted at their no-op value
-            (``cos_sim``, None, 0, None) and refused otherwise, with the reason.
+        scale: initial ``t = 1 / temperature`` (trained as ``log_t``), as MNRL's ``scale``; SigLIP's start. Read
+            back, ``loss.scale`` is the current (trained) ``t``; it cannot be assigned (see :attr:`scale`).
+        max_scale: cap on ``t`` (>= ``scale``, finite in float32): the forward uses ``t = exp(min(log_t, log
+            max_scale))``, and after every optimizer step ``log_t`` itself is clamped to the cap, where its gradient
+            stays live. Logged as ``rb_sigmoid_t_capped`` (share of steps at the cap). CLIP's and open_clip's cap.
+        parametrization: "relative" (``z = t (s - b_rel)``) or "absolute" (SigLIP's ``z = t s - b``).
+        relative_bias: initial ``b_rel`` (None: 0.7, which reached the largest margins in
+            ``benchmarks/sigmoid_synthetic.py``). In the absolute parametrization it gives the start ``b = scale *
+            relative_bias`` instead of ``bias``.
+        bias: initial absolute bias ``b`` (absolute parametrization only; None: ``scale * relative_bias``).
+        trainable_scale: train ``t``; if False it stays fixed.
+        trainable_bias: train the bias (``b_rel`` or ``b``); if False it is a fixed hyperparameter (a fixed ``b_rel``
+            trades margin against bias).
+        gather_across_devices: score the local anchors against the candidates of all processes.
+        exchange: how the other processes' candidates arrive with ``gather_across_devices``: "all_gather" (one
+            global candidate matrix) or "neighbour" (SigLIP's scheme: the candidate blocks pass around the ring of
+            processes in both directions and the anchors are scored against one block at a time, so no process
+            holds the global matrix; same loss and gradients; equal local batch sizes required).
+        symmetric: also score the positives (column 2) as anchors against all anchors and average both directions;
+            without hard-negative columns this changes nothing, with them it doubles the anchor-positive block's
+            weight relative to the hard negatives.
+        columns: "negatives" (as MNRL: anchor, positive, negative_1, ...; the candidates are all positives and
+            negatives of the batch) or "modalities" (each column one modality of the same items; the loss is the sum
+            over all column pairs of the two-modality loss, sharing ``t`` and the bias).
+        locked_adapter: for a locked (frozen) encoder on one side: replace ``s`` by ``delta^2 s - (1 - delta^2)``
+            with one trainable ``delta = sigmoid(x)``, the implicit adapter ``(delta U, sqrt(1 - delta^2))``,
+            ``(delta V, -sqrt(1 - delta^2))``.
+        adapter_logit: initial ``x`` of the adapter (0 gives ``delta = 0.5``, as in the released experiments).
+        chunk_size: compute the loss in blocks of this many candidates (each recomputed during backward), so memory
+            grows with batch x chunk instead of batch x candidates. None: one block.
+        check_inputs: check the embeddings and the loss parameters (finite) in every forward, with one host-device
+            sync. False: no check and no sync (``torch.compile(fullgraph=True)`` then traces the loss whole).
+        false_negative_filter: the in-batch false-negative guard (off by default), as WEINCE's: the removed
+            candidates count neither in the loss nor in the logged margin. Logged as ``rb_sigmoid_fn_masked_share``
+            and ``rb_sigmoid_fn_anchors_share``.
+        directions: MNRL's argument: None (the default), ``("query_to_doc",)`` or ``("query_to_doc",
+            "doc_to_query")`` (= ``symmetric=True``); the other directions are refused.
+        similarity_fct: MNRL's; only ``cos_sim`` (the default) is accepted, other values are refused with the reason.
+        hardness_mode: MNRL's; only None (the default) is accepted.
+        hardness_strength: MNRL's; only 0 (the default) is accepted.
+        partition_mode: MNRL's; only None (the default) is accepted.
 
+    Every option is checked when the loss is built, with an error naming it, and kept in one frozen
+    :class:`~st_weince.functional.RBSigmoidOptions` (``loss.options``), which is the one home of the defaults above;
+    the trained values of ``t`` and the bias live in the loss's parameters.
 
     References:
         - Bangachev, Bresler, Noman, Polyanskiy: Global Minimizers of Sigmoid Contrastive Loss, NeurIPS 2025.
@@ -128,25 +164,70 @@ class RBSigmoidLoss(ColumnsLoss):
             print(loss.trained_values())  # t, b_rel, b after training
     """
     options_class = RBSigmoidOptions
-    mnrl_arguments = {
-        "directions": (None, ""),  # translated into ``symmetric`` (_options_arguments)
+    mnrl_refusals = {
         "similarity_fct": (
-            cos_sim,
             "RB-Sigmoid's relative bias and margin are defined on cosine scores in [-1, 1] (the embeddings are "
-            "normalized), so only sentence_transformers.util.cos_sim applies",
+            "normalized), so only sentence_transformers.util.cos_sim applies"
         ),
-        "hardness_mode": (None, _SOFTMAX_ONLY + ": every pair is its own binary decision"),
-        "hardness_strength": (0.0, _SOFTMAX_ONLY),
+        "hardness_mode": _SOFTMAX_ONLY + ": every pair is its own binary decision",
+        "hardness_strength": _SOFTMAX_ONLY,
         "partition_mode": (
-            None,
             "the sigmoid loss has no softmax partition function to share or split across directions; with "
-            "symmetric=True the two directions are averaged",
+            "symmetric=True the two directions are averaged"
         ),
     }
 
-    def __init__(self, model: nn.Module | None = None, *args: Any, **kwargs: Any) -> None:
-        super().__init__(model, *args, **kwargs)
-        options = self.options
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        scale: float = _DEFAULTS.scale,
+        *,
+        max_scale: float = _DEFAULTS.max_scale,
+        parametrization: Parametrization = _DEFAULTS.parametrization,
+        relative_bias: float | None = _DEFAULTS.relative_bias,
+        bias: float | None = _DEFAULTS.bias,
+        trainable_scale: bool = _DEFAULTS.trainable_scale,
+        trainable_bias: bool = _DEFAULTS.trainable_bias,
+        gather_across_devices: bool = _DEFAULTS.gather_across_devices,
+        exchange: Exchange = _DEFAULTS.exchange,
+        symmetric: bool = _DEFAULTS.symmetric,
+        columns: ColumnMode = _DEFAULTS.columns,
+        locked_adapter: bool = _DEFAULTS.locked_adapter,
+        adapter_logit: float = _DEFAULTS.adapter_logit,
+        chunk_size: int | None = _DEFAULTS.chunk_size,
+        check_inputs: bool = _DEFAULTS.check_inputs,
+        false_negative_filter: FalseNegativeFilter | tuple[str, float] | str | None = _DEFAULTS.false_negative_filter,
+        directions: tuple[str, ...] | None = None,
+        similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
+        hardness_mode: str | None = None,
+        hardness_strength: float = 0.0,
+        partition_mode: str | None = None,
+    ) -> None:
+        self._refuse_mnrl_arguments(
+            similarity_fct=similarity_fct,
+            hardness_mode=hardness_mode,
+            hardness_strength=hardness_strength,
+            partition_mode=partition_mode,
+        )
+        options = RBSigmoidOptions(
+            scale=scale,
+            max_scale=max_scale,
+            parametrization=parametrization,
+            relative_bias=relative_bias,
+            bias=bias,
+            trainable_scale=trainable_scale,
+            trainable_bias=trainable_bias,
+            gather_across_devices=gather_across_devices,
+            exchange=exchange,
+            symmetric=symmetric_from_directions(directions, symmetric, type(self).__name__),
+            columns=columns,
+            locked_adapter=locked_adapter,
+            adapter_logit=adapter_logit,
+            chunk_size=chunk_size,
+            check_inputs=check_inputs,
+            false_negative_filter=false_negative_filter,
+        )
+        super().__init__(model, options)
         self.log_scale_cap = log_scale_cap(options.max_scale)
         self._register_scalar("log_t", math.log(options.scale), options.trainable_scale)
         if options.parametrization == "relative":
@@ -155,13 +236,6 @@ class RBSigmoidLoss(ColumnsLoss):
             self._register_scalar("bias", options.bias, options.trainable_bias)
         if options.locked_adapter:
             self._register_scalar("adapter_logit", options.adapter_logit, True)
-
-    def _options_arguments(self, given: dict[str, Any], mnrl: dict[str, Any]) -> dict[str, Any]:
-        """MNRL's ``directions`` as ``symmetric``; the other MNRL arguments as the base class checks them."""
-        directions = mnrl.pop("directions", None)
-        given = super()._options_arguments(given, mnrl)
-        symmetric = symmetric_from_directions(directions, given.get("symmetric", False), type(self).__name__)
-        return {**given, "symmetric": symmetric} if directions is not None else given
 
     def _register_scalar(self, name: str, value: float, trainable: bool) -> None:
         tensor = torch.tensor(value, dtype=torch.float32)
@@ -173,8 +247,29 @@ class RBSigmoidLoss(ColumnsLoss):
     # ----- the loss parameters -----
     @property
     def scale(self) -> Tensor:
-        """The current ``t = exp(min(log_t, log max_scale))`` (a tensor in the autograd graph)."""
+        """The current ``t = exp(min(log_t, log max_scale))`` (a tensor in the autograd graph): MNRL's ``scale``,
+        trained. It cannot be assigned: ``t`` is a parameter that the optimizer (and its state) and the checkpoints
+        hold, so an assignment would either reset a trained value behind the optimizer's back or leave the recorded
+        start (``options.scale``) describing another run. Give the start to the constructor instead."""
         return self._capped_log_t(self.log_t).exp()
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        raise AttributeError(
+            f"{type(self).__name__}.scale is the trained t (exp(log_t), capped at max_scale) and cannot be assigned: "
+            f"build the loss with {type(self).__name__}(model, scale={value!r}) for that start value (add "
+            "trainable_scale=False to keep t fixed at it)"
+        )
+
+    @property
+    def directions(self) -> tuple[str, ...]:
+        """MNRL's ``directions`` of this loss: ``("query_to_doc", "doc_to_query")`` when ``symmetric``."""
+        return ("query_to_doc", "doc_to_query") if self.options.symmetric else ("query_to_doc",)
+
+    @property
+    def partition_mode(self) -> None:
+        """Always None: the sigmoid loss has no softmax partition function."""
+        return None
 
     def _capped_log_t(self, log_t: Tensor) -> Tensor:
         """``log_t`` clamped at the cap, with its gradient passing at the cap itself (``torch.clamp``'s is zero

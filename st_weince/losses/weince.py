@@ -12,9 +12,9 @@ from torch import Tensor, nn
 from st_weince.functional.batch_tail import initial_beta_ema
 from st_weince.functional.checks import full_precision
 from st_weince.functional.exchange import all_gather, all_gather_with_grad, process_count
-from st_weince.functional.false_negatives import FilterCounts, apply_false_negative_filter
-from st_weince.functional.layouts import CandidateGroup, MNRLLayout, guard_layout, mnrl_layout
-from st_weince.functional.options import RELEASED_COMPOSITE, WEINCEOptions
+from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
+from st_weince.functional.layouts import CandidateGroup, Direction, MNRLLayout, PartitionMode, guard_layout, mnrl_layout
+from st_weince.functional.options import RELEASED_COMPOSITE, Gate, TopM, WeinceMode, WEINCEOptions, defaults_of
 from st_weince.functional.weince import WeinceStatistics, negatives_needed, weince_statistics
 from st_weince.functional.weince_step import LayoutOf, WEINCEStep, weince_step
 from st_weince.losses._common import ColumnsLoss, guard_share_values
@@ -32,6 +32,8 @@ WEINCE_CITATION = """
 
 
 # Why MultipleNegativesRankingLoss's arguments other than their no-op values do not apply to WEINCE.
+_DEFAULTS = defaults_of(WEINCEOptions)  # the signature's defaults: read from the options class, their one home
+
 _HARDNESS = (
     "MNRL's hardness weighting adds alpha * s to the negative logits, so the softmax would no longer be the choice "
     "model whose tail WEINCE fits; WEINCE's own lambda already up-weights anchors with hard negatives"
@@ -58,12 +60,40 @@ class WEINCELoss(ColumnsLoss):
     Args:
         model: SentenceTransformer model (None for :meth:`compute_loss_from_embeddings` / :meth:`loss_from_scores`
             only).
-        **options: every field of :class:`~st_weince.functional.WEINCEOptions`, with its default (the signature
-            shows them): ``scale``, ``gather_across_devices``, ``directions``, ``partition_mode``, ``beta``, ``mode``,
-            ``gate``, ``tail_frac``, ``min_tail_points``, ``eps``, ``false_negative_filter``, ``check_inputs``,
-            ``top_m``. Each is checked when the loss is built; the loss reads them as ``loss.options.<name>``.
-        similarity_fct, hardness_mode, hardness_strength: MultipleNegativesRankingLoss's, accepted at their no-op
-            values (``cos_sim``, None, 0.0) and refused otherwise with the reason.
+        scale: inverse temperature, ``scale = 1 / temperature`` (as in MNRL; 20 = temperature 0.05). Settable
+            afterwards as ``loss.scale``, as MNRL's.
+        gather_across_devices: gather embeddings across processes (local anchors x global candidates); the pivot
+            ``rho0`` is then taken over the anchors of the global batch, so results do not depend on the split.
+        directions: as in MNRL: "query_to_doc" (required), "query_to_query", "doc_to_query", "doc_to_doc". Rows
+            anchored at queries (query_to_doc, query_to_query) share one set of statistics per query; rows anchored
+            at documents (doc_to_query, doc_to_doc) get their own.
+        partition_mode: "joint" (one softmax over all directions) or "per_direction" (one per direction,
+            averaged), as in MNRL.
+        beta: tail index in the shortfall logit, a finite number > 0, or "auto": each anchor's estimate, clamped to
+            [0.5, 16]. The released implementation uses 1.0 (at temperature 0.5, 10-20x too soft at SimCSE's 0.05;
+            docs/weince.md).
+        mode: "both" (hardness x geometry gate), "rho" (hardness only), "aic" (geometry only) or "none" (lambda = 0:
+            exactly MultipleNegativesRankingLoss through the same code path, the control arm of a comparison).
+        gate: the gate lambda's four settings as one :class:`~st_weince.functional.Gate` (or its dict).
+        tail_frac: share of an anchor's negatives used for the tail fit, in (0, 1].
+        min_tail_points: minimum tail size, an integer >= 1.
+        eps: floor of the shortfall ``1 - s`` for every term, in (0, 0.5).
+        false_negative_filter: the in-batch false-negative guard (off by default), applied to each row's candidates
+            before the tail statistics and the softmax (removed candidates are neither fitted nor pushed away; the
+            positive never is): ``("absolute", m)``, ``("relative", r)``, ``"identical"`` or ``"same_label"``
+            (docs/false-negatives.md). Logged as ``weince_fn_masked_share`` and ``weince_fn_anchors_share``.
+        check_inputs: check the embeddings for NaN/Inf in every forward pass, with one host-device sync. False makes
+            the hot path free of host syncs, so ``torch.compile(..., fullgraph=True)`` and CUDA graphs work; a NaN
+            embedding then gives a NaN loss instead of an error.
+        top_m: the released composite's two top-M terms and the batch tail index of its shortfall term, as one
+            :class:`~st_weince.functional.TopM` (or its dict); None (the default, and a TopM with both weights 0):
+            off, the loss is the blend alone.
+        similarity_fct: MNRL's; only ``cos_sim`` (the default) is accepted, other values are refused with the reason.
+        hardness_mode: MNRL's; only None (the default) is accepted.
+        hardness_strength: MNRL's; only 0 (the default) is accepted.
+
+    Every option is checked when the loss is built, with an error naming it, and kept in one frozen
+    :class:`~st_weince.functional.WEINCEOptions` (``loss.options``), which is the one home of the defaults above.
 
     References:
         - Erol et al., When Softmax Fails at the Top: Extreme-Value Corrections for InfoNCE, ICML 2026, arXiv
@@ -107,25 +137,62 @@ class WEINCELoss(ColumnsLoss):
     """
 
     options_class = WEINCEOptions
-    mnrl_arguments = {
+    mnrl_refusals = {
         "similarity_fct": (
-            cos_sim,
             "WEINCE needs cosine scores (only cos_sim): its shortfall logit -beta log(1 - s) and its tail fit assume "
-            "scores capped at the endpoint 1, which other similarities (dot product, Euclidean, Manhattan) lack",
+            "scores capped at the endpoint 1, which other similarities (dot product, Euclidean, Manhattan) lack"
         ),
-        "hardness_mode": (None, _HARDNESS),
-        "hardness_strength": (0.0, _HARDNESS),
+        "hardness_mode": _HARDNESS,
+        "hardness_strength": _HARDNESS,
     }
     evolving_buffers = ("batch_beta_ema",)  # the released composite's batch tail index (its moving average)
 
-    def __init__(self, model: nn.Module | None = None, *args: Any, **kwargs: Any) -> None:
-        super().__init__(model, *args, **kwargs)
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        scale: float = _DEFAULTS.scale,
+        *,
+        gather_across_devices: bool = _DEFAULTS.gather_across_devices,
+        directions: tuple[Direction, ...] = _DEFAULTS.directions,
+        partition_mode: PartitionMode = _DEFAULTS.partition_mode,
+        beta: float | str = _DEFAULTS.beta,
+        mode: WeinceMode = _DEFAULTS.mode,
+        gate: Gate | dict[str, float] = _DEFAULTS.gate,
+        tail_frac: float = _DEFAULTS.tail_frac,
+        min_tail_points: int = _DEFAULTS.min_tail_points,
+        eps: float = _DEFAULTS.eps,
+        false_negative_filter: FalseNegativeFilter | tuple[str, float] | str | None = _DEFAULTS.false_negative_filter,
+        check_inputs: bool = _DEFAULTS.check_inputs,
+        top_m: TopM | dict[str, Any] | None = _DEFAULTS.top_m,
+        similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
+        hardness_mode: str | None = None,
+        hardness_strength: float = 0.0,
+    ) -> None:
+        self._refuse_mnrl_arguments(
+            similarity_fct=similarity_fct, hardness_mode=hardness_mode, hardness_strength=hardness_strength
+        )
+        options = WEINCEOptions(
+            scale=scale,
+            gather_across_devices=gather_across_devices,
+            directions=directions,
+            partition_mode=partition_mode,
+            beta=beta,
+            mode=mode,
+            gate=gate,
+            tail_frac=tail_frac,
+            min_tail_points=min_tail_points,
+            eps=eps,
+            false_negative_filter=false_negative_filter,
+            check_inputs=check_inputs,
+            top_m=top_m,
+        )
+        super().__init__(model, options)
         self.last_step: WEINCEStep | None = None  # the latest step's loss, statistics and terms (not when compiled)
         self._batch_checked = False
-        top_m = self.options.top_m
+        top_m_options = self.options.top_m
         self.batch_beta_ema: Tensor | None
-        if top_m is not None and top_m.shortfall_weight > 0:
-            self.register_buffer("batch_beta_ema", initial_beta_ema(top_m))
+        if top_m_options is not None and top_m_options.shortfall_weight > 0:
+            self.register_buffer("batch_beta_ema", initial_beta_ema(top_m_options))
         else:
             self.batch_beta_ema = None
 
@@ -137,10 +204,26 @@ class WEINCELoss(ColumnsLoss):
         released = {field.name: getattr(RELEASED_COMPOSITE, field.name) for field in dataclasses.fields(WEINCEOptions)}
         return cls(model, **{**released, **overrides})
 
+    # -- MultipleNegativesRankingLoss's attributes --------------------------------------------------------------
+
     @property
     def scale(self) -> float:
-        """``1 / temperature``, as MNRL's ``scale``."""
+        """``1 / temperature``, as MNRL's ``scale``. Settable, as MNRL's: ``loss.scale = 10.0`` replaces the options
+        by a copy with that scale, checked as at construction (the configuration, and a checkpoint's record, then
+        show the new value)."""
         return self.options.scale
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self.options = self.options.replace(scale=value)
+
+    @property
+    def directions(self) -> tuple[str, ...]:
+        return self.options.directions
+
+    @property
+    def partition_mode(self) -> str:
+        return self.options.partition_mode
 
     def statistics(
         self, scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None = None

@@ -104,31 +104,54 @@ def restore_loss_state(loss: LossTree, record: Any, source: str = "the loss-stat
     return step
 
 
-# Options that change how a loss is computed in memory, not what it computes: they may differ at resume.
-_OPERATIONAL_OPTIONS = frozenset(
-    {"check_inputs", "show_progress_bar", "mini_batch_size", "mini_batch_num_tokens", "chunk_size"}
-)
-
-
-def loss_description(loss: LossTree) -> dict[str, dict[str, Any]]:
-    """The class of every module of the loss tree that is not the model's (wrappers such as ``MatryoshkaLoss`` and the
-    losses they wrap) and the configuration of the loss modules (their options, without those that change only how
-    the loss is computed), as JSON data: what a record is written under, and what a resume compares it with. Keys:
-    the module's path ("loss" for the top one; "{dataset}" for a dict of losses)."""
+def _loss_modules(loss: LossTree) -> dict[str, nn.Module]:
+    """Every module of the loss tree that is not the model's (wrappers such as ``MatryoshkaLoss`` and the losses they
+    wrap), by its key in a :func:`loss_description`: the module's path ("loss" for the top one; "{dataset}" for a
+    dict of losses)."""
     roots = loss if isinstance(loss, dict) else {"": loss}
-    description: dict[str, dict[str, Any]] = {}
+    modules: dict[str, nn.Module] = {}
     for root_name, root in roots.items():
         model_modules = {id(m) for parent in root.modules() for m in _model_of(parent)}
         for name, module in root.named_modules():
-            if id(module) in model_modules:
-                continue
-            entry: dict[str, Any] = {"class": type(module).__name__}
-            if isinstance(module, LossState):
-                config = module.get_config_dict()
-                entry["config"] = {k: v for k, v in config.items() if k not in _OPERATIONAL_OPTIONS}
-            description[".".join(part for part in (root_name, name) if part) or "loss"] = entry
-    # as it reads back from JSON (tuples as lists; anything else JSON cannot hold as its text)
+            if id(module) not in model_modules:
+                modules[".".join(part for part in (root_name, name) if part) or "loss"] = module
+    return modules
+
+
+def _as_json(description: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """As the description reads back from JSON (tuples as lists; anything else JSON cannot hold as its text)."""
     return json.loads(json.dumps(description, default=str))
+
+
+def loss_description(loss: LossTree) -> dict[str, dict[str, Any]]:
+    """The class of every module of the loss tree that is not the model's and the configuration of the loss modules
+    (:meth:`~st_weince.training.protocol.LossState.resume_config`: without the options that change only how the loss
+    is computed), as JSON data: what a record is written under, and what a resume compares it with. Keys: the
+    module's path ("loss" for the top one; "{dataset}" for a dict of losses)."""
+    description: dict[str, dict[str, Any]] = {}
+    for key, module in _loss_modules(loss).items():
+        description[key] = {"class": type(module).__name__}
+        if isinstance(module, LossState):
+            description[key]["config"] = module.resume_config()
+    return _as_json(description)
+
+
+def _saved_description_read_now(saved: dict[str, Any], loss: LossTree) -> dict[str, Any]:
+    """A checkpoint's loss description with each loss module's configuration as this version reads it (a loss of
+    the same class at the same key fills in the defaults of options added since; ``resume_config``)."""
+    modules = _loss_modules(loss)
+    read: dict[str, Any] = {}
+    for key, entry in saved.items():
+        module = modules.get(key)
+        if (
+            isinstance(module, LossState)
+            and isinstance(entry, dict)
+            and entry.get("class") == type(module).__name__
+            and isinstance(entry.get("config"), dict)
+        ):
+            entry = {**entry, "config": module.resume_config(entry["config"])}
+        read[key] = entry
+    return _as_json(read)
 
 
 def _model_of(module: nn.Module) -> list[nn.Module]:
@@ -285,7 +308,7 @@ def check_record_resumable(loss: LossTree, record: Any, source: str, allow_missi
     """
     saved = record.get("loss") if isinstance(record, dict) else None
     if isinstance(saved, dict):
-        change = describe_loss_change(saved, loss_description(loss))
+        change = describe_loss_change(_saved_description_read_now(saved, loss), loss_description(loss))
         if change is not None:
             raise ValueError(
                 f"{source} was written under another loss configuration than this trainer's loss ({change}). "

@@ -40,8 +40,15 @@ class LossState:
     log_statistics: bool = True
 
     def get_config_dict(self) -> dict[str, Any]:
-        """The loss's configuration as built (JSON data): what a checkpoint records and a resume compares."""
+        """The loss's configuration as built (JSON data)."""
         return {}
+
+    def resume_config(self, config: dict[str, Any] | None = None) -> dict[str, Any]:
+        """What a checkpoint records and a resume compares (JSON data): ``config``, a configuration of this loss class
+        as a checkpoint recorded it (perhaps by an older version), as this version reads it; None: this loss's own.
+        A loss with options fills in the default of an option the checkpoint lacks (added later: its default keeps
+        the old behaviour) and leaves out the options that change only how the loss is computed."""
+        return self.get_config_dict() if config is None else dict(config)
 
     def carried_values(self) -> dict[str, Any] | None:
         """Values the trained model should carry in its configuration (:mod:`st_weince.calibration`), or None."""
