@@ -230,7 +230,8 @@ def test_the_command_finder_reads_shell_lines():
 def test_every_documented_command_parses():
     """Each command of README.md and docs/ names a script or module that exists and whose parser accepts the
     arguments as written (a synopsis with ``[...]`` and a bare program name: its ``--help``)."""
-    commands = documented_commands()
+    # a bare file name (``torchrun ... train.py``) stands for the reader's own script; the project's are in folders
+    commands = [(where, r) for where, r in documented_commands() if r["kind"] != "script" or "/" in r["target"]]
     assert len(commands) >= 30, "the command finder found too few commands"
     missing = [where for where, request in commands if request["kind"] == "script"
                and not (REPO / request["target"]).is_file()]

@@ -103,6 +103,9 @@ class ColumnsLoss(nn.Module, LossState):
     #: are refused
     mnrl_refusals: ClassVar[dict[str, str]] = {}
 
+    def reads_labels(self) -> bool:
+        guard = getattr(self.options, "false_negative_filter", None)
+        return guard is not None and guard.uses_labels
     def __init__(self, model: nn.Module | None, options: Options) -> None:
         super().__init__()
         self.model = model

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from st_weince.functional.false_negatives import FalseNegativeFilter
+from st_weince.training.protocol import LossState
 
 #: sentence-transformers' ``DEFAULT_LABEL_COLUMNS``, for a trainer whose collator does not name its own.
 DEFAULT_LABEL_COLUMNS = ("label", "labels", "score", "scores")
@@ -24,12 +24,8 @@ _INTEGER_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16",
 
 def same_label_losses(loss: nn.Module) -> list[str]:
     """The class names of the modules of a loss (wrappers included) whose guard reads labels."""
-    return [
-        type(module).__name__
-        for module in loss.modules()
-        if isinstance(getattr(getattr(module, "options", None), "false_negative_filter", None), FalseNegativeFilter)
-        and module.options.false_negative_filter.uses_labels
-    ]
+    modules = loss.modules()
+    return [type(module).__name__ for module in modules if isinstance(module, LossState) and module.reads_labels()]
 
 
 def check_label_columns(trainer: Any) -> None:

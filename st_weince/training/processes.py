@@ -156,14 +156,11 @@ def process_group_size() -> int:
 
 
 def gathers_across_devices(loss: Any) -> bool:
-    """Whether any module of the loss tree (a loss, a wrapper, a dict of losses) gathers across devices: this project's
-    losses (``options.gather_across_devices``) and sentence-transformers' (``gather_across_devices``)."""
+    """Whether any module of the loss tree (a loss, a wrapper, a dict of losses) gathers across devices: the attribute
+    sentence-transformers' losses (MNRL, CMNRL, ...) and this project's have alike."""
     roots = loss.values() if isinstance(loss, dict) else [loss]
     for root in roots:
         for module in root.modules() if isinstance(root, torch.nn.Module) else [root]:
-            options = getattr(module, "options", None)
-            if getattr(options, "gather_across_devices", False) is True:
-                return True
             if getattr(module, "gather_across_devices", False) is True:
                 return True
     return False

@@ -50,6 +50,11 @@ class LossState:
         the old behaviour) and leaves out the options that change only how the loss is computed."""
         return self.get_config_dict() if config is None else dict(config)
 
+    def reads_labels(self) -> bool:
+        """Whether the loss reads the batch's labels (the guard's ``"same_label"`` rule): ``prepare_trainer`` then
+        refuses, before step 1, a dataset without a column of integer class ids for it."""
+        return False
+
     def carried_values(self) -> dict[str, Any] | None:
         """Values the trained model should carry in its configuration (:mod:`st_weince.calibration`), or None."""
         return None
