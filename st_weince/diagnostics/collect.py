@@ -147,16 +147,20 @@ def encode_texts(
     was_training = model.training
     model.train(train_mode)
     device = next(model.parameters()).device
+    # longest first, as SentenceTransformer.encode does: a batch of similar lengths carries little padding
+    order = sorted(range(len(texts)), key=lambda k: -len(texts[k]))
     chunks = []
     try:
         starts = range(0, len(texts), batch_size)
         for start in tqdm(starts, desc="encode", disable=not show_progress_bar):
-            features = model.preprocess(list(texts[start : start + batch_size]))
+            features = model.preprocess([texts[k] for k in order[start : start + batch_size]])
             features = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in features.items()}
             chunks.append(model(features)["sentence_embedding"].float().cpu())
     finally:
         model.train(was_training)
-    return F.normalize(torch.cat(chunks), dim=-1)
+    embeddings = torch.empty(len(texts), chunks[0].shape[1])
+    embeddings[torch.tensor(order, dtype=torch.long)] = torch.cat(chunks)
+    return F.normalize(embeddings, dim=-1)
 
 
 @torch.no_grad()
