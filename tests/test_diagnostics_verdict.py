@@ -172,14 +172,24 @@ def _run(capsys, model_dir: Path, pairs: Path, out: Path, *extra: str) -> tuple[
     return last_line, json.loads((out / "summary.json").read_text())
 
 
-def test_cli_verdict_on_csv_jsonl_and_saved_datasets(tmp_path, capsys, tiny_model_dir, no_plots) -> None:
+def test_cli_verdict_on_csv_jsonl_and_saved_datasets(tmp_path, capsys, tiny_model_dir, no_plots, monkeypatch) -> None:
     from datasets import Dataset, DatasetDict
 
     rows = _pairs()
     csv_path = tmp_path / "pairs.csv"
     with csv_path.open("w", newline="", encoding="utf-8") as handle:
         csv.writer(handle).writerows([COLUMNS, *rows])
+    encoded: list[str] = []
+
+    def counting_encode(model, texts, **kwargs):
+        encoded.extend(texts)
+        return encode_texts(model, texts, **kwargs)
+
+    encode_texts = cli.encode_texts
+    monkeypatch.setattr(cli, "encode_texts", counting_encode)
     line, summary = _run(capsys, tiny_model_dir, csv_path, tmp_path / "csv", "--columns", "question", "answer")
+    # each distinct text of the pairs is encoded once (the pool is the same texts), no dropout views
+    assert sorted(encoded) == sorted({text for row in rows for text in row[:2]})
 
     match = VERDICT.match(line)
     assert match, line
