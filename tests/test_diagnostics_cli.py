@@ -43,7 +43,7 @@ def test_cli_text_model(tmp_path) -> None:
         "--sentences", str(sentences), "--output-dir", str(out),
         "--num-inputs", "120", "--batch-size", "32", "--threshold-quantile", "0.95",
         "--stability-quantiles", "0.9", "0.95", "--profile-points", "3", "--max-seq-length", "16",
-        "--anchor-sample", "20", "--anchor-threshold-quantile", "0.7",
+        "--anchor-sample", "20", "--anchor-threshold-quantile", "0.7", "--dropout-views",
     ]  # fmt: skip
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())

@@ -49,6 +49,10 @@ def test_mle_matches_scipy_and_loglik_matches_scipy_logpdf() -> None:
         expected = stats.genpareto.logpdf(y, xi, scale=sigma).sum()
         assert gpd_loglik(y, xi, sigma) == pytest.approx(expected, rel=1e-10)
     assert gpd_loglik(y, -0.5, 0.5 * y.max() * 0.9) == -np.inf  # a point beyond the endpoint
+    sigmas = np.array([0.5 * y.max() * 0.9, 0.01, 0.05, 0.2])  # an array of scales, the first beyond the support
+    for xi in (-0.999, -0.5, 0.0, 0.4, 1.5):  # the written-out formula is scipy's logpdf, summed
+        expected = stats.genpareto.logpdf(y[None, :], xi, scale=sigmas[:, None]).sum(1)
+        np.testing.assert_allclose(gpd_loglik(y, xi, sigmas), expected, rtol=1e-10)
 
 
 def test_profile_interval_ends_sit_at_the_chi2_cutoff() -> None:

@@ -95,9 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument(
         "--sentences", help="text file, one sentence a line: the negative pool (default: the distinct texts of --pairs)"
     )
-    src.add_argument(
-        "--skip-dropout", action="store_true", help="no dropout-view choice data (needs --pairs); saves two encodings"
+    dropout = src.add_mutually_exclusive_group()
+    dropout.add_argument(
+        "--dropout-views",
+        action="store_true",
+        help="also fit the link on dropout views (each sentence encoded twice in train mode); the default without "
+        "--pairs, skipped with --pairs (the verdict reads the pairs; two more encodings of every sentence)",
     )
+    dropout.add_argument("--skip-dropout", action="store_true", help=argparse.SUPPRESS)  # the default with --pairs
     src.add_argument("--max-seq-length", type=int, default=32, help="token limit (SimCSE trains with 32)")
     img = p.add_argument_group("image encoder")
     img.add_argument("--encoder", help="directory written by st_weince.vision.models.save_encoder")
@@ -150,6 +155,7 @@ def _text_views(args: argparse.Namespace) -> Encoded:
         raise ValueError("--model needs --pairs (a file of sentence pairs) or --sentences (one sentence a line)")
     if args.skip_dropout and not args.pairs:
         raise ValueError("--skip-dropout needs --pairs (the link fit needs one source of positives)")
+    dropout_views = args.dropout_views or not args.pairs  # with pairs the verdict reads the pairs' choice data
     if not Path(args.model).is_dir():
         raise ValueError(f"--model {args.model!r} is not a local directory (the Hugging Face hub is not used)")
     check_model_path(args.model)  # a recipe's run folder: its model is in final/
@@ -166,22 +172,30 @@ def _text_views(args: argparse.Namespace) -> Encoded:
     model = SentenceTransformer(args.model, device="cpu")
     model.max_seq_length = args.max_seq_length
     bs = args.encode_batch_size
-    print(f"encoding {len(sentences)} sentences (eval mode) for the negative pool", flush=True)
-    frozen = encode_texts(model, sentences, batch_size=bs, show_progress_bar=True)
+    # every distinct text once, in eval mode: the negative pool's sentences and both sides of the pairs
+    needed = sentences + ([] if pairs is None else pairs.anchors + pairs.positives)
+    distinct = list(dict.fromkeys(needed))
+    print(f"encoding {len(distinct)} distinct texts (eval mode): the negative pool and the pairs", flush=True)
+    embeddings = encode_texts(model, distinct, batch_size=bs, show_progress_bar=True)
+    row_of = {text: row for row, text in enumerate(distinct)}
+
+    def embedded(texts: list[str]) -> torch.Tensor:
+        return embeddings[torch.tensor([row_of[text] for text in texts], dtype=torch.long)]
+
+    frozen = embedded(sentences)
     views: Views = {}
-    if not args.skip_dropout:
+    if dropout_views:
         torch.manual_seed(args.seed)
-        print("encoding the sentences twice in train mode (dropout views) for the choice data", flush=True)
+        print(f"encoding the {len(sentences)} sentences twice in train mode (dropout views)", flush=True)
         views["dropout"] = (
             encode_texts(model, sentences, batch_size=bs, train_mode=True, show_progress_bar=True),
             encode_texts(model, sentences, batch_size=bs, train_mode=True, show_progress_bar=True),
             {"kind": "the same sentence encoded twice in train mode (dropout), as unsupervised SimCSE"},
         )
     if pairs is not None:
-        print(f"encoding {len(pairs)} sentence pairs (eval mode) for the choice data", flush=True)
         views["pairs"] = (
-            encode_texts(model, pairs.anchors, batch_size=bs, show_progress_bar=True),
-            encode_texts(model, pairs.positives, batch_size=bs, show_progress_bar=True),
+            embedded(pairs.anchors),
+            embedded(pairs.positives),
             {
                 "kind": "sentence pairs",
                 "file": args.pairs,
@@ -271,9 +285,10 @@ def _per_anchor_fits(
 
 def _link_fits(
     views: Views, args: argparse.Namespace, layout: str, temperature: float, out_dir: Path, name: str
-) -> tuple[dict, dict]:
-    """The two link fits of each source of positives (summary entries), and each source's choice data."""
-    links, choices = {}, {}
+) -> tuple[dict, dict, dict[str, LinkFit]]:
+    """The two link fits of each source of positives (summary entries), each source's choice data, and each source's
+    fit with beta = 1 (the verdict's evidence)."""
+    links, choices, beta1_fits = {}, {}, {}
     beta1_meaning, tau_meaning = BETA1_MEANING, TAU_FIXED_MEANING.format(tau=temperature)
     for source, (view_a, view_b, info) in views.items():
         print(f"link fits ({source} positives)", flush=True)
@@ -281,6 +296,7 @@ def _link_fits(
         common = {"temperature": temperature, "profile_points": args.profile_points}
         fit_beta1 = fit_link(scores, winners, mask, free=("lambda", "tau"), **common)  # beta: WEINCE's default
         fit_tau = fit_link(scores, winners, mask, free=("lambda", "beta"), **common)
+        beta1_fits[source] = fit_beta1
         plot_link_profile(
             {"beta = 1, tau fitted": fit_beta1, f"tau = {temperature:g}, beta fitted": fit_tau},
             out_dir / f"link_profile_{source}.png",
@@ -305,7 +321,7 @@ def _link_fits(
             f"{fit_tau.lr_statistic:.1f})",
             flush=True,
         )
-    return links, choices
+    return links, choices, beta1_fits
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -317,6 +333,15 @@ def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.time()
+    torch.manual_seed(args.seed)
+    encoded = _text_views(args) if args.model else _image_views(args)
+    return analyse(encoded, args, started=started)
+
+
+def analyse(encoded: Encoded, args: argparse.Namespace, *, started: float | None = None) -> dict:
+    """The fits, plots, summary and verdict of embeddings already computed (``run`` encodes them from the model and
+    inputs; a script may pass its own, e.g. synthetic embeddings): ``args`` are the command line's."""
+    started = time.time() if started is None else started
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     is_text = bool(args.model)
@@ -324,11 +349,9 @@ def run(args: argparse.Namespace) -> dict:
     scale = args.scale or (1.0 / args.temperature if args.temperature else 20.0 if is_text else 2.0)
     temperature = args.temperature or 1.0 / scale
     name = args.name or Path(args.model or args.encoder).resolve().name
-    torch.manual_seed(args.seed)
-    encoded = _text_views(args) if is_text else _image_views(args)
     frozen = encoded.frozen
 
-    print("POT fits", flush=True)
+    print(f"POT fits ({time.time() - started:.0f} s)", flush=True)
     pool = negative_pool(frozen)
     pot = pot_fit(pool, args.threshold_quantile)
     stability = threshold_stability(pool, args.stability_quantiles)
@@ -336,7 +359,7 @@ def run(args: argparse.Namespace) -> dict:
     plot_qq(pool, pot, out_dir / "pot_qq.png", title=name)
     plot_shape_stability(stability, out_dir / "pot_stability.png", title=name)
     per_anchor = _per_anchor_fits(frozen, args, out_dir, name, pot.xi)
-    links, choices = _link_fits(encoded.views, args, layout, temperature, out_dir, name)
+    links, choices, beta1_fits = _link_fits(encoded.views, args, layout, temperature, out_dir, name)
 
     source = "pairs" if "pairs" in choices else next(iter(choices))  # given pairs are the user's positives
     scores, winners, mask = choices[source]
@@ -344,7 +367,8 @@ def run(args: argparse.Namespace) -> dict:
     gate = weince_gate(scores, winners, mask, rows_per_batch=scores.shape[1], scale=scale)
     labels = encoded.labels if source == "pairs" and layout == "pairs" else None
     verdict = decide(
-        pot, gate, links[source]["positive_score_mean"], links[source]["hardest_negative_score_mean"],
+        pot, gate, beta1_fits[source], links[source]["positive_score_mean"],
+        links[source]["hardest_negative_score_mean"],
         label_column=args.label_column if labels else None,
         hardest_negative_same_label_share=same_label_share(scores, winners, mask, labels) if labels else None,
     )  # fmt: skip
@@ -379,7 +403,8 @@ def run(args: argparse.Namespace) -> dict:
         f"xi = {pot.xi:.3f} [{pot.xi_ci[0]:.3f}, {pot.xi_ci[1]:.3f}] at u = {pot.threshold:.4f} "
         f"({pot.num_exceedances} exceedances); summary: {out_dir / 'summary.json'}\n"
         f"{gate.meaning}, {source} positives, scale {scale:g}: mean {gate.lam_mean:.3f}, share > 0.5 "
-        f"{gate.lam_share_above_half:.3f}, effective scale of the blend {gate.effective_scale_mean:.1f}",
+        f"{gate.lam_share_above_half:.3f}, effective scale of the blend {gate.effective_scale_mean:.1f}, hardest "
+        f"negative's gradient WEINCE / InfoNCE: median {gate.gradient_ratio_median:.2f}",
         flush=True,
     )
     print(verdict.line(), flush=True)  # the last line

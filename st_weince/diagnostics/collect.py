@@ -82,6 +82,7 @@ def read_pairs(
             raise ValueError(f"{path} has {len(table.column_names)} column(s); pairs need two (--columns)")
         first, second = table_columns(table, columns or table.column_names[:2], path)
         scores = table_columns(table, [score_column], path, "--score-column")[0] if min_score is not None else []
+        scores = _numeric_scores(scores, path, score_column)
         labels = table_columns(table, [label_column], path, "--label-column")[0] if label_column else None
     first, second = ([_text(value) for value in column] for column in (first, second))
     kept: dict[str, int] = {}  # anchor -> row of its first usable pair
@@ -98,6 +99,24 @@ def read_pairs(
         positives=[second[row] for row in rows],
         labels=None if labels is None else [labels[row] for row in rows],
     )
+
+
+def _numeric_scores(values: Sequence[object], path: str | Path, column: str) -> list[float | None]:
+    """The score column as numbers (a missing cell stays None, and its pair is dropped); a cell that is no number
+    is a ValueError naming the file, the row and the column: ``--min-pair-score`` compares numbers."""
+    scores: list[float | None] = []
+    for row, value in enumerate(values, start=1):
+        if value is None or isinstance(value, (int, float)) and not isinstance(value, bool):
+            scores.append(value)
+            continue
+        try:
+            scores.append(float(value))
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{path}, data row {row}: score {value!r} in column {column!r} is not a number; --min-pair-score "
+                "needs a numeric score column (name it with --score-column)"
+            ) from None
+    return scores
 
 
 def _text(value: object) -> str:
@@ -128,16 +147,20 @@ def encode_texts(
     was_training = model.training
     model.train(train_mode)
     device = next(model.parameters()).device
+    # longest first, as SentenceTransformer.encode does: a batch of similar lengths carries little padding
+    order = sorted(range(len(texts)), key=lambda k: -len(texts[k]))
     chunks = []
     try:
         starts = range(0, len(texts), batch_size)
         for start in tqdm(starts, desc="encode", disable=not show_progress_bar):
-            features = model.preprocess(list(texts[start : start + batch_size]))
+            features = model.preprocess([texts[k] for k in order[start : start + batch_size]])
             features = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in features.items()}
             chunks.append(model(features)["sentence_embedding"].float().cpu())
     finally:
         model.train(was_training)
-    return F.normalize(torch.cat(chunks), dim=-1)
+    embeddings = torch.empty(len(texts), chunks[0].shape[1])
+    embeddings[torch.tensor(order, dtype=torch.long)] = torch.cat(chunks)
+    return F.normalize(embeddings, dim=-1)
 
 
 @torch.no_grad()

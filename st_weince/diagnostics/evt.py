@@ -57,15 +57,25 @@ class PotFit:
 
 
 def gpd_loglik(exceedances: np.ndarray, xi: float, sigma: float | np.ndarray) -> np.ndarray:
-    """Log-likelihood of exceedances (``y >= 0``) under GPD(xi, sigma) (``scipy.stats.genpareto``, shape ``c = xi``);
-    ``-inf`` outside the support.
+    """Log-likelihood of exceedances (``y >= 0``) under GPD(xi, sigma), i.e. ``scipy.stats.genpareto.logpdf`` (shape
+    ``c = xi``) summed, written out: ``-n log sigma - (1 + 1/xi) sum log(1 + xi y / sigma)`` (``xi = 0``:
+    ``-n log sigma - sum y / sigma``), ``-inf`` outside the support. About 20 times faster than scipy's generic
+    ``logpdf`` on the profile grids (a test checks the two agree).
 
     ``sigma`` may be an array of scales (shape [G]); the result then has shape [G].
     """
     y = np.asarray(exceedances, dtype=np.float64)
-    sig = np.atleast_1d(np.asarray(sigma, dtype=np.float64))[:, None]
-    out = stats.genpareto.logpdf(y[None, :], xi, scale=sig).sum(1)
-    return out if np.ndim(sigma) else out[0]
+    sig = np.atleast_1d(np.asarray(sigma, dtype=np.float64))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if xi == 0.0:
+            out = -y.size * np.log(sig) - y.sum() / sig
+        else:
+            z = xi * y[None, :] / sig[:, None]
+            out = -y.size * np.log(sig) - (1.0 + 1.0 / xi) * np.log1p(z).sum(1)
+            out = np.where((z >= -1.0).all(1), out, -np.inf)
+    out = np.where((y >= 0).all() & (sig > 0), out, -np.inf)
+    out = np.where(np.isnan(out), -np.inf, out)
+    return out if np.ndim(sigma) else float(out[0])
 
 
 def gpd_quantile(probabilities: np.ndarray, xi: float, sigma: float) -> np.ndarray:

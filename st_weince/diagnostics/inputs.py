@@ -19,6 +19,8 @@ Every reader whitespace-normalises pair sentences as SentEval's loaders do (``" 
 from __future__ import annotations
 
 import csv
+import io
+import json
 import random
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -63,9 +65,80 @@ def load_table(path: str | Path, split: str | None = None) -> Any:
         known = ", ".join(FILE_FORMATS)
         raise ValueError(f"{path}: unknown file type {path.suffix!r}; expected one of {known} or a save_to_disk folder")
     loader, options = FILE_FORMATS[path.suffix.lower()]
+    _check_readable(path, loader)  # an empty, non-UTF-8 or truncated file: one line naming the file (and line)
     read = getattr(datasets.Dataset, f"from_{loader}")  # from_csv, from_json, from_parquet
-    with tempfile.TemporaryDirectory() as cache:
-        return read(str(path), cache_dir=cache, keep_in_memory=True, **options)
+    bars_were_off = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()  # "Generating train split" bars say nothing for a file read in memory
+    try:
+        with tempfile.TemporaryDirectory() as cache:
+            table = read(str(path), cache_dir=cache, keep_in_memory=True, **options)
+    except Exception as error:  # datasets' generation errors wrap the parser's: name the file and what to do
+        raise _unreadable(path, loader, error) from None
+    finally:
+        if not bars_were_off:
+            datasets.enable_progress_bars()
+    if len(table) == 0:
+        raise ValueError(f"{path} holds no rows (only a header?); add one pair a row")
+    return table
+
+
+_FORMAT_FIX = {
+    "csv": "a CSV file with a header row naming the columns and one pair a row",
+    "json": 'one JSON object a line, e.g. {"anchor": "...", "positive": "..."}',
+    "parquet": "a complete Parquet file (write it again, e.g. with DataFrame.to_parquet)",
+}
+
+
+def _check_readable(path: Path, loader: str) -> None:
+    """ValueErrors that name the file (and the line) for what ``datasets`` reports only by a traceback or a message
+    without the file: an empty file, bytes that are not UTF-8, a JSON line that does not parse, a truncated Parquet."""
+    if loader == "parquet":
+        import pyarrow
+        import pyarrow.parquet as pq
+
+        try:
+            pq.read_metadata(path)
+        except (pyarrow.ArrowException, OSError) as error:
+            reason = f"{path} is not a readable Parquet file ({error})"
+            raise ValueError(f"{reason}; expected {_FORMAT_FIX['parquet']}") from None
+        return
+    data = path.read_bytes()
+    if not data.strip():
+        raise ValueError(f"{path} is empty; expected {_FORMAT_FIX[loader]}")
+    text = _utf8(path, data)
+    if loader == "json" and not text.lstrip().startswith("["):  # JSON lines (a .json array is parsed whole)
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f"{path}:{number}: not a JSON object ({error.msg} at column {error.colno}); expected "
+                    f"{_FORMAT_FIX['json']}"
+                ) from None
+
+
+def _utf8(path: Path, data: bytes) -> str:
+    """``data`` decoded as UTF-8, or a ValueError naming the file, the line of the first bad byte and the fix."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise ValueError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{data[error.start]:02x}); save the file as UTF-8, e.g. "
+            f"iconv -f latin1 -t utf-8 {path.name} > utf8-{path.name}"
+        ) from None
+
+
+def _unreadable(path: Path, loader: str, error: BaseException) -> ValueError:
+    """A one-line ValueError for a file ``datasets`` could not read: the innermost cause, the file and the fix."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    reason = " ".join(str(error).split()) or type(error).__name__
+    if "corresponds to no data" in reason:
+        return ValueError(f"{path} holds no rows (only a header?); add one pair a row")
+    return ValueError(f"{path} could not be read as {loader} ({reason}); expected {_FORMAT_FIX[loader]}")
 
 
 def table_columns(table: Any, names: Sequence[str], source: str | Path, option: str = "--columns") -> list[list[Any]]:
@@ -94,21 +167,19 @@ def read_pair_csv(path: str | Path, *, scored: bool = True) -> tuple[list[str], 
     if not path.is_file():
         raise MissingDataError(f"sentence-pair file {path} not found (CSV sentence1,sentence2,score without header)")
     s1, s2, scores = [], [], []
-    with path.open(encoding="utf-8", newline="") as handle:
-        for number, row in enumerate(csv.reader(handle), start=1):
-            if scored and len(row) != 3:
-                raise ValueError(f"{path}:{number}: expected 3 CSV fields sentence1,sentence2,score, found {len(row)}")
-            if len(row) < 2:
-                raise ValueError(
-                    f"{path}:{number}: expected 2 or more CSV fields sentence1,sentence2, found {len(row)}"
-                )
-            if scored:
-                try:
-                    scores.append(float(row[2]))
-                except ValueError:
-                    raise ValueError(f"{path}:{number}: score {row[2]!r} is not a number") from None
-            s1.append(normalise_whitespace(row[0]))
-            s2.append(normalise_whitespace(row[1]))
+    text = _utf8(path, path.read_bytes())
+    for number, row in enumerate(csv.reader(io.StringIO(text, newline="")), start=1):
+        if scored and len(row) != 3:
+            raise ValueError(f"{path}:{number}: expected 3 CSV fields sentence1,sentence2,score, found {len(row)}")
+        if len(row) < 2:
+            raise ValueError(f"{path}:{number}: expected 2 or more CSV fields sentence1,sentence2, found {len(row)}")
+        if scored:
+            try:
+                scores.append(float(row[2]))
+            except ValueError:
+                raise ValueError(f"{path}:{number}: score {row[2]!r} is not a number") from None
+        s1.append(normalise_whitespace(row[0]))
+        s2.append(normalise_whitespace(row[1]))
     return s1, s2, scores
 
 
@@ -139,4 +210,4 @@ def sample_distinct_lines(path: str | Path, limit: int | None = None, seed: int 
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"sentence file {path} not found")
-    return sample_distinct(path.read_text(encoding="utf-8").splitlines(), limit, seed, source=str(path))
+    return sample_distinct(_utf8(path, path.read_bytes()).splitlines(), limit, seed, source=str(path))

@@ -5,13 +5,18 @@ The rule, each step on one number the command has measured:
 
 1. **Weibull-type tail**: the (95 %) profile-likelihood interval of the pooled POT shape ``xi`` lies below 0 ("yes");
    above 0: "no"; containing 0: "undecided".
-2. **WEINCE's lambda**: the per-anchor gate lambda exactly as :class:`~st_weince.losses.WEINCELoss` computes it
-   (:func:`st_weince.functional.weince_statistics` with the loss's default options, one batch of the choice data at a
-   time, as the loss sees one training batch), averaged over anchors; it is *non-negligible* at a mean of at least
-   :data:`LAMBDA_NEGLIGIBLE`. The gate does not depend on the scale; the scale sets how sharp the blend is (its
-   effective scale, :func:`st_weince.functional.effective_scale.blend_effective_scale`, reported beside it).
+2. **The winners want the shortfall logit**: the likelihood of the observed winners (the positives) under WEINCE's
+   blended link against the best softmax (:func:`st_weince.diagnostics.link.fit_link` with ``beta = 1``, ``tau``
+   fitted): "yes" when the likelihood-ratio test rejects the softmax at level :data:`LINK_ALPHA` (then the
+   profile-likelihood interval of the link's ``lambda`` excludes 0), "no" when it does not, "undecided" when the data
+   are separated (every winner scores highest: no finite maximum). This depends on the data; WEINCE's own gate does
+   not (its pivot is the batch's ``q``-quantile, so about ``q`` of the anchors get a large lambda on any batch whose
+   tails are fitted). What the gate would do is reported beside it: the per-anchor gate lambda exactly as
+   :class:`~st_weince.losses.WEINCELoss` computes it (:func:`st_weince.functional.weince_statistics`, default options,
+   one batch of the choice data at a time) and the share of anchors whose hardest negative's gradient WEINCE changes
+   by at least :data:`GRADIENT_CHANGE` (relative) against InfoNCE at the same scale.
 3. **False negatives**: the rows' hardest negatives score above their positives on average.
-4. **Loss**: WEINCE when 1 says "yes" and 2 "non-negligible", MNRL / InfoNCE otherwise. When 3 holds, a guard
+4. **Loss**: WEINCE when 1 and 2 say "yes", MNRL / InfoNCE otherwise. When 3 holds, a guard
    comes with it: ``false_negative_filter="same_label"`` when the pairs have labels, else a threshold guard or
    cleaning the data.
 """
@@ -25,12 +30,15 @@ import torch
 from torch import Tensor
 
 from st_weince.diagnostics.evt import PotFit
+from st_weince.diagnostics.link import LinkFit
 from st_weince.functional.effective_scale import blend_effective_scale
 from st_weince.functional.options import WEINCEOptions
-from st_weince.functional.weince import hardest_negatives, weince_statistics
+from st_weince.functional.weince import hardest_negatives, weince_logits, weince_statistics
 
-# Below this mean gate lambda the blend is InfoNCE up to a 10 % shortfall term: too little to choose WEINCE for.
-LAMBDA_NEGLIGIBLE = 0.1
+# Level of the likelihood-ratio test of the blended link against the softmax (beta = 1: boundary mixture p-value).
+LINK_ALPHA = 0.05
+# A hardest negative's gradient "changes" when WEINCE's differs from InfoNCE's (same scale) by at least this fraction.
+GRADIENT_CHANGE = 0.25
 WEINCE_GATE_MEANING = "WEINCE's per-anchor gate lambda as WEINCELoss computes it on each batch (default options)"
 
 
@@ -42,6 +50,8 @@ class WeinceGate:
     lam_mean: float  # over anchors
     lam_share_above_half: float
     effective_scale_mean: float  # the blend's secant slope over each row's scores, mean over anchors
+    gradient_changed_share: float  # anchors whose hardest negative's gradient moves by >= GRADIENT_CHANGE
+    gradient_ratio_median: float  # WEINCE's / InfoNCE's gradient on the hardest negative, median over anchors
     anchors: int
     batches: int
     options: dict  # the statistics' options (WEINCELoss's defaults)
@@ -56,7 +66,7 @@ def weince_gate(
     :func:`st_weince.diagnostics.collect.choice_data` returns it, ``rows_per_batch`` rows a batch): each batch gets
     its own pivot ``rho0``, as one training batch does."""
     options = WEINCEOptions(scale=scale)
-    lam, effective = [], []
+    lam, effective, ratio = [], [], []
     for start in range(0, scores.shape[0], rows_per_batch):
         batch = slice(start, start + rows_per_batch)
         stats = weince_statistics(scores[batch], winner_index[batch], valid_mask[batch], options)
@@ -64,16 +74,45 @@ def weince_gate(
         effective.append(
             blend_effective_scale(scores[batch], valid_mask[batch], stats.lam, stats.beta, scale=scale, eps=options.eps)
         )
-    lam_all = torch.cat(lam).double()
+        ratio.append(
+            hardest_negative_gradient_ratio(
+                scores[batch], winner_index[batch], valid_mask[batch], stats.lam, stats.beta, scale, options.eps
+            )
+        )
+    lam_all, ratio_all = torch.cat(lam).double(), torch.cat(ratio)
     return WeinceGate(
         scale=options.scale,
         lam_mean=float(lam_all.mean()),
         lam_share_above_half=float((lam_all > 0.5).double().mean()),
         effective_scale_mean=float(torch.cat(effective).double().mean()),
+        gradient_changed_share=float(((ratio_all - 1.0).abs() >= GRADIENT_CHANGE).double().mean()),
+        gradient_ratio_median=float(ratio_all.median()),
         anchors=int(lam_all.numel()),
         batches=len(lam),
         options=options.to_config(),
     )
+
+
+@torch.enable_grad()
+def hardest_negative_gradient_ratio(
+    scores: Tensor, winner_index: Tensor, valid_mask: Tensor, lam: Tensor, beta: Tensor, scale: float, eps: float
+) -> Tensor:
+    """Per row: the gradient of the row's cross-entropy on its hardest negative's score under WEINCE's blended logit
+    (gate ``lam``, ``beta`` held fixed, as the loss does) divided by the same gradient under InfoNCE's ``scale * s``
+    (float64). 1 means the shortfall logit leaves that gradient as it is."""
+    rows = torch.arange(scores.shape[0])
+    hardest = hardest_negatives(scores, winner_index, valid_mask, 1).columns[:, 0]
+    gradients = []
+    for blended in (True, False):
+        s = scores.detach().double().requires_grad_(True)
+        if blended:
+            logits = weince_logits(s, lam.double(), beta.double(), valid_mask, scale=scale, eps=eps)
+        else:
+            logits = (s * scale).masked_fill(~valid_mask, float("-inf"))
+        loss = (torch.logsumexp(logits, dim=1) - logits[rows, winner_index]).sum()
+        (gradient,) = torch.autograd.grad(loss, s)
+        gradients.append(gradient[rows, hardest])
+    return gradients[0] / gradients[1]
 
 
 def same_label_share(scores: Tensor, winner_index: Tensor, valid_mask: Tensor, labels: Sequence[Hashable]) -> float:
@@ -96,8 +135,14 @@ class Verdict:
     xi_ci: tuple[float, float]
     ci_level: float
     scale: float
-    lam_mean: float
-    lam_non_negligible: bool
+    link_prefers_blend: str  # "yes", "no" or "undecided" (separated data)
+    link_loglik_gain_per_anchor: float  # blended link over the best softmax, natural log per anchor
+    link_lr_statistic: float
+    link_p_value: float
+    link_lam: float  # the link's lambda with beta = 1 (tau fitted)
+    link_lam_ci: tuple[float, float]
+    lam_mean: float  # WEINCE's gate lambda at the scale, mean over anchors
+    gradient_changed_share: float
     positive_mean: float
     hardest_negative_mean: float
     false_negatives_likely: bool
@@ -109,9 +154,17 @@ class Verdict:
     def line(self) -> str:
         tail = f"tail Weibull-type: {self.weibull_tail} (xi = {self.xi:.3f}, {self.ci_level * 100:g} % CI "
         tail += f"[{self.xi_ci[0]:.3f}, {self.xi_ci[1]:.3f}])"
-        weight = "non-negligible" if self.lam_non_negligible else "negligible"
-        lam = f"WEINCE's lambda at scale {self.scale:g}: mean {self.lam_mean:.3f} ({weight}, threshold "
-        lam += f"{LAMBDA_NEGLIGIBLE:g})"
+        link = (
+            f"winners prefer WEINCE's blended link to the softmax: {self.link_prefers_blend} (log-likelihood "
+            f"{self.link_loglik_gain_per_anchor:+.4f} per anchor, LR {self.link_lr_statistic:.2f}, p = "
+            f"{self.link_p_value:.2g}; lambda at beta = 1: {self.link_lam:.3f}, 95 % CI [{self.link_lam_ci[0]:.3f}, "
+            f"{self.link_lam_ci[1]:.3f}])"
+        )
+        gate = (
+            f"WEINCE at scale {self.scale:g} would change the hardest negative's gradient by >= "
+            f"{GRADIENT_CHANGE:.0%} for {self.gradient_changed_share:.0%} of anchors (gate lambda mean "
+            f"{self.lam_mean:.3f})"
+        )
         order = ">" if self.false_negatives_likely else "<="
         negatives = (
             f"hardest negatives look like false negatives: {'yes' if self.false_negatives_likely else 'no'} "
@@ -120,19 +173,30 @@ class Verdict:
         if self.hardest_negative_same_label_share is not None:
             negatives += f"; {self.hardest_negative_same_label_share:.0%} share the anchor's {self.label_column}"
         loss = f"loss: {self.loss}" + (f", with {self.guard}" if self.guard else "")
-        return f"Verdict: {tail}; {lam}; {negatives}); {loss}."
+        return f"Verdict: {tail}; {link}; {gate}; {negatives}); {loss}."
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out["xi_ci"] = list(self.xi_ci)
-        out["lambda_negligible_below"] = LAMBDA_NEGLIGIBLE
+        out["link_lam_ci"] = list(self.link_lam_ci)
+        out["link_alpha"] = LINK_ALPHA
+        out["gradient_change"] = GRADIENT_CHANGE
         out["line"] = self.line()
         return out
+
+
+def link_preference(link: LinkFit) -> str:
+    """Whether the observed winners want the shortfall logit: "yes" when the LR test of the blended link (``beta``
+    fixed) against the best softmax rejects at :data:`LINK_ALPHA`, "no" when not, "undecided" on separated data."""
+    if link.separated:
+        return "undecided"
+    return "yes" if link.p_value < LINK_ALPHA else "no"
 
 
 def decide(
     pot: PotFit,
     gate: WeinceGate,
+    link: LinkFit,
     positive_mean: float,
     hardest_negative_mean: float,
     *,
@@ -142,7 +206,9 @@ def decide(
     """The verdict of the rule in the module docstring."""
     low, high = pot.xi_ci
     weibull_tail = "yes" if high < 0 else "no" if low > 0 else "undecided"
-    lam_non_negligible = gate.lam_mean >= LAMBDA_NEGLIGIBLE
+    if link.free != ("lambda", "tau"):
+        raise ValueError(f"the verdict reads the link fitted with beta fixed (free=('lambda', 'tau')), got {link.free}")
+    prefers_blend = link_preference(link)
     false_negatives = hardest_negative_mean > positive_mean
     guard = None
     if false_negatives and label_column is not None:
@@ -160,13 +226,19 @@ def decide(
         xi_ci=(low, high),
         ci_level=pot.ci_level,
         scale=gate.scale,
+        link_prefers_blend=prefers_blend,
+        link_loglik_gain_per_anchor=(link.loglik - link.loglik_softmax) / link.num_anchors,
+        link_lr_statistic=link.lr_statistic,
+        link_p_value=link.p_value,
+        link_lam=link.lam,
+        link_lam_ci=link.lam_ci,
         lam_mean=gate.lam_mean,
-        lam_non_negligible=lam_non_negligible,
+        gradient_changed_share=gate.gradient_changed_share,
         positive_mean=positive_mean,
         hardest_negative_mean=hardest_negative_mean,
         false_negatives_likely=false_negatives,
         label_column=label_column,
         hardest_negative_same_label_share=hardest_negative_same_label_share,
-        loss="WEINCE" if weibull_tail == "yes" and lam_non_negligible else "MNRL/InfoNCE",
+        loss="WEINCE" if weibull_tail == "yes" and prefers_blend == "yes" else "MNRL/InfoNCE",
         guard=guard,
     )
