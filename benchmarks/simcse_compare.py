@@ -5,7 +5,8 @@ evaluation; only the loss (and the seed) changes. The runs go one after the othe
 process with its log in ``runs/simcse-compare/<config>-seed<k>/run.log``; a run whose ``results.json`` exists is
 skipped, so the script can be restarted. After each run the tables in ``benchmarks/results/simcse/`` are rewritten:
 
-    runs.csv       one row per run (config, seed, steps, STS-B dev best, best step, STS-B test, seconds)
+    runs.csv       one row per run (config, seed, steps, STS-B dev best, best step, STS-B test, seconds, command and
+                   the commit whose CLI it is)
     summary.json   per config: mean and sample std over seeds; the starting model's scores; scale, seeds,
                    commands, machine and library versions
     summary.md     the same as a Markdown table
@@ -150,6 +151,9 @@ def summarize(runs_dir: Path, configs: list[str], seeds: list[int], base: dict[s
                     ),
                     "train_seconds": r["train_seconds"],
                     "command": r["command"],
+                    # the commit whose recipes/simcse.py the command is for (the CLI changes: --threads was
+                    # --num-threads, --loss-option beta=N was --beta N)
+                    "command_commit": (r["environment"].get("git_commit") or "")[:7],
                 }
             )
     with open(RESULTS / "runs.csv", "w", newline="") as handle:
