@@ -325,6 +325,9 @@ def test_two_processes_match_one(recipe, tiny_model_dir, small_stsb, train_file,
     assert r2["environment"]["world_size"] == 2 and r1["environment"]["world_size"] == 1
     # torchrun gives what it was asked for: 2 processes reported once (rank 0 prints), no warning
     assert stdout.count("training on 2 processes (world size 2, rank 0 prints)\n") == 1
+    assert stdout.count("SimCSE: training weince") == 1  # the configuration, from rank 0 only
+    warnings = [line for line in stderr.splitlines() if "Warning:" in line]
+    assert len(warnings) == len(set(warnings)), stderr[-3000:]  # each warning once: rank 1 shows none
     assert not [line for line in stderr.splitlines() if line.startswith("warning:")], stderr[-3000:]
     assert r2["environment"]["processes"] == {"launcher": "torchrun", "requested": 2, "actual": 2}
     assert r1["environment"]["processes"] == {"launcher": "python", "requested": 1, "actual": 1}
