@@ -82,6 +82,7 @@ def run(candidate, args, output_dir: Path) -> dict:
     )
     trainer = SentenceTransformerTrainer(model=model, args=training_args, train_dataset=dataset, loss=loss)
     prepare_trainer(trainer, loss_learning_rate=None if candidate == "model" else candidate)
+    starts = loss.trained_values()  # the records hold t and b_rel after each step's update
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
@@ -91,9 +92,9 @@ def run(candidate, args, output_dir: Path) -> dict:
     return {
         "loss_learning_rate": candidate,
         "train_seconds": round(seconds, 1),
-        "t_start": records[0]["rb_sigmoid_t"],
+        "t_start": starts["t"],
         "t_end": loss.scale.item(),
-        "b_rel_start": records[0]["rb_sigmoid_b_rel"],
+        "b_rel_start": starts["b_rel"],
         "b_rel_end": loss.b_rel.item(),
         "late_mean_loss": sum(window) / len(window),
         "stsb_dev_spearman": stsb_dev(model, args.dev_pairs),

@@ -6,7 +6,8 @@ process with its log in ``runs/simcse-compare/<config>-seed<k>/run.log``; a run 
 skipped, so the script can be restarted. After each run the tables in ``--results-dir`` are rewritten (by default
 ``<runs-dir>/tables``; the committed ones, in ``benchmarks/results/simcse/``, only when it names that folder):
 
-    runs.csv       one row per run (config, seed, steps, STS-B dev best, best step, STS-B test, seconds)
+    runs.csv       one row per run (config, seed, steps, STS-B dev best, best step, STS-B test, seconds, command and
+                   the commit whose CLI it is)
     summary.json   per config: mean and sample std over seeds; the starting model's scores; scale, seeds,
                    commands, machine and library versions
     summary.md     the same as a Markdown table
@@ -154,6 +155,9 @@ def summarize(
                     ),
                     "train_seconds": r["train_seconds"],
                     "command": r["command"],
+                    # the commit whose recipes/simcse.py the command is for (the CLI changes: --threads was
+                    # --num-threads, --loss-option beta=N was --beta N)
+                    "command_commit": (r["environment"].get("git_commit") or "")[:7],
                 }
             )
     with open(results / "runs.csv", "w", newline="") as handle:

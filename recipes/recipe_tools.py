@@ -10,8 +10,10 @@ How many processes a launcher asked for and how many a recipe trains on: st_wein
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
+import os
 import re
 import shlex
 import sys
@@ -223,3 +225,74 @@ def build_tiny_bert(
     BertModel(config).save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     return SentenceTransformer(str(output_dir), device="cpu")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A run's folder, the processes that stay quiet, the hub offline
+# --------------------------------------------------------------------------------------------------------------------
+def launch_stamp() -> str:
+    """``YYYYmmdd-HHMMSS`` of this run's launch, the same in every process of one launch: a process that torchrun (or
+    ``accelerate launch --multi_gpu``) started beside others (``LOCAL_WORLD_SIZE`` > 1) takes its launcher's start
+    time, which all of them share, without any communication; a single process its own. Refused (ValueError) for a
+    launch over several machines, whose launchers start at different times."""
+    import datetime
+
+    import psutil  # a dependency of accelerate
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if int(os.environ.get("WORLD_SIZE", "1")) > local:
+        raise ValueError("a launch over several machines needs --output-dir (a folder every machine can reach)")
+    process = psutil.Process()
+    started = (process.parent() if local > 1 else process).create_time()
+    return datetime.datetime.fromtimestamp(started).strftime("%Y%m%d-%H%M%S")
+
+
+def default_output_dir(parent: str | Path, name: str, resume: str | None = None) -> str:
+    """A run's default output folder: ``parent/name-STAMP`` (:func:`launch_stamp`), so that every run, with any
+    launcher, gets its own. Resuming without ``--output-dir``: the folder of the checkpoint given, and for
+    ``latest`` the newest ``parent/name-*`` folder that holds a complete checkpoint (else a new one, which the resume
+    then refuses as having none)."""
+    from st_weince.training import last_complete_checkpoint
+
+    if resume not in (None, "latest"):
+        return str(Path(resume).parent)
+    if resume == "latest":
+        runs = sorted(Path(parent).glob(f"{glob.escape(name)}-*"), reverse=True)  # the stamps sort by time
+        for run in runs:
+            if run.is_dir() and last_complete_checkpoint(str(run)) is not None:
+                return str(run)
+    return str(Path(parent) / f"{name}-{launch_stamp()}")
+
+
+def quiet_unless_rank_zero() -> bool:
+    """In a process of rank > 0 (``RANK`` of torchrun / accelerate launch): no warnings, no log records below
+    errors and no progress bars, since rank 0 shows the same ones; errors still show. Returns whether this process
+    is rank 0 (the one that prints)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        return True
+    import logging
+    import warnings
+    from functools import partialmethod
+
+    import tqdm
+
+    warnings.simplefilter("ignore")
+    logging.disable(logging.WARNING)
+    tqdm.tqdm.__init__ = partialmethod(tqdm.tqdm.__init__, disable=True)  # e.g. sentence-transformers' model card
+    return False
+
+
+def hub_unreachable_reason() -> str | None:
+    """Why the Hugging Face hub cannot be reached now (``HF_HUB_OFFLINE``, or one request without retries that
+    fails), or None when it answers: asked before a download, so that offline a recipe says so in one line instead of
+    huggingface_hub's retries and tracebacks. The request uses huggingface_hub's own session (its proxies and
+    ``HF_ENDPOINT``)."""
+    from huggingface_hub import constants, get_session
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    try:
+        get_session().head(constants.ENDPOINT, timeout=10)
+    except Exception as error:  # noqa: BLE001 - any failure to connect means offline here
+        return f"{constants.ENDPOINT} is not reachable ({type(error).__name__})"
+    return None

@@ -18,7 +18,8 @@ without BatchNorm or biases, Adam lr 3e-4, jitter 0.8/0.8/0.8/0.2, no normalisat
 ``--batch-size`` is per process: each process scores its own pairs (the NT-Xent score matrix is built locally, so
 nothing is gathered across processes). The script prints how many processes it trains on, and warns when the launcher
 asked for more (on a CPU, ``accelerate launch --cpu --num_processes 2`` starts one; ``--multi_gpu`` or torchrun start
-two). ``--output-dir`` gets results.json, training_curves.png and the model (load_encoder).
+two). ``--output-dir`` (default ``runs/simclr/<preset>-<loss>-seed<seed>-<launch time>``) gets results.json,
+training_curves.png and the model (load_encoder).
 """
 
 from __future__ import annotations
@@ -45,7 +46,14 @@ from st_weince.vision.objectives import LOSSES, SIMCLR_BETA, SIMCLR_SCALE, SimCL
 from st_weince.vision.setups import SETUPS
 from st_weince.vision.training import SimCLRTraining, build_model, build_optimizer, data_order
 
-from recipe_tools import merge_options, parse_key_values, positive_float, write_run_outputs
+from recipe_tools import (
+    default_output_dir,
+    merge_options,
+    parse_key_values,
+    positive_float,
+    quiet_unless_rank_zero,
+    write_run_outputs,
+)
 
 FEATURE_WIDTH = "features"  # --hidden-dim value: as wide as the backbone features
 
@@ -86,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--probe-epochs", type=int, default=100)
     add("--eval-batch-size", type=int, default=512)
     add("--skip-eval", action="store_true")
-    add("--output-dir", default="runs/simclr")
+    add("--output-dir", default=None, help="default: runs/simclr/<preset>-<loss>-seed<seed>-<launch time>")
     add("--no-save-model", action="store_true")
     args = parser.parse_args(argv)
     setup = SETUPS[args.preset]
@@ -104,6 +112,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--loss rb-sigmoid: give the starting scale with --scale, not --loss-option scale=...")
     if args.scale is None and args.loss != "rb-sigmoid":
         args.scale = SIMCLR_SCALE  # RB-Sigmoid starts from its own default t unless --scale
+    if args.output_dir is None:  # every run its own folder, whichever launcher started it
+        try:
+            args.output_dir = default_output_dir("runs/simclr", f"{args.preset}-{args.loss}-seed{args.seed}")
+        except ValueError as error:
+            parser.error(str(error))
     return args
 
 
@@ -223,6 +236,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     quiet_known_warnings()
+    quiet_unless_rank_zero()  # the other processes' warnings and progress bars would repeat rank 0's
     args = parse_args(argv)
     with user_errors_exit("simclr.py"):  # a missing data folder, a bad value: one line, exit status 2
         return run(args)

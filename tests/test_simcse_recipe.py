@@ -329,6 +329,10 @@ def test_two_processes_match_one(recipe, tiny_model_dir, small_stsb, train_file,
     assert stdout.count("training on 2 processes (world size 2, rank 0 prints)\n") == 1
     assert "asked for" not in stderr, stderr[-3000:]
     assert r2["config"]["gather_across_devices"] is True and r1["config"]["gather_across_devices"] is False
+    assert stdout.count("SimCSE: training weince") == 1  # the configuration, from rank 0 only
+    warnings = [line for line in stderr.splitlines() if "Warning:" in line]
+    assert len(warnings) == len(set(warnings)), stderr[-3000:]  # each warning once: rank 1 shows none
+    assert not [line for line in stderr.splitlines() if line.startswith("warning:")], stderr[-3000:]
     assert r2["environment"]["processes"] == {"launcher": "torchrun", "requested": 2, "actual": 2}
     assert r1["environment"]["processes"] == {"launcher": "python", "requested": 1, "actual": 1}
     l1, l2 = losses_by_step(r1), losses_by_step(r2)

@@ -351,7 +351,7 @@ class RBSigmoidOptions(Options):
         scale: initial ``t = 1 / temperature`` (trained as ``log_t``), as MNRL's ``scale``; SigLIP's start.
         max_scale: cap on ``t`` (>= ``scale``, finite in float32): the forward uses ``t = exp(min(log_t, log
             max_scale))``, and after every optimizer step ``log_t`` itself is clamped to the cap, where its gradient
-            stays live. Logged as ``rb_sigmoid_t_capped`` (share of steps at the cap).
+            stays live. Logged as ``rb_sigmoid_t_capped`` (1 at the cap).
         parametrization: "relative" (``z = t (s - b_rel)``) or "absolute" (SigLIP's ``z = t s - b``).
         relative_bias: initial ``b_rel`` (None: 0.7). In the absolute parametrization it gives the start ``b = scale *
             relative_bias`` instead of ``bias``.

@@ -162,7 +162,15 @@ class ColumnsLoss(nn.Module, LossState):
         return tensors
 
     def pop_logged_statistics(self) -> dict[str, float]:
-        return self.logged_statistics.pop()
+        return self.logged_statistics.pop(current=self.logged_state())
+
+    def end_statistics_step(self) -> bool:
+        return self.logged_statistics.end_step()
+
+    def logged_state(self) -> dict[str, Tensor]:
+        """The loss's state shown in every log record, as 0-d device tensors of its current values (read at the
+        log, with the statistics): none by default."""
+        return {}
 
     def _at_first_training_step(self) -> None:
         """Once, at the first forward in training mode with gradients on: an error when the loss gathers across the

@@ -178,5 +178,5 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
                 if value.requires_grad and used[name].grad is not None:
                     total = total + (value - value.detach()) * used[name].grad
         if self.log_statistics:
-            self._record(params, constellation_margin_from_extremes(*extremes)[0], guard_counts)
+            self._record(constellation_margin_from_extremes(*extremes)[0], guard_counts)
         return total

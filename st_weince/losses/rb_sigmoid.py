@@ -384,14 +384,14 @@ class RBSigmoidLoss(ColumnsLoss):
             loss = sigmoid_contrastive_loss(scores, targets, valid_mask=valid_mask, check_inputs=False, **arguments)
             if self.log_statistics:
                 margin, _ = constellation_margin_from_extremes(*score_extremes(scores, targets, valid_mask))
-                self._record(params, margin, guard_counts)
+                self._record(margin, guard_counts)
             return loss
 
     def _loss_from_embeddings(self, embeddings: list[Tensor], row_keys: list[Tensor] | None) -> Tensor:
         params = self.loss_parameters()
         loss, extremes, guard_counts = self._block_losses(self._checked_columns(embeddings), params, row_keys)
         if self.log_statistics:  # the first block's margin and guard shares
-            self._record(params, constellation_margin_from_extremes(*extremes)[0], guard_counts)
+            self._record(constellation_margin_from_extremes(*extremes)[0], guard_counts)
         return loss
 
     # ----- the pieces, shared with CachedRBSigmoidLoss -----
@@ -499,23 +499,25 @@ class RBSigmoidLoss(ColumnsLoss):
         )
 
     @torch.no_grad()
-    def _record(
-        self,
-        params: dict[str, Tensor],
-        margin: Tensor,
-        guard_counts: FilterCounts | None = None,
-    ) -> None:
-        """Keep ``t``, ``b_rel``, ``b``, the ``margin`` (and ``delta``, and the false-negative guard's shares) as
-        device tensors: no sync in the hot path. The margin is that of the (local) batch: ``(min matching score - max
-        non-matching score) / 2`` of the first anchors-vs-candidates block
+    def _record(self, margin: Tensor, guard_counts: FilterCounts | None = None) -> None:
+        """Keep the batch statistics, the ``margin`` (and the false-negative guard's shares), as device tensors: no
+        sync in the hot path. The margin is that of the (local) batch: ``(min matching score - max non-matching
+        score) / 2`` of the first anchors-vs-candidates block
         (:func:`~st_weince.functional.sigmoid.constellation_margin_from_extremes`); a block without matching or
-        without non-matching pairs has an infinite margin, not counted."""
+        without non-matching pairs has an infinite margin, not counted. ``t`` and ``b_rel`` are state, logged as they
+        are at the log (:meth:`logged_state`)."""
+        values = {"rb_sigmoid_margin": margin}
+        self.logged_statistics.add({**values, **guard_share_values("rb_sigmoid", guard_counts)})
+
+    @torch.no_grad()
+    def logged_state(self) -> dict[str, Tensor]:
+        """``t``, ``b_rel``, ``b`` (and ``delta``) as they are now, and ``t_capped``: 1 when ``t`` is at its cap
+        ``max_scale`` (device tensors, read at the log)."""
+        params = self.loss_parameters()
         values = {f"rb_sigmoid_{name}": value for name, value in self._scalars(params).items()}
-        # 1 when t is at its cap max_scale (the mean over the logging interval: the share of steps at the cap)
         capped = params["log_t"].detach() >= self.log_scale_cap
         values["rb_sigmoid_t_capped"] = capped.to(values["rb_sigmoid_t"].dtype)
-        values["rb_sigmoid_margin"] = margin
-        self.logged_statistics.add({**values, **guard_share_values("rb_sigmoid", guard_counts)})
+        return values
 
     @torch.no_grad()
     def trained_values(self) -> dict[str, float]:

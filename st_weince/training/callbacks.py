@@ -185,39 +185,57 @@ class LossStatisticsCallback(TrainerCallback):
     """Adds every loss module's :meth:`~st_weince.training.protocol.LossState.pop_logged_statistics` to every
     training log record (console, log_history, reporters). With a dict of losses (one per dataset) each value's
     name starts with its dataset's, as sentence-transformers names per-dataset values (``{dataset}_weince_rho0``).
-    The losses compute their statistics at the steps the trainer logs only (:attr:`LossState.log_statistics`)."""
+
+    Every record holds each loss's latest statistics and its state as it is at the log (RB-Sigmoid's ``t``). The
+    losses compute their statistics (:attr:`LossState.log_statistics`) only in the steps the trainer logs and, with a
+    dict of losses (each step runs some datasets' batches), in each loss's first step after a record too: so a record
+    holds every dataset's statistics, whichever dataset's batch ran at the logging step. A loss that ran in no step
+    since the previous record shows its previous statistics again."""
 
     def __init__(self, loss: LossTree) -> None:
         self.loss = loss
+        self._pending: set[str] = set()  # the loss modules whose statistics no step has computed since the last record
+        self._latest: dict[str, float] = {}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._latest = {}
+        self._pending = set(state_modules(self.loss)) if isinstance(self.loss, dict) else set()
+        for module in state_modules(self.loss).values():
+            module.pop_logged_statistics()  # forwards before training (an evaluation) belong to no record
 
     def on_step_begin(self, args, state, control, **kwargs):
-        # The losses compute their statistics only for a step after which the trainer logs (the rule of
-        # transformers' DefaultFlowCallback.on_step_end, for the step about to run): its logged values are that
-        # step's, over all its gradient-accumulation batches.
+        # The losses compute their statistics for a step after which the trainer logs (the rule of transformers'
+        # DefaultFlowCallback.on_step_end, for the step about to run), over all its gradient-accumulation batches,
+        # and those of a dict whose statistics no step has computed since the last record, in case this step runs
+        # their dataset's batches (the trainer's batch sampler decides, which no callback sees).
         step = state.global_step + 1
         if args.logging_strategy == "steps":
             logs = step % state.logging_steps == 0 or (step == 1 and args.logging_first_step)
         else:
             logs = args.logging_strategy != "no"
-        self._log_statistics(logs)
+        for prefix, module in state_modules(self.loss).items():
+            module.log_statistics = logs or prefix in self._pending
 
     def on_step_end(self, args, state, control, **kwargs):
-        self._log_statistics(False)  # an evaluation's forwards after the step add nothing to the training logs
+        for prefix, module in state_modules(self.loss).items():
+            if module.log_statistics and module.end_statistics_step():  # it ran: a Python fact, no host read
+                self._pending.discard(prefix)
+            module.log_statistics = False  # an evaluation's forwards after the step add nothing to the training logs
 
     def on_train_end(self, args, state, control, **kwargs):
-        self._log_statistics(True)  # after training, every forward keeps its statistics again
-
-    def _log_statistics(self, value: bool) -> None:
         for module in state_modules(self.loss).values():
-            module.log_statistics = value
+            module.log_statistics = True  # after training, every forward keeps its statistics again
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or "loss" not in logs:
             return
-        extra: dict[str, float] = {}
         for prefix, module in state_modules(self.loss).items():
             dataset = prefix.split(".")[0] + "_" if isinstance(self.loss, dict) else ""
-            extra.update({dataset + key: round(value, 6) for key, value in module.pop_logged_statistics().items()})
+            values = module.pop_logged_statistics()
+            self._latest.update({dataset + key: round(value, 6) for key, value in values.items()})
+        if isinstance(self.loss, dict):
+            self._pending = set(state_modules(self.loss))
+        extra = dict(self._latest)
         logs.update(extra)
         # The trainer appended a copy of ``logs`` to the history before calling the callbacks.
         if state.log_history and state.log_history[-1].get("step") == state.global_step:

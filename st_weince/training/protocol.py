@@ -31,12 +31,20 @@ class LossState:
         """Called after every optimizer step (e.g. clamping a parameter to its range), on every process alike."""
 
     def pop_logged_statistics(self) -> dict[str, float]:
-        """The means of the loss's logged statistics since the last call; the one place they are read on the
-        host."""
+        """The means of the loss's logged statistics of the latest step :meth:`end_statistics_step` ended (without
+        steps: since the last call), and the current values of the state it shows in every log record (RB-Sigmoid's
+        ``t`` and ``b_rel``: state, not batch statistics); the one place they are read on the host."""
         return {}
 
+    def end_statistics_step(self) -> bool:
+        """End a training step: the statistics computed since the last call become the ones
+        :meth:`pop_logged_statistics` returns, replacing an earlier step's. Returns whether the step computed any (a
+        Python fact, no host read), i.e. whether the loss ran with :attr:`log_statistics` in that step."""
+        return False
+
     #: Whether a forward computes and keeps the statistics it logs. True unless the trainer integration says
-    #: otherwise: it sets it for the steps the trainer logs only, so that the other steps skip that cost.
+    #: otherwise: it sets it for the steps whose statistics a log record will hold (the steps the trainer logs and,
+    #: with a dict of losses, each loss's first step after a record), so that the other steps skip that cost.
     log_statistics: bool = True
 
     def get_config_dict(self) -> dict[str, Any]:
