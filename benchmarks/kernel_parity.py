@@ -8,8 +8,9 @@ the study's AVX2 AMD EPYC (family 25 model 1). This script checks two pieces of 
 
 1. the 10-step fingerprint of ``benchmarks/step_parity.py`` (model SHA-256 and train loss) on this machine equals the
    committed one of the reference family;
-2. the first epoch of a finished committed run, rerun here (``--stop-after-epoch 1``), equals the committed record
-   in every field but timings: the epoch-0 probes, every step's loss and statistics, the epoch-1 probes.
+2. the first epoch of finished committed runs (one per code path: InfoNCE, the top-M shortfall term), rerun here
+   (``--stop-after-epoch 1``), equals the committed records in every field but timings: the epoch-0 probes, every
+   step's loss and statistics, the epoch-1 probes.
 
 It writes ``kernel_parity.json`` beside the study's runs: the two families, the settings, the commit, the evidence
 (paths and SHA-256 of the compared files), ``reproduced`` and the runs made under those settings (``--runs``, the
@@ -18,7 +19,8 @@ names of the run files). ``pairing.kernel_family`` reads it: a listed run pairs 
     python benchmarks/kernel_parity.py --study-dir benchmarks/results/simclr_link_or_temperature \\
         --reference-fingerprint .../divergence/step_parity_seed1_10steps.json \\
         --fingerprint .../kernel_parity/step_parity_seed1_10steps_model17.json \\
-        --reference-run .../infonce-seed1.jsonl --rerun .../kernel_parity/infonce-seed1-epoch1-model17.jsonl \\
+        --reference-run .../infonce-seed1.jsonl .../infonce-topm-shortfall-seed0.jsonl \\
+        --rerun .../kernel_parity/infonce-seed1-epoch1-model17.jsonl .../kernel_parity/infonce-topm-shortfall-... \\
         --settings ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 OMP_NUM_THREADS=1 --runs infonce-seed0 ...
 """
 
@@ -45,14 +47,25 @@ def fingerprint_of(check: dict[str, Any], commit: str) -> dict[str, Any]:
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
     reference_check, check = (json.loads(Path(p).read_text()) for p in (args.reference_fingerprint, args.fingerprint))
-    reference_run, rerun = runlog.read_lines(Path(args.reference_run)), runlog.read_lines(Path(args.rerun))
+    if len(args.reference_run) != len(args.rerun):
+        raise SystemExit(f"give one --rerun per --reference-run, got {len(args.rerun)} and {len(args.reference_run)}")
+    epochs = []
+    for reference_path, rerun_path in zip(args.reference_run, args.rerun):
+        reference_run, rerun = runlog.read_lines(Path(reference_path)), runlog.read_lines(Path(rerun_path))
+        if reference_run[0]["git_commit"] != rerun[0]["git_commit"]:
+            raise SystemExit(f"{rerun_path} and {reference_path} ran at different commits")
+        lines = first_epoch(reference_run)
+        epochs.append({
+            "equal": bool(lines) and lines == first_epoch(rerun),
+            "lines_compared": len(lines),
+            "reference": reference_path,
+            "reference_sha256": runlog.file_sha256(Path(reference_path)),
+            "here": rerun_path,
+            "here_sha256": runlog.file_sha256(Path(rerun_path)),
+        })  # fmt: skip
     header = rerun[0]
     commit = header["git_commit"]
-    if reference_run[0]["git_commit"] != commit:
-        raise SystemExit(f"the rerun is at {commit[:7]}, the reference run at {reference_run[0]['git_commit'][:7]}")
     same_steps = fingerprint_of(reference_check, commit[:7]) == fingerprint_of(check, commit[:7])
-    epoch_lines = first_epoch(reference_run)
-    same_epoch = bool(epoch_lines) and epoch_lines == first_epoch(rerun)
     return {
         "reference_family": reference_run[0]["machine"]["cpu"]["family"],
         "family": header["machine"]["cpu"]["family"],
@@ -61,16 +74,9 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         "commit": commit,
         "evidence": {
             "ten_steps": {"equal": same_steps, "reference": args.reference_fingerprint, "here": args.fingerprint},
-            "first_epoch": {
-                "equal": same_epoch,
-                "lines_compared": len(epoch_lines),
-                "reference": args.reference_run,
-                "reference_sha256": runlog.file_sha256(Path(args.reference_run)),
-                "here": args.rerun,
-                "here_sha256": runlog.file_sha256(Path(args.rerun)),
-            },
+            "first_epochs": epochs,
         },
-        "reproduced": same_steps and same_epoch,
+        "reproduced": same_steps and all(epoch["equal"] for epoch in epochs),
         "runs": sorted(args.runs),
     }
 
@@ -80,8 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--study-dir", type=Path, required=True, help=f"where {KERNEL_PARITY} is written")
     parser.add_argument("--reference-fingerprint", required=True, help="step_parity output of the reference family")
     parser.add_argument("--fingerprint", required=True, help="step_parity output of this machine")
-    parser.add_argument("--reference-run", required=True, help="a finished committed run file of the reference family")
-    parser.add_argument("--rerun", required=True, help="its first epoch rerun on this machine")
+    parser.add_argument("--reference-run", nargs="+", required=True, help="finished committed run files of the "
+                        "reference family (one per arm whose code path the check should cover)")  # fmt: skip
+    parser.add_argument("--rerun", nargs="+", required=True, help="their first epochs rerun here, in the same order")
     parser.add_argument("--settings", nargs="+", required=True, help="NAME=VALUE the runs here were made with")
     parser.add_argument("--runs", nargs="*", default=[], help="the run names made here under those settings")
     args = parser.parse_args(argv)

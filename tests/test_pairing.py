@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -107,25 +108,27 @@ def test_the_committed_kernel_parity_record_follows_from_its_evidence_and_one_ch
     study = REPO_ROOT / "benchmarks/results/simclr_link_or_temperature"
     committed = json.loads((study / pairing.KERNEL_PARITY).read_text())
     evidence = committed["evidence"]
+    epochs = evidence["first_epochs"]
     argv = ["--study-dir", str(tmp_path), "--reference-fingerprint", evidence["ten_steps"]["reference"],
-            "--fingerprint", evidence["ten_steps"]["here"], "--reference-run", evidence["first_epoch"]["reference"],
+            "--fingerprint", evidence["ten_steps"]["here"], "--reference-run", *(e["reference"] for e in epochs),
             "--settings", *(f"{k}={v}" for k, v in committed["settings"].items()),
             "--runs", *committed["runs"]]  # fmt: skip
     monkeypatch.chdir(REPO_ROOT)  # the record names its evidence relative to the repository
-    script.main([*argv, "--rerun", evidence["first_epoch"]["here"]])
+    script.main([*argv, "--rerun", *(e["here"] for e in epochs)])
     assert json.loads((tmp_path / pairing.KERNEL_PARITY).read_text()) == committed
-    assert committed["reproduced"] and committed["evidence"]["first_epoch"]["lines_compared"] == 3
+    assert committed["reproduced"] and [e["lines_compared"] for e in epochs] == [3, 3]
+    assert {Path(e["reference"]).name for e in epochs} == {"infonce-seed1.jsonl", "infonce-topm-shortfall-seed0.jsonl"}
 
-    lines = (REPO_ROOT / evidence["first_epoch"]["here"]).read_text().splitlines()
+    lines = (REPO_ROOT / epochs[-1]["here"]).read_text().splitlines()
     steps = next(i for i, line in enumerate(lines) if json.loads(line)["type"] == "steps")
     record = json.loads(lines[steps])
     record["loss"][100] = float(np.nextafter(np.float32(record["loss"][100]), np.float32(np.inf)))
     lines[steps] = json.dumps(record)
     changed = tmp_path / "rerun.jsonl"
     changed.write_text("\n".join(lines) + "\n")
-    script.main([*argv, "--rerun", str(changed)])
+    script.main([*argv, "--rerun", epochs[0]["here"], str(changed)])
     broken = json.loads((tmp_path / pairing.KERNEL_PARITY).read_text())
-    assert not broken["reproduced"] and not broken["evidence"]["first_epoch"]["equal"]
+    assert not broken["reproduced"] and [e["equal"] for e in broken["evidence"]["first_epochs"]] == [True, False]
 
 
 def test_a_warm_started_run_pairs_with_its_source_only_through_a_bit_for_bit_first_epoch():
