@@ -1,7 +1,7 @@
 """Link or temperature, settled at one commit: does the top-M shortfall term's gain come from its logit's shape, or
 from its sharpness and how that sharpness moves during training?
 
-Five arms of the released-setup ablation (benchmarks/simclr_ablation.py: CIFAR-10, ResNet-18 width 16, batch 256
+Six arms of the released-setup ablation (benchmarks/simclr_ablation.py: CIFAR-10, ResNet-18 width 16, batch 256
 pairs, 5 epochs, the released probes), seeds 0, 1, 2, every run at one commit and on one CPU family:
 
 1. ``infonce``: NT-Xent at temperature 0.5;
@@ -12,10 +12,14 @@ pairs, 5 epochs, the released probes), seeds 0, 1, 2, every run at one commit an
 4. ``infonce-topm-infonce-scale3``: InfoNCE + 0.5 x the linear top-M InfoNCE term at the fixed scale 3;
 5. ``infonce-topm-infonce-scheduled``: InfoNCE + 0.5 x the linear top-M InfoNCE term whose scale at step i is arm
    2's logged effective scale at step i, of the same seed, at this commit. The schedule is fixed from arm 2's
-   finished run before this arm starts (``--fix-schedules``), and committed.
+   finished run before this arm starts (``--fix-schedules``), and committed;
+6. ``infonce-topm-infonce-scheduled-warm``: arm 2 for its first epoch (bit for bit its run: same network, optimizer,
+   batches and views), then arm 5's scheduled linear term from step 196 on, at arm 2's logged scale of each step.
 
-If the scheduled arm trains like arm 2, sharpness and its schedule explain the gain. If it collapses where arm 2 does
-not, the link's shape matters.
+Arm 5 asks whether a linear term survives the shortfall term's early sharpness (scale 66-109 in the first steps); it
+collapsed on every seed it ran. Arm 6 compares the two links once both train: from the same epoch-1 state, the
+shortfall term's own continuation against the linear term at its sharpness. If arm 6 trains like arm 2, the link's
+shape adds nothing beyond its sharpness once training is under way; if it collapses too, at which scale it does.
 
 Every run logs each step's loss and the loss's statistics (``"type": "steps"`` lines) and records the commit and the
 CPU in its header. The summary pairs runs only within one commit and one CPU family (benchmarks/lab/pairing.py).
@@ -47,6 +51,7 @@ SHORTFALL = "infonce-topm-shortfall"
 CONTROL = "infonce-tau0.2"
 SCALE3 = "infonce-topm-infonce-scale3"
 SCHEDULED = "infonce-topm-infonce-scheduled"
+WARM = "infonce-topm-infonce-scheduled-warm"
 ARMS: dict[str, dict[str, Any]] = {
     **{arm: ablation.STUDY_ARMS[arm] for arm in (BASELINE, SHORTFALL, CONTROL, SCALE3)},
     SCHEDULED: {
@@ -54,11 +59,18 @@ ARMS: dict[str, dict[str, Any]] = {
         "options": {"mode": "none", "top_m": {"infonce_weight": 0.5}},
         "infonce_scale_schedule": SHORTFALL,
     },
+    # The links once both train: arm 2's first epoch, then the scheduled linear term from arm 2's epoch-1 state.
+    WARM: {
+        "loss": "weince",
+        "options": {"mode": "none", "top_m": {"infonce_weight": 0.5}},
+        "infonce_scale_schedule": SHORTFALL,
+        "warm_start": {"arm": SHORTFALL, "epochs": 1},
+    },
 }
 SEEDS = (0, 1, 2)
 # Arm 2 first, then the arm that follows its schedule; the arms without a schedule after them.
 RUN_ORDER = [(arm, seed) for arm in (SHORTFALL, SCHEDULED) for seed in SEEDS] + [
-    (arm, seed) for arm in (BASELINE, CONTROL, SCALE3) for seed in SEEDS
+    (arm, seed) for arm in (BASELINE, CONTROL, SCALE3, WARM) for seed in SEEDS
 ]
 CONFIG: dict[str, Any] = {**ablation.ABLATION, "arms": ARMS, "log_steps": True}
 

@@ -69,3 +69,26 @@ def test_the_scheduled_arm_follows_the_shortfall_terms_logged_scale_step_for_ste
     assert followed == pytest.approx(scales, rel=1e-6)  # logged in float32
     assert scheduled[0]["objective"]["infonce_scale_schedule"]["source_sha256"] == schedule["source_sha256"]
     assert "resume" in [r["type"] for r in scheduled] and scheduled[-1]["type"] == "final"
+
+    # The warm-start arm: arm 2's first epoch bit for bit (steps, probes, POT), then the scheduled linear term at
+    # arm 2's scale from the handover step on, across a stop and resume at the handover.
+    run(study, image_folder, tmp_path, "--runs", f"{study.WARM}-seed0", "--stop-after-epoch", "1")
+    run(study, image_folder, tmp_path, "--runs", f"{study.WARM}-seed0")
+    warm = lines(results / f"{study.WARM}-seed0.jsonl")
+    timings = ("train_seconds", "eval_seconds", "elapsed_seconds", "load_average")
+
+    def epoch_one(records):
+        return [
+            {k: v for k, v in r.items() if k not in timings}
+            for r in records
+            if r["type"] in ("checkpoint", "steps") and r["epoch"] <= 1
+        ]
+
+    assert epoch_one(warm) == epoch_one(source)
+    warm_steps = [r for r in warm if r["type"] == "steps"]
+    assert [r["epoch"] for r in warm_steps] == [1, 2]
+    assert "weince_effective_scale_top_m_infonce" not in warm_steps[0]["loss_statistics"]
+    assert warm_steps[1]["loss_statistics"]["weince_effective_scale_top_m_infonce"] == pytest.approx(
+        scales[per_epoch:], rel=1e-6
+    )
+    assert warm[0]["objective"]["handover_step"] == per_epoch and warm[-1]["type"] == "final"

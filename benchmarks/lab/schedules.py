@@ -102,3 +102,28 @@ class ScheduledScale(nn.Module):
         config["top_m"] = {**config["top_m"], "infonce_scale": "scheduled"}
         keys = ("source_run", "source_sha256", "statistic", "source_git_commit", "steps", "sha256")
         return {**config, "infonce_scale_schedule": {key: self.schedule[key] for key in keys}}
+
+
+class Handover(nn.Module):
+    """``first`` for the first ``steps`` training steps, then ``then``: a warm start within one run. The run trains
+    exactly as ``first``'s own run up to the handover (same network, optimizer, batches and views), so its
+    continuation pairs with ``first``'s continuation. The step counter is a buffer (state, saved and restored)."""
+
+    def __init__(self, first: nn.Module, then: nn.Module, steps: int) -> None:
+        super().__init__()
+        if steps < 1:
+            raise ValueError(f"a handover needs at least one step of the first objective, got {steps}")
+        self.first, self.then, self.steps = first, then, steps
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+
+    def forward(self, z1: Tensor, z2: Tensor) -> Tensor:
+        active = self.first if int(self.step) < self.steps else self.then  # a CPU study: the read costs nothing
+        if torch.is_grad_enabled():
+            self.step += 1
+        return active(z1, z2)
+
+    def pop_logged_statistics(self) -> dict[str, float]:
+        return {**self.first.pop_logged_statistics(), **self.then.pop_logged_statistics()}
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {"first": self.first.get_config_dict(), "then": self.then.get_config_dict(), "handover_step": self.steps}

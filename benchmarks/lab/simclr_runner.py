@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from benchmarks.lab import runlog
-from benchmarks.lab.schedules import ScheduledScale, load_schedule
+from benchmarks.lab.schedules import Handover, ScheduledScale, load_schedule
 from benchmarks.lab.simclr_eval import DEFAULT_DATA, EvalData, evaluate, load_data
 from benchmarks.lab.summaries import update_docs
 from st_weince.utils.provenance import provenance
@@ -191,9 +191,18 @@ class StudyRuns:
             return "skipped"
 
         model, objective, optimizer = build_run(arm, seed, config)  # the same initial network for every arm of a seed
-        source = (config.get("arms", {}).get(arm) or {}).get("infonce_scale_schedule")
+        arm_entry = config.get("arms", {}).get(arm) or {}
+        source = arm_entry.get("infonce_scale_schedule")
         if source is not None:  # the top-M InfoNCE scale follows another run's logged per-step effective scale
             objective = ScheduledScale(objective, load_schedule(self.output_dir, source, seed))
+        if (warm := arm_entry.get("warm_start")) is not None:
+            # The first epochs train as arm warm["arm"] does (built last, so that the global random state is its
+            # run's too), then this arm's objective takes over; a schedule goes on from the step of the handover.
+            handover = warm["epochs"] * (data.train.images.shape[0] // config["batch_size"])
+            if isinstance(objective, ScheduledScale):
+                objective.step.fill_(handover)
+            model, first, optimizer = build_run(warm["arm"], seed, config)
+            objective = Handover(first, objective, handover)
         augment_generator = torch.Generator().manual_seed(seed)
         augment = SimCLRAugment(data.setup.augment, generator=augment_generator)
         # An arm's entry may set the encoding too (the ablation's per-view check), else the study's setting.
