@@ -132,7 +132,7 @@ def test_loss_flags_are_spelled_as_in_the_simcse_recipe(recipe):
 def test_prints_and_records_the_processes(recipe, tiny_zip, tmp_path, monkeypatch, capsys):
     """Under ``accelerate launch --cpu --num_processes 2`` (its environment and command line, as observed; the one
     process it starts) the recipe says it trains on 1, names the torchrun command for 2, and records both."""
-    import recipe_tools as processes
+    from st_weince.training import processes
 
     argv = ["--dataset", "imagefolder", "--data-dir", str(tiny_zip), "--width", "2", "--hidden-dim", "8"]
     argv += ["--projection-dim", "8", "--batch-size", "6", "--max-steps", "1", "--limit-train", "6", "--skip-eval"]
