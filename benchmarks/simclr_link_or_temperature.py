@@ -171,7 +171,9 @@ def markdown(summary: dict[str, Any]) -> str:
             test = entry["tests"][metric]
             t = "-"
             if test["t"] is not None:
-                t = f"t = {test['t']:+.2f}, p = {test['p_two_sided']:.3f} (Holm {test['p_holm']:.3f})"
+                p, holm = (summaries.format_p(test[key]) for key in ("p_two_sided", "p_holm"))
+                p, holm = (value if value.startswith("<") else f"= {value}" for value in (p, holm))
+                t = f"t = {test['t']:+.2f}, p {p} (Holm {holm})"
             cells += [summaries.format_stat(entry[metric], sign=True), t]
         n = len(entry.get("seeds", []))
         refused = "; ".join(f"seed {s}: {why}" for s, why in entry["refused"].items()) or "-"
