@@ -190,8 +190,11 @@ def markdown(results: dict) -> str:
             f"| {label} | {m['ece']:.4f} | {m['brier']:.4f} | {m['log_loss']:.4f} | "
             f"{m['mean_probability_matches']:.3f} | {m['mean_probability_non_matches']:.3f} |"
         )
-    lines += ["", f"Run time {results['seconds']:.0f} s, {results['settings']['threads']} thread(s); "
-              f"machine and versions in `results.json`."]
+    lines += [
+        "",
+        f"Run time {results['seconds']:.0f} s, {results['settings']['threads']} thread(s); "
+        f"machine and versions in `results.json`.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -247,9 +250,7 @@ def main() -> None:
         "test_pairs": len(test.scores),
         "test_match_rate": float(test_labels.mean()),
         "trained": trained,
-        "logged_t_b_rel": [
-            {"step": r["step"], "t": r["rb_sigmoid_t"], "b_rel": r["rb_sigmoid_b_rel"]} for r in logged
-        ],
+        "logged_t_b_rel": [{"step": r["step"], "t": r["rb_sigmoid_t"], "b_rel": r["rb_sigmoid_b_rel"]} for r in logged],
         "rb_sigmoid": calibration_metrics(ours, test_labels),
         "logistic_regression": calibration_metrics(reference, test_labels)
         | {"coefficient": coefficient, "intercept": intercept, "b_rel": -intercept / coefficient},

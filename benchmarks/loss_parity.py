@@ -36,11 +36,11 @@ def _configurations() -> dict:
         "weince_beta1_rho_gate": (lambda: WEINCELoss(None, beta=1.0, mode="rho"), 300, 2),
         "released_b512": (lambda: WEINCELoss.released(None), 512, 2),
         "released_b1024_hard_negative": (lambda: WEINCELoss.released(None), 1024, 3),
-        "released_query_to_query": (
-            lambda: WEINCELoss.released(None, directions=symmetric[:2]), 200, 2
-        ),
+        "released_query_to_query": (lambda: WEINCELoss.released(None, directions=symmetric[:2]), 200, 2),
         "released_relative_guard": (
-            lambda: WEINCELoss.released(None, false_negative_filter=("relative", 0.95)), 256, 2
+            lambda: WEINCELoss.released(None, false_negative_filter=("relative", 0.95)),
+            256,
+            2,
         ),
         "released_b12": (lambda: WEINCELoss.released(None), 12, 2),
         "cached_released": (lambda: CachedWEINCELoss(None, mini_batch_size=64, **released_top_m), 256, 2),

@@ -79,7 +79,9 @@ def one_step(name: str, args: argparse.Namespace, hooks: bool = False, counter: 
     """Forward and backward; returns (saved bytes, bytes sent forward, bytes sent backward, gradients)."""
     exchange.RECOMPUTE_IN_BACKWARD = name != "neighbour-kept"
     loss_fn = RBSigmoidLoss(
-        None, gather_across_devices=True, exchange="all_gather" if name == "all_gather" else "neighbour",
+        None,
+        gather_across_devices=True,
+        exchange="all_gather" if name == "all_gather" else "neighbour",
         check_inputs=False,
     )
     columns = make_columns(args.local_batch, args.dim, args.seed)
@@ -144,8 +146,14 @@ def run_one(args: argparse.Namespace) -> None:
     dist.all_gather_object(rows, row)
     if dist.get_rank() == 0:
         merged = dict(rows[0])
-        for key in ("saved_for_backward_bytes", "step_seconds", "peak_rss_bytes", "bytes_sent_forward",
-                    "bytes_sent_backward", "grad_max_relative_difference_vs_neighbour_kept"):
+        for key in (
+            "saved_for_backward_bytes",
+            "step_seconds",
+            "peak_rss_bytes",
+            "bytes_sent_forward",
+            "bytes_sent_backward",
+            "grad_max_relative_difference_vs_neighbour_kept",
+        ):
             merged[key] = max(entry[key] for entry in rows)
         Path(args.row_output).write_text(json.dumps(merged))
     dist.barrier()
@@ -159,10 +167,25 @@ def sweep(args: argparse.Namespace) -> None:
             for name in EXCHANGES:
                 row_output = Path(scratch) / f"{name}-{world_size}.json"
                 command = [
-                    sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
-                    __file__, "--run-one", "--exchange", name, "--row-output", str(row_output),
-                    "--local-batch", str(args.local_batch), "--dim", str(args.dim), "--seed", str(args.seed),
-                    "--repeats", str(args.repeats),
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nproc_per_node",
+                    str(world_size),
+                    __file__,
+                    "--run-one",
+                    "--exchange",
+                    name,
+                    "--row-output",
+                    str(row_output),
+                    "--local-batch",
+                    str(args.local_batch),
+                    "--dim",
+                    str(args.dim),
+                    "--seed",
+                    str(args.seed),
+                    "--repeats",
+                    str(args.repeats),
                 ]
                 environment = {**os.environ, "OMP_NUM_THREADS": "1"}
                 subprocess.run(command, check=True, env=environment, stdout=subprocess.DEVNULL)

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.lab.timing import Clock  # noqa: E402
 from st_weince.functional.batch_tail import batch_tail_size  # noqa: E402
 from st_weince.functional.checks import order_keys  # noqa: E402
-from st_weince.functional.composite import top_m_width  # noqa: E402
 from st_weince.functional.options import RELEASED_COMPOSITE  # noqa: E402
+from st_weince.functional.top_m import top_m_width  # noqa: E402
 from st_weince.functional.weince import max_tail_size  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
 

@@ -123,11 +123,7 @@ def summarize(output_dir: Path) -> dict[str, Any]:
         for arm in ARMS
         if any(a == arm for a, _ in finals)
     }
-    collapsed = {
-        name: epochs
-        for name, records in runs.items()
-        if (epochs := collapsed_epochs(records))
-    }
+    collapsed = {name: epochs for name, records in runs.items() if (epochs := collapsed_epochs(records))}
     summary = {
         "description": __doc__.split("\n\n")[0],
         "config": CONFIG,
@@ -178,9 +174,12 @@ def markdown(summary: dict[str, Any]) -> str:
         n = len(entry.get("seeds", []))
         refused = "; ".join(f"seed {s}: {why}" for s, why in entry["refused"].items()) or "-"
         lines.append(f"| {name} | {n} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | {refused} |")
-    lines += ["", "Collapsed epochs (benchmarks/lab/collapse.py: the 99.9 % quantile of the cosine between distinct "
-              "images' projections within 1e-3 of 1, k-NN below its own at initialisation): "
-              + (", ".join(f"{name} {epochs}" for name, epochs in summary["collapsed_epochs"].items()) or "none")]
+    lines += [
+        "",
+        "Collapsed epochs (benchmarks/lab/collapse.py: the 99.9 % quantile of the cosine between distinct "
+        "images' projections within 1e-3 of 1, k-NN below its own at initialisation): "
+        + (", ".join(f"{name} {epochs}" for name, epochs in summary["collapsed_epochs"].items()) or "none"),
+    ]
     if summary["runs_missing"]:
         lines += ["", f"Not finished yet: {', '.join(summary['runs_missing'])}"]
     return "\n".join(lines)

@@ -503,7 +503,10 @@ def evaluate_sts(
     tasks: str | Iterable[str] | None = None,
     data_dir: str | Path | None = None,
     *,
-    split: str = "test", aggregation: str = "all", batch_size: int = 64, show_progress_bar: bool = False,
+    split: str = "test",
+    aggregation: str = "all",
+    batch_size: int = 64,
+    show_progress_bar: bool = False,
 ) -> dict[str, float]:
     """Cosine Spearman x100 of ``model`` on STS tasks, from local files.
 

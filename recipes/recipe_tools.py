@@ -75,6 +75,7 @@ def positive_float(value: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value}")
     return number
 
+
 # --------------------------------------------------------------------------------------------------------------------
 # Run outputs: results.json and training_curves.png, one layout for both recipes
 # --------------------------------------------------------------------------------------------------------------------
@@ -151,6 +152,7 @@ def plot_training_curves(
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
+
 # --------------------------------------------------------------------------------------------------------------------
 # Offline encoders: the packaged all-MiniLM-L6-v2, a tiny random BERT
 # --------------------------------------------------------------------------------------------------------------------
@@ -186,7 +188,10 @@ def build_tiny_bert(
     vocab_file: str | Path | None = None,
     sentences: list[str] | None = None,
     # the architecture (BertConfig)
-    hidden_size: int = 32, num_layers: int = 2, num_heads: int = 2, intermediate_size: int = 64,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    intermediate_size: int = 64,
     max_position_embeddings: int = 128,
     seed: int = 0,
 ):

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from st_weince.functional import WEINCEOptions, mnrl_layout, normalize_rows, weince_statistics
 from st_weince.functional.layouts import CandidateGroup
-from st_weince.functional.weince import WeinceStatistics
+from st_weince.functional.weince import WEINCEStatistics
 from st_weince.losses import WEINCELoss
 
 SAFETY = 4.0
@@ -94,7 +94,7 @@ def tail_fit_tolerances(
     return {field: SAFETY * max(ulps, 1.0) * value for field, value in sensitivity.items()}
 
 
-def assert_statistics_close(actual: WeinceStatistics, expected: WeinceStatistics, tolerances: dict[str, float]):
+def assert_statistics_close(actual: WEINCEStatistics, expected: WEINCEStatistics, tolerances: dict[str, float]):
     """Every statistic of ``FIELDS`` within its tolerance (and the fitted anchors the same)."""
     assert torch.equal(actual.fitted, expected.fitted)
     for field in FIELDS:

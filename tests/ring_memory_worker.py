@@ -52,8 +52,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     results = {name: saved_bytes_and_grads(name, rank) for name in ("neighbour", "neighbour-kept", "all_gather")}
-    torch.save({name: {"saved_bytes": saved, "grads": grads} for name, (saved, grads) in results.items()},
-               output_dir / f"rank{rank}.pt")
+    torch.save(
+        {name: {"saved_bytes": saved, "grads": grads} for name, (saved, grads) in results.items()},
+        output_dir / f"rank{rank}.pt",
+    )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -255,8 +255,16 @@ def test_trainer_with_prepare_trainer_logs_and_trains(tiny_model, tmp_path, one_
     )
     loss = CachedWEINCELoss(tiny_model, mini_batch_size=5)
     trainer = build_trainer(
-        tiny_model, loss, tmp_path / "out", dataset=dataset, per_device_train_batch_size=24, max_steps=2,
-        logging_steps=1, learning_rate=1e-3, save_strategy="steps", save_steps=2,
+        tiny_model,
+        loss,
+        tmp_path / "out",
+        dataset=dataset,
+        per_device_train_batch_size=24,
+        max_steps=2,
+        logging_steps=1,
+        learning_rate=1e-3,
+        save_strategy="steps",
+        save_steps=2,
     )
     prepare_trainer(trainer)
     before = [p.detach().clone() for p in tiny_model.parameters()]

@@ -40,8 +40,16 @@ def test_reloaded_minilm_gives_probabilities_from_its_own_trained_values(shared_
     model = SentenceTransformer(path, device="cpu")
     loss = RBSigmoidLoss(model)
     args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / "run"), per_device_train_batch_size=16, max_steps=4, learning_rate=2e-5,
-        lr_scheduler_type="constant", save_strategy="no", report_to=[], seed=0, use_cpu=True, disable_tqdm=True,
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=16,
+        max_steps=4,
+        learning_rate=2e-5,
+        lr_scheduler_type="constant",
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        use_cpu=True,
+        disable_tqdm=True,
         dataloader_num_workers=0,
     )
     dataset = Dataset.from_dict(

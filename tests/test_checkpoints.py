@@ -250,5 +250,3 @@ def test_resume_with_restore_callback_states_from_checkpoint(tiny_model_dir, tmp
     trainer.train(resume_from_checkpoint=True)
     assert_same_run(outcome(trainer), uninterrupted)
     assert read_checkpoint_loss_state(output / "checkpoint-6")["log_t"].item() == trainer.loss.log_t.item()
-
-

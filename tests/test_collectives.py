@@ -58,7 +58,11 @@ def test_collectives_equal_the_deprecated_ones_bit_for_bit(ranks):
     against sentence-transformers' (int64 keys beyond float32's integers; the own rows keep their gradient)."""
     for rank, result in enumerate(ranks):
         assert set(result["exact"]) == {
-            "with_grad/values", "with_grad/grads", "keys", "without_grad/values", "without_grad/own_grads"
+            "with_grad/values",
+            "with_grad/grads",
+            "keys",
+            "without_grad/values",
+            "without_grad/own_grads",
         }
         for name, (got, expected) in result["exact"].items():
             assert got.dtype == expected.dtype and torch.equal(got, expected), f"rank {rank}: {name}"
@@ -70,9 +74,7 @@ def ring_memory(fork_server, tmp_path_factory) -> dict[int, list[dict]]:
     for world_size in (1, 4):
         output_dir = tmp_path_factory.mktemp(f"ring-memory-{world_size}")
         run_ranks(fork_server, "tests.ring_memory_worker", [output_dir], output_dir, nproc=world_size)
-        results[world_size] = [
-            torch.load(output_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)
-        ]
+        results[world_size] = [torch.load(output_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
     return results
 
 

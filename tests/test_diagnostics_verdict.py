@@ -17,7 +17,7 @@ import torch
 from st_weince.diagnostics import __main__ as cli
 from st_weince.diagnostics.evt import pot_fit
 from st_weince.diagnostics.link import fit_link
-from st_weince.diagnostics.verdict import GRADIENT_CHANGE, LINK_ALPHA, WeinceGate, decide
+from st_weince.diagnostics.verdict import GRADIENT_CHANGE, LINK_ALPHA, WEINCEGate, decide
 from tests.conftest import TINY_SENTENCES
 
 BATCH = 32
@@ -25,8 +25,8 @@ SCALE = 20.0
 COLUMNS = ("question", "answer", "intent")
 
 
-def _gate(lam_mean: float, changed: float = 0.3) -> WeinceGate:
-    return WeinceGate(SCALE, lam_mean, 0.0, SCALE, changed, 1.0, anchors=64, batches=2, options={})
+def _gate(lam_mean: float, changed: float = 0.3) -> WEINCEGate:
+    return WEINCEGate(SCALE, lam_mean, 0.0, SCALE, changed, 1.0, anchors=64, batches=2, options={})
 
 
 def _pot(xi: float, low: float, high: float) -> SimpleNamespace:

@@ -114,8 +114,14 @@ def _spans() -> list[tuple[str, int, str]]:
 
 
 def test_every_backticked_st_weince_name_exists():
-    dead = sorted({f"{page}:{line}: {name}" for page, line, span in _spans() for name in NAME.findall(span)
-                   if not _resolves(name)})
+    dead = sorted(
+        {
+            f"{page}:{line}: {name}"
+            for page, line, span in _spans()
+            for name in NAME.findall(span)
+            if not _resolves(name)
+        }
+    )
     assert not dead, "names in the docs that do not exist:\n" + "\n".join(dead)
 
 
@@ -233,8 +239,9 @@ def test_every_documented_command_parses():
     # a bare file name (``torchrun ... train.py``) stands for the reader's own script; the project's are in folders
     commands = [(where, r) for where, r in documented_commands() if r["kind"] != "script" or "/" in r["target"]]
     assert len(commands) >= 30, "the command finder found too few commands"
-    missing = [where for where, request in commands if request["kind"] == "script"
-               and not (REPO / request["target"]).is_file()]
+    missing = [
+        where for where, request in commands if request["kind"] == "script" and not (REPO / request["target"]).is_file()
+    ]
     assert not missing, "commands of scripts that do not exist:\n" + "\n".join(missing)
     process = subprocess.run(
         [sys.executable, "-m", "tests.docs_commands"],

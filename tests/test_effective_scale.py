@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from st_weince.functional import TopM, nt_xent_layout
-from st_weince.functional.composite import top_m_selection, top_m_terms
 from st_weince.functional.effective_scale import blend_effective_scale, shortfall_secant_slope
+from st_weince.functional.top_m import top_m_selection, top_m_terms
 from st_weince.losses import CachedWEINCELoss, WEINCELoss
 
 EPS = 1e-6

@@ -72,8 +72,11 @@ def test_every_committed_runs_csv_command_runs_today_or_names_its_commit(recipe)
         # no network and no HF_HUB_OFFLINE: before, five retries of the training file's download over 23 s
         ([], {"HF_ENDPOINT": "http://127.0.0.1:9"}, "wiki1m_for_simcse.txt is not in the hub cache and"),
         # HF_HUB_OFFLINE with a training file: before, transformers' two-line OSError text
-        (["--train-file", str(REPO / "recipes" / "assets" / "wiki1m_slice.txt")], {"HF_HUB_OFFLINE": "1"},
-         "could not load model 'bert-base-uncased': not a local folder nor in the hub cache, and HF_HUB_OFFLINE"),
+        (
+            ["--train-file", str(REPO / "recipes" / "assets" / "wiki1m_slice.txt")],
+            {"HF_HUB_OFFLINE": "1"},
+            "could not load model 'bert-base-uncased': not a local folder nor in the hub cache, and HF_HUB_OFFLINE",
+        ),
     ],
     ids=["unreachable-hub", "hf-hub-offline"],
 )

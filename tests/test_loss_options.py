@@ -59,8 +59,10 @@ def _literal_assignments(names: str, value: object) -> list[str]:
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         for name, constant, line in _named_constants(ast.parse(path.read_text())):
-            if isinstance(constant, bool) or type(constant) is not type(value) and not (
-                isinstance(constant, (int, float)) and isinstance(value, (int, float))
+            if (
+                isinstance(constant, bool)
+                or type(constant) is not type(value)
+                and not (isinstance(constant, (int, float)) and isinstance(value, (int, float)))
             ):
                 continue
             if constant == value and pattern.fullmatch(name):

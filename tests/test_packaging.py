@@ -87,8 +87,6 @@ def test_embed_columns_still_has_the_api_the_losses_use(tiny_model):
     # The loss modules import it from exactly this place.
     import st_weince.losses as losses
 
-    users = [
-        importlib.import_module(f"st_weince.losses.{info.name}") for info in pkgutil.iter_modules(losses.__path__)
-    ]
+    users = [importlib.import_module(f"st_weince.losses.{info.name}") for info in pkgutil.iter_modules(losses.__path__)]
     users = [module for module in users if hasattr(module, "embed_columns")]
     assert users and all(module.embed_columns is embed_columns for module in users)

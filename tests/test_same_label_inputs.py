@@ -55,10 +55,18 @@ def test_exact_labels_add_no_host_sync():
     [
         (torch.tensor([0.0, 1.0, float("nan"), 2.0] * 2), ValueError, r"the labels are torch\.float32.*may hold NaN"),
         (torch.full((8,), float("nan"), dtype=torch.float64), ValueError, "class_encode_column"),
-        (torch.arange(8).reshape(4, 2), ValueError, r"one label per row, a 1-D tensor of 8 class ids, got 8 labels of "
-         r"shape \(4, 2\) for 8 rows"),
-        (list(range(8)), TypeError, r"torch tensor of integer class ids \(one per row\), got list: convert them with "
-         r"torch\.as_tensor\(labels\)"),
+        (
+            torch.arange(8).reshape(4, 2),
+            ValueError,
+            r"one label per row, a 1-D tensor of 8 class ids, got 8 labels of "
+            r"shape \(4, 2\) for 8 rows",
+        ),
+        (
+            list(range(8)),
+            TypeError,
+            r"torch tensor of integer class ids \(one per row\), got list: convert them with "
+            r"torch\.as_tensor\(labels\)",
+        ),
         (np.arange(8), TypeError, "got ndarray: convert them with torch.as_tensor"),
     ],
 )

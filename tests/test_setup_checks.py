@@ -63,8 +63,13 @@ def make_trainer(model, tmp_path, rows: int, loss, extra_columns: dict | None = 
     sentences = (TINY_SENTENCES * 2)[:rows]
     data = {"anchor": sentences, "positive": sentences[::-1], **(extra_columns or {})}
     return build_trainer(
-        model, loss, tmp_path / "out", dataset=Dataset.from_dict(data), per_device_train_batch_size=batch_size,
-        max_steps=1, dataloader_pin_memory=False,
+        model,
+        loss,
+        tmp_path / "out",
+        dataset=Dataset.from_dict(data),
+        per_device_train_batch_size=batch_size,
+        max_steps=1,
+        dataloader_pin_memory=False,
     )
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from st_weince.functional.batch_tail import batch_negative_tail
-from st_weince.functional.composite import top_m_selection
 from st_weince.functional.options import TopM
+from st_weince.functional.top_m import top_m_selection
 from st_weince.functional.weince import hardest_negatives, statistics_from_fit, weince_tail_fit
 
 
@@ -113,8 +113,9 @@ def test_rows_alike_give_the_general_paths_values_bit_for_bit(has_positive, colu
     width = min(columns, 50)
     shared = hardest_negatives(scores, positive_index, None, width, has_positive=has_positive, keep_selection=True)
     assert torch.equal(shared.values, hardest_negatives(scores, positive_index, everything, width).values)
-    from_sort = batch_negative_tail(scores, positive_index, None, options, eps=1e-6, hardest=shared,
-                                    has_positive=has_positive)
+    from_sort = batch_negative_tail(
+        scores, positive_index, None, options, eps=1e-6, hardest=shared, has_positive=has_positive
+    )
     own = batch_negative_tail(scores, positive_index, everything, options, eps=1e-6)
     assert isinstance(from_sort.num_negatives, int) and from_sort.num_negatives == int(own.num_negatives)
     assert torch.equal(from_sort.shortfalls, own.shortfalls)

@@ -69,10 +69,7 @@ def test_relative_and_absolute_agree_when_b_is_t_times_b_rel():
 
 def test_normalization_is_mean_over_anchors_of_sum_over_candidates():
     scores, targets = random_case(3, anchors=4, candidates=5)
-    one_row = [
-        sigmoid_contrastive_loss(scores[i : i + 1], targets[i : i + 1], scale=2.0, bias=0.5)
-        for i in range(4)
-    ]
+    one_row = [sigmoid_contrastive_loss(scores[i : i + 1], targets[i : i + 1], scale=2.0, bias=0.5) for i in range(4)]
     total = sigmoid_contrastive_loss(scores, targets, scale=2.0, bias=0.5)
     assert total.item() == pytest.approx(sum(v.item() for v in one_row) / 4, rel=1e-6)
 

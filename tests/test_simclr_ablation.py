@@ -196,7 +196,7 @@ def test_paired_comparisons_and_interaction_against_hand_arithmetic(ablation):
     composite = paired["composite_minus_infonce"]
     assert composite["per_seed"] == {"0": {"linear_top1": 0.5, "knn_top1": 3.25}, "1": {"linear_top1": 0.5,
                                                                                        "knn_top1": 2.75}}  # fmt: skip
-    assert composite["knn_top1"]["mean"] == 3.0 and composite["knn_top1"]["std"] == pytest.approx(0.5 ** 0.5 / 2)
+    assert composite["knn_top1"]["mean"] == 3.0 and composite["knn_top1"]["std"] == pytest.approx(0.5**0.5 / 2)
     assert paired["composite_minus_infonce-tau0.2"]["per_seed"]["0"] == {"linear_top1": -1.5, "knn_top1": 0.25}
     # Both temperatures of the composite against the control, paired (the control's k-NN does not move with the seed).
     assert paired["composite-tau0.2_minus_infonce-tau0.2"]["per_seed"] == {

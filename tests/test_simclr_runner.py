@@ -235,5 +235,3 @@ def test_a_bad_override_is_refused_by_name(study, override, expected, capsys):
     with pytest.raises(SystemExit):
         study.main(["--override", override])
     assert expected in capsys.readouterr().err
-
-

@@ -22,8 +22,14 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TINY = {"backbone": "resnet18", "width": 2, "projection_dim": 4, "channels_last": True, "temperature": 0.5}
 TINY_SETUPS = {
-    "batchnorm-head": {**TINY, "setup": "batchnorm-head", "hidden_dim": 8, "lr": 1e-3, "weight_decay": 1e-6,
-                       "beta": 1.0},  # fmt: skip
+    "batchnorm-head": {
+        **TINY,
+        "setup": "batchnorm-head",
+        "hidden_dim": 8,
+        "lr": 1e-3,
+        "weight_decay": 1e-6,
+        "beta": 1.0,
+    },  # fmt: skip
     "released": {**TINY, "setup": "released", "hidden_dim": None, "lr": 3e-4, "weight_decay": 0.0, "arms": ARMS},
 }
 
@@ -67,8 +73,13 @@ def images_of(count: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "setup, arm",
-    [("batchnorm-head", "infonce"), ("batchnorm-head", "weince"), ("batchnorm-head", "rb-sigmoid"),
-     ("released", "composite"), ("released", "infonce-tau0.2")],  # fmt: skip
+    [
+        ("batchnorm-head", "infonce"),
+        ("batchnorm-head", "weince"),
+        ("batchnorm-head", "rb-sigmoid"),
+        ("released", "composite"),
+        ("released", "infonce-tau0.2"),
+    ],  # fmt: skip
 )
 def test_epochs_equal_the_study_loop_bit_for_bit(setup, arm):
     config, images = TINY_SETUPS[setup], images_of(20)

@@ -24,7 +24,7 @@ from st_weince.functional import (
     update_beta_ema,
     weince_cross_entropy,
 )
-from st_weince.functional.composite import top_m_selection
+from st_weince.functional.top_m import top_m_selection
 from st_weince.losses import WEINCELoss
 from st_weince.utils.hotpath import count_host_syncs
 from tests.weince_release_reference import ReleasedCompositeReference
@@ -42,6 +42,8 @@ def composite(scale: float, top_m: TopM | None = RELEASED, dtype: torch.dtype = 
 def top_m_pair(scores, positive_index, valid_mask, options=RELEASED, *, beta, scale):
     """The two top-M terms per row (without the effective scale)."""
     return top_m_terms(scores, positive_index, valid_mask, options, beta=beta, scale=scale, eps=EPS)[:2]
+
+
 TOLERANCE = 1e-6
 
 
@@ -270,8 +272,12 @@ def test_top_m_gradients():
 
     assert torch.autograd.gradcheck(alike, (scores,))
     unmasked = top_m_pair(scores, positive_index, None, TopM(m=3), beta=2.5, scale=2.0)
-    assert torch.equal(torch.stack(unmasked), torch.stack(top_m_terms(
-        scores, positive_index, None, TopM(m=3), beta=2.5, scale=2.0, eps=EPS, has_positive=True)[:2]))
+    assert torch.equal(
+        torch.stack(unmasked),
+        torch.stack(
+            top_m_terms(scores, positive_index, None, TopM(m=3), beta=2.5, scale=2.0, eps=EPS, has_positive=True)[:2]
+        ),
+    )
     capped = scores.detach().clone()
     capped[0, 0] = 1.0  # row 0's positive, at the cap: the shortfall term passes it no gradient
     capped.requires_grad_()

@@ -165,8 +165,15 @@ def test_trainer_trains_logs_saves_reloads(tiny_model, tmp_path):
     dataset = Dataset.from_dict({"anchor": TINY_SENTENCES * 2, "positive": (TINY_SENTENCES * 2)[::-1]})
     loss = WEINCELoss(tiny_model, gate=Gate(q=0.4))
     trainer = build_trainer(
-        tiny_model, loss, tmp_path / "out", dataset=dataset, per_device_train_batch_size=12,
-        max_steps=3, logging_steps=1, learning_rate=1e-3, save_strategy="no",
+        tiny_model,
+        loss,
+        tmp_path / "out",
+        dataset=dataset,
+        per_device_train_batch_size=12,
+        max_steps=3,
+        logging_steps=1,
+        learning_rate=1e-3,
+        save_strategy="no",
     )
     prepare_trainer(trainer)
     before = tiny_model.encode(["the cat sat on the mat"], convert_to_tensor=True)

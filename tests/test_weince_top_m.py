@@ -148,9 +148,9 @@ def test_cached_equals_uncached_over_steps(directions, partition_mode, num_colum
         detached = [e.detach() for e in embeddings]
         group = query_group(plain, detached)
         ulps = ulps_apart(block_scores(plain, detached, row_chunks(23, 5)), group.scores)
-        lam_tolerance = tail_fit_tolerances(
-            group.scores, group.positive_index, group.valid_mask, plain.options, ulps
-        )["lam"]
+        lam_tolerance = tail_fit_tolerances(group.scores, group.positive_index, group.valid_mask, plain.options, ulps)[
+            "lam"
+        ]
         share = logged.pop("weince_lambda_gt_half")
         assert_share_above_close(
             cached_logged.pop("weince_lambda_gt_half"), share, plain.last_statistics.lam, 0.5, lam_tolerance, "lam"

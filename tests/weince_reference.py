@@ -26,9 +26,16 @@ def reference_statistics(
     valid_mask: np.ndarray | None = None,
     *,
     # the pivot and the two gates
-    q: float = 0.2, kappa_rho: float = 10.0, kappa_aic: float = 1.0, aic_margin: float = 2.0, mode: str = "both",
+    q: float = 0.2,
+    kappa_rho: float = 10.0,
+    kappa_aic: float = 1.0,
+    aic_margin: float = 2.0,
+    mode: str = "both",
     # the tail fits and the logit
-    tail_frac: float = 0.10, min_tail_points: int = 32, eps: float = 1e-6, beta: float | str = 1.0,
+    tail_frac: float = 0.10,
+    min_tail_points: int = 32,
+    eps: float = 1e-6,
+    beta: float | str = 1.0,
 ) -> dict[str, np.ndarray | float]:
     num_anchors, num_candidates = scores.shape
     if valid_mask is None:

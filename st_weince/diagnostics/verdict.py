@@ -43,7 +43,7 @@ WEINCE_GATE_MEANING = "WEINCE's per-anchor gate lambda as WEINCELoss computes it
 
 
 @dataclass(frozen=True)
-class WeinceGate:
+class WEINCEGate:
     """WEINCE's gate lambda on the batches of some choice data (:func:`weince_gate`)."""
 
     scale: float  # the training scale, 1 / temperature
@@ -61,7 +61,7 @@ class WeinceGate:
 @torch.no_grad()
 def weince_gate(
     scores: Tensor, winner_index: Tensor, valid_mask: Tensor, *, rows_per_batch: int, scale: float
-) -> WeinceGate:
+) -> WEINCEGate:
     """The gate lambda of WEINCELoss (default options at ``scale``) on choice data stacked batch after batch (as
     :func:`st_weince.diagnostics.collect.choice_data` returns it, ``rows_per_batch`` rows a batch): each batch gets
     its own pivot ``rho0``, as one training batch does."""
@@ -80,7 +80,7 @@ def weince_gate(
             )
         )
     lam_all, ratio_all = torch.cat(lam).double(), torch.cat(ratio)
-    return WeinceGate(
+    return WEINCEGate(
         scale=options.scale,
         lam_mean=float(lam_all.mean()),
         lam_share_above_half=float((lam_all > 0.5).double().mean()),
@@ -195,7 +195,7 @@ def link_preference(link: LinkFit) -> str:
 
 def decide(
     pot: PotFit,
-    gate: WeinceGate,
+    gate: WEINCEGate,
     link: LinkFit,
     positive_mean: float,
     hardest_negative_mean: float,

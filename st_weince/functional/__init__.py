@@ -11,7 +11,6 @@ from st_weince.functional.batch_tail import (
     update_beta_ema,
 )
 from st_weince.functional.checks import check_scores, compute_dtype
-from st_weince.functional.composite import shortfall_logits, top_m_terms
 from st_weince.functional.false_negatives import (
     FalseNegativeFilter,
     FilterCounts,
@@ -42,9 +41,10 @@ from st_weince.functional.sigmoid import (
     sigmoid_logits,
     targets_from_positive_index,
 )
+from st_weince.functional.top_m import shortfall_logits, top_m_terms
 from st_weince.functional.weince import (
     TailFit,
-    WeinceStatistics,
+    WEINCEStatistics,
     batch_pivot,
     blend_weights,
     blended_cross_entropy,
@@ -75,7 +75,7 @@ __all__ = [
     "TopM",
     "WEINCEOptions",
     "WEINCEStep",
-    "WeinceStatistics",
+    "WEINCEStatistics",
     "apply_false_negative_filter",
     "batch_negative_tail",
     "batch_pivot",

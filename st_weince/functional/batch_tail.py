@@ -61,16 +61,22 @@ class BatchTail:
         counts = [p.num_negatives for p in parts]
         return BatchTail(
             shortfalls=torch.cat([p.shortfalls for p in parts]),
-            num_negatives=sum(counts) if all(isinstance(c, int) for c in counts) else torch.stack(
-                [torch.as_tensor(c, device=parts[0].shortfalls.device) for c in counts]
-            ).sum(),
+            num_negatives=sum(counts)
+            if all(isinstance(c, int) for c in counts)
+            else torch.stack([torch.as_tensor(c, device=parts[0].shortfalls.device) for c in counts]).sum(),
         )
 
 
 @torch.no_grad()
 def batch_negative_tail(
-    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None, options: TopM,
-    *, eps: float, global_entries: int | None = None, hardest: HardestNegatives | None = None,
+    scores: Tensor,
+    positive_index: Tensor,
+    valid_mask: Tensor | None,
+    options: TopM,
+    *,
+    eps: float,
+    global_entries: int | None = None,
+    hardest: HardestNegatives | None = None,
     has_positive: bool | None = None,
 ) -> BatchTail:
     """The smallest shortfalls ``max(1 - s, eps)`` over ALL negative scores of these rows (self-pairs, positives and

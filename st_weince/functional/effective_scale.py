@@ -52,7 +52,7 @@ def blend_effective_scale(
 @torch.no_grad()
 def selection_shortfall_scale(picked: Tensor, used: Tensor | None, beta: Tensor, eps: float) -> Tensor:
     """Per row [A]: the secant slope of the top-M shortfall logit ``-beta log(1 - s)`` over a row's used entries of a
-    :func:`~st_weince.functional.composite.top_m_selection` (its positive and used hardest negatives; None: all)."""
+    :func:`~st_weince.functional.top_m.top_m_selection` (its positive and used hardest negatives; None: all)."""
     # The positive is an entry of the set, so a row without used negatives (M' = 0) has the range of one score.
     low, high = row_score_range(picked, used)
     return beta * shortfall_secant_slope(low, high, eps)

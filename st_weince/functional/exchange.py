@@ -139,8 +139,16 @@ class _Ring:
         for begin in range(0, num_anchors, step):
             yield slice(begin, min(begin + step, num_anchors))
 
-    def block_value(self, params: dict[str, Tensor], row_anchors: Tensor, block: Tensor, own: bool, keys, rows: slice,
-                    num_anchors: int):
+    def block_value(
+        self,
+        params: dict[str, Tensor],
+        row_anchors: Tensor,
+        block: Tensor,
+        own: bool,
+        keys,
+        rows: slice,
+        num_anchors: int,
+    ):
         """The weighted loss of the anchors ``row_anchors`` (rows ``rows`` of ``num_anchors``) against one process's
         block (``own``: this process's), with the block's extremes and guard counts."""
         index = self.positive_index[rows] if own else torch.full_like(self.positive_index[rows], -1)
@@ -300,7 +308,14 @@ def ring_block_losses(
     if candidate_keys is not None:
         reference_keys = positive_keys(candidate_keys, positive_index, candidates.shape[0])
     ring = _Ring(
-        block_loss, tuple(params), positive_index, positive_scores, weight, anchor_chunk, group, candidate_keys,
+        block_loss,
+        tuple(params),
+        positive_index,
+        positive_scores,
+        weight,
+        anchor_chunk,
+        group,
+        candidate_keys,
         reference_keys,
     )
     differentiable = torch.is_grad_enabled() and any(

@@ -43,8 +43,9 @@ def input_keys(input_ids: Tensor, attention_mask: Tensor | None = None) -> Tenso
     position (the same in every process and on every device), and the number of tokens. Integer tensor code on the
     ids' device: no host-device sync, no data-dependent shapes."""
     if input_ids.dim() != 2 or input_ids.is_floating_point():
-        raise ValueError(f"input_ids must be a 2-D integer [batch, tokens] tensor, got {input_ids.dtype} "
-                         f"{tuple(input_ids.shape)}")
+        raise ValueError(
+            f"input_ids must be a 2-D integer [batch, tokens] tensor, got {input_ids.dtype} {tuple(input_ids.shape)}"
+        )
     ids = input_ids.long()
     mask = torch.ones_like(ids) if attention_mask is None else (attention_mask != 0).long()
     positions = (mask.cumsum(1) - 1).clamp_min(0)  # index among the row's real tokens: padding-side independent
@@ -277,8 +278,13 @@ def apply_false_negative_filter(
     if spec is None:
         return valid_mask, None
     masked = false_negative_mask(
-        scores, positive_index, valid_mask, spec, positive_scores,
-        candidate_keys=candidate_keys, reference_keys=reference_keys,
+        scores,
+        positive_index,
+        valid_mask,
+        spec,
+        positive_scores,
+        candidate_keys=candidate_keys,
+        reference_keys=reference_keys,
     )
     counts = filter_counts(masked, positive_index, valid_mask)
     return (~masked if valid_mask is None else valid_mask & ~masked), counts

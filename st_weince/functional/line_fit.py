@@ -77,9 +77,7 @@ def row_design(k: Tensor, k_max: int, dtype: torch.dtype) -> Design:
     return Design(table.burn_in[k], table.weight.index_select(0, k), table.centred.index_select(1, k))
 
 
-def fit_lines(
-    x: Tensor, design: Design, n: Tensor | float, first_used: Tensor | int
-) -> tuple[Tensor, Tensor, Tensor]:
+def fit_lines(x: Tensor, design: Design, n: Tensor | float, first_used: Tensor | int) -> tuple[Tensor, Tensor, Tensor]:
     """Row-wise least squares y ~ a + slope * x for the design's responses on the same x, over the points with weight
     1: ``(slope [Y, A], residual sum of squares [Y, A], degenerate [A])``, where the rows whose x has no spread
     (``degenerate``) get slope 0.

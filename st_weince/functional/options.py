@@ -33,7 +33,7 @@ from st_weince.utils.options import (
     stored_scale_option,
 )
 
-WeinceMode = Literal["both", "rho", "aic", "none"]
+WEINCEMode = Literal["both", "rho", "aic", "none"]
 WEINCE_MODES = ("both", "rho", "aic", "none")
 BETA_AUTO_RANGE = (0.5, 16.0)  # the clamp of an estimated tail index ("auto"), as released
 Parametrization = Literal["relative", "absolute"]
@@ -290,7 +290,7 @@ class WEINCEOptions(Options):
     directions: tuple[Direction, ...] = ("query_to_doc",)
     partition_mode: PartitionMode = "joint"
     beta: float | str = "auto"
-    mode: WeinceMode = "both"
+    mode: WEINCEMode = "both"
     gate: Gate = Gate()
     tail_frac: Annotated[float, Within("(0, 1]")] = 0.10
     min_tail_points: Annotated[int, Within("[1, inf)")] = 32

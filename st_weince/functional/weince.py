@@ -71,7 +71,7 @@ class TailFit:
 
 
 @dataclass(frozen=True)
-class WeinceStatistics:
+class WEINCEStatistics:
     """Everything the WEINCE logit needs, per anchor; computed without gradient, in the statistics dtype."""
 
     lam: Tensor  # [A] blend weight in [0, 1); 0 gives InfoNCE
@@ -153,8 +153,14 @@ def selected_values(selected: Tensor, dtype: torch.dtype) -> Tensor:
 
 @torch.no_grad()
 def hardest_negatives(
-    scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None, width: int,
-    *, with_columns: bool = True, has_positive: bool | None = None, keep_selection: bool = False,
+    scores: Tensor,
+    positive_index: Tensor | None,
+    valid_mask: Tensor | None,
+    width: int,
+    *,
+    with_columns: bool = True,
+    has_positive: bool | None = None,
+    keep_selection: bool = False,
 ) -> HardestNegatives:
     """The ``width`` largest negative scores of each row, descending, and their columns (no gradient; without them
     when not ``with_columns``: the tail fit alone reads only the values), from one top-k of each row of the
@@ -200,8 +206,13 @@ def negatives_needed(options: WEINCEOptions = DEFAULTS) -> int:
 
 @torch.no_grad()
 def weince_tail_fit(
-    scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None = None,
-    options: WEINCEOptions = DEFAULTS, *, hardest: HardestNegatives | None = None, has_positive: bool | None = None,
+    scores: Tensor,
+    positive_index: Tensor | None,
+    valid_mask: Tensor | None = None,
+    options: WEINCEOptions = DEFAULTS,
+    *,
+    hardest: HardestNegatives | None = None,
+    has_positive: bool | None = None,
 ) -> TailFit:
     """Per-anchor shortfall tail fits (docs/algorithms.md 1.1 steps 1-4), vectorised over anchors, in the scores'
     dtype (float16/bfloat16: float32). Shapes are checked, values are not (:func:`check_scores`).
@@ -331,9 +342,12 @@ def tail_index(fit: TailFit, beta: float | str = DEFAULTS.beta) -> Tensor:
 
 @torch.no_grad()
 def statistics_from_fit(
-    fit: TailFit, options: WEINCEOptions = DEFAULTS,
-    *, rho0: Tensor | float | None = None, gather: Callable[[Tensor], Tensor] | None = None,
-) -> WeinceStatistics:
+    fit: TailFit,
+    options: WEINCEOptions = DEFAULTS,
+    *,
+    rho0: Tensor | float | None = None,
+    gather: Callable[[Tensor], Tensor] | None = None,
+) -> WEINCEStatistics:
     """Steps 5-7 of docs/algorithms.md 1.1 on given tail fits: the pivot (over ``gather``'s global batch unless ``rho0``
     is given), the blend weights and the tail index."""
     require_options(options, WEINCEOptions)
@@ -347,7 +361,7 @@ def statistics_from_fit(
         rho0 = batch_pivot(gather(fit.rho), has_negatives, options.gate.q)
     if not isinstance(rho0, Tensor) or rho0.dtype != fit.rho.dtype or rho0.device != fit.rho.device:
         rho0 = torch.as_tensor(rho0, dtype=fit.rho.dtype, device=fit.rho.device)
-    return WeinceStatistics(
+    return WEINCEStatistics(
         lam=blend_weights(fit, rho0, options),
         beta=tail_index(fit, options.beta),
         rho=fit.rho,
@@ -360,10 +374,14 @@ def statistics_from_fit(
 
 @torch.no_grad()
 def weince_statistics(
-    scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None = None,
+    scores: Tensor,
+    positive_index: Tensor | None,
+    valid_mask: Tensor | None = None,
     options: WEINCEOptions = DEFAULTS,
-    *, rho0: Tensor | float | None = None, gather: Callable[[Tensor], Tensor] | None = None,
-) -> WeinceStatistics:
+    *,
+    rho0: Tensor | float | None = None,
+    gather: Callable[[Tensor], Tensor] | None = None,
+) -> WEINCEStatistics:
     """Per-anchor WEINCE statistics (no gradient), in the scores' dtype (float16/bfloat16: float32).
 
     ``rho0`` overrides the batch pivot. ``gather`` maps a per-anchor tensor of this process to the one of the global
@@ -409,8 +427,14 @@ class _BlendedLogit(torch.autograd.Function):
 
 
 def weince_logits(
-    scores: Tensor, lam: Tensor, beta: Tensor, valid_mask: Tensor | None = None, *, scale: float,
-    eps: float = DEFAULTS.eps, check_inputs: bool = True,
+    scores: Tensor,
+    lam: Tensor,
+    beta: Tensor,
+    valid_mask: Tensor | None = None,
+    *,
+    scale: float,
+    eps: float = DEFAULTS.eps,
+    check_inputs: bool = True,
 ) -> Tensor:
     """Blended logits (1 - lam) s / tau + lam (-beta log(1 - min(s, 1 - eps))), -inf at invalid entries, with
     ``scale = 1 / tau``.
@@ -469,8 +493,14 @@ class _BlendedCrossEntropy(torch.autograd.Function):
 
 
 def blended_cross_entropy(
-    scores: Tensor, lam: Tensor, beta: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None,
-    *, scale: float, eps: float = DEFAULTS.eps,
+    scores: Tensor,
+    lam: Tensor,
+    beta: Tensor,
+    positive_index: Tensor,
+    valid_mask: Tensor | None = None,
+    *,
+    scale: float,
+    eps: float = DEFAULTS.eps,
 ) -> Tensor:
     """Per-row cross-entropy [A] of :func:`weince_logits` with ``positive_index`` as the target, fused (fewer passes
     over the matrix in backward). Same dtypes and gradient as the unfused logits + ``F.cross_entropy``."""
@@ -488,8 +518,14 @@ def blended_cross_entropy(
 
 
 def weince_cross_entropy(
-    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, options: WEINCEOptions = DEFAULTS,
-    *, reduction: str = "mean", rho0: Tensor | float | None = None, statistics: WeinceStatistics | None = None,
+    scores: Tensor,
+    positive_index: Tensor,
+    valid_mask: Tensor | None = None,
+    options: WEINCEOptions = DEFAULTS,
+    *,
+    reduction: str = "mean",
+    rho0: Tensor | float | None = None,
+    statistics: WEINCEStatistics | None = None,
 ) -> Tensor:
     """WEINCE loss (the blend, section 1.2, at ``options.scale``): cross-entropy of the blended logits of each row
     with its positive as the target.

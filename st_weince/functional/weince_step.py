@@ -27,15 +27,15 @@ from st_weince.functional.batch_tail import (
     batch_tail_fit,
     update_beta_ema,
 )
-from st_weince.functional.composite import top_m_terms, top_m_width
 from st_weince.functional.effective_scale import blend_effective_scale
 from st_weince.functional.false_negatives import FilterCounts
 from st_weince.functional.layouts import MNRLLayout, mnrl_cross_entropy
 from st_weince.functional.options import TopM, WEINCEOptions, require_options
+from st_weince.functional.top_m import top_m_terms, top_m_width
 from st_weince.functional.weince import (
     HardestNegatives,
     TailFit,
-    WeinceStatistics,
+    WEINCEStatistics,
     blended_cross_entropy,
     hardest_negatives,
     max_tail_size,
@@ -89,7 +89,7 @@ def layout_tail_fits(layout: MNRLLayout, options: WEINCEOptions) -> tuple[list[T
     return fits, [] if options.top_m is None else top_m_units(layout, sorts)
 
 
-def rows_loss(layout: MNRLLayout, statistics: list[WeinceStatistics], scale: float, eps: float) -> Tensor:
+def rows_loss(layout: MNRLLayout, statistics: list[WEINCEStatistics], scale: float, eps: float) -> Tensor:
     """Per-row blended cross-entropy [R] of the layout's rows, given each group's statistics of those rows."""
     pairs = list(zip(layout.groups, statistics))
     if len(pairs) == 1 or layout.partition_mode == "per_direction":
@@ -100,13 +100,12 @@ def rows_loss(layout: MNRLLayout, statistics: list[WeinceStatistics], scale: flo
         ]
         return rows[0] if len(rows) == 1 else torch.stack(rows, dim=1).mean(dim=1)
     logits = [
-        weince_logits(g.scores, s.lam, s.beta, g.valid_mask, scale=scale, eps=eps, check_inputs=False)
-        for g, s in pairs
+        weince_logits(g.scores, s.lam, s.beta, g.valid_mask, scale=scale, eps=eps, check_inputs=False) for g, s in pairs
     ]
     return mnrl_cross_entropy(layout, logits)
 
 
-def statistics_rows(stats: WeinceStatistics, rows: slice) -> WeinceStatistics:
+def statistics_rows(stats: WEINCEStatistics, rows: slice) -> WEINCEStatistics:
     """The statistics of a block of rows (the pivot is the batch's)."""
     per_row = ("lam", "beta", "rho", "delta_aic", "beta_hat", "fitted")
     return dataclasses.replace(stats, **{name: getattr(stats, name)[rows] for name in per_row})
@@ -137,9 +136,16 @@ def top_m_rows(
     beta = beta_t if beta_t is not None else 1.0  # only the shortfall term reads it, and it is off then
     terms = [
         top_m_terms(
-            u.scores, u.positive_index, u.valid_mask, options.top_m,
-            beta=beta, scale=options.top_m_infonce_scale, eps=options.eps,
-            hardest=u.hardest, has_positive=u.has_positive, effective_scale=effective_scale,
+            u.scores,
+            u.positive_index,
+            u.valid_mask,
+            options.top_m,
+            beta=beta,
+            scale=options.top_m_infonce_scale,
+            eps=options.eps,
+            hardest=u.hardest,
+            has_positive=u.has_positive,
+            effective_scale=effective_scale,
         )
         for u in units
     ]
@@ -158,8 +164,14 @@ def batch_tail(units: list[Unit], step_rows: int, options: WEINCEOptions, gather
     return BatchTail.cat(
         [
             batch_negative_tail(
-                u.scores, u.positive_index, u.valid_mask, options.top_m,
-                eps=options.eps, global_entries=global_entries, hardest=u.hardest, has_positive=u.has_positive,
+                u.scores,
+                u.positive_index,
+                u.valid_mask,
+                options.top_m,
+                eps=options.eps,
+                global_entries=global_entries,
+                hardest=u.hardest,
+                has_positive=u.has_positive,
             )
             for u in units
         ]
@@ -211,7 +223,7 @@ class WEINCEStep:
     scales (means over the rows)."""
 
     loss: Tensor
-    statistics: WeinceStatistics
+    statistics: WEINCEStatistics
     guard_counts: FilterCounts | None
     terms: CompositeLoss | None
     beta_t: Tensor | None
@@ -282,8 +294,12 @@ def weince_step(
             query_rows = layout.groups[0]
             scales.append(
                 blend_effective_scale(
-                    query_rows.scores, query_rows.valid_mask, chunk_statistics[0].lam, chunk_statistics[0].beta,
-                    scale=options.scale, eps=options.eps,
+                    query_rows.scores,
+                    query_rows.valid_mask,
+                    chunk_statistics[0].lam,
+                    chunk_statistics[0].beta,
+                    scale=options.scale,
+                    eps=options.eps,
                 )
             )
         if top_m is not None:
@@ -328,9 +344,7 @@ def _effective_scales(means: Tensor, options: WEINCEOptions) -> dict[str, Tensor
     return scales
 
 
-def _kept_sorts(
-    layout: MNRLLayout, units: list[Unit], top_m: TopM | None, one_chunk: bool
-) -> list[HardestNegatives]:
+def _kept_sorts(layout: MNRLLayout, units: list[Unit], top_m: TopM | None, one_chunk: bool) -> list[HardestNegatives]:
     """What the second pass's top-M terms need of a chunk's sorts: all of them with one chunk (kept anyway), else at
     most M hardest per row, not the tail fit's width (none: no top-M terms, or they pick from the groups side by
     side)."""

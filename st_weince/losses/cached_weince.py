@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from st_weince.functional.false_negatives import FalseNegativeFilter
 from st_weince.functional.layouts import Direction, PartitionMode
-from st_weince.functional.options import Gate, TopM, WeinceMode, WEINCEOptions, defaults_of
+from st_weince.functional.options import Gate, TopM, WEINCEMode, WEINCEOptions, defaults_of
 from st_weince.losses._gradcache import GradCachedLoss, GradCacheOptions, backward_from_leaves
 from st_weince.losses.weince import WEINCELoss
 
@@ -107,7 +107,7 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
         directions: tuple[Direction, ...] = _DEFAULTS.directions,
         partition_mode: PartitionMode = _DEFAULTS.partition_mode,
         beta: float | str = _DEFAULTS.beta,
-        mode: WeinceMode = _DEFAULTS.mode,
+        mode: WEINCEMode = _DEFAULTS.mode,
         gate: Gate | dict[str, float] = _DEFAULTS.gate,
         tail_frac: float = _DEFAULTS.tail_frac,
         min_tail_points: int = _DEFAULTS.min_tail_points,

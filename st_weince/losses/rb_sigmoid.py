@@ -22,7 +22,6 @@ from st_weince.functional.sigmoid import (
     sigmoid_contrastive_loss,
     targets_from_positive_index,
 )
-from st_weince.losses._common import ColumnsLoss, guard_share_values
 from st_weince.losses._gradcache import backward_from_leaves
 from st_weince.losses._sigmoid_blocks import (
     all_gathers,
@@ -31,6 +30,7 @@ from st_weince.losses._sigmoid_blocks import (
     key_blocks,
     symmetric_from_directions,
 )
+from st_weince.losses.columns_loss import ColumnsLoss, guard_share_values
 from st_weince.utils.hotpath import DeferredChecks
 from st_weince.utils.options import log_scale_cap
 
@@ -163,6 +163,7 @@ class RBSigmoidLoss(ColumnsLoss):
             trainer.train()
             print(loss.trained_values())  # t, b_rel, b after training
     """
+
     options_class = RBSigmoidOptions
     mnrl_refusals = {
         "similarity_fct": (

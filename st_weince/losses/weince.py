@@ -14,10 +14,10 @@ from st_weince.functional.checks import full_precision
 from st_weince.functional.exchange import all_gather, all_gather_with_grad, process_count
 from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
 from st_weince.functional.layouts import CandidateGroup, Direction, MNRLLayout, PartitionMode, guard_layout, mnrl_layout
-from st_weince.functional.options import RELEASED_COMPOSITE, Gate, TopM, WeinceMode, WEINCEOptions, defaults_of
-from st_weince.functional.weince import WeinceStatistics, negatives_needed, weince_statistics
+from st_weince.functional.options import RELEASED_COMPOSITE, Gate, TopM, WEINCEMode, WEINCEOptions, defaults_of
+from st_weince.functional.weince import WEINCEStatistics, negatives_needed, weince_statistics
 from st_weince.functional.weince_step import LayoutOf, WEINCEStep, weince_step
-from st_weince.losses._common import ColumnsLoss, guard_share_values
+from st_weince.losses.columns_loss import ColumnsLoss, guard_share_values
 
 WEINCE_CITATION = """
 @inproceedings{erol2026weince,
@@ -156,7 +156,7 @@ class WEINCELoss(ColumnsLoss):
         directions: tuple[Direction, ...] = _DEFAULTS.directions,
         partition_mode: PartitionMode = _DEFAULTS.partition_mode,
         beta: float | str = _DEFAULTS.beta,
-        mode: WeinceMode = _DEFAULTS.mode,
+        mode: WEINCEMode = _DEFAULTS.mode,
         gate: Gate | dict[str, float] = _DEFAULTS.gate,
         tail_frac: float = _DEFAULTS.tail_frac,
         min_tail_points: int = _DEFAULTS.min_tail_points,
@@ -227,13 +227,13 @@ class WEINCELoss(ColumnsLoss):
 
     def statistics(
         self, scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None = None
-    ) -> WeinceStatistics:
+    ) -> WEINCEStatistics:
         """Statistics of rows held by this process (the pivot rho0 taken over all processes' rows), without a step:
         no state advances and nothing is logged."""
         return weince_statistics(scores, positive_index, valid_mask, self.options, gather=self._gather)
 
     @property
-    def last_statistics(self) -> WeinceStatistics | None:
+    def last_statistics(self) -> WEINCEStatistics | None:
         """The statistics of the latest step's query rows."""
         return None if self.last_step is None else self.last_step.statistics
 
@@ -298,8 +298,13 @@ class WEINCELoss(ColumnsLoss):
         the query rows are kept (the latest ones and, with :attr:`log_statistics`, their running means for the
         trainer's logs, on the device, so no step reads them on the host)."""
         step = weince_step(
-            layout_of, num_rows, self.options, self.batch_beta_ema,
-            gather=self._gather, effective_scales=self.log_statistics, **chunking,
+            layout_of,
+            num_rows,
+            self.options,
+            self.batch_beta_ema,
+            gather=self._gather,
+            effective_scales=self.log_statistics,
+            **chunking,
         )
         if step.beta_t is not None and self.training and torch.is_grad_enabled():
             with torch.no_grad():

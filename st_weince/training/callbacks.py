@@ -504,4 +504,3 @@ __all__ = [
     "prepare_trainer",
     "take_weight_decay_off",
 ]
-

@@ -106,6 +106,7 @@ class ColumnsLoss(nn.Module, LossState):
     def reads_labels(self) -> bool:
         guard = getattr(self.options, "false_negative_filter", None)
         return guard is not None and guard.uses_labels
+
     def __init__(self, model: nn.Module | None, options: Options) -> None:
         super().__init__()
         self.model = model
@@ -155,9 +156,7 @@ class ColumnsLoss(nn.Module, LossState):
 
     def state_tensors(self) -> dict[str, Tensor]:
         """The loss's own trainable parameters and evolving buffers (not the model's)."""
-        tensors = {
-            name: p for name, p in self.named_parameters() if p.requires_grad and not name.startswith("model.")
-        }
+        tensors = {name: p for name, p in self.named_parameters() if p.requires_grad and not name.startswith("model.")}
         tensors.update({name: getattr(self, name) for name in self.evolving_buffers if getattr(self, name) is not None})
         return tensors
 
@@ -346,4 +345,3 @@ class ColumnsLoss(nn.Module, LossState):
                     pass  # a value this version refuses: compared as written, so that the resume names it
         operational = frozenset().union(*(cls.operational_fields() for cls in classes))
         return {name: value for name, value in config.items() if name not in operational}
-

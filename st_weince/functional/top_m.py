@@ -39,8 +39,13 @@ def top_m_width(num_candidates: int, top_m: int) -> int:
 
 
 def top_m_selection(
-    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None = None, *, top_m: int,
-    hardest: HardestNegatives | None = None, has_positive: bool | None = None,
+    scores: Tensor,
+    positive_index: Tensor,
+    valid_mask: Tensor | None = None,
+    *,
+    top_m: int,
+    hardest: HardestNegatives | None = None,
+    has_positive: bool | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``[A, 1 + M']``: each row's positive score, then its hardest negative scores (descending), with the mask of the
     entries used: the positive and ``min(M, K - 1)`` negatives of a row with K negatives. ``M' = min(M, C - 2)`` comes
@@ -110,9 +115,17 @@ class _TopMTerms(torch.autograd.Function):
 
 
 def top_m_terms(
-    scores: Tensor, positive_index: Tensor, valid_mask: Tensor | None, options: TopM,
-    *, beta: Tensor | float, scale: float, eps: float, hardest: HardestNegatives | None = None,
-    has_positive: bool | None = None, effective_scale: bool = True,
+    scores: Tensor,
+    positive_index: Tensor,
+    valid_mask: Tensor | None,
+    options: TopM,
+    *,
+    beta: Tensor | float,
+    scale: float,
+    eps: float,
+    hardest: HardestNegatives | None = None,
+    has_positive: bool | None = None,
+    effective_scale: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(shortfall [A], infonce [A], shortfall effective scale [A])`` from one selection of the hardest negatives:
     per row, the cross-entropy of the shortfall logits over [positive] + the M hardest negatives
@@ -133,4 +146,3 @@ def top_m_terms(
     shortfall, infonce = _TopMTerms.apply(picked, used, beta, float(scale), float(eps))
     shortfall_scale = selection_shortfall_scale(picked.detach(), used, beta, eps) if effective_scale else None
     return shortfall, infonce, shortfall_scale
-
