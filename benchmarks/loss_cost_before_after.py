@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks.lab.outputs import scratch  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
 
 LOSSES = ("mnrl", "weince", "weince_composite", "rb_sigmoid")
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--losses", nargs="+", default=list(LOSSES))
     parser.add_argument("--no-memory", action="store_true")
-    parser.add_argument("--output", type=Path, default=REPO / "benchmarks/results/loss_cost_before_after.json")
+    parser.add_argument("--output", type=Path, default=scratch(__file__, "loss_cost_before_after.json"))
     args = parser.parse_args(argv)
     if "mnrl" not in args.losses:
         raise SystemExit("--losses must include mnrl, the baseline of every ratio")

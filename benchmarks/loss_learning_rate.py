@@ -12,7 +12,7 @@ the steps (the loss parameters are calibration parameters: a rate that is too sm
 encoder allows, one that is too large oscillates), provided t and b_rel stay finite and STS-B dev is not lower than
 with the model's rate by more than 0.5 points.
 
-    python benchmarks/loss_learning_rate.py --output benchmarks/results/loss_learning_rate.json
+    python benchmarks/loss_learning_rate.py --output benchmarks/results/loss_learning_rate.json   # the committed one
 
 Takes about 6-8 minutes on one loaded CPU core (6 candidates x 30 steps, batch 32, 32 tokens).
 """
@@ -29,6 +29,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 WIKI = REPO / "recipes" / "assets" / "wiki1m_slice.txt"
 STSB_DEV = REPO / "eval" / "data" / "stsb" / "stsb-en-dev.csv"
+OUTPUT = REPO / "runs" / "benchmarks" / "loss_learning_rate.json"  # git ignores runs/ (benchmarks/lab/outputs.py)
 CANDIDATES = ["model", 1e-3, 3e-3, 1e-2, 3e-2, 1e-1]
 
 
@@ -111,7 +112,7 @@ def main() -> None:
     from st_weince.utils.provenance import provenance
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "loss_learning_rate.json"))
+    parser.add_argument("--output", default=str(OUTPUT), help="JSON path (default in runs/benchmarks/)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-seq-length", type=int, default=32)

@@ -4,7 +4,7 @@ MultipleNegativesRankingLoss (InfoNCE) on identical embeddings.
 Only the loss is measured (embeddings are given leaf tensors), so the ratio is the loss's own cost; a training
 step adds the encoder's forward and backward, which dwarfs both at realistic model sizes.
 
-    python benchmarks/loss_overhead.py                        # CPU, batch 64..4096, writes benchmarks/results/
+    python benchmarks/loss_overhead.py                        # CPU, batch 64..4096, writes runs/benchmarks/
     python benchmarks/loss_overhead.py --batch-sizes 1024 --dim 768 --repeats 15 --threads 1 --no-memory \
         --output benchmarks/results/loss_overhead_cpu_b1024_d768.json   # the speed target at SimCSE's size
     python benchmarks/loss_overhead.py --device cuda          # on a GPU
@@ -32,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.lab.outputs import scratch  # noqa: E402
 from benchmarks.lab.profiling import cpu_peak_bytes  # noqa: E402
 from benchmarks.lab.timing import Clock  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
@@ -121,7 +122,11 @@ def main() -> None:
     parser.add_argument("--losses", nargs="+", default=list(LOSSES), choices=LOSSES + UNLOGGED)
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", default="benchmarks/results/loss_overhead_cpu.json")
+    parser.add_argument(
+        "--output",
+        default=scratch(__file__, "loss_overhead_cpu.json"),
+        help="JSON path (default in runs/benchmarks/; the docstring names the committed one)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 

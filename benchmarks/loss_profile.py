@@ -10,7 +10,9 @@ One warm-up call, then ``--repeats`` profiled calls; times are the sum over them
 profiler adds a constant cost per operator, so a loss of many small operators is inflated more than one of few
 large ones: read the shares, and the ratios of benchmarks/loss_overhead.py for the cost.
 
-    OMP_NUM_THREADS=1 python benchmarks/loss_profile.py            # batch 1,024, d 768: the committed table
+    OMP_NUM_THREADS=1 python benchmarks/loss_profile.py            # batch 1,024, d 768, into runs/benchmarks/
+    OMP_NUM_THREADS=1 python benchmarks/loss_profile.py --output benchmarks/results/loss_profile_cpu_b1024_d768.json
+                                                                   # the committed table (.json and .md)
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from torch.profiler import ProfilerActivity, profile
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks.lab.outputs import scratch  # noqa: E402
 from benchmarks.loss_overhead import build_loss, make_embeddings  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
 
 LOSSES = ("mnrl", "weince", "weince_composite", "rb_sigmoid")
-OUTPUT = REPO / "benchmarks" / "results" / "loss_profile_cpu_b1024_d768.json"
+OUTPUT = scratch(__file__, "loss_profile_cpu_b1024_d768.json")
 PACKAGE = "st_weince/"
 TOP_OPERATORS = 12
 BACKWARD_PREFIX = "autograd::engine::evaluate_function: "

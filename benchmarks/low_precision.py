@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.lab.half_precision import measure  # noqa: E402
+from benchmarks.lab.outputs import scratch  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
 
 
@@ -44,7 +45,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", default="benchmarks/results/low_precision_cpu.json")
+    parser.add_argument(
+        "--output",
+        default=scratch(__file__, "low_precision.json"),
+        help="JSON path (default in runs/benchmarks/; the docstring names the committed one)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()

@@ -12,11 +12,13 @@ collapsed state by ``collapse.probe_step_near_collapse``: the loss within 0.05 o
 side, and rho0 below 0.005. A probe "left" at the first step of LEAVE_STEPS steps in a row that are not near it.
 Every arm starts near it (the initial network maps all images close together: rho0 0.029 at step 0). A probe times
 that start; it does not say whether a scale trains, which needs the probes and epochs of a full run.
-Output: one JSON line per candidate (written as each finishes); ``--summarize`` re-derives each line's verdict from
+Output: one JSON line per candidate (written as each finishes), appended to ``--output`` (default in
+runs/benchmarks/; the committed probes only when it names them); ``--summarize`` re-derives each line's verdict from
 its per-step values.
 
     OMP_NUM_THREADS=1 python benchmarks/matched_scale_search.py --scales 4 --steps 195
-    python benchmarks/matched_scale_search.py --summarize
+    python benchmarks/matched_scale_search.py --summarize \
+        --output benchmarks/results/simclr_ablation_matched_scale/scale_search_epoch1.jsonl   # the committed probes
 """
 
 from __future__ import annotations
@@ -35,12 +37,13 @@ sys.path.insert(0, str(REPO))
 from benchmarks import simclr_ablation as ablation  # noqa: E402
 from benchmarks.lab import collapse  # noqa: E402
 from benchmarks.lab.arms import build_run  # noqa: E402
+from benchmarks.lab.outputs import scratch  # noqa: E402
 from benchmarks.lab.simclr_eval import DEFAULT_DATA, load_data  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
 from st_weince.vision.augment import SimCLRAugment  # noqa: E402
 from st_weince.vision.training import SimCLRTraining, data_order  # noqa: E402
 
-OUTPUT = ablation.MATCHED_SCALE_DIR / "scale_search_epoch1.jsonl"
+OUTPUT = scratch(__file__, "scale_search_epoch1.jsonl")  # the committed probes: ablation.MATCHED_SCALE_DIR
 LAST_STEPS = 20
 LEAVE_STEPS = 5
 

@@ -4,6 +4,9 @@ Run under ``torchrun --nproc_per_node 4`` (gloo on CPU; NCCL on GPUs works the s
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 4 benchmarks/rb_sigmoid_exchange.py
 
+Rank 0 writes ``--output`` (default in runs/benchmarks/; the committed record,
+``benchmarks/results/rb_sigmoid_exchange_cpu.json``, only when named).
+
 For each layout (pairs; one hard-negative column) and loss (RBSigmoidLoss; the loss stage of CachedRBSigmoidLoss,
 ``calculate_loss(..., with_backward=True)`` as the mixin calls it), one training step (forward and backward) of every
 process on its own random float32 embeddings, measured on every process:
@@ -38,6 +41,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.lab
+from benchmarks.lab.outputs import scratch  # noqa: E402
 from benchmarks.lab.profiling import cpu_peak_bytes  # noqa: E402
 from benchmarks.rb_sigmoid_ring_memory import CollectiveBytes  # noqa: E402
 from st_weince.losses import CachedRBSigmoidLoss, RBSigmoidLoss  # noqa: E402
@@ -164,7 +168,11 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=384, help="embedding size (384 = all-MiniLM-L6-v2)")
     parser.add_argument("--mini-batch", type=int, default=64, help="CachedRBSigmoidLoss's mini_batch_size")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", default="benchmarks/results/rb_sigmoid_exchange_cpu.json")
+    parser.add_argument(
+        "--output",
+        default=scratch(__file__, "rb_sigmoid_exchange_cpu.json"),
+        help="JSON path (default in runs/benchmarks/; the docstring names the committed one)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -12,6 +12,9 @@ embeddings' gradients are compared the same way (largest entry difference over t
     pip install open_clip_torch
     python benchmarks/rb_sigmoid_parity.py                                  # the current code
     PYTHONPATH=<a checkout of another commit> python benchmarks/rb_sigmoid_parity.py --label before
+
+Each label's cases are merged into ``--output`` (default in runs/benchmarks/; the committed record is
+``benchmarks/results/rb_sigmoid_parity.json``, rewritten only when named).
 """
 
 from __future__ import annotations
@@ -23,13 +26,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from open_clip.loss import SigLipLoss
 
 import st_weince
 from st_weince.losses import RBSigmoidLoss
 from st_weince.utils.provenance import provenance
 
-OUTPUT = Path(__file__).resolve().parent / "results" / "rb_sigmoid_parity.json"
+# git ignores runs/ (benchmarks/lab/outputs.py); the committed record is benchmarks/results/rb_sigmoid_parity.json
+OUTPUT = Path(__file__).resolve().parents[1] / "runs" / "benchmarks" / "rb_sigmoid_parity.json"
 # (t, b_rel): SigLIP's start, RB-Sigmoid's start, a trained value, the cap with a negative and a positive bias
 SETTINGS = [(10.0, -1.0), (10.0, 0.7), (55.0, 0.3), (100.0, -0.5), (100.0, 0.7)]
 SHAPES = [(64, 64), (256, 384)]  # (pairs, dimension)
@@ -48,6 +51,8 @@ def authors_formula(u: torch.Tensor, v: torch.Tensor, t: torch.Tensor, b_rel: to
 
 
 def open_clip_loss(u: torch.Tensor, v: torch.Tensor, t: torch.Tensor, b_rel: torch.Tensor) -> torch.Tensor:
+    from open_clip.loss import SigLipLoss  # not a dependency: imported when measured, so --help runs without it
+
     return SigLipLoss()(F.normalize(u, dim=1), F.normalize(v, dim=1), t, -t * b_rel)
 
 

@@ -1,6 +1,7 @@
 """RB-Sigmoid's memory for backward, time and communication by exchange and number of processes (gloo, CPU).
 
     python benchmarks/rb_sigmoid_ring_memory.py            # the sweep: launches torchrun for 1, 2 and 4 processes
+    python benchmarks/rb_sigmoid_ring_memory.py --output benchmarks/results/rb_sigmoid_ring_memory_cpu.json  # committed
 
 For each world size W in 1, 2, 4 and each exchange, a fresh ``torchrun --nproc_per_node W`` (so that the peak RSS is
 that exchange's) runs RBSigmoidLoss (pairs, ``gather_across_devices=True``, ``check_inputs=False``, float32) on an
@@ -39,6 +40,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.lab.outputs import scratch  # noqa: E402
 from st_weince.functional import exchange  # noqa: E402
 from st_weince.losses import RBSigmoidLoss  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
@@ -241,7 +243,11 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=5, help="timed steps (median)")
-    parser.add_argument("--output", default="benchmarks/results/rb_sigmoid_ring_memory_cpu.json")
+    parser.add_argument(
+        "--output",
+        default=scratch(__file__, "rb_sigmoid_ring_memory_cpu.json"),
+        help="JSON path (default in runs/benchmarks/; the docstring names the committed one)",
+    )
     parser.add_argument("--run-one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--exchange", choices=EXCHANGES, help=argparse.SUPPRESS)
     parser.add_argument("--row-output", help=argparse.SUPPRESS)

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.lab.outputs import scratch  # noqa: E402
 from benchmarks.lab.timing import Clock  # noqa: E402
 from st_weince.functional.batch_tail import batch_tail_size  # noqa: E402
 from st_weince.functional.checks import order_keys  # noqa: E402
@@ -38,7 +39,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--output", type=Path, default=Path("benchmarks/results/selection_cost_cpu.json"))
+    parser.add_argument(
+        "--output",
+        type=Path, default=scratch(__file__, "selection_cost_cpu.json"),
+        help="JSON path (default in runs/benchmarks/; the docstring names the committed one)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     options = RELEASED_COMPOSITE

@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.lab
 from benchmarks.lab.geometry import constellation_test, modality_gap_separability  # noqa: E402
+from benchmarks.lab.outputs import scratch  # noqa: E402
 from st_weince.functional import constellation_margin, locked_adapter_scores, sigmoid_contrastive_loss  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
 
@@ -374,7 +375,7 @@ def plot_all(results: dict, output_dir: Path) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output-dir", default="benchmarks/results/sigmoid_synthetic")
+    parser.add_argument("--output-dir", default=str(scratch(__file__)), help="default in runs/benchmarks/")
     parser.add_argument("--parts", nargs="+", default=["bias", "fixed_rel", "temperature", "frozen", "init"])
     parser.add_argument("--num-pairs", type=int, default=100)
     parser.add_argument("--dim", type=int, default=10)

@@ -52,6 +52,9 @@ summary (``scale_note``).
     OMP_NUM_THREADS=1 setsid nohup python benchmarks/simclr_ablation.py --runs infonce-tau0.2-seed0 > ablation-B.log &
     # paired differences, interaction and curves from whatever has landed
     python benchmarks/simclr_ablation.py --summarize
+
+The runs and the summary go to ``--output-dir``: by default runs/benchmarks/simclr_ablation/ (git ignores it); the
+committed ones are rewritten only when it names them (``--output-dir benchmarks/results/simclr_ablation``).
 """
 
 from __future__ import annotations
@@ -66,10 +69,11 @@ sys.path.insert(0, str(REPO))  # benchmarks.lab
 from benchmarks.lab import collapse, pairing, plots, runlog, summaries  # noqa: E402
 from benchmarks.lab import simclr_runner as runner  # noqa: E402
 from benchmarks.lab.arms import ARMS, MATCHED_TOP_M_INFONCE_SCALE  # noqa: E402
+from benchmarks.lab.outputs import scratch  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
 from st_weince.vision.setups import SETUPS  # noqa: E402
 
-OUTPUT = REPO / "benchmarks" / "results" / "simclr_ablation"
+OUTPUT = scratch(__file__)  # the committed runs (benchmarks/results/simclr_ablation/) only with --output-dir
 STATE = Path("/work/st-weince-ablation-state")
 SCALE_NOTE = (
     "5 epochs of all 50,000 CIFAR-10 training images at study 1's width (ResNet-18 width 16), not study 1's 10: with "
@@ -117,7 +121,7 @@ PER_VIEW_ARMS: dict[str, dict[str, Any]] = {
 # (-0.08 / +0.70; its CPU was not recorded). 7cc7eaf differs again (not isolated). So the one-commit study,
 # benchmarks/simclr_link_or_temperature.py, pairs only runs of one commit and one CPU family.
 MATCHED = "infonce-topm-infonce-matched"
-MATCHED_SCALE_DIR = OUTPUT.parent / "simclr_ablation_matched_scale"
+MATCHED_SCALE_DIR = REPO / "benchmarks" / "results" / "simclr_ablation_matched_scale"
 MATCHED_SCALE = MATCHED_TOP_M_INFONCE_SCALE
 # The matched runs collapsed and were stopped: seeds 0 and 1 after epoch 2, seed 2 after epoch 1. Arm 10, a fixed
 # scale of 3, is compared with arm 3 instead.

@@ -29,6 +29,10 @@ CPU in its header. The summary pairs runs only within one commit and one CPU fam
         --runs infonce-topm-shortfall-seed0 > link-A.log 2>&1 &
     python benchmarks/simclr_link_or_temperature.py --fix-schedules      # once arm 2's runs have finished
     python benchmarks/simclr_link_or_temperature.py --summarize
+
+The runs, the schedules and the summary go to ``--output-dir`` (``--fix-schedules`` too): by default
+runs/benchmarks/simclr_link_or_temperature/ (git ignores it); the committed ones only when it names them
+(``--output-dir benchmarks/results/simclr_link_or_temperature``).
 """
 
 from __future__ import annotations
@@ -44,9 +48,10 @@ from benchmarks import simclr_ablation as ablation  # noqa: E402
 from benchmarks.lab import pairing, plots, runlog, schedules, summaries  # noqa: E402
 from benchmarks.lab import simclr_runner as runner  # noqa: E402
 from benchmarks.lab.collapse import collapsed_epochs  # noqa: E402
+from benchmarks.lab.outputs import scratch  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
 
-OUTPUT = REPO / "benchmarks" / "results" / "simclr_link_or_temperature"
+OUTPUT = scratch(__file__)  # the committed runs (benchmarks/results/simclr_link_or_temperature/) only by name
 STATE = Path("/work/st-weince-link-state")
 BASELINE = "infonce"
 SHORTFALL = "infonce-topm-shortfall"
@@ -222,8 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if "--fix-schedules" in args:
         args.remove("--fix-schedules")
-        output = Path(args[args.index("--output-dir") + 1]) if "--output-dir" in args else OUTPUT
-        fix_schedules(output)
+        fix_schedules(runner.study_parser(__doc__, OUTPUT, STATE).parse_args(args).output_dir)
         return
     runner.main(args, sys.modules[__name__], CONFIG, list(ARMS), block="simclr_link_or_temperature")
 

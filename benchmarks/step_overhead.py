@@ -8,8 +8,9 @@ baseline measured in the same loop. The step functions are ``benchmarks/lab/timi
     python benchmarks/step_overhead.py                                # batch 64 and 256, cached 1024 / mini 64
     python benchmarks/step_overhead.py --batches 64 --repeats 9 --skip-cached
 
-Writes ``benchmarks/results/step_overhead_cpu.json`` (per batch: seconds per loss, ratios, repeats, the machine's load
-average before and after, provenance).
+Writes ``--output`` (per batch: seconds per loss, ratios, repeats, the machine's load average before and after,
+provenance): by default into runs/benchmarks/, the committed ``benchmarks/results/step_overhead_cpu.json`` only
+when named.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks.lab import timing  # noqa: E402
+from benchmarks.lab.outputs import scratch  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
 
 
@@ -38,7 +40,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-cached", action="store_true")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "step_overhead_cpu.json"))
+    parser.add_argument(
+        "--output",
+        default=scratch(__file__, "step_overhead_cpu.json"),
+        help="JSON path (default in runs/benchmarks/; the docstring names the committed one)",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -7,30 +7,15 @@ JSON lines, Parquet, or a ``save_to_disk`` folder); the negative pool is the pai
     python -m st_weince.diagnostics --model PATH --pairs pairs.csv --columns anchor positive --scale 20 --output-dir DIR
 
 or on a file of sentences, one a line, for the negative pool (``--sentences``), with or without pairs. The last line
-printed begins ``Verdict:`` (st_weince.diagnostics.verdict: the rule).
+printed begins ``Verdict:`` (the rule: docs/diagnostics.md, "The verdict").
 
 Images (an encoder saved by ``st_weince.vision.models.save_encoder``) on an ImageFolder directory or zip:
 
     python -m st_weince.diagnostics --encoder runs/simclr/... --images cifar10-jpg.zip --image-split test \
         --output-dir DIR
 
-Steps:
-1. Negative pool: the frozen encoder (eval mode) embeds N inputs; every pair ``i < j`` is a negative score.
-   POT/GPD fit above the ``--threshold-quantile`` of the pool, and the shape over ``--stability-quantiles``.
-   Per-anchor tails: ``--anchor-sample`` anchors, each against all other inputs, one POT fit each above the
-   anchor's ``--anchor-threshold-quantile`` (the per-anchor view WEINCE's batch statistics take).
-2. Choice data: two views of each input; text: the sentence encoded twice with dropout (unsupervised SimCSE's
-   positive) and, with ``--pairs``, also the two sentences of each pair; images: two SimCLR augmentations.
-   Batches of ``--batch-size`` in the ``--layout`` (``pairs``: anchor vs the batch's other views; ``nt_xent``:
-   SimCLR's 2B views). The observed top-1 winner of a row is its positive. Link fits for each source of positives:
-   lambda and tau with beta = 1 (WEINCE's default), and lambda and beta with tau = 1 / ``--scale`` (the training
-   temperature), each with its LR test against softmax.
-3. Verdict: the tail's type, WEINCE's gate lambda on the choice data at ``--scale``, the hardest negatives against
-   the positives, and the loss they point to (pairs' choice data when given).
-4. Output: ``summary.json`` (all numbers, the command, versions, machine, seeds, scale) and PNG plots:
-   ``pot_density.png`` (exceedance density, linear and log axes), ``pot_qq.png`` (QQ against the GPD and the xi = 0
-   fits), ``pot_stability.png`` (shape vs threshold), ``pot_per_anchor.png`` (per-anchor shapes),
-   ``link_profile_<source>.png`` (profile likelihood of lambda).
+The steps (negative pool and its POT fits, choice data and link fits, verdict) and the outputs (``summary.json``
+and PNG plots in ``--output-dir``): docs/diagnostics.md, "What is measured".
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""Data for the diagnostics: encode sentences (or images), pool negative scores, build top-1 choice data.
-
-- Negative-score pool (for the POT fit): all pairs ``i < j`` of distinct inputs, cosine similarity of their
-  embeddings from the frozen encoder in eval mode: the "in-batch" negatives of every possible batch.
-- Choice data (for the link fit): two views of each input (for text: the same sentence encoded twice in train mode,
-  i.e. with dropout, as unsupervised SimCSE trains; or the two sides of given sentence pairs; for images: two
-  augmentations), cut into batches; row ``a`` of a batch scores view A of input ``a`` against the candidates of its
-  batch and the observed winner is its own other view. Two layouts (docs/algorithms.md 1.3): ``"pairs"`` (candidates =
-  the B views B of the batch, as sentence-transformers' (anchor, positive) columns) and ``"nt_xent"`` (2B views,
-  each an anchor, self excluded, as SimCLR).
+"""Data for the diagnostics (docs/diagnostics.md, "What is measured"): encode sentences or images, pool the negative
+scores of all pairs ``i < j`` of distinct inputs (the frozen encoder in eval mode: every in-batch negative of every
+batch), and build top-1 choice data: two views of each input, cut into batches in the ``"pairs"`` or ``"nt_xent"``
+layout (docs/algorithms.md 1.3), each row's observed winner its own other view.
 """
 
 from __future__ import annotations

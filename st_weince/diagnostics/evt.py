@@ -1,17 +1,8 @@
-"""Peaks-over-threshold (POT) fits of a generalized Pareto distribution (GPD) to the upper tail of scores.
-
-docs/algorithms.md 1.4: fit a GPD to the exceedances of (negative) scores above a high threshold; a shape ``xi < 0``
-signals a finite right endpoint (Weibull domain of attraction), ``xi = 0`` the Gumbel domain that softmax assumes.
-
-GPD of the exceedances ``y = x - u > 0`` with shape ``xi`` and scale ``sigma``:
-``log f(y) = -log sigma - (1 + 1/xi) log(1 + xi y / sigma)`` (``xi != 0``), ``-log sigma - y / sigma`` (``xi = 0``),
-supported on ``y < -sigma / xi`` when ``xi < 0``; the implied endpoint of the scores is then ``u - sigma / xi``.
-
-The fit is maximum likelihood through the profile log-likelihood of ``xi`` (``sigma`` maximised out for every
-``xi``); the confidence interval for ``xi`` is the profile-likelihood interval
-``{xi : 2 (l(xi_hat) - l_p(xi)) <= chi2_1(level)}``. The MLE is regular for ``xi > -0.5``; for ``-1 < xi <= -0.5`` it
-exists and is consistent but its usual asymptotics fail, and for ``xi < -1`` the likelihood is unbounded (Smith, 1985),
-so the search is restricted to ``xi > -1`` and a fit that ends on that bound is flagged.
+"""Peaks-over-threshold (POT) fits of a generalized Pareto distribution (GPD) to the upper tail of scores
+(docs/algorithms.md 1.4; docs/diagnostics.md, "What is measured"): a shape ``xi < 0`` signals a finite right endpoint
+(Weibull domain), ``xi = 0`` the Gumbel domain that softmax assumes. Maximum likelihood through the profile of ``xi``,
+with its profile-likelihood interval. The search is restricted to ``xi > -1``, where the likelihood is bounded (Smith,
+1985), and a fit that ends on that bound is flagged; the usual asymptotics hold for ``xi > -0.5`` only.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""The diagnostics' inputs: tables of texts, sentence-pair CSV files and sentence files, read as the command line
-takes them.
-
-Tables (:func:`load_table`) are read in the formats the ``datasets`` library reads, by its loaders:
-
-- a CSV or TSV file with a header row naming the columns (``.csv``, ``.tsv``);
-- a JSON-lines file, one object a line (``.jsonl``, or ``.json``, which ``datasets`` also reads as a JSON array);
-- a Parquet file (``.parquet``);
-- a folder written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk`` (one split of it, ``"train"`` by
-  default).
-
-Cells are read as they are: a CSV's "NA" or "null" stays that text (``keep_default_na=False``), an empty cell is "".
-A CSV without a header (STS-B's ``sentence1,sentence2,score`` layout) is read by :func:`read_pair_csv`; a sentence
-file (one sentence a line) by :func:`sample_distinct_lines`: the distinct non-empty lines, then a seeded random
-subset of them (the negative pool: a sentence paired with its own copy is no negative, its score is exactly 1).
-Every reader whitespace-normalises pair sentences as SentEval's loaders do (``" ".join(s.split())``).
+"""The diagnostics' inputs, read as the command line takes them (docs/diagnostics.md, "Inputs"): tables by the
+``datasets`` loaders (:func:`load_table`: CSV / TSV with a header, JSON lines, Parquet, a ``save_to_disk`` folder),
+headerless ``sentence1,sentence2[,score]`` CSV files (:func:`read_pair_csv`) and sentence files
+(:func:`sample_distinct_lines`: distinct lines only, since a sentence paired with its own copy is no negative). Cells
+are read as they are ("NA" stays text); pair sentences are whitespace-normalised as SentEval's loaders do.
 """
 
 from __future__ import annotations

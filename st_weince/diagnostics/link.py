@@ -1,37 +1,18 @@
 """Likelihood link selection: how much endpoint (shortfall) logit do observed top-1 winners want?
 
-docs/algorithms.md 1.4: each anchor row ``a`` has candidate scores ``s[a, :]`` and an observed winner ``c*(a)`` (the
-positive). Under the blended link the winner is drawn with probability ``softmax_c(l[a, c])`` where
+Each anchor row's winner (its positive) is drawn from ``softmax_c(l[a, c])`` with WEINCE's blended logit
+``l = (1 - lambda) s / tau + lambda (-beta log(1 - s))`` (:func:`st_weince.functional.weince.weince_logits`) and one
+global ``lambda``, ``beta``, ``tau``; ``lambda = 0`` is the softmax. docs/diagnostics.md ("What is measured", "Link
+selection") gives the method; the why of its parts:
 
-    ``l[a, c] = (1 - lambda) s[a, c] / tau + lambda (-beta log(1 - s[a, c]))``,
-
-WEINCE's logit (:func:`st_weince.functional.weince.weince_logits`, called here for the formula) with one global
-``lambda in [0, 1]``, ``beta > 0``, ``tau > 0``. ``lambda = 0`` is the softmax (InfoNCE / Gumbel) link.
-
-Identifiability: the logit is ``a s + b (-log(1 - s))`` with ``a = (1 - lambda) / tau`` and ``b = lambda beta``, so the
-likelihood depends on the three parameters only through ``(a, b)``; with all three free, ``lambda`` is not identified
-(any ``lambda`` in (0, 1) is matched by rescaling ``tau`` and ``beta``). One of ``beta`` and ``tau`` must be held
-fixed: by default ``beta = 1`` (WEINCE's default tail index) with ``lambda`` and ``tau`` fitted; alternatively ``tau``
-fixed (e.g. the training temperature) with ``lambda`` and ``beta`` fitted.
-
-Separation: when every row's winner has the strictly largest score (top-1 accuracy 1), both logit components rank it
-first (the shortfall logit is increasing in ``s``), the log-likelihood tends to 0 as the coefficients grow, there is
-no finite maximum and ``lambda`` is not identified; ``LinkFit.separated`` flags that case (an easy task such as
-dropout views of a sentence-tuned encoder) and the numbers of such a fit carry no information about the link.
-
-Likelihood-ratio test against the pure softmax: ``LR = 2 (l_blend - l_softmax)`` where ``l_softmax`` is the best
-softmax of the same family (``lambda = 0``, the other free parameter fitted). With ``beta`` fixed, the null
-``lambda = 0`` lies on the boundary of ``[0, 1]`` and no parameter is unidentified under it, so the asymptotic null
-distribution is the mixture ``0.5 chi2_0 + 0.5 chi2_1`` (Self & Liang, 1987): ``p = 0.5 P(chi2_1 > LR)``. With ``tau``
-fixed and ``beta`` free, ``beta`` is unidentified under the null; ``p`` is then reported from ``chi2_2``
-(an approximation, said so in ``p_value_method``).
-
-The fit is maximum likelihood by L-BFGS-B (scipy) in the coefficients ``(a, b)``, where the negative log-likelihood is
-convex (a multinomial logit) and the constraints ``lambda in [0, 1]``, ``beta > 0``, ``tau > 0`` become a box
-(``beta`` fixed: ``a >= 0``, ``0 <= b <= beta``; ``tau`` fixed: ``0 <= a <= 1 / tau``, ``b >= 0``), so the optimum is
-global; gradients by torch autograd in float64; ``lambda``, ``beta``, ``tau`` are mapped back from ``(a, b)``. The
-profile log-likelihood over a grid of ``lambda`` (each point a one-dimensional convex fit) gives a
-profile-likelihood confidence interval for ``lambda``.
+- the logit is ``a s + b (-log(1 - s))`` with ``a = (1 - lambda) / tau``, ``b = lambda beta``: with all three free
+  ``lambda`` is not identified, so ``beta`` or ``tau`` is fixed;
+- the fit runs in ``(a, b)``, where the negative log-likelihood is convex and the constraints are a box (L-BFGS-B,
+  global optimum, torch autograd in float64);
+- the LR test against the best softmax: with ``beta`` fixed the null is on the boundary, ``p = 0.5 P(chi2_1 > LR)``
+  (Self & Liang, 1987); with ``tau`` fixed ``beta`` is unidentified under the null, ``p`` from ``chi2_2`` (said so in
+  ``p_value_method``);
+- separated data (every winner scores highest) have no finite maximum: ``LinkFit.separated`` flags them.
 """
 
 from __future__ import annotations

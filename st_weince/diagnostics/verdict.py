@@ -1,24 +1,8 @@
-"""The diagnostics' conclusion in one line: is the tail Weibull-type, what lambda would WEINCE apply, do the hardest
-negatives look like false negatives, and which loss does that point to (docs/diagnostics.md, "The verdict").
-
-The rule, each step on one number the command has measured:
-
-1. **Weibull-type tail**: the (95 %) profile-likelihood interval of the pooled POT shape ``xi`` lies below 0 ("yes");
-   above 0: "no"; containing 0: "undecided".
-2. **The winners want the shortfall logit**: the likelihood of the observed winners (the positives) under WEINCE's
-   blended link against the best softmax (:func:`st_weince.diagnostics.link.fit_link` with ``beta = 1``, ``tau``
-   fitted): "yes" when the likelihood-ratio test rejects the softmax at level :data:`LINK_ALPHA` (then the
-   profile-likelihood interval of the link's ``lambda`` excludes 0), "no" when it does not, "undecided" when the data
-   are separated (every winner scores highest: no finite maximum). This depends on the data; WEINCE's own gate does
-   not (its pivot is the batch's ``q``-quantile, so about ``q`` of the anchors get a large lambda on any batch whose
-   tails are fitted). What the gate would do is reported beside it: the per-anchor gate lambda exactly as
-   :class:`~st_weince.losses.WEINCELoss` computes it (:func:`st_weince.functional.weince_statistics`, default options,
-   one batch of the choice data at a time) and the share of anchors whose hardest negative's gradient WEINCE changes
-   by at least :data:`GRADIENT_CHANGE` (relative) against InfoNCE at the same scale.
-3. **False negatives**: the rows' hardest negatives score above their positives on average.
-4. **Loss**: WEINCE when 1 and 2 say "yes", MNRL / InfoNCE otherwise. When 3 holds, a guard
-   comes with it: ``false_negative_filter="same_label"`` when the pairs have labels, else a threshold guard or
-   cleaning the data.
+"""The diagnostics' conclusion in one line: is the tail Weibull-type, do the winners want WEINCE's blended link,
+what would WEINCE's gate do, do the hardest negatives look like false negatives, and which loss does that point to.
+The rule, each step on one number the command measured: docs/diagnostics.md, "The verdict". Its link test reads the
+data; WEINCE's gate does not (its pivot is the batch's ``q``-quantile, so about ``q`` of the anchors get a large
+lambda on any fitted batch), so the gate is reported beside it as an effect size, not as evidence.
 """
 
 from __future__ import annotations

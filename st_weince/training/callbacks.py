@@ -1,12 +1,8 @@
-"""Trainer integration in one call, :func:`prepare_trainer`, for the loss state of :mod:`st_weince.training.protocol`.
-
-The sentence-transformers trainer puts a loss's parameters into its optimizer, but does not average their gradients
-across processes, checkpoint them, keep weight decay off them or give them a learning rate of their own, and logs no
-loss statistics; :func:`prepare_trainer` adds all five through the protocol alone, also inside wrappers and for a dict
-of losses. The loss state travels inside every checkpoint's ``trainer_state.json``, as the state of the
-``ExportableState`` callback :class:`LossStateRecord`; on resume the trainer re-creates that record before it loads
-the optimizer, so a checkpoint of another loss is refused, naming the change, before torch would refuse the
-optimizer's parameter groups. docs/training.md ("Checkpoints: the loss state cannot go missing") explains each step.
+"""Trainer integration in one call, :func:`prepare_trainer`, for the loss state of :mod:`st_weince.training.protocol`:
+what the trainer does not do for a loss's own parameters (average, clip, checkpoint, log them, their learning rate and
+no weight decay), through the protocol alone (docs/training.md). The state travels in every checkpoint's
+``trainer_state.json`` as the ``ExportableState`` of :class:`LossStateRecord`, which the trainer restores before the
+optimizer: a checkpoint of another loss is refused naming the change before torch refuses its parameter groups.
 """
 
 from __future__ import annotations
@@ -61,11 +57,8 @@ _PREPARED: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
 class LossStateRecord(TrainerCallback, ExportableState):
-    """Carries the loss state into every checkpoint's ``trainer_state.json`` (``stateful_callbacks``): its
-    :meth:`state` is the record, which the trainer calls while it writes that file, after the model and the
-    optimizer. Added and linked to the trainer by :func:`prepare_trainer`. A record the trainer re-creates from a
-    checkpoint (``restore_callback_states_from_checkpoint``) is compared with the trainer's loss as its attributes are
-    set, before the optimizer is loaded."""
+    """Carries the loss state into every checkpoint's ``trainer_state.json``: :meth:`state` is the record. One the
+    trainer re-creates from a checkpoint is compared with the trainer's loss as its attributes are set."""
 
     def __init__(self, output_dir: str | None = None) -> None:
         self.output_dir = output_dir
@@ -91,10 +84,8 @@ class LossStateRecord(TrainerCallback, ExportableState):
 
 
 class LossStateCallback(TrainerCallback):
-    """Restores the loss state on resume, runs each loss's step after the optimizer's (the gradients were averaged
-    and clipped by :class:`LossGradientClipping`), stops training before a non-finite loss state is checkpointed,
-    loads the best checkpoint's loss state with the best model, and lets the model carry the loss's trained values.
-    Added by :func:`prepare_trainer`."""
+    """Restores the loss state on resume, runs each loss's step after the optimizer's, refuses to checkpoint a
+    non-finite state, loads the best checkpoint's with the best model, and lets the model carry the trained values."""
 
     def __init__(
         self, trainer: Any, allow_missing_loss_state: bool = False, carried_values_from: str | None = None
@@ -134,7 +125,7 @@ class LossStateCallback(TrainerCallback):
         # after the step of the averaged gradients: the same on every process, so they stay equal
         after_optimizer_step(self.trainer.loss)
 
-    def _before_save(self, state, control) -> None:
+    def on_step_end(self, args, state, control, **kwargs):
         # The trainer decided to save (DefaultFlowCallback runs first): refuse before the checkpoint folder exists,
         # and let the model carry the trained values it is saved with.
         if control.should_save:
@@ -142,11 +133,7 @@ class LossStateCallback(TrainerCallback):
                 check_finite_loss_state(loss_state_dict(self.trainer.loss), f"checkpoint at step {state.global_step}")
             carry_trained_values(self.trainer.model, self.trainer.loss, state.global_step, self.carried_values_from)
 
-    def on_step_end(self, args, state, control, **kwargs):
-        self._before_save(state, control)
-
-    def on_epoch_end(self, args, state, control, **kwargs):
-        self._before_save(state, control)
+    on_epoch_end = on_step_end
 
     def on_train_end(self, args, state, control, **kwargs):
         best = state.best_model_checkpoint
@@ -159,11 +146,9 @@ class LossStateCallback(TrainerCallback):
 
 
 class LossGradientClipping(TrainerCallback):
-    """Averages the loss parameters' gradients across processes, then clips them to the trainer's ``max_grad_norm``
-    on their own (:func:`~st_weince.training.loss_tensors.clip_loss_gradients`: the trainer clips
-    ``model.parameters()`` only, just before ``on_pre_optimizer_step``), and logs their norm before clipping as
-    ``loss_grad_norm`` beside the trainer's ``grad_norm`` (the model's). Added first by :func:`prepare_trainer`, so
-    that the printers and reporters see the logged value."""
+    """Averages the loss parameters' gradients across processes, clips them to ``max_grad_norm`` on their own (the
+    trainer clips the model's only) and logs their norm as ``loss_grad_norm``. First of the callbacks, so that the
+    printers and reporters see it."""
 
     def __init__(self, loss: LossTree) -> None:
         self.loss = loss
@@ -183,14 +168,8 @@ class LossGradientClipping(TrainerCallback):
 
 class LossStatisticsCallback(TrainerCallback):
     """Adds every loss module's :meth:`~st_weince.training.protocol.LossState.pop_logged_statistics` to every
-    training log record (console, log_history, reporters). With a dict of losses (one per dataset) each value's
-    name starts with its dataset's, as sentence-transformers names per-dataset values (``{dataset}_weince_rho0``).
-
-    Every record holds each loss's latest statistics and its state as it is at the log (RB-Sigmoid's ``t``). The
-    losses compute their statistics (:attr:`LossState.log_statistics`) only in the steps the trainer logs and, with a
-    dict of losses (each step runs some datasets' batches), in each loss's first step after a record too: so a record
-    holds every dataset's statistics, whichever dataset's batch ran at the logging step. A loss that ran in no step
-    since the previous record shows its previous statistics again."""
+    training log record, named after their dataset with a dict of losses; the losses compute them only in the steps
+    that a record will hold (docs/training.md, "How a loss's statistics reach the logs")."""
 
     def __init__(self, loss: LossTree) -> None:
         self.loss = loss
@@ -204,10 +183,8 @@ class LossStatisticsCallback(TrainerCallback):
             module.pop_logged_statistics()  # forwards before training (an evaluation) belong to no record
 
     def on_step_begin(self, args, state, control, **kwargs):
-        # The losses compute their statistics for a step after which the trainer logs (the rule of transformers'
-        # DefaultFlowCallback.on_step_end, for the step about to run), over all its gradient-accumulation batches,
-        # and those of a dict whose statistics no step has computed since the last record, in case this step runs
-        # their dataset's batches (the trainer's batch sampler decides, which no callback sees).
+        # A step after which the trainer logs (DefaultFlowCallback.on_step_end's rule), and with a dict of losses
+        # those no step has computed since the last record: the batch sampler, unseen here, picks the dataset.
         step = state.global_step + 1
         if args.logging_strategy == "steps":
             logs = step % state.logging_steps == 0 or (step == 1 and args.logging_first_step)
@@ -243,18 +220,27 @@ class LossStatisticsCallback(TrainerCallback):
 
 
 def carry_trained_values(model: nn.Module, loss: LossTree, global_step: int, source: str | None = None) -> None:
-    """Store the trained values of the loss tree's one carrying loss in the model's configuration (and its model card),
-    at ``global_step``; ``source``: the dataset of a dict of losses whose loss's values the model carries. With several
-    carrying losses and no ``source``, whose values would disagree, none: the model records why (which
-    :func:`st_weince.match_probability` then names), with a warning."""
+    """Store the trained values of the loss tree's one carrying loss (``source``: the dataset of a dict of losses) in
+    the model's configuration and model card, at ``global_step``. With several and no ``source`` none (their values
+    differ): the model records why, with a warning."""
     carrying = [(prefix, module) for prefix, module in state_modules(loss).items() if module.carried_values()]
     if source is not None:
         carrying = [(prefix, module) for prefix, module in carrying if prefix.split(".")[0] == source]
+    if len(carrying) > 1:
+        where = [p.split(".")[0] if isinstance(loss, dict) else p.rstrip(".") or "loss" for p, _ in carrying]
+        choose = (
+            "choose the dataset whose loss's values the model carries with "
+            f"st_weince.training.prepare_trainer(trainer, carried_values_from={where[0]!r})"
+            if isinstance(loss, dict)
+            else "train the encoder with one of them"
+        )
+        reason = (
+            f"{len(carrying)} losses train their own t and b_rel (those of {', '.join(where)}), one pair per loss and "
+            f"their values differ, so the model carries none of them: {choose}"
+        )
+        if mark_values_not_carried(model, reason):  # warned once, not at every checkpoint
+            logger.warning("%s", reason)
     if len(carrying) != 1:
-        if carrying:
-            reason = _several_carrying_losses(loss, [prefix for prefix, _ in carrying])
-            if mark_values_not_carried(model, reason):  # warned once, not at every checkpoint
-                logger.warning("%s", reason)
         return
     prefix, module = carrying[0]
     values = {**module.carried_values(), "global_step": int(global_step)}
@@ -266,21 +252,6 @@ def carry_trained_values(model: nn.Module, loss: LossTree, global_step: int, sou
         )
         return
     _annotate_model_card(model, loss, prefix, values)
-
-
-def _several_carrying_losses(loss: LossTree, prefixes: list[str]) -> str:
-    """Why the model carries no trained values when several losses train them, and how to choose one."""
-    where = [prefix.split(".")[0] if isinstance(loss, dict) else prefix.rstrip(".") or "loss" for prefix in prefixes]
-    choose = (
-        "choose the dataset whose loss's values the model carries with "
-        f"st_weince.training.prepare_trainer(trainer, carried_values_from={where[0]!r})"
-        if isinstance(loss, dict)
-        else "train the encoder with one of them"
-    )
-    return (
-        f"{len(prefixes)} losses train their own t and b_rel (those of {', '.join(where)}), one pair per loss and "
-        f"their values differ, so the model carries none of them: {choose}"
-    )
 
 
 def _annotate_model_card(model: nn.Module, loss: LossTree, prefix: str, values: dict[str, Any]) -> None:
@@ -319,30 +290,14 @@ def prepare_trainer(
 ) -> Any:
     """One call after building a SentenceTransformerTrainer (or any transformers Trainer with a ``loss``) and before
     ``trainer.train()``. For every loss module of the trainer's loss (:mod:`st_weince.training.protocol`; also inside
-    ``MatryoshkaLoss`` and co., and a dict of losses):
-
-    - its state goes into every checkpoint (inside ``trainer_state.json``) and ``train(resume_from_checkpoint=...)``
-      restores it; a checkpoint without it is refused (FileNotFoundError) unless ``allow_missing_loss_state``;
-      non-finite values stop training before they are written; after a run killed while saving, resume with
-      ``resume_from_checkpoint=last_complete_checkpoint(output_dir)``;
-    - a checkpoint written under another loss class or configuration is refused, naming the change, before the
-      optimizer is loaded (the record is restored first: ``restore_callback_states_from_checkpoint`` is set);
-    - its parameters get their own learning rate ``loss_learning_rate`` through the trainer's
-      ``learning_rate_mapping`` (an entry the caller gave for the same parameters wins; None: the trainer's rate),
-      and no weight decay on those the loss names (set to 0 on their optimizer groups at ``on_train_begin``);
-    - their gradients are averaged across processes and clipped to ``max_grad_norm`` on their own (the trainer clips
-      the model's), their norm logged as ``loss_grad_norm``, and the loss's own step runs after every optimizer step;
-    - a process group of several processes that the trainer trains each alone (``torchrun`` on a CPU without
-      ``use_cpu=True``) is refused when the loss gathers across devices, and a launcher that asked for more processes
-      than train (``accelerate launch --cpu --num_processes 2``) gets a warning naming a working command
-      (docs/distributed.md);
-    - its statistics are added to the training logs (named after their dataset with a dict of losses);
-    - the values it trains for the model (RB-Sigmoid's ``t`` and ``b_rel``) are written into the model's configuration
-      and model card before every checkpoint and at the end of training (:func:`st_weince.match_probability`); with
-      several such losses in a dict, those of the dataset named by ``carried_values_from`` (None: none, with a
-      warning, and the model records why);
-    - a dataset whose loss uses ``false_negative_filter="same_label"`` is refused before step 1 when it has no label
-      column or one that is not integer class ids (:mod:`st_weince.training.label_columns`).
+    ``MatryoshkaLoss`` and co., and a dict of losses) it checkpoints and restores the state (never a non-finite one),
+    refusing a checkpoint without it (unless ``allow_missing_loss_state``) or of another loss configuration before the
+    optimizer is loaded; gives the parameters ``loss_learning_rate`` (None: the trainer's; an entry of yours for them
+    wins) and no weight decay; averages and clips their gradients on their own; logs the statistics; lets the model
+    carry the trained values (``carried_values_from``: whose, with a dict of several); refuses, before step 1, a
+    process group that the trainer trains one process at a time with a gathering loss and a ``"same_label"`` dataset
+    without integer labels; and warns when a launcher started fewer processes than asked. docs/training.md ("What it
+    does") has each rule and its why, docs/distributed.md the processes.
 
     It adds callbacks, and on a copy of ``trainer.args`` a ``learning_rate_mapping`` entry and
     ``restore_callback_states_from_checkpoint=True``; the one trainer method it wraps is ``_load_callback_state``, to
@@ -434,11 +389,9 @@ def _check_carried_values_from(loss: LossTree, dataset: str | None) -> None:
 
 
 def _check_record_before_restore(trainer: Any, allow_missing_loss_state: bool) -> None:
-    """Wrap the trainer's ``_load_callback_state`` (which transformers runs on resume, after it loaded the checkpoint's
-    ``trainer_state.json`` into ``trainer.state`` and before the optimizer) so that the loss-state record is checked
-    first, against this trainer's loss: a corrupt entry (transformers would fail on it with an AttributeError) and a
-    checkpoint of another loss are refused naming the file, the entry or the change, wherever the checkpoint lies
-    (also one copied from another ``output_dir``). No other hook runs between the two."""
+    """Wrap the trainer's ``_load_callback_state`` (run on resume after it read ``trainer_state.json``, before the
+    optimizer, with no hook between) to check the loss-state record first: a corrupt entry (an AttributeError in
+    transformers) and another loss's checkpoint are refused naming the cause, wherever the checkpoint lies."""
     restore = getattr(trainer, "_load_callback_state", None)
     if restore is None:
         return
@@ -454,11 +407,9 @@ def _check_record_before_restore(trainer: Any, allow_missing_loss_state: bool) -
 
 
 def take_weight_decay_off(optimizer: Any, loss: LossTree) -> None:
-    """Set ``weight_decay=0`` on every optimizer group that holds a parameter the loss names in
-    :meth:`~st_weince.training.protocol.LossState.no_weight_decay`. Such a group must hold nothing else (the trainer's
-    ``learning_rate_mapping`` entry that prepare_trainer adds gives them groups of their own); a group that mixes them
-    with other parameters is refused, naming both. Runs after the trainer built (and, on resume, loaded) the
-    optimizer; the scheduler does not touch weight decay."""
+    """Set ``weight_decay=0`` on every optimizer group holding a parameter in the loss's
+    :meth:`~st_weince.training.protocol.LossState.no_weight_decay`; a group that mixes one with other parameters is
+    refused, naming both (prepare_trainer's ``learning_rate_mapping`` entry gives them groups of their own)."""
     names = {id(p): name for name, p in state_parameters(loss).items()}
     no_decay = {id(p) for name, p in state_parameters(loss).items() if name in no_weight_decay_names(loss)}
     for index, group in enumerate(optimizer.param_groups):

@@ -1,13 +1,7 @@
 """The one persistence format of a loss's state, the record: ``{"format", "global_step", "entries", "loss"}``, JSON
-data. The trainer keeps it in every checkpoint's ``trainer_state.json`` (:mod:`st_weince.training.callbacks`); a
-training loop of your own writes it to a file (:func:`save_loss_state`, :func:`load_loss_state`) or into its own
-checkpoints (:func:`loss_state_record`, :func:`restore_loss_state`); ``loss`` names the loss classes and their
-configuration, which a resume compares with the loss it resumes.
-
-A checkpoint whose ``trainer_state.json`` is missing, empty or unreadable (a run killed while saving) can never be
-resumed from; :func:`last_complete_checkpoint` finds the last one that can (nothing is renamed). The record also
-names the loss class and configuration; on resume :func:`check_record_resumable` refuses a checkpoint of another loss
-with that reason.
+data, in every checkpoint's ``trainer_state.json`` or, for a loop of your own, in a file (:func:`save_loss_state`) or
+your checkpoints (:func:`loss_state_record`). ``loss`` names the loss classes and configuration, which a resume
+compares with its loss (docs/training.md, "Checkpoints: the loss state cannot go missing").
 """
 
 from __future__ import annotations
@@ -105,13 +99,13 @@ def restore_loss_state(loss: LossTree, record: Any, source: str = "the loss-stat
 
 
 def _loss_modules(loss: LossTree) -> dict[str, nn.Module]:
-    """Every module of the loss tree that is not the model's (wrappers such as ``MatryoshkaLoss`` and the losses they
-    wrap), by its key in a :func:`loss_description`: the module's path ("loss" for the top one; "{dataset}" for a
-    dict of losses)."""
+    """Every module of the loss tree but the model's (which the trainer checkpoints itself: a loss, and each wrapper,
+    keeps it as ``self.model``), by its path ("loss" for the top one; "{dataset}" for a dict of losses)."""
     roots = loss if isinstance(loss, dict) else {"": loss}
     modules: dict[str, nn.Module] = {}
     for root_name, root in roots.items():
-        model_modules = {id(m) for parent in root.modules() for m in _model_of(parent)}
+        models = [parent._modules["model"] for parent in root.modules() if parent._modules.get("model") is not None]
+        model_modules = {id(m) for model in models for m in model.modules()}
         for name, module in root.named_modules():
             if id(module) not in model_modules:
                 modules[".".join(part for part in (root_name, name) if part) or "loss"] = module
@@ -124,10 +118,9 @@ def _as_json(description: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]
 
 
 def loss_description(loss: LossTree) -> dict[str, dict[str, Any]]:
-    """The class of every module of the loss tree that is not the model's and the configuration of the loss modules
-    (:meth:`~st_weince.training.protocol.LossState.resume_config`: without the options that change only how the loss
-    is computed), as JSON data: what a record is written under, and what a resume compares it with. Keys: the
-    module's path ("loss" for the top one; "{dataset}" for a dict of losses)."""
+    """The class of every module of the loss tree but the model's and the loss modules'
+    :meth:`~st_weince.training.protocol.LossState.resume_config`, as JSON data: what a record is written under and a
+    resume compares, by :func:`_loss_modules`' keys."""
     description: dict[str, dict[str, Any]] = {}
     for key, module in _loss_modules(loss).items():
         description[key] = {"class": type(module).__name__}
@@ -154,13 +147,6 @@ def _saved_description_read_now(saved: dict[str, Any], loss: LossTree) -> dict[s
     return _as_json(read)
 
 
-def _model_of(module: nn.Module) -> list[nn.Module]:
-    """The modules of a loss's ``model`` child (sentence-transformers' convention: a loss keeps its model as
-    ``self.model``; a wrapper keeps it again), which the trainer checkpoints itself."""
-    model = module._modules.get("model")
-    return list(model.modules()) if model is not None else []
-
-
 def describe_loss_change(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
     """What differs between two :func:`loss_description` results, in words; None when nothing does."""
     changes = []
@@ -185,26 +171,14 @@ def describe_loss_change(saved: dict[str, Any], current: dict[str, Any]) -> str 
     return "; ".join(changes) if changes else None
 
 
-def stored_record(stateful_callbacks: dict[str, Any] | None, source: str = TRAINER_STATE_FILE) -> dict[str, Any] | None:
-    """The loss-state record among a trainer state's ``stateful_callbacks`` (the first of several), or None when
-    there is none. An entry that is not what :class:`~st_weince.training.callbacks.LossStateRecord` writes (a
-    string, a list of numbers ...) is refused with a ValueError naming ``source`` and the entry
-    (:func:`check_record_entry`)."""
-    check_record_entry(stateful_callbacks, source)
-    entry = (stateful_callbacks or {}).get(LOSS_STATE_RECORD)
-    if isinstance(entry, list):
-        entry = entry[0] if entry else None
-    return entry.get("attributes") if isinstance(entry, dict) else None
-
-
-def check_record_entry(stateful_callbacks: Any, source: str = TRAINER_STATE_FILE) -> None:
-    """Refuse, naming ``source`` and the entry, a ``stateful_callbacks[LOSS_STATE_RECORD]`` entry that the trainer
-    cannot restore: each must be ``{"args": {"output_dir": ...}, "attributes": {...}}`` (or a list of such), as
-    :class:`~st_weince.training.callbacks.LossStateRecord` writes it. Without this check transformers' callback restore
-    fails on it with an AttributeError that names neither."""
+def stored_record(stateful_callbacks: Any, source: str = TRAINER_STATE_FILE) -> dict[str, Any] | None:
+    """The loss-state record among a trainer state's ``stateful_callbacks`` (the first of several), or None. An entry
+    that is not ``{"args": {"output_dir": ...}, "attributes": {...}}`` (or a list of such), as
+    :class:`~st_weince.training.callbacks.LossStateRecord` writes it, is refused naming ``source`` and the entry:
+    transformers' callback restore would fail on it with an AttributeError that names neither."""
+    if stateful_callbacks is None:
+        return None
     if not isinstance(stateful_callbacks, dict):
-        if stateful_callbacks is None:
-            return
         raise ValueError(
             f"{source}: its 'stateful_callbacks' is corrupt (expected a mapping of callback names to their states, got "
             f"{type(stateful_callbacks).__name__} {_shortened(stateful_callbacks)})"
@@ -219,6 +193,9 @@ def check_record_entry(stateful_callbacks: Any, source: str = TRAINER_STATE_FILE
                 f"got {type(entry).__name__} {_shortened(entry)}). The checkpoint's loss state cannot be read: resume "
                 "from another checkpoint, or restore the file from a copy"
             )
+    if isinstance(entry, list):
+        entry = entry[0] if entry else None
+    return entry.get("attributes") if isinstance(entry, dict) else None
 
 
 def _shortened(value: Any, limit: int = 80) -> str:
@@ -239,22 +216,9 @@ def _checkpoint_record(checkpoint: str, consequence: str = "") -> tuple[str, Any
         return path, stored_record(json.load(handle).get("stateful_callbacks"), path)
 
 
-def missing_loss_state_error(source: str, loss: LossTree) -> FileNotFoundError:
-    """The error for a checkpoint without loss state, resumed by a loss with parameters of its own."""
-    return FileNotFoundError(
-        f"{source} holds no st-weince loss state (stateful_callbacks[{LOSS_STATE_RECORD!r}] is missing): the "
-        "checkpoint was written without st_weince.training.prepare_trainer, or under a loss without parameters. "
-        f"Resuming would restart the loss parameters {sorted(state_tensors(loss))} from their current values while "
-        "their optimizer state is restored. To do that knowingly (their optimizer state is then reset), call "
-        "prepare_trainer(trainer, allow_missing_loss_state=True)."
-    )
-
-
 def read_checkpoint_loss_state(checkpoint: str | os.PathLike) -> dict[str, Tensor] | None:
     """The loss state that :func:`prepare_trainer` stored in ``checkpoint/trainer_state.json``, or None when that
-    file holds none (a checkpoint written without prepare_trainer, or of a loss without state of its own).
-
-    Raises FileNotFoundError / ValueError naming the file when it is missing, empty or corrupt."""
+    file holds none; FileNotFoundError / ValueError naming the file when it is missing, empty or corrupt."""
     path, record = _checkpoint_record(os.fspath(checkpoint))
     return None if record is None else record_loss_state(record, path)[1]
 
@@ -276,13 +240,9 @@ def _trainer_state_problem(path: str) -> str | None:
 
 
 def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
-    """The highest-numbered ``checkpoint-N`` in ``output_dir`` whose ``trainer_state.json`` is readable, or None.
-
-    ``train(resume_from_checkpoint=True)`` takes the highest-numbered ``checkpoint-N`` folder, complete or not; the
-    trainer writes ``trainer_state.json`` last, so a run killed while saving leaves a folder without it, from which
-    transformers refuses to resume (``FileNotFoundError``). ``trainer.train(resume_from_checkpoint=
-    last_complete_checkpoint(args.output_dir))`` resumes from the last complete one instead, and starts afresh when
-    there is none. Nothing is renamed or deleted."""
+    """The highest-numbered ``checkpoint-N`` in ``output_dir`` whose ``trainer_state.json`` is readable, or None. The
+    trainer writes that file last, so a run killed while saving leaves a folder without it, which
+    ``resume_from_checkpoint=True`` would pick and transformers refuse. Nothing is renamed or deleted."""
     output_dir = os.fspath(output_dir)
     if not os.path.isdir(output_dir):
         return None
@@ -300,12 +260,9 @@ def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
 
 
 def check_record_resumable(loss: LossTree, record: Any, source: str, allow_missing_loss_state: bool = False) -> None:
-    """Refuse, naming the cause, a checkpoint's loss-state ``record`` (read from ``source``) that this loss cannot
-    resume from:
-
-    - written under another loss class or configuration: ValueError naming what differs;
-    - for a loss with parameters, no loss state at all (unless ``allow_missing_loss_state``): FileNotFoundError.
-    """
+    """Refuse a checkpoint's loss-state ``record`` (read from ``source``) written under another loss class or
+    configuration (ValueError naming what differs) or, for a loss with parameters, a missing one (FileNotFoundError,
+    unless ``allow_missing_loss_state``)."""
     saved = record.get("loss") if isinstance(record, dict) else None
     if isinstance(saved, dict):
         change = describe_loss_change(_saved_description_read_now(saved, loss), loss_description(loss))
@@ -316,21 +273,21 @@ def check_record_resumable(loss: LossTree, record: Any, source: str, allow_missi
                 "or start a new run in another output_dir."
             )
     elif record is None and state_tensors(loss) and not allow_missing_loss_state:
-        raise missing_loss_state_error(source, loss)
+        raise FileNotFoundError(
+            f"{source} holds no st-weince loss state (stateful_callbacks[{LOSS_STATE_RECORD!r}] is missing): the "
+            "checkpoint was written without st_weince.training.prepare_trainer, or under a loss without parameters. "
+            f"Resuming would restart the loss parameters {sorted(state_tensors(loss))} from their current values "
+            "while their optimizer state is restored. To do that knowingly (their optimizer state is then reset), "
+            "call prepare_trainer(trainer, allow_missing_loss_state=True)."
+        )
 
 
 def check_resumable(loss: LossTree, checkpoint: str | os.PathLike, allow_missing_loss_state: bool = False) -> None:
-    """Refuse, naming the cause, a checkpoint folder this loss cannot resume from, without loading anything:
-
-    - a ``trainer_state.json`` that is missing, empty or unreadable (an interrupted save): FileNotFoundError /
-      ValueError naming it;
-    - the cases of :func:`check_record_resumable`.
-
-    ``prepare_trainer`` runs the record check itself when the trainer resumes (at ``on_train_begin``); this is for a
-    script that wants the answer before it builds a trainer.
-    """
+    """Refuse, naming the cause, a checkpoint folder this loss cannot resume from, without loading anything: an
+    incomplete ``trainer_state.json`` (missing, empty or unreadable) and the cases of :func:`check_record_resumable`.
+    For a script that wants the answer before it builds a trainer; ``prepare_trainer`` checks on resume itself."""
     checkpoint = os.fspath(checkpoint)
-    path, record = _checkpoint_record(checkpoint, " and cannot be resumed from")
+    _, record = _checkpoint_record(checkpoint, " and cannot be resumed from")
     check_record_resumable(loss, record, checkpoint, allow_missing_loss_state)
 
 
@@ -340,8 +297,7 @@ LOSS_STATE_FILE = "st_weince_loss_state.json"
 
 def save_loss_state(loss: LossTree, directory: str | os.PathLike, global_step: int = 0) -> str | None:
     """Write :func:`loss_state_record` to ``directory/st_weince_loss_state.json`` atomically (a reader, or a kill,
-    sees the old file or the complete new one); returns the path, or None when the loss has no state of its own
-    (nothing is written). Refuses non-finite values (FloatingPointError)."""
+    sees the old file or the complete new one); returns the path, or None for a loss without state of its own."""
     if not state_tensors(loss):
         return None
     record = loss_state_record(loss, global_step)
@@ -363,10 +319,7 @@ def save_loss_state(loss: LossTree, directory: str | os.PathLike, global_step: i
 
 def load_loss_state(loss: LossTree, directory: str | os.PathLike) -> int | None:
     """Restore the loss state that :func:`save_loss_state` wrote into ``directory``; returns its global step (None
-    for a loss without state of its own: nothing is read).
-
-    Raises FileNotFoundError naming the file when it is absent, ValueError naming it when it is empty, not a
-    loss-state record, or of tensors that do not fit the loss."""
+    for a loss without state of its own). The error names the file when it is absent, empty, or does not fit."""
     if not state_tensors(loss):
         return None
     path = os.path.join(os.fspath(directory), LOSS_STATE_FILE)

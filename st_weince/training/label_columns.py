@@ -1,12 +1,8 @@
 """The label columns the false-negative guard's ``"same_label"`` rule reads, checked by
-:func:`~st_weince.training.prepare_trainer` before step 1 (docs/false-negatives.md, "Labels").
-
-sentence-transformers' data collator passes a dataset's first column among ``valid_label_columns`` (``label``,
-``labels``, ``score``, ``scores``) to the loss as its labels. A loss with ``false_negative_filter="same_label"``
-needs there one integer class id per row. Without this check a dataset of a dict without that column fails at its
-first batch (after checkpoints may have been written), and a text column fails inside the collator ("too many
-dimensions 'str'") without a word of labels. Text labels are refused with the fix, not encoded here: the trainer's
-datasets are the caller's, and an encoding chosen here would be invisible in them.
+:func:`~st_weince.training.prepare_trainer` before step 1 (docs/false-negatives.md, "Labels"): without the check a
+dataset without one fails at its first batch, perhaps after checkpoints, and a text column inside the collator
+without a word of labels. Text labels are refused with the fix, not encoded here: an encoding chosen here would be
+invisible in the caller's datasets.
 """
 
 from __future__ import annotations
@@ -29,10 +25,9 @@ def same_label_losses(loss: nn.Module) -> list[str]:
 
 
 def check_label_columns(trainer: Any) -> None:
-    """Refuse (ValueError naming the dataset, the loss and the fix), for every train and eval dataset whose loss uses
-    ``false_negative_filter="same_label"``: no label column, or one that is not integer class ids (text, floats,
-    lists). Reads the datasets' column names and features only (no row); a dataset that declares neither (an
-    ``IterableDataset`` without features) is checked by the loss at its first batch."""
+    """Refuse, naming the dataset, the loss and the fix, a train or eval dataset whose loss uses
+    ``false_negative_filter="same_label"`` without a label column of integer class ids. Reads column names and
+    features only; a dataset that declares neither is checked by the loss at its first batch."""
     loss = trainer.loss
     losses = {name: same_label_losses(module) for name, module in loss.items()} if isinstance(loss, dict) else None
     single = same_label_losses(loss) if losses is None else []
@@ -42,21 +37,16 @@ def check_label_columns(trainer: Any) -> None:
         for name, dataset in named.items():
             users = single if losses is None else losses.get(name, [])
             if users:
-                _check_label_column(dataset, label_columns, _where(role, name, users))
+                where = f"the {role} dataset" + (f" {name!r}" if name is not None else "")
+                loss_uses = f"its loss ({', '.join(sorted(set(users)))}) uses false_negative_filter='same_label'"
+                code = "dataset" if name is None else f"dataset[{name!r}]"  # the dataset in the fix's code
+                _check_label_column(dataset, label_columns, f"{where}: {loss_uses}", code)
 
 
-def _where(role: str, name: str | None, users: list[str]) -> tuple[str, str]:
-    """(the dataset and its loss in words, the dataset as code for the fix)."""
-    dataset = f"the {role} dataset" + (f" {name!r}" if name is not None else "")
-    loss = f"its loss ({', '.join(sorted(set(users)))}) uses false_negative_filter='same_label'"
-    return f"{dataset}: {loss}", "dataset" if name is None else f"dataset[{name!r}]"
-
-
-def _check_label_column(dataset: Any, label_columns: list[str], where: tuple[str, str]) -> None:
+def _check_label_column(dataset: Any, label_columns: list[str], text: str, code: str) -> None:
     columns = getattr(dataset, "column_names", None)
     if columns is None:
         return
-    text, code = where
     column = next((name for name in label_columns if name in columns), None)
     if column is None:
         raise ValueError(

@@ -91,12 +91,9 @@ def load_loss_state_dict(loss: LossTree, state: dict[str, Tensor], source: str =
 
 
 def average_loss_gradients(loss: LossTree) -> None:
-    """Average the gradients of the loss's own trainable parameters over all processes (one all-reduce).
-
-    Call it on every rank after backward and before the optimizer step (``prepare_trainer`` does it for the
-    trainer; custom training loops call it themselves). A parameter without gradient on a rank counts as zero, so
-    the collective is the same on every rank. No-op without an initialised process group or with one process.
-    """
+    """Average the gradients of the loss's own trainable parameters over all processes (one all-reduce), on every
+    rank after backward and before the optimizer step; a missing gradient counts as zero, so that every rank runs the
+    same collective. No-op without a process group of several processes."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     params = list(state_parameters(loss).values())
@@ -113,16 +110,11 @@ def average_loss_gradients(loss: LossTree) -> None:
 
 
 def clip_loss_gradients(loss: LossTree, max_norm: float | None) -> Tensor | None:
-    """Clip the gradients of the loss's own trainable parameters (RB-Sigmoid's ``log_t``, ``b_rel``) to a total 2-norm
-    of ``max_norm`` (the trainer's ``max_grad_norm``), as ``torch.nn.utils.clip_grad_norm_`` clips the model's, and
-    return their norm before clipping (a 0-d tensor on their device: no host sync), or None when none has a gradient.
-    ``max_norm`` None, 0 or infinite: the norm only, nothing clipped.
-
-    On their own, not jointly with the model's: the trainer clips the model first, and the loss parameters' gradient
-    (the scale's can be orders of magnitude above the model's) would otherwise shrink the model's step, so that a loss
-    with trainable parameters would train the model differently from one without (docs/training.md). ``prepare_trainer``
-    calls it at every optimizer step; a training loop of your own calls it once per step, after
-    :func:`average_loss_gradients` and before ``optimizer.step()``."""
+    """Clip the gradients of the loss's own trainable parameters to a total 2-norm of ``max_norm`` and return their
+    norm before clipping (a 0-d device tensor: no host sync), or None when none has a gradient; ``max_norm`` None, 0 or
+    infinite: the norm only. On their own, not jointly with the model's: the scale's gradient can be orders of
+    magnitude above the model's and would shrink its step (docs/training.md, ``max_grad_norm``). A loop of your own
+    calls it after :func:`average_loss_gradients`, before ``optimizer.step()``."""
     params = [p for p in state_parameters(loss).values() if p.grad is not None]
     if not params:
         return None

@@ -1,26 +1,9 @@
 """How many processes train: what the launcher asked for, what the trainer trains on, and the process group. Two faults
-are never silent (docs/distributed.md):
-
-- a process group of N > 1 processes that the trainer does not train in parallel (``torchrun`` on a CPU without
-  ``use_cpu=True``: transformers sets up the group, then trains NOT_PARALLEL, each process alone) while the loss
-  gathers across devices: every anchor would meet the other processes' copies of its own batch as negatives.
-  :func:`check_trained_in_parallel` (``prepare_trainer``) and :func:`check_process_group` (the loss's first training
-  step) refuse it, naming ``use_cpu=True`` and the command that works;
-- a launcher that asked for more processes than started (``accelerate launch --cpu --num_processes 2`` starts one):
-  :func:`count_processes` reads it and ``prepare_trainer`` warns, naming a working command.
-
-What each launcher leaves in the environment of the processes it starts (read in accelerate 1.16's
-``commands/launch.py`` and ``utils/launch.py``, and observed with it and torch 2.14's torchrun):
-
-- ``torchrun --nproc_per_node N`` (and ``accelerate launch --multi_gpu --num_processes N``, which runs torchrun's code
-  and starts N processes also on a machine without a GPU): ``WORLD_SIZE=N``, ``LOCAL_WORLD_SIZE=N``, ``RANK``,
-  ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID`` ...
-- ``accelerate launch`` without a multi-device mode (its "simple launcher": ``--cpu``, or no ``--multi_gpu`` on a
-  machine with fewer than 2 GPUs): one ``python SCRIPT``, with ``ACCELERATE_USE_CPU`` (always) and
-  ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT=29500`` (only when ``--num_processes``, given or from a config file, is
-  above 1); no ``WORLD_SIZE``, and no variable carries N: N is only on the launcher's command line.
-- ``mpirun`` (``accelerate launch --mpirun_hostfile``): ``PMI_SIZE``, ``OMPI_COMM_WORLD_SIZE`` or
-  ``MV2_COMM_WORLD_SIZE``, which accelerate's ``PartialState`` reads.
+are never silent (docs/distributed.md): a process group that the trainer trains one process at a time (``torchrun`` on
+a CPU without ``use_cpu=True``) while the loss gathers across devices, so that every anchor would meet the other
+processes' copies of its batch as negatives (refused by :func:`check_trained_in_parallel` in ``prepare_trainer`` and
+by :func:`check_process_group` at the loss's first training step); and a launcher that asked for more processes than
+started (:func:`count_processes`; ``prepare_trainer`` warns), both naming a command that works.
 """
 
 from __future__ import annotations
@@ -38,12 +21,6 @@ import torch.distributed as dist
 
 MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 ACCELERATE_NUM_PROCESSES_FLAGS = ("--num_processes", "--num-processes")  # accelerate takes both spellings
-# On a machine without a GPU: which launches start several processes, and what the script needs then (checked with
-# accelerate 1.16.0 and torch 2.14.1, docs/distributed.md).
-CPU_NOTE = (
-    "on a CPU the training arguments need use_cpu=True (Accelerator(cpu=True) in a loop of your own), and accelerate "
-    "launch starts several processes only with --multi_gpu (with --cpu it starts one)"
-)
 
 
 def working_command(count: int | str, argv: Sequence[str] | None = None, gpus: int | None = None) -> str:
@@ -85,11 +62,9 @@ def count_processes(
     launcher_argv: Sequence[str] | None = None,
     argv: Sequence[str] | None = None,
 ) -> ProcessCount:
-    """Compare the processes the launcher asked for (read from ``environ``, default ``os.environ``) with ``actual``,
-    the processes that train. ``gpus``: CUDA devices of this machine (default: counted), which decide the command the
-    warning names (torchrun on a CPU, ``accelerate launch --multi_gpu`` on GPUs). ``launcher_argv``: the command line
-    of accelerate's simple launcher (default: the parent process's, read from /proc), the one place its N is;
-    ``argv``: this script's command line (default ``sys.argv``), repeated in the command the warning names."""
+    """Compare the processes the launcher asked for (read from ``environ``) with ``actual``, the processes that train.
+    ``gpus`` (default: counted) decides the command the warning names; ``launcher_argv``: the command line of
+    accelerate's simple launcher (default: the parent process's), the one place its N is; ``argv``: this script's."""
     environ = os.environ if environ is None else environ
     argv = sys.argv if argv is None else argv
     gpus = torch.cuda.device_count() if gpus is None else gpus
@@ -103,8 +78,11 @@ def count_processes(
             why = "; accelerate launch starts one process per GPU with --multi_gpu" + (
                 f" (this machine has {gpus})" if requested is None or gpus < requested else ""
             )
-        else:
-            why = f"; {CPU_NOTE}"
+        else:  # checked with accelerate 1.16.0 and torch 2.14.1 (docs/distributed.md)
+            why = (
+                "; on a CPU the training arguments need use_cpu=True (Accelerator(cpu=True) in a loop of your own), "
+                "and accelerate launch starts several processes only with --multi_gpu (with --cpu it starts one)"
+            )
         asked = f"{requested} processes" if requested is not None else "more than one process (--num_processes)"
         warning = (
             f"{launcher} asked for {asked}, but this run trains on {actual}{why}. To train on {count} processes:\n"
@@ -116,7 +94,11 @@ def count_processes(
 def _requested_processes(
     environ: Mapping[str, str], launcher_argv: Sequence[str] | None, script: str
 ) -> tuple[str, int | None]:
-    """``(launcher, processes it asked for)`` from the variables each launcher sets (the module docstring)."""
+    """``(launcher, processes it asked for)`` from what each launcher leaves in the environment (read in accelerate
+    1.16's ``commands/launch.py`` and ``utils/launch.py``, observed with torch 2.14's torchrun): torchrun, and
+    ``accelerate launch --multi_gpu`` which runs its code, ``WORLD_SIZE`` (and ``TORCHELASTIC_RUN_ID``); mpirun one of
+    ``MPI_SIZE_VARIABLES``; accelerate's simple launcher (``--cpu``, or no ``--multi_gpu`` below 2 GPUs)
+    ``ACCELERATE_USE_CPU`` and, only when asked for more than one process, ``MASTER_ADDR``: no variable carries N."""
     if "WORLD_SIZE" in environ:
         return ("torchrun" if "TORCHELASTIC_RUN_ID" in environ else "a launcher"), int(environ["WORLD_SIZE"])
     for name in MPI_SIZE_VARIABLES:
@@ -155,17 +137,6 @@ def process_group_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def gathers_across_devices(loss: Any) -> bool:
-    """Whether any module of the loss tree (a loss, a wrapper, a dict of losses) gathers across devices: the attribute
-    sentence-transformers' losses (MNRL, CMNRL, ...) and this project's have alike."""
-    roots = loss.values() if isinstance(loss, dict) else [loss]
-    for root in roots:
-        for module in root.modules() if isinstance(root, torch.nn.Module) else [root]:
-            if getattr(module, "gather_across_devices", False) is True:
-                return True
-    return False
-
-
 def unparallel_process_group_message(group_size: int, trained: int, who: str, argv: Sequence[str] | None = None) -> str:
     """Why a process group of ``group_size`` processes trained as ``trained`` is wrong with a gathering loss, and the
     fix."""
@@ -181,18 +152,20 @@ def unparallel_process_group_message(group_size: int, trained: int, who: str, ar
 
 
 def check_trained_in_parallel(loss: Any, trained: int, who: str = "prepare_trainer") -> None:
-    """Refuse a process group of N > 1 processes that train as ``trained`` == 1 process when ``loss`` gathers across
-    devices: a RuntimeError naming ``use_cpu=True`` and the command that works. (Without gathering each process
-    trains a model of its own: :func:`warn_fewer_processes` says so for the launchers' processes.) Host facts only."""
+    """Refuse a process group of N > 1 processes that train as ``trained`` == 1 process when a module of the loss tree
+    gathers across devices (the attribute of sentence-transformers' losses and this project's alike). Host facts."""
     group_size = process_group_size()
-    if group_size > 1 and trained <= 1 and gathers_across_devices(loss):
+    if group_size <= 1 or trained > 1:
+        return
+    roots = loss.values() if isinstance(loss, dict) else [loss]
+    modules = [m for root in roots for m in (root.modules() if isinstance(root, torch.nn.Module) else [root])]
+    if any(getattr(module, "gather_across_devices", False) is True for module in modules):
         raise RuntimeError(unparallel_process_group_message(group_size, trained, who))
 
 
 def accelerate_trains_unparallel() -> bool:
-    """Whether accelerate's state (set up by transformers' TrainingArguments or an ``Accelerator``) says NOT
-    distributed while a process group of several processes exists: transformers' and accelerate's loops then train
-    every process alone. False when accelerate was never set up (a loop of plain torch: DDP or FSDP by hand)."""
+    """Whether accelerate's state says NOT distributed beside a process group of several processes (then the trainer
+    and ``Accelerator`` loops train each process alone); False without accelerate (DDP or FSDP by hand)."""
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
@@ -201,9 +174,8 @@ def accelerate_trains_unparallel() -> bool:
 
 
 def check_process_group(gathers: bool, who: str) -> None:
-    """The loss's first-training-step check (once, host facts only): refuse a loss that gathers across devices
-    (``gathers``) whose processes accelerate (hence transformers' trainer, or an ``Accelerator`` loop) trains each
-    alone."""
+    """The loss's first-training-step check (once, host facts only): refuse a gathering loss whose processes
+    accelerate trains each alone."""
     if gathers and accelerate_trains_unparallel():
         raise RuntimeError(unparallel_process_group_message(process_group_size(), 1, who))
 
@@ -222,7 +194,6 @@ __all__ = [
     "check_process_group",
     "check_trained_in_parallel",
     "count_processes",
-    "gathers_across_devices",
     "warn_fewer_processes",
     "working_command",
 ]

@@ -1,10 +1,7 @@
 """What a loss gives the training integration: the one protocol between the losses and :mod:`st_weince.training`.
-
-A loss module that inherits :class:`LossState` declares here, in one place, the state that training changes and
-that sentence-transformers' trainer does not handle: its tensors (checkpointed, restored on resume, their gradients
-averaged across processes), which of them take no weight decay, what happens after each optimizer step, its logged
-statistics, its configuration, and the values a trained model should carry. :mod:`st_weince.training` reads nothing
-else of a loss: it names no loss class, and a third loss with parameters needs no change there.
+A loss module that inherits :class:`LossState` declares the state that training changes and sentence-transformers'
+trainer does not handle; :mod:`st_weince.training` reads nothing else of a loss, so that it names no loss class and a
+third loss with parameters needs no change there.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Tools for a training hot path without host-device synchronisations.
-
-Two pieces, used by every loss of this project:
-
-- :class:`DeferredChecks` collects the input checks of one forward as boolean *device* tensors and reads them all
-  with one host-device sync (``raise_if_failed``), instead of one ``bool(...)`` per check. Only when a check fails
-  are the individual flags read again, to name the problem: the error path may sync, the success path syncs once.
-- :func:`count_host_syncs` counts the operations that force a host-device sync, on any device (on CPU they are
-  free, but the same Python code syncs on a GPU). It is what the tests and ``benchmarks/gpu_check.py`` measure.
+"""Tools for a training hot path without host-device synchronisations: :class:`DeferredChecks` reads all the input
+checks of a forward with one sync (only a failure reads the flags again, to name the problem), and
+:func:`count_host_syncs` counts the syncing operations on any device (free on a CPU, not on a GPU), as the tests and
+``benchmarks/gpu_check.py`` measure them.
 """
 
 from __future__ import annotations
