@@ -52,7 +52,9 @@ def normalize_rows(
     entry first) would cost two extra passes over the embeddings every step, for an input only a diverged model
     produces.
     """
-    embeddings = upcast(embeddings, dtype or compute_dtype(embeddings))
+    dtype = dtype or compute_dtype(embeddings)
+    if embeddings.dtype != dtype:
+        embeddings = upcast(embeddings, dtype)
     if embeddings.requires_grad and torch.is_grad_enabled():
         unit, norms = _UnitRows.apply(embeddings)
     else:
@@ -161,6 +163,34 @@ class MNRLLayout:
     groups: tuple[CandidateGroup, ...]
     partition_mode: PartitionMode
     num_rows: int
+    # the false-negative guard's per-row counts of the query-anchored rows (None: no guard)
+    guard_counts: FilterCounts | None = None
+
+
+@dataclass(frozen=True)
+class MNRLColumns:
+    """A batch's unit-length columns, as MNRL lays out their rows: ``queries`` [B, D] and ``docs`` (positives, then
+    hard-negative columns), gathered across processes or not, the ``directions`` and ``partition_mode``, the
+    false-negative ``guard`` with the columns' ``keys`` (its ``"identical"`` and ``"same_label"`` rules), and this
+    process's ``num_rows`` rows from row ``offset``. :meth:`layout` makes any block of them, so that a cached loss
+    holds one block of scores at a time."""
+
+    queries: Tensor
+    docs: list[Tensor]
+    directions: tuple[Direction, ...]
+    partition_mode: PartitionMode
+    num_rows: int
+    offset: int = 0
+    guard: FalseNegativeFilter | None = None
+    keys: list[Tensor] | None = None
+
+    def layout(self, begin: int, end: int) -> MNRLLayout:
+        """The guarded layout of this process's rows ``begin:end``."""
+        start = self.offset + begin
+        layout = mnrl_layout(
+            self.queries, self.docs, self.directions, self.partition_mode, row_start=start, row_end=self.offset + end
+        )
+        return layout if self.guard is None else guard_layout(layout, self.guard, self.keys, start)[0]
 
 
 def mnrl_layout(
@@ -264,7 +294,7 @@ def guard_layout(
         )
         counts = group_counts if counts is None else counts
         groups.append(dataclasses.replace(group, valid_mask=valid_mask))
-    return MNRLLayout(groups=tuple(groups), partition_mode=layout.partition_mode, num_rows=layout.num_rows), counts
+    return MNRLLayout(tuple(groups), layout.partition_mode, layout.num_rows, guard_counts=counts), counts
 
 
 def _row_key_arguments(

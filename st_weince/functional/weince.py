@@ -146,11 +146,6 @@ def negative_selection(
     return selected.scatter_(1, column, torch.where(column == positive_index[:, None], lowest, own))
 
 
-def selected_values(selected: Tensor, dtype: torch.dtype) -> Tensor:
-    """The scores of entries taken from a :func:`negative_selection` (order keys on CPU), in ``dtype``."""
-    return selected if selected.is_floating_point() else from_order_keys(selected, dtype)
-
-
 @torch.no_grad()
 def hardest_negatives(
     scores: Tensor,
@@ -173,7 +168,7 @@ def hardest_negatives(
     selected = negative_selection(scores, positive_index, valid_mask, has_positive)
     values, columns = selected.topk(width, dim=1, sorted=True)
     return HardestNegatives(
-        values=selected_values(values, scores.dtype),
+        values=values if values.is_floating_point() else from_order_keys(values, scores.dtype),
         columns=columns if with_columns else None,
         selection=selected if keep_selection else None,
     )
@@ -296,7 +291,8 @@ def batch_pivot(rho: Tensor, has_negatives: Tensor | bool, q: float = DEFAULTS.g
     parallelism, gather first, so the pivot does not depend on how the batch is split over processes. ``q`` is
     checked as ``Gate.q`` is (a finite real in [0, 1]; a Python number, so the check reads no device value).
     """
-    q = checked_field(Gate, "q", q)
+    if not (isinstance(q, float) and 0.0 <= q <= 1.0):  # an options' q is such a float, checked when built
+        q = checked_field(Gate, "q", q)
     if isinstance(has_negatives, bool):
         if not has_negatives:
             return torch.ones((), dtype=rho.dtype, device=rho.device)
@@ -355,10 +351,12 @@ def statistics_from_fit(
         # a pivot is a shortfall 1 - s of a cosine score: in (0, 2]; log(rho0) enters lambda
         rho0 = real_option("rho0", rho0, positive=True, dtype=torch.float32)
     if rho0 is None:
-        gather = gather or (lambda local: local)
         # every process's rows are alike when this one's are: the same layout of batches of one size
-        has_negatives = fit.alike[1] if fit.alike is not None else gather(fit.has_negatives)
-        rho0 = batch_pivot(gather(fit.rho), has_negatives, options.gate.q)
+        has_negatives, rho = fit.has_negatives if fit.alike is None else fit.alike[1], fit.rho
+        if gather is not None:
+            has_negatives = gather(has_negatives) if fit.alike is None else has_negatives
+            rho = gather(rho)
+        rho0 = batch_pivot(rho, has_negatives, options.gate.q)
     if not isinstance(rho0, Tensor) or rho0.dtype != fit.rho.dtype or rho0.device != fit.rho.device:
         rho0 = torch.as_tensor(rho0, dtype=fit.rho.dtype, device=fit.rho.device)
     return WEINCEStatistics(
