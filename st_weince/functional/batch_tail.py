@@ -1,13 +1,8 @@
-"""The released composite's batch tail index ``beta_t`` (docs/algorithms.md 1.2b) as pure functions.
-
-``beta_t`` is one scalar per batch: an exponential moving average of the slope of a Weibull line fitted to the
-smallest shortfalls of ALL the batch's negative scores, updated only when the fit is trusted. It is state carried
-across steps (a tensor the caller keeps, e.g. a buffer, and saves with its checkpoints). The moving average is updated
-with ``torch.where``: no device value is read on the host.
-
-Under data parallelism the batch tail index is taken over the global batch: each process computes
-:func:`batch_negative_tail` on its rows (``global_entries`` = the score entries of all processes), the processes
-exchange the results, and :func:`batch_tail_fit` fits ``BatchTail.cat`` of them, which equals the single-process fit.
+"""The released composite's batch tail index ``beta_t`` (docs/algorithms.md 1.2b): a moving average, carried across
+steps, of the slope of a Weibull line fitted to the smallest shortfalls of all the batch's negative scores, updated
+with ``torch.where`` (no host sync) when the fit is trusted. Under data parallelism each process keeps enough of its
+shortfalls (:func:`batch_negative_tail`'s ``global_entries``) for the fit of ``BatchTail.cat`` of all of them, which
+equals the single-process fit.
 """
 
 from __future__ import annotations

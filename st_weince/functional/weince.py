@@ -1,25 +1,12 @@
-"""WEINCE (Weibull-enhanced InfoNCE) as pure functions on score matrices.
+"""WEINCE (Weibull-enhanced InfoNCE) as pure functions on score matrices: scores -> per-anchor tail fits -> batch
+pivot -> blend weights -> logits -> cross-entropy, each formula of docs/algorithms.md section 1 once, the options one
+:class:`~st_weince.functional.options.WEINCEOptions` (checked when built).
 
-Data flows one way: scores -> per-anchor tail fits -> batch pivot -> blend weights -> logits -> cross-entropy.
-Every adapter (sentence-transformers losses, the vision recipe, the diagnostics) calls these functions, so each
-formula of ``docs/algorithms.md`` section 1 lives here exactly once; the options live in one place,
-:class:`~st_weince.functional.options.WEINCEOptions`, which every function here takes as it is (checked once, when it
-was built).
-
-Conventions
------------
-``scores``          [A, C] cosine similarities of A anchors (rows) against C candidates (columns).
-``positive_index``  [A] long, the column of each anchor's positive, or -1 for a row without a positive in this block
-                    (e.g. the ``query_to_query`` direction of MultipleNegativesRankingLoss).
-``valid_mask``      [A, C] bool, False for entries that are no candidate at all (self-pairs, masked documents).
-Negatives of a row are its valid entries other than its positive.
-
-Hot path: no function here reads a device value on the host. Shapes decide every Python branch (the largest tail
-size comes from the number of columns) and only shapes are checked, so the loss compiles with
-``torch.compile(fullgraph=True)``; the values are checked once where a loss receives its inputs, or by
-:func:`st_weince.functional.check_scores` for direct callers.
-
-Dtypes: the statistics and the logits are computed in the scores' dtype, float16/bfloat16 in float32.
+``scores`` [A, C] cosines of A anchors against C candidates; ``positive_index`` [A] long, each row's positive column
+or -1 (no positive in this block); ``valid_mask`` [A, C] bool, False for entries that are no candidate. Negatives:
+valid entries other than the positive. No function reads a device value on the host (shapes decide every branch and
+only shapes are checked; values: :func:`st_weince.functional.check_scores`), so the loss compiles with
+``torch.compile(fullgraph=True)``. Computed in the scores' dtype, float16/bfloat16 in float32.
 """
 
 from __future__ import annotations

@@ -30,15 +30,8 @@ GRADCACHE_CITATION = """
 
 @options
 class GradCacheOptions(Options):
-    """How a cached loss splits the batch.
-
-    Args:
-        mini_batch_size: rows per embedding mini-batch and per row chunk of the loss; memory grows with it, speed too.
-            The loss is the same for every value.
-        mini_batch_num_tokens: if set, embedding mini-batches are packed by this many non-padding tokens instead (as
-            in ``CachedMultipleNegativesRankingLoss``); the loss's row chunks keep ``mini_batch_size`` rows.
-        show_progress_bar: show progress bars over the mini-batches.
-    """
+    """How a cached loss splits the batch: the cached losses' ``mini_batch_size``, ``mini_batch_num_tokens`` and
+    ``show_progress_bar`` (their Args)."""
 
     mini_batch_size: int = operational(32)
     mini_batch_num_tokens: int | None = operational(None)
