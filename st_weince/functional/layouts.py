@@ -1,12 +1,6 @@
-"""Candidate layouts as (scores, positive_index, valid_mask) triples, shared by text and vision.
-
-- :func:`nt_xent_layout`: SimCLR's 2N x 2N layout.
-- :func:`mnrl_layout`: sentence-transformers' MultipleNegativesRankingLoss layout (columns, directions, partition
-  modes, gathered candidates), for any block of rows, so a cached loss can process the score matrix in row chunks;
-  :func:`guard_layout` applies the false-negative guard to its groups, :func:`mnrl_cross_entropy` is its softmax over
-  the groups' logits.
-- :func:`normalize_rows`: unit-length rows, refusing norms that overflow.
-"""
+"""Candidate layouts as (scores, positive_index, valid_mask) triples, shared by text and vision: SimCLR's
+(:func:`nt_xent_layout`) and MultipleNegativesRankingLoss's (:func:`mnrl_layout`, for any block of rows, with the
+false-negative guard: :func:`guard_layout`), and :func:`normalize_rows`."""
 
 from __future__ import annotations
 
@@ -35,23 +29,14 @@ def normalize_rows(
     name: str = "embeddings",
     dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """Rows scaled to unit L2 norm, exactly ``torch.nn.functional.normalize`` (as in sentence-transformers'
-    ``cos_sim``), in ``dtype`` (default :func:`~st_weince.functional.checks.compute_dtype` of the embeddings:
-    float16/bfloat16 become float32, float64 stays float64), with a check of the norms.
+    """Rows scaled to unit L2 norm, exactly ``torch.nn.functional.normalize`` (as ``cos_sim``), in ``dtype``
+    (default :func:`~st_weince.functional.checks.compute_dtype`: half precision becomes float32).
 
-    The upcast comes first: in float16 the floor ``1e-12`` of the norm is 0, so a zero row would give 0 / 0 = NaN,
-    and a row's norm overflows above about 256; the scores of low-precision rows also need float32 to be exact
-    (bfloat16 cosines carry 3 significant digits). Its backward returns the gradient in the input dtype, saturated
-    at that dtype's largest value (:func:`~st_weince.functional.checks.upcast`): a zero row's gradient, the upstream
-    one divided by the floor, stays finite.
-
-    The norm squares the entries: a finite row with a norm above about 1e19 overflows in float32 and would become a
-    zero vector with zero gradient, silently (what ``cos_sim`` does). With ``checks`` such rows are
-    refused with an error naming ``name``, and so are NaN/Inf entries (they make the norm non-finite too): one check
-    on the [rows] norms, which the normalisation needs anyway. A scale-safe normalisation (divide by the largest
-    entry first) would cost two extra passes over the embeddings every step, for an input only a diverged model
-    produces.
-    """
+    The upcast comes first: in float16 the norm's floor ``1e-12`` is 0 and norms overflow above about 256. Its
+    backward saturates at the input dtype's largest value (:func:`~st_weince.functional.checks.upcast`). A finite row
+    whose norm overflows (above about 1e19 in float32) would become a zero vector silently, as in ``cos_sim``: with
+    ``checks`` such rows, and NaN/Inf ones, are refused with an error naming ``name``, from the norms the normalisation
+    computes anyway (a scale-safe normalisation would cost two passes a step, for what only a diverged model feeds)."""
     dtype = dtype or compute_dtype(embeddings)
     if embeddings.dtype != dtype:
         embeddings = upcast(embeddings, dtype)
@@ -202,22 +187,13 @@ def mnrl_layout(
     row_start: int = 0,
     row_end: int | None = None,
 ) -> MNRLLayout:
-    """MultipleNegativesRankingLoss's candidate layout for the rows ``row_start:row_end`` of the (gathered) batch.
-
-    ``queries`` [B, D] and each of ``docs`` (positives, then hard-negative columns) [B, D] are *unit-normalised*
-    embeddings of the whole batch (under data parallelism: gathered, this process's rows at ``rank * local_batch``).
-    Row ``i`` is query ``i`` (and, for the doc-anchored directions, document ``i``):
-
-    - query_to_doc: query i against every document (positive: doc i);
-    - query_to_query: query i against every query except itself;
-    - doc_to_query: document i against every query (positive: query i);
-    - doc_to_doc: document i against every document except those of query i.
-
-    ``partition_mode="joint"`` gives two groups, the query-anchored and the doc-anchored directions, each group one
-    anchor set whose rows get one set of statistics; ``"per_direction"`` one group per direction. Invalid entries
-    are marked in ``valid_mask`` (not set to -inf), so statistics see only real candidates. Memory is linear in
-    the number of rows: a cached loss calls this per row chunk.
-    """
+    """MultipleNegativesRankingLoss's candidate layout for the rows ``row_start:row_end`` of the (gathered) batch of
+    unit-length ``queries`` [B, D] and ``docs`` (positives, then hard-negative columns, each [B, D]). Row ``i``:
+    query_to_doc, query ``i`` against every document (positive: doc ``i``); query_to_query, against every other query;
+    doc_to_query, document ``i`` against every query (positive: query ``i``); doc_to_doc, against every document but
+    those of query ``i``. ``"joint"`` gives a query-anchored and a doc-anchored group (each its own statistics),
+    ``"per_direction"`` one group per direction. Invalid entries are marked in ``valid_mask``, not set to -inf, so the
+    statistics see only real candidates."""
     directions = check_directions(directions, partition_mode)
     num_queries = queries.shape[0]
     row_end = num_queries if row_end is None else row_end

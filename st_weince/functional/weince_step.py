@@ -1,20 +1,14 @@
-"""One WEINCE step over the rows of an MNRL layout (:mod:`st_weince.functional.layouts`): the one place where the
-loss of a batch is assembled, the blend and the released composite's top-M terms alike.
-
-:func:`weince_step` takes the batch's rows in chunks. A first pass computes each group's tail fit from one sort of
-its rows, which the top-M terms share, and the batch's negative tail for the tail index ``beta_t``; the pivot ``rho0``
-needs every row's fit before any row's loss. A second pass computes each chunk's rows: the blended cross-entropy and
-the top-M terms. :class:`~st_weince.losses.WEINCELoss` calls it with one chunk (the layout is then made once);
-:class:`~st_weince.losses.CachedWEINCELoss` with many, each chunk's layout made again in the second pass and its loss
-back-propagated at once, so that one chunk of scores is alive at a time.
-"""
+"""One WEINCE step over the rows of an MNRL layout: the one place where the loss of a batch is assembled, the blend
+and the released composite's top-M terms alike (docs/weince.md). A first pass fits every row's tail (the pivot
+``rho0`` needs them all before any row's loss) and the batch's negative tail; a second pass computes each chunk's
+loss. :class:`~st_weince.losses.CachedWEINCELoss` takes many chunks, each chunk's layout made again and
+back-propagated at once, so that one chunk of scores is alive at a time."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -29,7 +23,7 @@ from st_weince.functional.batch_tail import (
 )
 from st_weince.functional.effective_scale import blend_effective_scale
 from st_weince.functional.false_negatives import FilterCounts
-from st_weince.functional.layouts import MNRLColumns, MNRLLayout, mnrl_cross_entropy
+from st_weince.functional.layouts import CandidateGroup, MNRLColumns, MNRLLayout, mnrl_cross_entropy
 from st_weince.functional.options import TopM, WEINCEOptions, require_options
 from st_weince.functional.top_m import top_m_terms, top_m_width
 from st_weince.functional.weince import (
@@ -48,14 +42,8 @@ from st_weince.functional.weince import (
 _PER_ROW = ("lam", "beta", "rho", "delta_aic", "beta_hat", "fitted")
 
 
-class Unit(NamedTuple):
-    """One softmax of the top-M terms, and its rows' shared sort where the tail fit made it (else None)."""
-
-    scores: Tensor
-    positive_index: Tensor
-    valid_mask: Tensor | None
-    hardest: HardestNegatives | None = None
-    has_positive: bool | None = None  # as CandidateGroup.has_positive
+#: A softmax the top-M terms pick from, and its rows' sort where the tail fit made it (else None).
+Unit = tuple[CandidateGroup, HardestNegatives | None]
 
 
 def top_m_units(layout: MNRLLayout, hardest: list[HardestNegatives | None], shared_sort: bool) -> list[Unit]:
@@ -65,15 +53,15 @@ def top_m_units(layout: MNRLLayout, hardest: list[HardestNegatives | None], shar
     group's sort ``hardest``."""
     groups = layout.groups
     if shared_sort:
-        return [Unit(g.scores, g.positive_index, g.valid_mask, h, g.has_positive) for g, h in zip(groups, hardest)]
-    masks = [g.valid_mask for g in groups]
+        return list(zip(groups, hardest))
     valid_mask = None
-    if any(m is not None for m in masks):
-        valid_mask = torch.cat(
-            [m if m is not None else torch.ones_like(g.scores, dtype=torch.bool) for m, g in zip(masks, groups)], dim=1
-        )
+    if any(g.valid_mask is not None for g in groups):
+        masks = [torch.ones_like(g.scores, dtype=torch.bool) if g.valid_mask is None else g.valid_mask for g in groups]
+        valid_mask = torch.cat(masks, dim=1)
     scores = torch.cat([g.scores for g in groups], dim=1)
-    return [Unit(scores, groups[0].positive_index, valid_mask, has_positive=groups[0].has_positive)]
+    directions, widths = sum((g.directions for g in groups), ()), sum((g.widths for g in groups), ())
+    first = groups[0]
+    return [(CandidateGroup(directions, scores, widths, first.positive_index, valid_mask, first.has_positive), None)]
 
 
 def top_m_rows(
@@ -84,18 +72,18 @@ def top_m_rows(
     beta = beta_t if beta_t is not None else 1.0  # only the shortfall term reads it, and it is off then
     terms = [
         top_m_terms(
-            u.scores,
-            u.positive_index,
-            u.valid_mask,
+            g.scores,
+            g.positive_index,
+            g.valid_mask,
             options.top_m,
             beta=beta,
             scale=options.top_m_infonce_scale,
             eps=options.eps,
-            hardest=u.hardest,
-            has_positive=u.has_positive,
+            hardest=hardest,
+            has_positive=g.has_positive,
             effective_scale=effective_scale,
         )
-        for u in units
+        for g, hardest in units
     ]
     if len(terms) == 1:
         return terms[0]
@@ -108,20 +96,20 @@ def batch_tail(units: list[Unit], step_rows: int, options: WEINCEOptions, gather
     ``step_rows`` is the number of rows of this process's whole step (a cached loss passes one row chunk at a time),
     so that every chunk and process keeps at least the global tail's size (``gathered``: across processes)."""
     world = dist.get_world_size() if gathered and dist.is_initialized() else 1
-    global_entries = step_rows * world * sum(u.scores.shape[1] for u in units)
+    global_entries = step_rows * world * sum(g.scores.shape[1] for g, _ in units)
     return BatchTail.cat(
         [
             batch_negative_tail(
-                u.scores,
-                u.positive_index,
-                u.valid_mask,
+                g.scores,
+                g.positive_index,
+                g.valid_mask,
                 options.top_m,
                 eps=options.eps,
                 global_entries=global_entries,
-                hardest=u.hardest,
-                has_positive=u.has_positive,
+                hardest=hardest,
+                has_positive=g.has_positive,
             )
-            for u in units
+            for g, hardest in units
         ]
     )
 

@@ -97,7 +97,10 @@ class GradCachedLoss(CachedLossMixin):
                 f"{type(self).__name__} needs at least 2 input columns (anchor, positive[, negative_1, ...]), "
                 f"got {len(sentence_features)}"
             )
-        self._pending_row_keys = self._row_keys(sentence_features) if self._guard_rule() == "identical" else None
+        guard = self.options.false_negative_filter
+        self._pending_row_keys = (
+            self._row_keys(sentence_features) if guard is not None and guard.rule == "identical" else None
+        )
         self._parameter_terms = []
         try:
             loss = self.forward_cached(sentence_features, labels)

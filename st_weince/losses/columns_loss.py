@@ -43,40 +43,6 @@ _MNRL_NO_OPS: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def check_embedding_columns(
-    embeddings: list[Tensor],
-    loss_name: str,
-    min_columns: int = 2,
-) -> None:
-    """Raise a clear ValueError for too few columns, wrong shapes, and mismatched batch sizes or dimensions."""
-    if len(embeddings) < min_columns:
-        raise ValueError(
-            f"{loss_name} needs at least {min_columns} input columns (anchor, positive[, negative_1, ...]), "
-            f"got {len(embeddings)}. Check the columns of your dataset: a single text column is not enough."
-        )
-    for index, embedding in enumerate(embeddings):
-        if not isinstance(embedding, Tensor) or embedding.dim() != 2:
-            shape = tuple(embedding.shape) if isinstance(embedding, Tensor) else type(embedding).__name__
-            raise ValueError(
-                f"{loss_name}: column {index} must be a 2-D [batch, dimension] embedding matrix, got shape {shape}"
-            )
-        if not embedding.is_floating_point():
-            raise ValueError(f"{loss_name}: column {index} must hold floating-point embeddings, got {embedding.dtype}")
-    sizes = [e.shape[0] for e in embeddings]
-    if any(size != sizes[0] for size in sizes):
-        raise ValueError(f"{loss_name}: all columns must have the same batch size, got {sizes}")
-    if sizes[0] < 1:
-        raise ValueError(f"{loss_name}: the batch is empty")
-    dims = [e.shape[1] for e in embeddings]
-    if any(dim != dims[0] for dim in dims):
-        raise ValueError(f"{loss_name}: all columns must have the same embedding dimension, got {dims}")
-    if dims[0] < 1:
-        raise ValueError(
-            f"{loss_name}: the embeddings have no features (shape {tuple(embeddings[0].shape)}): a cosine score needs "
-            "at least one dimension"
-        )
-
-
 def guard_share_values(prefix: str, counts: FilterCounts | None) -> dict[str, Tensor]:
     """The false-negative guard's logged shares: of the candidates removed and of the anchors that lost any."""
     if counts is None:
@@ -196,7 +162,8 @@ class ColumnsLoss(nn.Module, LossState):
         if not self._first_training_step_done:
             self._at_first_training_step()
         sentence_features = list(sentence_features)
-        row_keys = self._row_keys(sentence_features) if self._guard_rule() == "identical" else None
+        guard = self.options.false_negative_filter
+        row_keys = self._row_keys(sentence_features) if guard is not None and guard.rule == "identical" else None
         embeddings = embed_columns(self.model, sentence_features)
         return self.compute_loss_from_embeddings(embeddings, labels, row_keys=row_keys)
 
@@ -244,11 +211,32 @@ class ColumnsLoss(nn.Module, LossState):
         (float64 stays float64, half precision becomes float32), after the step's one host sync: with
         ``check_inputs``, rows with NaN/Inf or an overflowing norm (they would normalise to zero vectors) and an
         invalid loss state are refused there, all read at once."""
-        check_embedding_columns(embeddings, type(self).__name__)  # shapes, free
+        name = type(self).__name__  # the shapes (free: no device value is read)
+        if len(embeddings) < 2:
+            raise ValueError(
+                f"{name} needs at least 2 input columns (anchor, positive[, negative_1, ...]), got {len(embeddings)}. "
+                "Check the columns of your dataset: a single text column is not enough."
+            )
+        for index, embedding in enumerate(embeddings):
+            if not isinstance(embedding, Tensor) or embedding.dim() != 2:
+                shape = tuple(embedding.shape) if isinstance(embedding, Tensor) else type(embedding).__name__
+                raise ValueError(
+                    f"{name}: column {index} must be a 2-D [batch, dimension] embedding matrix, got shape {shape}"
+                )
+            if not embedding.is_floating_point():
+                raise ValueError(f"{name}: column {index} must hold floating-point embeddings, got {embedding.dtype}")
+        sizes, dims = [e.shape[0] for e in embeddings], [e.shape[1] for e in embeddings]
+        if len(set(sizes)) > 1:
+            raise ValueError(f"{name}: all columns must have the same batch size, got {sizes}")
+        if sizes[0] < 1:
+            raise ValueError(f"{name}: the batch is empty")
+        if len(set(dims)) > 1:
+            raise ValueError(f"{name}: all columns must have the same embedding dimension, got {dims}")
+        if dims[0] < 1:
+            raise ValueError(f"{name}: the embeddings have no features: a cosine score needs at least one dimension")
         columns = embeddings if gather is None else [gather(column) for column in embeddings]
         dtype = compute_dtype(*columns)
         checks = DeferredChecks() if self.options.check_inputs else None
-        name = type(self).__name__
         columns = [normalize_rows(column, checks, f"{name}: column {i}", dtype) for i, column in enumerate(columns)]
         if checks is not None:
             self._require_valid_state(checks)
