@@ -8,7 +8,8 @@ first training step makes once-only checks). Recorded per loss:
 - ``frames_to_blended_cross_entropy``: the own frames on the stack when the fused cross-entropy's entry
   ``blended_cross_entropy`` is entered, counted from ``forward`` (both included; None where it is not called);
 - ``max_own_depth``: the most own frames on the stack at once;
-- ``own_functions``: the distinct own functions that run;
+- ``own_functions``: the distinct own functions that run (statistics logged; ``own_functions_unlogged_step``: on a
+  step that logs none, as a trainer's steps between its logging steps);
 - ``file_crossings``: the distinct (caller, callee) pairs of own functions in different files, and
   ``file_crossing_calls`` every such call;
 - ``functional_to_losses_calls``: calls from ``st_weince/functional/`` into ``st_weince/losses/`` (a closure handed
@@ -141,16 +142,24 @@ def measure(model=None) -> dict[str, dict]:
         loss.train()
         model.zero_grad()
         loss(features).backward()  # the warm-up step: the first training step's once-only checks
-        shape = CallShape(Path(st_weince.__file__).parent)
-        sys.setprofile(shape)
-        threading.setprofile(shape)
-        try:
-            loss(features).backward()
-        finally:
-            sys.setprofile(None)
-            threading.setprofile(None)
-        results[name] = shape.record()
+        results[name] = _profiled(loss, features, Path(st_weince.__file__).parent).record()
+        loss.log_statistics = False  # a trainer's step that does not log (prepare_trainer asks only at logging steps)
+        unlogged = _profiled(loss, features, Path(st_weince.__file__).parent)
+        results[name]["own_functions_unlogged_step"] = len(unlogged.functions)
     return results
+
+
+def _profiled(loss, features, package_dir: Path) -> CallShape:
+    """The call shape of one training forward and backward of ``loss``."""
+    shape = CallShape(package_dir)
+    sys.setprofile(shape)
+    threading.setprofile(shape)
+    try:
+        loss(features).backward()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    return shape
 
 
 def main() -> None:

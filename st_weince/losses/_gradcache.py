@@ -153,6 +153,8 @@ class GradCachedLoss(CachedLossMixin):
             if not column or sum(piece.shape[0] if piece.dim() else 0 for piece in column) == 0:
                 raise ValueError(f"{name}: the batch is empty (column {index} has no rows)")
         embeddings = [torch.cat(column) for column in reps]
+        if labels is None and self.options.false_negative_filter is None:
+            return embeddings, None  # nothing to check, nothing to compare
         return embeddings, self._checked_row_keys(self._pending_row_keys, labels, embeddings)
 
     def _cached_loss(self, embeddings: list[Tensor], row_keys: list[Tensor] | None, with_backward: bool) -> Tensor:
