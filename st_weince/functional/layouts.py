@@ -257,9 +257,20 @@ def guard_layout(
     query_group = layout.groups[0]
     # The row's own positive pair score: query i against document i (query_to_doc, the first block of group 0).
     pair_scores = query_group.scores.gather(1, query_group.positive_index[:, None]).squeeze(1)
+    if spec.needs_keys:  # the candidates' keys by direction; a row's reference: its positive document's or its query's
+        if keys is None:
+            raise ValueError("the false-negative guard's rules 'identical' and 'same_label' need the rows' keys")
+        query_keys, doc_keys = keys[0], torch.cat(keys[1:]) if len(keys) > 2 else keys[1]
+        by_direction = dict(zip(DIRECTIONS, (doc_keys, query_keys, query_keys, doc_keys)))
+        rows = slice(row_start, row_start + layout.num_rows)
     groups, counts = [], None
     for group in layout.groups:
-        key_arguments = _row_key_arguments(group, keys, row_start, layout.num_rows) if spec.needs_keys else {}
+        key_arguments = {}
+        if spec.needs_keys:
+            key_arguments = {
+                "candidate_keys": torch.cat([by_direction[direction] for direction in group.directions]),
+                "reference_keys": (keys[1] if group.directions[0] in QUERY_ANCHORED else query_keys)[rows],
+            }
         valid_mask, group_counts = apply_false_negative_filter(
             group.scores,
             group.positive_index,
@@ -271,29 +282,6 @@ def guard_layout(
         counts = group_counts if counts is None else counts
         groups.append(dataclasses.replace(group, valid_mask=valid_mask))
     return MNRLLayout(tuple(groups), layout.partition_mode, layout.num_rows, guard_counts=counts), counts
-
-
-def _row_key_arguments(
-    group: CandidateGroup, keys: list[Tensor] | None, row_start: int, num_rows: int
-) -> dict[str, Tensor]:
-    """The candidates' keys (their inputs', or their rows' labels) of one MNRL group (its directions' candidate sets
-    side by side) and each row's reference keys: the positive document's for rows anchored at queries, the row's query
-    for rows anchored at documents (its pair partner)."""
-    if keys is None:
-        raise ValueError("the false-negative guard's rules 'identical' and 'same_label' need the rows' keys")
-    query_keys, doc_keys = keys[0], keys[1:]
-    all_doc_keys = torch.cat(doc_keys) if len(doc_keys) > 1 else doc_keys[0]
-    per_direction = {
-        "query_to_doc": all_doc_keys,
-        "query_to_query": query_keys,
-        "doc_to_query": query_keys,
-        "doc_to_doc": all_doc_keys,
-    }
-    candidate_keys = torch.cat([per_direction[direction] for direction in group.directions])
-    rows = slice(row_start, row_start + num_rows)
-    anchored_at_queries = group.directions[0] in ("query_to_doc", "query_to_query")
-    reference_keys = doc_keys[0][rows] if anchored_at_queries else query_keys[rows]
-    return {"candidate_keys": candidate_keys, "reference_keys": reference_keys}
 
 
 def mnrl_cross_entropy(layout: MNRLLayout, group_logits: list[Tensor]) -> Tensor:

@@ -27,20 +27,11 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
     device: what ``CachedMultipleNegativesRankingLoss`` is to MNRL, built on the same public
     :class:`~sentence_transformers.base.losses.gradcache.CachedLossMixin`.
 
-    WEINCE needs large batches most: its tail fit uses each anchor's top 10 % of negatives, at least 32. At batch 64
-    that is half of all negatives; at batch 4,096 it is about 410 true extremes.
-
-    The three GradCache steps, with WEINCE's statistics in the middle one:
-
-    1. embed every mini-batch without gradient;
-    2. compute the loss on the cached embeddings with :func:`~st_weince.functional.weince_step.weince_step` in row
-       chunks of ``mini_batch_size``: first the statistics, without gradient, over the *whole* score matrix (each
-       anchor's tail fit needs only its own row; the pivot ``rho0`` and the batch tail index are taken over all rows,
-       gathered across processes), so ``lambda``, ``beta`` and ``rho0`` are those of :class:`WEINCELoss` on the same
-       embeddings (to float32 rounding where a kernel rounds a mini-batch's embeddings or a row chunk's scores
-       differently); then the loss and its backward to the embeddings, chunk by chunk. Memory is linear in the
-       batch: the full B x C matrix is never held, with or without gradient;
-    3. re-embed every mini-batch with gradient and back-propagate the cached embedding gradients.
+    WEINCE needs large batches most: its tail fit uses each anchor's top 10 % of negatives, at least 32. The loss
+    stage takes the score matrix in row chunks of ``mini_batch_size``: first every row's tail fit and the pivot over
+    all rows, without gradient, so ``lambda``, ``beta`` and ``rho0`` are :class:`WEINCELoss`'s on the same embeddings;
+    then the loss and its backward, chunk by chunk. The full B x C matrix is never held (docs/weince.md, "Cached
+    WEINCE for large batches").
 
     Args:
         model: SentenceTransformer model.
