@@ -1,17 +1,8 @@
-"""RB-Sigmoid's trained ``t`` and ``b_rel`` carried by the model, and the match probability they give.
-
-The sigmoid loss trains, for every pair, the probability ``sigmoid(t (s - b_rel))`` that it matches. Those two
-scalars are the loss's parameters, not the model's, so without help a saved model loses them. They travel in the
-model's own Hugging Face configuration: the ``config.json`` of its transformer module (``model[0].auto_model.config``)
-under the key ``st_weince_match_probability``. transformers' ``PretrainedConfig`` writes every attribute it holds and
-gives every key of ``config.json`` back as an attribute on load, so ``save_pretrained`` and
-``SentenceTransformer(path)`` round-trip the values with nothing else: no custom module in the pipeline (which
-sentence-transformers 6 would load only with ``trust_remote_code=True``), no st-weince needed to load the model, the
-same in every checkpoint. Embeddings, ``encode`` and ``similarity`` are unchanged.
-
-:func:`st_weince.training.prepare_trainer` writes the trained values there (and into the model card) at every
-checkpoint and at the end of training; :func:`match_probability` reads them.
-"""
+"""RB-Sigmoid's trained ``t`` and ``b_rel`` carried by the model, and the match probability
+``sigmoid(t (s - b_rel))`` they give (docs/rb-sigmoid.md). They travel in the ``config.json`` of the model's
+transformer module under ``st_weince_match_probability``, which ``save_pretrained`` and ``SentenceTransformer(path)``
+round-trip with nothing else (no custom module, no st-weince needed to load). :func:`st_weince.training.prepare_trainer`
+writes them; :func:`match_probability` reads them."""
 
 from __future__ import annotations
 

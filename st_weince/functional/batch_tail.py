@@ -1,13 +1,8 @@
-"""The released composite's batch tail index ``beta_t`` (docs/algorithms.md 1.2b) as pure functions.
-
-``beta_t`` is one scalar per batch: an exponential moving average of the slope of a Weibull line fitted to the
-smallest shortfalls of ALL the batch's negative scores, updated only when the fit is trusted. It is state carried
-across steps (a tensor the caller keeps, e.g. a buffer, and saves with its checkpoints). The moving average is updated
-with ``torch.where``: no device value is read on the host.
-
-Under data parallelism the batch tail index is taken over the global batch: each process computes
-:func:`batch_negative_tail` on its rows (``global_entries`` = the score entries of all processes), the processes
-exchange the results, and :func:`batch_tail_fit` fits ``BatchTail.cat`` of them, which equals the single-process fit.
+"""The released composite's batch tail index ``beta_t`` (docs/algorithms.md 1.2b): a moving average, carried across
+steps, of the slope of a Weibull line fitted to the smallest shortfalls of all the batch's negative scores, updated
+with ``torch.where`` (no host sync) when the fit is trusted. Under data parallelism each process keeps enough of its
+shortfalls (:func:`batch_negative_tail`'s ``global_entries``) for the fit of ``BatchTail.cat`` of all of them, which
+equals the single-process fit.
 """
 
 from __future__ import annotations
@@ -17,10 +12,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from st_weince.functional.checks import check_score_shapes, compute_dtype
+from st_weince.functional.checks import check_score_shapes, compute_dtype, from_order_keys
 from st_weince.functional.line_fit import burn_in, fit_design, fit_lines, shared_design
 from st_weince.functional.options import TopM, require_options
-from st_weince.functional.weince import HardestNegatives, count_negatives, negative_selection, selected_values
+from st_weince.functional.weince import HardestNegatives, count_negatives, negative_selection
 from st_weince.utils.options import integer_option
 
 # Fewer negatives than this in the whole batch: no fit, the moving average keeps its value.
@@ -100,7 +95,9 @@ def batch_negative_tail(
     else:
         selected = negative_selection(scores, positive_index, valid_mask, has_positive)
     # The keep smallest shortfalls are the keep largest negative scores: one top-k of the flat selection.
-    largest = selected_values(selected.reshape(-1).topk(keep, sorted=True).values, scores.dtype)
+    largest = selected.reshape(-1).topk(keep, sorted=True).values
+    if not largest.is_floating_point():  # order keys (on CPU)
+        largest = from_order_keys(largest, scores.dtype)
     dtype = compute_dtype(scores)
     shortfall = torch.rsub(largest if largest.dtype == dtype else largest.to(dtype), 1.0).clamp_min_(eps)
     if valid_mask is None and has_positive is not None:  # every row alike: a count from the shapes

@@ -1,12 +1,6 @@
-"""How sharp a WEINCE term is: the effective scale of its logit over the scores it weights (docs/weince.md, "How sharp
-is the loss?").
-
-The effective scale is the **secant slope over the whole set** the term's softmax runs over (the positive and its
-candidates), ``(f(s_max) - f(s_min)) / (s_max - s_min)``, not a slope weighted by the softmax, which the one
-candidate nearest the cap dominates. For InfoNCE it is ``1 / tau``; for the shortfall logit ``-beta log(1 - s)`` it is
-``beta (log(1 - s_min) - log(1 - s_max)) / (s_max - s_min)``, and the tangent ``beta / (1 - s)`` where ``s_max =
-s_min``; for the blend ``(1 - lam) / tau + lam x`` the shortfall's. Scores are capped at ``1 - eps`` as in the logits.
-No gradient, no host sync: these are logged values.
+"""How sharp a WEINCE term is (docs/weince.md, "How sharp is the loss?"): the secant slope of its logit over the whole
+set its softmax runs over, ``(f(s_max) - f(s_min)) / (s_max - s_min)``, scores capped at ``1 - eps``; not a
+softmax-weighted slope, which the one candidate nearest the cap dominates. Logged values: no gradient, no host sync.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""Candidate layouts as (scores, positive_index, valid_mask) triples, shared by text and vision.
-
-- :func:`nt_xent_layout`: SimCLR's 2N x 2N layout.
-- :func:`mnrl_layout`: sentence-transformers' MultipleNegativesRankingLoss layout (columns, directions, partition
-  modes, gathered candidates), for any block of rows, so a cached loss can process the score matrix in row chunks;
-  :func:`guard_layout` applies the false-negative guard to its groups, :func:`mnrl_cross_entropy` is its softmax over
-  the groups' logits.
-- :func:`normalize_rows`: unit-length rows, refusing norms that overflow.
-"""
+"""Candidate layouts as (scores, positive_index, valid_mask) triples, shared by text and vision: SimCLR's
+(:func:`nt_xent_layout`) and MultipleNegativesRankingLoss's (:func:`mnrl_layout`, for any block of rows, with the
+false-negative guard: :func:`guard_layout`), and :func:`normalize_rows`."""
 
 from __future__ import annotations
 
@@ -35,24 +29,17 @@ def normalize_rows(
     name: str = "embeddings",
     dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """Rows scaled to unit L2 norm, exactly ``torch.nn.functional.normalize`` (as in sentence-transformers'
-    ``cos_sim``), in ``dtype`` (default :func:`~st_weince.functional.checks.compute_dtype` of the embeddings:
-    float16/bfloat16 become float32, float64 stays float64), with a check of the norms.
+    """Rows scaled to unit L2 norm, exactly ``torch.nn.functional.normalize`` (as ``cos_sim``), in ``dtype``
+    (default :func:`~st_weince.functional.checks.compute_dtype`: half precision becomes float32).
 
-    The upcast comes first: in float16 the floor ``1e-12`` of the norm is 0, so a zero row would give 0 / 0 = NaN,
-    and a row's norm overflows above about 256; the scores of low-precision rows also need float32 to be exact
-    (bfloat16 cosines carry 3 significant digits). Its backward returns the gradient in the input dtype, saturated
-    at that dtype's largest value (:func:`~st_weince.functional.checks.upcast`): a zero row's gradient, the upstream
-    one divided by the floor, stays finite.
-
-    The norm squares the entries: a finite row with a norm above about 1e19 overflows in float32 and would become a
-    zero vector with zero gradient, silently (what ``cos_sim`` does). With ``checks`` such rows are
-    refused with an error naming ``name``, and so are NaN/Inf entries (they make the norm non-finite too): one check
-    on the [rows] norms, which the normalisation needs anyway. A scale-safe normalisation (divide by the largest
-    entry first) would cost two extra passes over the embeddings every step, for an input only a diverged model
-    produces.
-    """
-    embeddings = upcast(embeddings, dtype or compute_dtype(embeddings))
+    The upcast comes first: in float16 the norm's floor ``1e-12`` is 0 and norms overflow above about 256. Its
+    backward saturates at the input dtype's largest value (:func:`~st_weince.functional.checks.upcast`). A finite row
+    whose norm overflows (above about 1e19 in float32) would become a zero vector silently, as in ``cos_sim``: with
+    ``checks`` such rows, and NaN/Inf ones, are refused with an error naming ``name``, from the norms the normalisation
+    computes anyway (a scale-safe normalisation would cost two passes a step, for what only a diverged model feeds)."""
+    dtype = dtype or compute_dtype(embeddings)
+    if embeddings.dtype != dtype:
+        embeddings = upcast(embeddings, dtype)
     if embeddings.requires_grad and torch.is_grad_enabled():
         unit, norms = _UnitRows.apply(embeddings)
     else:
@@ -161,6 +148,34 @@ class MNRLLayout:
     groups: tuple[CandidateGroup, ...]
     partition_mode: PartitionMode
     num_rows: int
+    # the false-negative guard's per-row counts of the query-anchored rows (None: no guard)
+    guard_counts: FilterCounts | None = None
+
+
+@dataclass(frozen=True)
+class MNRLColumns:
+    """A batch's unit-length columns, as MNRL lays out their rows: ``queries`` [B, D] and ``docs`` (positives, then
+    hard-negative columns), gathered across processes or not, the ``directions`` and ``partition_mode``, the
+    false-negative ``guard`` with the columns' ``keys`` (its ``"identical"`` and ``"same_label"`` rules), and this
+    process's ``num_rows`` rows from row ``offset``. :meth:`layout` makes any block of them, so that a cached loss
+    holds one block of scores at a time."""
+
+    queries: Tensor
+    docs: list[Tensor]
+    directions: tuple[Direction, ...]
+    partition_mode: PartitionMode
+    num_rows: int
+    offset: int = 0
+    guard: FalseNegativeFilter | None = None
+    keys: list[Tensor] | None = None
+
+    def layout(self, begin: int, end: int) -> MNRLLayout:
+        """The guarded layout of this process's rows ``begin:end``."""
+        start = self.offset + begin
+        layout = mnrl_layout(
+            self.queries, self.docs, self.directions, self.partition_mode, row_start=start, row_end=self.offset + end
+        )
+        return layout if self.guard is None else guard_layout(layout, self.guard, self.keys, start)[0]
 
 
 def mnrl_layout(
@@ -172,22 +187,13 @@ def mnrl_layout(
     row_start: int = 0,
     row_end: int | None = None,
 ) -> MNRLLayout:
-    """MultipleNegativesRankingLoss's candidate layout for the rows ``row_start:row_end`` of the (gathered) batch.
-
-    ``queries`` [B, D] and each of ``docs`` (positives, then hard-negative columns) [B, D] are *unit-normalised*
-    embeddings of the whole batch (under data parallelism: gathered, this process's rows at ``rank * local_batch``).
-    Row ``i`` is query ``i`` (and, for the doc-anchored directions, document ``i``):
-
-    - query_to_doc: query i against every document (positive: doc i);
-    - query_to_query: query i against every query except itself;
-    - doc_to_query: document i against every query (positive: query i);
-    - doc_to_doc: document i against every document except those of query i.
-
-    ``partition_mode="joint"`` gives two groups, the query-anchored and the doc-anchored directions, each group one
-    anchor set whose rows get one set of statistics; ``"per_direction"`` one group per direction. Invalid entries
-    are marked in ``valid_mask`` (not set to -inf), so statistics see only real candidates. Memory is linear in
-    the number of rows: a cached loss calls this per row chunk.
-    """
+    """MultipleNegativesRankingLoss's candidate layout for the rows ``row_start:row_end`` of the (gathered) batch of
+    unit-length ``queries`` [B, D] and ``docs`` (positives, then hard-negative columns, each [B, D]). Row ``i``:
+    query_to_doc, query ``i`` against every document (positive: doc ``i``); query_to_query, against every other query;
+    doc_to_query, document ``i`` against every query (positive: query ``i``); doc_to_doc, against every document but
+    those of query ``i``. ``"joint"`` gives a query-anchored and a doc-anchored group (each its own statistics),
+    ``"per_direction"`` one group per direction. Invalid entries are marked in ``valid_mask``, not set to -inf, so the
+    statistics see only real candidates."""
     directions = check_directions(directions, partition_mode)
     num_queries = queries.shape[0]
     row_end = num_queries if row_end is None else row_end
@@ -251,9 +257,20 @@ def guard_layout(
     query_group = layout.groups[0]
     # The row's own positive pair score: query i against document i (query_to_doc, the first block of group 0).
     pair_scores = query_group.scores.gather(1, query_group.positive_index[:, None]).squeeze(1)
+    if spec.needs_keys:  # the candidates' keys by direction; a row's reference: its positive document's or its query's
+        if keys is None:
+            raise ValueError("the false-negative guard's rules 'identical' and 'same_label' need the rows' keys")
+        query_keys, doc_keys = keys[0], torch.cat(keys[1:]) if len(keys) > 2 else keys[1]
+        by_direction = dict(zip(DIRECTIONS, (doc_keys, query_keys, query_keys, doc_keys)))
+        rows = slice(row_start, row_start + layout.num_rows)
     groups, counts = [], None
     for group in layout.groups:
-        key_arguments = _row_key_arguments(group, keys, row_start, layout.num_rows) if spec.needs_keys else {}
+        key_arguments = {}
+        if spec.needs_keys:
+            key_arguments = {
+                "candidate_keys": torch.cat([by_direction[direction] for direction in group.directions]),
+                "reference_keys": (keys[1] if group.directions[0] in QUERY_ANCHORED else query_keys)[rows],
+            }
         valid_mask, group_counts = apply_false_negative_filter(
             group.scores,
             group.positive_index,
@@ -264,30 +281,7 @@ def guard_layout(
         )
         counts = group_counts if counts is None else counts
         groups.append(dataclasses.replace(group, valid_mask=valid_mask))
-    return MNRLLayout(groups=tuple(groups), partition_mode=layout.partition_mode, num_rows=layout.num_rows), counts
-
-
-def _row_key_arguments(
-    group: CandidateGroup, keys: list[Tensor] | None, row_start: int, num_rows: int
-) -> dict[str, Tensor]:
-    """The candidates' keys (their inputs', or their rows' labels) of one MNRL group (its directions' candidate sets
-    side by side) and each row's reference keys: the positive document's for rows anchored at queries, the row's query
-    for rows anchored at documents (its pair partner)."""
-    if keys is None:
-        raise ValueError("the false-negative guard's rules 'identical' and 'same_label' need the rows' keys")
-    query_keys, doc_keys = keys[0], keys[1:]
-    all_doc_keys = torch.cat(doc_keys) if len(doc_keys) > 1 else doc_keys[0]
-    per_direction = {
-        "query_to_doc": all_doc_keys,
-        "query_to_query": query_keys,
-        "doc_to_query": query_keys,
-        "doc_to_doc": all_doc_keys,
-    }
-    candidate_keys = torch.cat([per_direction[direction] for direction in group.directions])
-    rows = slice(row_start, row_start + num_rows)
-    anchored_at_queries = group.directions[0] in ("query_to_doc", "query_to_query")
-    reference_keys = doc_keys[0][rows] if anchored_at_queries else query_keys[rows]
-    return {"candidate_keys": candidate_keys, "reference_keys": reference_keys}
+    return MNRLLayout(tuple(groups), layout.partition_mode, layout.num_rows, guard_counts=counts), counts
 
 
 def mnrl_cross_entropy(layout: MNRLLayout, group_logits: list[Tensor]) -> Tensor:

@@ -1,24 +1,8 @@
-"""The released WEINCE composite (docs/algorithms.md 1.2b) as pure functions on score matrices.
-
-``L = L_blend + w_shortfall * L_shortfall_topM + w_infonce * L_infonce_topM``, where per anchor the two top-M terms
-are cross-entropies over the positive and the M hardest negatives only:
-
-- shortfall ("Weibit") term: logits ``-beta_t * log(1 - min(x, 1 - eps))``, no temperature;
-- InfoNCE term: logits ``scale * x`` (``scale = 1 / tau``).
-
-``beta_t``, the batch tail index, is a moving average carried across steps (:mod:`st_weince.functional.batch_tail`).
-The composite of a batch (the blend, the batch tail index and these terms over row chunks) is assembled in one place,
-:func:`st_weince.functional.weince_step.weince_step`.
-
-Conventions as in :mod:`st_weince.functional.weince`: ``scores`` [A, C], ``positive_index`` [A] long (every row needs
-a positive for the top-M terms), ``valid_mask`` [A, C] bool or None. Negatives of a row: its valid entries other than
-its positive. Every default lives in :class:`~st_weince.functional.options.TopM`; ``eps`` is WEINCE's one floor of
-the shortfall.
-
-Hot path: shapes decide every Python branch, nothing here reads a device value on the host (the functions check
-shapes only; the values are checked where a loss receives its inputs, and a direct caller checks them with
-:func:`st_weince.functional.check_scores` and ``every_row_has_positive=True``), so a step compiles with
-``torch.compile(fullgraph=True)``. Computed in the scores' dtype, float16/bfloat16 in float32.
+"""The released WEINCE composite's two top-M terms (docs/algorithms.md 1.2b) as pure functions on score matrices:
+per anchor, cross-entropies over the positive and the M hardest negatives only, with shortfall logits
+``-beta_t log(1 - min(x, 1 - eps))`` (no temperature) and InfoNCE logits ``scale * x``. The composite of a batch is
+assembled in :func:`st_weince.functional.weince_step.weince_step`. Conventions and hot-path rules as in
+:mod:`st_weince.functional.weince` (every row needs a positive here).
 """
 
 from __future__ import annotations

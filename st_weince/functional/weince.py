@@ -1,25 +1,12 @@
-"""WEINCE (Weibull-enhanced InfoNCE) as pure functions on score matrices.
+"""WEINCE (Weibull-enhanced InfoNCE) as pure functions on score matrices: scores -> per-anchor tail fits -> batch
+pivot -> blend weights -> logits -> cross-entropy, each formula of docs/algorithms.md section 1 once, the options one
+:class:`~st_weince.functional.options.WEINCEOptions` (checked when built).
 
-Data flows one way: scores -> per-anchor tail fits -> batch pivot -> blend weights -> logits -> cross-entropy.
-Every adapter (sentence-transformers losses, the vision recipe, the diagnostics) calls these functions, so each
-formula of ``docs/algorithms.md`` section 1 lives here exactly once; the options live in one place,
-:class:`~st_weince.functional.options.WEINCEOptions`, which every function here takes as it is (checked once, when it
-was built).
-
-Conventions
------------
-``scores``          [A, C] cosine similarities of A anchors (rows) against C candidates (columns).
-``positive_index``  [A] long, the column of each anchor's positive, or -1 for a row without a positive in this block
-                    (e.g. the ``query_to_query`` direction of MultipleNegativesRankingLoss).
-``valid_mask``      [A, C] bool, False for entries that are no candidate at all (self-pairs, masked documents).
-Negatives of a row are its valid entries other than its positive.
-
-Hot path: no function here reads a device value on the host. Shapes decide every Python branch (the largest tail
-size comes from the number of columns) and only shapes are checked, so the loss compiles with
-``torch.compile(fullgraph=True)``; the values are checked once where a loss receives its inputs, or by
-:func:`st_weince.functional.check_scores` for direct callers.
-
-Dtypes: the statistics and the logits are computed in the scores' dtype, float16/bfloat16 in float32.
+``scores`` [A, C] cosines of A anchors against C candidates; ``positive_index`` [A] long, each row's positive column
+or -1 (no positive in this block); ``valid_mask`` [A, C] bool, False for entries that are no candidate. Negatives:
+valid entries other than the positive. No function reads a device value on the host (shapes decide every branch and
+only shapes are checked; values: :func:`st_weince.functional.check_scores`), so the loss compiles with
+``torch.compile(fullgraph=True)``. Computed in the scores' dtype, float16/bfloat16 in float32.
 """
 
 from __future__ import annotations
@@ -119,13 +106,10 @@ class HardestNegatives:
 def negative_selection(
     scores: Tensor, positive_index: Tensor | None, valid_mask: Tensor | None, has_positive: bool | None = None
 ) -> Tensor:
-    """[A, C]: the scores with each row's positive and invalid entries at -inf, to select negatives from by size: on
-    CPU as their order keys (:func:`~st_weince.functional.checks.order_keys`, whose top-k is faster there; map the
-    selected keys back with ``from_order_keys``), elsewhere as floats. A new tensor, never a view of the scores.
-
-    The positive leaves by its column, so ties cannot confuse it. ``has_positive``: True when every row's
-    ``positive_index`` is a column, False when none is (-1 everywhere), None to go by each row's (a Python fact of
-    the caller's layout spares that per-row choice)."""
+    """[A, C]: the scores with each row's positive (by its column, so ties cannot confuse it) and invalid entries at
+    -inf, a new tensor to select negatives from by size: on CPU as :func:`~st_weince.functional.checks.order_keys`
+    (whose top-k is faster there), elsewhere as floats. ``has_positive``: True when every row has a positive, False
+    when none has, None to go by each row's (a fact of the caller's layout spares that per-row choice)."""
     selected = scores.detach()
     if valid_mask is not None:
         selected = selected.masked_fill(~valid_mask, float("-inf"))
@@ -146,11 +130,6 @@ def negative_selection(
     return selected.scatter_(1, column, torch.where(column == positive_index[:, None], lowest, own))
 
 
-def selected_values(selected: Tensor, dtype: torch.dtype) -> Tensor:
-    """The scores of entries taken from a :func:`negative_selection` (order keys on CPU), in ``dtype``."""
-    return selected if selected.is_floating_point() else from_order_keys(selected, dtype)
-
-
 @torch.no_grad()
 def hardest_negatives(
     scores: Tensor,
@@ -162,18 +141,15 @@ def hardest_negatives(
     has_positive: bool | None = None,
     keep_selection: bool = False,
 ) -> HardestNegatives:
-    """The ``width`` largest negative scores of each row, descending, and their columns (no gradient; without them
-    when not ``with_columns``: the tail fit alone reads only the values), from one top-k of each row of the
-    :func:`negative_selection` (``has_positive`` as there), which is kept with them for ``keep_selection`` (the
-    batch tail selects from it too). A row without a positive keeps its top width. Positions beyond a row's last
-    negative hold -inf. ``width``: at most the number of columns.
-    """
+    """The ``width`` (at most the columns) largest negative scores of each row, descending, -inf beyond a row's last
+    negative, and with ``with_columns`` their columns (no gradient), from one top-k of the :func:`negative_selection`
+    (``has_positive`` as there), which ``keep_selection`` keeps with them (the batch tail selects from it too)."""
     if not 1 <= width <= scores.shape[1]:
         raise ValueError(f"width must be in [1, {scores.shape[1]}] (the number of columns), got {width}")
     selected = negative_selection(scores, positive_index, valid_mask, has_positive)
     values, columns = selected.topk(width, dim=1, sorted=True)
     return HardestNegatives(
-        values=selected_values(values, scores.dtype),
+        values=values if values.is_floating_point() else from_order_keys(values, scores.dtype),
         columns=columns if with_columns else None,
         selection=selected if keep_selection else None,
     )
@@ -215,12 +191,10 @@ def weince_tail_fit(
     has_positive: bool | None = None,
 ) -> TailFit:
     """Per-anchor shortfall tail fits (docs/algorithms.md 1.1 steps 1-4), vectorised over anchors, in the scores'
-    dtype (float16/bfloat16: float32). Shapes are checked, values are not (:func:`check_scores`).
-
-    ``hardest``: the rows' :func:`hardest_negatives`, at least :func:`max_tail_size` wide, when the caller shares
-    that sort with the top-M terms; computed here otherwise. ``has_positive``: as in :func:`hardest_negatives`; with
-    no ``valid_mask`` and a known ``has_positive`` every row has the same number of negatives, so each row's tail
-    size and fit design follow from the shapes (the same values, fewer operators)."""
+    dtype (half precision: float32); shapes are checked, values are not (:func:`check_scores`). ``hardest``: the
+    rows' :func:`hardest_negatives`, at least :func:`max_tail_size` wide, when the caller shares that sort with the
+    top-M terms. With no ``valid_mask`` and a known ``has_positive`` every row has as many negatives, so the tail size
+    and fit design follow from the shapes (the same values, fewer operators)."""
     require_options(options, WEINCEOptions)
     check_score_shapes(scores, positive_index, valid_mask)
     if positive_index is not None and positive_index.dtype != torch.long:
@@ -288,15 +262,12 @@ def weince_tail_fit(
 
 @torch.no_grad()
 def batch_pivot(rho: Tensor, has_negatives: Tensor | bool, q: float = DEFAULTS.gate.q) -> Tensor:
-    """``rho0``: the q-quantile of rho over the anchors that have negatives (sort ascending, index round(q (A-1))).
-
-    Sort plus gather, no boolean-mask indexing: rows without negatives sort last (+inf) and the index counts only
-    the others. 1.0 when no anchor has a negative. ``has_negatives``: per anchor, or one Python bool for all (then
-    the quantile is one selection, with the same value). Pass the rho of the whole (global) batch: under data
-    parallelism, gather first, so the pivot does not depend on how the batch is split over processes. ``q`` is
-    checked as ``Gate.q`` is (a finite real in [0, 1]; a Python number, so the check reads no device value).
-    """
-    q = checked_field(Gate, "q", q)
+    """``rho0``: the q-quantile of rho over the anchors that have negatives (sort ascending, index round(q (A-1))),
+    1.0 when none has. Sort plus gather, no boolean-mask indexing: rows without negatives sort last (+inf).
+    ``has_negatives``: per anchor, or one Python bool for all. Pass the rho of the whole (global) batch, so the pivot
+    does not depend on how the batch is split over processes. ``q`` is checked as ``Gate.q``."""
+    if not (isinstance(q, float) and 0.0 <= q <= 1.0):  # an options' q is such a float, checked when built
+        q = checked_field(Gate, "q", q)
     if isinstance(has_negatives, bool):
         if not has_negatives:
             return torch.ones((), dtype=rho.dtype, device=rho.device)
@@ -355,10 +326,12 @@ def statistics_from_fit(
         # a pivot is a shortfall 1 - s of a cosine score: in (0, 2]; log(rho0) enters lambda
         rho0 = real_option("rho0", rho0, positive=True, dtype=torch.float32)
     if rho0 is None:
-        gather = gather or (lambda local: local)
         # every process's rows are alike when this one's are: the same layout of batches of one size
-        has_negatives = fit.alike[1] if fit.alike is not None else gather(fit.has_negatives)
-        rho0 = batch_pivot(gather(fit.rho), has_negatives, options.gate.q)
+        has_negatives, rho = fit.has_negatives if fit.alike is None else fit.alike[1], fit.rho
+        if gather is not None:
+            has_negatives = gather(has_negatives) if fit.alike is None else has_negatives
+            rho = gather(rho)
+        rho0 = batch_pivot(rho, has_negatives, options.gate.q)
     if not isinstance(rho0, Tensor) or rho0.dtype != fit.rho.dtype or rho0.device != fit.rho.device:
         rho0 = torch.as_tensor(rho0, dtype=fit.rho.dtype, device=fit.rho.device)
     return WEINCEStatistics(
@@ -436,14 +409,10 @@ def weince_logits(
     eps: float = DEFAULTS.eps,
     check_inputs: bool = True,
 ) -> Tensor:
-    """Blended logits (1 - lam) s / tau + lam (-beta log(1 - min(s, 1 - eps))), -inf at invalid entries, with
-    ``scale = 1 / tau``.
-
-    In the scores' dtype; float16/bfloat16 (autocast) scores are computed in float32, since the shortfall log
-    needs it. Gradient flows through ``scores`` only; ``lam`` and ``beta`` are treated as constants.
-    ``check_inputs`` refuses (ValueError) a ``lam`` outside [0, 1] or NaN and a ``beta`` that is not finite and
-    > 0, with one host-device sync; the loss classes pass False (they compute both themselves).
-    """
+    """Blended logits (1 - lam) s / tau + lam (-beta log(1 - min(s, 1 - eps))), ``scale = 1 / tau``, -inf at invalid
+    entries, in the scores' dtype (half precision: float32, which the shortfall log needs). The gradient flows through
+    ``scores`` only. ``check_inputs`` refuses a ``lam`` outside [0, 1] and a ``beta`` not finite and > 0, with one
+    host sync; the loss classes pass False (they compute both themselves)."""
     if check_inputs:
         checks = DeferredChecks()
         checks.require((lam >= 0) & (lam <= 1), "lam must lie in [0, 1] (it is a blend weight), got NaN or outside")
@@ -459,17 +428,13 @@ def weince_logits(
 
 
 class _BlendedCrossEntropy(torch.autograd.Function):
-    """Per-row cross-entropy of the blended logits with the positive as the target, fused with the logit.
+    """Per-row cross-entropy of the blended logits with the positive as the target, fused with the logit: the
+    gradient (softmax - one-hot) * dl/ds, dl/ds = (1 - lam) / tau + lam beta / (1 - s) with the row's upstream gradient
+    folded into the two per-row weights, takes four passes over [A, C] where autograd's chain takes about seven.
 
-    The separate logit + log-sum-exp + gather chain makes autograd run about seven passes over [A, C] in backward;
-    fused, the gradient (softmax - one-hot) * dl/ds takes four: dl/ds = (1 - lam) / tau + lam beta / (1 - s) with the
-    row's upstream gradient folded into the two per-row weights.
-
-    The loss is ``-log_softmax(l)[pos]``, whose kernel subtracts the row maximum first, not ``logsumexp(l) - l_pos``:
-    at an extreme scale (logits of 1e8, whose float32 spacing is 8) the difference of two large numbers would lose
-    the ``log K`` of a row of equal logits entirely; shifted, equal logits are exactly 0. It is also one fused kernel,
-    and its output, saved for backward, gives the softmax with one ``exp``.
-    """
+    The loss is ``-log_softmax(l)[pos]``, not ``logsumexp(l) - l_pos``: at an extreme scale (logits of 1e8, float32
+    spacing 8) that difference would lose the ``log K`` of a row of equal logits; shifted by the row maximum, equal
+    logits are exactly 0. Its output, saved for backward, gives the softmax with one ``exp``."""
 
     @staticmethod
     def forward(ctx, scores, lam, beta, positive_index, valid_mask, scale, eps):
@@ -527,15 +492,10 @@ def weince_cross_entropy(
     rho0: Tensor | float | None = None,
     statistics: WEINCEStatistics | None = None,
 ) -> Tensor:
-    """WEINCE loss (the blend, section 1.2, at ``options.scale``): cross-entropy of the blended logits of each row
-    with its positive as the target.
-
-    ``statistics`` reuses precomputed statistics of these rows (else they are computed here with ``options``).
-    ``positive_index`` may have any integer dtype. Like torch's losses, the values are checked (every score finite,
-    every row's positive in range and not masked out: :func:`check_scores` with ``every_row_has_positive=True``),
-    with one host-device sync; ``options.check_inputs=False`` skips that (no sync, so
-    ``torch.compile(fullgraph=True)`` traces it whole).
-    """
+    """WEINCE loss (the blend, docs/algorithms.md 1.2, at ``options.scale``): the cross-entropy of each row's
+    blended logits with its positive as the target. ``statistics``: precomputed statistics of these rows. The values
+    are checked as torch's losses do (:func:`check_scores` with ``every_row_has_positive=True``, one host sync) unless
+    ``options.check_inputs`` is False (no sync: ``torch.compile(fullgraph=True)`` traces it whole)."""
     require_options(options, WEINCEOptions)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")

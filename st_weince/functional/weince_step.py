@@ -1,20 +1,14 @@
-"""One WEINCE step over the rows of an MNRL layout (:mod:`st_weince.functional.layouts`): the one place where the
-loss of a batch is assembled, the blend and the released composite's top-M terms alike.
-
-:func:`weince_step` takes the batch's rows in chunks. A first pass computes each group's tail fit from one sort of
-its rows, which the top-M terms share, and the batch's negative tail for the tail index ``beta_t``; the pivot ``rho0``
-needs every row's fit before any row's loss. A second pass computes each chunk's rows: the blended cross-entropy and
-the top-M terms. :class:`~st_weince.losses.WEINCELoss` calls it with one chunk (the layout is then made once);
-:class:`~st_weince.losses.CachedWEINCELoss` with many, each chunk's layout made again in the second pass and its loss
-back-propagated at once, so that one chunk of scores is alive at a time.
-"""
+"""One WEINCE step over the rows of an MNRL layout: the one place where the loss of a batch is assembled, the blend
+and the released composite's top-M terms alike (docs/weince.md). A first pass fits every row's tail (the pivot
+``rho0`` needs them all before any row's loss) and the batch's negative tail; a second pass computes each chunk's
+loss. :class:`~st_weince.losses.CachedWEINCELoss` takes many chunks, each chunk's layout made again and
+back-propagated at once, so that one chunk of scores is alive at a time."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -29,7 +23,7 @@ from st_weince.functional.batch_tail import (
 )
 from st_weince.functional.effective_scale import blend_effective_scale
 from st_weince.functional.false_negatives import FilterCounts
-from st_weince.functional.layouts import MNRLLayout, mnrl_cross_entropy
+from st_weince.functional.layouts import CandidateGroup, MNRLColumns, MNRLLayout, mnrl_cross_entropy
 from st_weince.functional.options import TopM, WEINCEOptions, require_options
 from st_weince.functional.top_m import top_m_terms, top_m_width
 from st_weince.functional.weince import (
@@ -44,88 +38,30 @@ from st_weince.functional.weince import (
     weince_tail_fit,
 )
 
-#: ``layout_of(begin, end)``: the layout of this process's rows ``begin:end`` with the false-negative guard applied,
-#: and the guard's per-row counts of its query-anchored rows (None without a guard).
-LayoutOf = Callable[[int, int], tuple[MNRLLayout, FilterCounts | None]]
+# The per-row fields of WEINCEStatistics (a row chunk's are sliced; the pivot rho0 is the batch's).
+_PER_ROW = ("lam", "beta", "rho", "delta_aic", "beta_hat", "fitted")
 
 
-class Unit(NamedTuple):
-    """One softmax of the top-M terms, and its rows' shared sort where the tail fit made it (else None)."""
-
-    scores: Tensor
-    positive_index: Tensor
-    valid_mask: Tensor | None
-    hardest: HardestNegatives | None = None
-    has_positive: bool | None = None  # as CandidateGroup.has_positive
+#: A softmax the top-M terms pick from, and its rows' sort where the tail fit made it (else None).
+Unit = tuple[CandidateGroup, HardestNegatives | None]
 
 
-def shares_the_sort(layout: MNRLLayout) -> bool:
-    """Whether the top-M terms pick from the groups' own softmaxes (one per group), so that each group's sort for its
-    tail fit also serves them; under ``"joint"`` with several groups they pick from the groups side by side."""
-    return layout.partition_mode == "per_direction" or len(layout.groups) == 1
-
-
-def sort_width(num_candidates: int, options: WEINCEOptions, top_m: TopM | None) -> int:
-    """How many hardest negatives a row's one sort keeps: the tail fit's largest tail, and the top-M terms' M'."""
-    width = max(max_tail_size(num_candidates, options), 1)
-    return width if top_m is None else max(width, top_m_width(num_candidates, top_m.m))
-
-
-def layout_tail_fits(layout: MNRLLayout, options: WEINCEOptions) -> tuple[list[TailFit], list[Unit]]:
-    """Each group's tail fit, and the softmaxes the top-M terms pick from (none without them), each with the one sort
-    of its rows the tail fit was made from where they pick from the same softmax (:func:`shares_the_sort`)."""
-    top_m = options.top_m if shares_the_sort(layout) else None
-    # the batch tail (the shortfall term on) selects from the same selection as the rows' sort
-    keep_selection = top_m is not None and top_m.shortfall_weight > 0
-    fits, sorts = [], []
-    for group in layout.groups:
-        width = sort_width(group.scores.shape[1], options, top_m)
-        rows = (group.scores, group.positive_index, group.valid_mask)
-        hardest = hardest_negatives(
-            *rows, width, with_columns=top_m is not None, has_positive=group.has_positive, keep_selection=keep_selection
-        )
-        fits.append(weince_tail_fit(*rows, options, hardest=hardest, has_positive=group.has_positive))
-        sorts.append(hardest)
-    return fits, [] if options.top_m is None else top_m_units(layout, sorts)
-
-
-def rows_loss(layout: MNRLLayout, statistics: list[WEINCEStatistics], scale: float, eps: float) -> Tensor:
-    """Per-row blended cross-entropy [R] of the layout's rows, given each group's statistics of those rows."""
-    pairs = list(zip(layout.groups, statistics))
-    if len(pairs) == 1 or layout.partition_mode == "per_direction":
-        # every group is its own softmax: the fused cross-entropy (mean over directions for per_direction)
-        rows = [
-            blended_cross_entropy(g.scores, s.lam, s.beta, g.positive_index, g.valid_mask, scale=scale, eps=eps)
-            for g, s in pairs
-        ]
-        return rows[0] if len(rows) == 1 else torch.stack(rows, dim=1).mean(dim=1)
-    logits = [
-        weince_logits(g.scores, s.lam, s.beta, g.valid_mask, scale=scale, eps=eps, check_inputs=False) for g, s in pairs
-    ]
-    return mnrl_cross_entropy(layout, logits)
-
-
-def statistics_rows(stats: WEINCEStatistics, rows: slice) -> WEINCEStatistics:
-    """The statistics of a block of rows (the pivot is the batch's)."""
-    per_row = ("lam", "beta", "rho", "delta_aic", "beta_hat", "fitted")
-    return dataclasses.replace(stats, **{name: getattr(stats, name)[rows] for name in per_row})
-
-
-def top_m_units(layout: MNRLLayout, hardest: list[HardestNegatives]) -> list[Unit]:
+def top_m_units(layout: MNRLLayout, hardest: list[HardestNegatives | None], shared_sort: bool) -> list[Unit]:
     """The softmaxes of the layout's rows, over which the top-M terms pick a row's hardest negatives: under
     ``"joint"`` one, every group's candidates of the row side by side (the query_to_doc positive the target, as in
-    the blend's softmax); under ``"per_direction"`` one per group, each with its group's sort ``hardest``."""
+    the blend's softmax); under ``"per_direction"`` (or with one group: ``shared_sort``) one per group, each with its
+    group's sort ``hardest``."""
     groups = layout.groups
-    if shares_the_sort(layout):
-        return [Unit(g.scores, g.positive_index, g.valid_mask, h, g.has_positive) for g, h in zip(groups, hardest)]
-    masks = [g.valid_mask for g in groups]
+    if shared_sort:
+        return list(zip(groups, hardest))
     valid_mask = None
-    if any(m is not None for m in masks):
-        valid_mask = torch.cat(
-            [m if m is not None else torch.ones_like(g.scores, dtype=torch.bool) for m, g in zip(masks, groups)], dim=1
-        )
+    if any(g.valid_mask is not None for g in groups):
+        masks = [torch.ones_like(g.scores, dtype=torch.bool) if g.valid_mask is None else g.valid_mask for g in groups]
+        valid_mask = torch.cat(masks, dim=1)
     scores = torch.cat([g.scores for g in groups], dim=1)
-    return [Unit(scores, groups[0].positive_index, valid_mask, has_positive=groups[0].has_positive)]
+    directions, widths = sum((g.directions for g in groups), ()), sum((g.widths for g in groups), ())
+    first = groups[0]
+    return [(CandidateGroup(directions, scores, widths, first.positive_index, valid_mask, first.has_positive), None)]
 
 
 def top_m_rows(
@@ -136,18 +72,18 @@ def top_m_rows(
     beta = beta_t if beta_t is not None else 1.0  # only the shortfall term reads it, and it is off then
     terms = [
         top_m_terms(
-            u.scores,
-            u.positive_index,
-            u.valid_mask,
+            g.scores,
+            g.positive_index,
+            g.valid_mask,
             options.top_m,
             beta=beta,
             scale=options.top_m_infonce_scale,
             eps=options.eps,
-            hardest=u.hardest,
-            has_positive=u.has_positive,
+            hardest=hardest,
+            has_positive=g.has_positive,
             effective_scale=effective_scale,
         )
-        for u in units
+        for g, hardest in units
     ]
     if len(terms) == 1:
         return terms[0]
@@ -160,20 +96,20 @@ def batch_tail(units: list[Unit], step_rows: int, options: WEINCEOptions, gather
     ``step_rows`` is the number of rows of this process's whole step (a cached loss passes one row chunk at a time),
     so that every chunk and process keeps at least the global tail's size (``gathered``: across processes)."""
     world = dist.get_world_size() if gathered and dist.is_initialized() else 1
-    global_entries = step_rows * world * sum(u.scores.shape[1] for u in units)
+    global_entries = step_rows * world * sum(g.scores.shape[1] for g, _ in units)
     return BatchTail.cat(
         [
             batch_negative_tail(
-                u.scores,
-                u.positive_index,
-                u.valid_mask,
+                g.scores,
+                g.positive_index,
+                g.valid_mask,
                 options.top_m,
                 eps=options.eps,
                 global_entries=global_entries,
-                hardest=u.hardest,
-                has_positive=u.has_positive,
+                hardest=hardest,
+                has_positive=g.has_positive,
             )
-            for u in units
+            for g, hardest in units
         ]
     )
 
@@ -232,8 +168,7 @@ class WEINCEStep:
 
 
 def weince_step(
-    layout_of: LayoutOf,
-    num_rows: int,
+    batch: MNRLColumns | MNRLLayout,
     options: WEINCEOptions,
     beta_ema: Tensor | None,
     *,
@@ -243,8 +178,9 @@ def weince_step(
     effective_scales: bool = True,
     progress: Callable[[Iterable], Iterable] = iter,
 ) -> WEINCEStep:
-    """WEINCE (the blend, and the top-M terms when ``options.top_m``) of this process's ``num_rows`` rows, taken in
-    chunks of ``chunk_rows`` (None: one chunk, whose layout is made once).
+    """WEINCE (the blend, and the top-M terms when ``options.top_m``) of this process's rows of ``batch``: the
+    columns, whose layout is made here for each chunk of ``chunk_rows`` rows (None: one chunk, whose layout is made
+    once), or one layout already made (e.g. the SimCLR one; one chunk).
 
     ``beta_ema``: the moving average of the batch tail index (with the top-M shortfall term; the caller stores the
     returned ``beta_t`` on training steps). ``gather``: a per-anchor tensor of this process -> the global batch's,
@@ -254,25 +190,55 @@ def weince_step(
     ``progress`` wraps the second pass's chunks (a progress bar)."""
     require_options(options, WEINCEOptions)
     top_m = options.top_m
+    num_rows = batch.num_rows
     step = num_rows if chunk_rows is None else chunk_rows
     chunks = [(begin, min(begin + step, num_rows)) for begin in range(0, num_rows, step)]
     one_chunk = len(chunks) == 1
+    if isinstance(batch, MNRLLayout) and not one_chunk:
+        raise ValueError("a layout is taken in one chunk: pass MNRLColumns to take the rows in chunks")
 
-    # First pass: the statistics over every row (no gradient), each chunk's sort for its top-M terms (their M' per row
-    # only) and, with the shortfall term, the batch's negative tail for its tail index.
-    chunk_fits, chunk_sorts, chunk_counts, chunk_tails, kept_layout = [], [], [], [], None
+    # First pass: each group's tail fit from one sort of its rows (no gradient with several chunks), the sorts the
+    # second pass's top-M terms need (their M' per row only) and, with the shortfall term, the batch's negative tail.
+    chunk_fits, chunk_sorts, chunk_counts, chunk_tails = [], [], [], []
     with contextlib.nullcontext() if one_chunk else torch.no_grad():
         for begin, end in chunks:
-            layout, counts = layout_of(begin, end)
-            fits, units = layout_tail_fits(layout, options)
-            if one_chunk:
-                kept_layout = layout
+            layout = batch if isinstance(batch, MNRLLayout) else batch.layout(begin, end)
+            # the top-M terms pick from the groups' own softmaxes (one per group), so each group's sort serves them;
+            # under "joint" with several groups they pick from the groups side by side (sorted there)
+            shared_sort = layout.partition_mode == "per_direction" or len(layout.groups) == 1
+            sort_top_m = top_m if shared_sort else None
+            keep_selection = sort_top_m is not None and sort_top_m.shortfall_weight > 0  # the batch tail's too
+            fits, sorts = [], []
+            for group in layout.groups:
+                width = max(max_tail_size(group.scores.shape[1], options), 1)  # the tail fit's largest tail, M'
+                if sort_top_m is not None:
+                    width = max(width, top_m_width(group.scores.shape[1], sort_top_m.m))
+                rows = (group.scores, group.positive_index, group.valid_mask)
+                hardest = hardest_negatives(
+                    *rows,
+                    width,
+                    with_columns=sort_top_m is not None,
+                    has_positive=group.has_positive,
+                    keep_selection=keep_selection,
+                )
+                fits.append(weince_tail_fit(*rows, options, hardest=hardest, has_positive=group.has_positive))
+                sorts.append(hardest)
+            del group, rows, hardest  # this chunk's scores: not kept into the next one
             chunk_fits.append(fits)
-            chunk_sorts.append(_kept_sorts(layout, units, top_m, one_chunk))
-            chunk_counts.append(counts)
+            chunk_counts.append(layout.guard_counts)
             if beta_ema is not None:
+                units = top_m_units(layout, sorts, shared_sort)
                 chunk_tails.append(batch_tail(units, num_rows, options, gathered=gather is not None))
-            del units  # its scores are this chunk's: not kept into the next one
+                del units  # its scores are this chunk's: not kept into the next one
+            if sort_top_m is None:
+                chunk_sorts.append([None] * len(sorts))
+            elif one_chunk:  # without the selection the batch tail took its values from
+                chunk_sorts.append([dataclasses.replace(hardest, selection=None) for hardest in sorts])
+            else:  # at most M hardest per row, not the tail fit's width
+                chunk_sorts.append([hardest.first(min(top_m.m, hardest.values.shape[1])) for hardest in sorts])
+            del sorts
+    if not one_chunk:  # the second pass makes each chunk's layout again
+        del layout
     if one_chunk:
         fits, guard_counts = chunk_fits[0], chunk_counts[0]
     else:
@@ -286,16 +252,33 @@ def weince_step(
     # Second pass: each chunk's rows, the blend and the top-M terms, and the chunk's share of the loss.
     loss = terms = term_sums = scale_sums = None
     for (begin, end), sorts in zip(progress(chunks), chunk_sorts):
-        layout = kept_layout if one_chunk else layout_of(begin, end)[0]
-        chunk_statistics = statistics if one_chunk else [statistics_rows(s, slice(begin, end)) for s in statistics]
-        rows = rows_loss(layout, chunk_statistics, options.scale, options.eps)
+        chunk_statistics = statistics
+        if not one_chunk:  # the chunk's rows of the statistics (the pivot is the batch's)
+            layout = batch.layout(begin, end)
+            chunk_statistics = [
+                dataclasses.replace(s, **{name: getattr(s, name)[begin:end] for name in _PER_ROW}) for s in statistics
+            ]
+        pairs = list(zip(layout.groups, chunk_statistics))
+        if len(pairs) == 1 or layout.partition_mode == "per_direction":
+            # every group is its own softmax: the fused cross-entropy (mean over directions for per_direction)
+            rows = [
+                blended_cross_entropy(
+                    g.scores, s.lam, s.beta, g.positive_index, g.valid_mask, scale=options.scale, eps=options.eps
+                )
+                for g, s in pairs
+            ]
+            rows = rows[0] if len(rows) == 1 else torch.stack(rows, dim=1).mean(dim=1)
+        else:
+            kwargs = {"scale": options.scale, "eps": options.eps, "check_inputs": False}
+            rows = mnrl_cross_entropy(
+                layout, [weince_logits(g.scores, s.lam, s.beta, g.valid_mask, **kwargs) for g, s in pairs]
+            )
         scales = []
-        if effective_scales:
-            query_rows = layout.groups[0]
+        if effective_scales:  # of the query-anchored rows (not named: a name would keep the chunk's scores alive)
             scales.append(
                 blend_effective_scale(
-                    query_rows.scores,
-                    query_rows.valid_mask,
+                    layout.groups[0].scores,
+                    layout.groups[0].valid_mask,
                     chunk_statistics[0].lam,
                     chunk_statistics[0].beta,
                     scale=options.scale,
@@ -303,13 +286,14 @@ def weince_step(
                 )
             )
         if top_m is not None:
+            shared_sort = layout.partition_mode == "per_direction" or len(layout.groups) == 1
             shortfall, infonce, scale_top_m = top_m_rows(
-                top_m_units(layout, sorts), beta_t, options, effective_scale=effective_scales
+                top_m_units(layout, sorts, shared_sort), beta_t, options, effective_scale=effective_scales
             )
             rows = torch.stack([rows, shortfall, infonce])
             scales += [scale_top_m] if effective_scales else []
         chunk_sums = rows.sum(dim=-1)  # the blend's, or [blend, top-M shortfall, top-M InfoNCE]
-        chunk_loss, terms = _share_of_loss(chunk_sums, num_rows, top_m)
+        chunk_loss, terms = (chunk_sums / num_rows, None) if top_m is None else _composite(chunk_sums, num_rows, top_m)
         if backward:
             chunk_loss.backward()
             chunk_loss, chunk_sums = chunk_loss.detach(), chunk_sums.detach()
@@ -318,50 +302,25 @@ def weince_step(
         if scales:
             chunk_scale_sums = torch.stack(scales).sum(dim=1)
             scale_sums = chunk_scale_sums if scale_sums is None else scale_sums + chunk_scale_sums
-        del layout, rows  # (no name for a chunk's scores: they would stay alive into the next chunk's forward)
+        del layout, rows, pairs  # (no name for a chunk's scores: they would stay alive into the next chunk's forward)
 
-    if not one_chunk:  # the terms of the whole step (each chunk's are its share only)
-        terms = _share_of_loss(term_sums, num_rows, top_m)[1]
-    return WEINCEStep(
-        loss=loss,
-        statistics=statistics[0],
-        guard_counts=guard_counts,
-        terms=terms,
-        beta_t=beta_t,
-        fit=beta_fit,
-        effective_scales={} if scale_sums is None else _effective_scales(scale_sums / num_rows, options),
-    )
-
-
-def _effective_scales(means: Tensor, options: WEINCEOptions) -> dict[str, Tensor]:
-    """The logged effective scales by term, from the means over the rows [blend(, top-M shortfall)]."""
-    scales = {"blend": means[0]}
-    top_m = options.top_m
-    if top_m is not None and top_m.shortfall_weight > 0:
-        scales["top_m_shortfall"] = means[1]
-    if top_m is not None and top_m.infonce_weight > 0:
-        scales["top_m_infonce"] = torch.full_like(means[0], options.top_m_infonce_scale)
-    return scales
+    if not one_chunk and top_m is not None:  # the terms of the whole step (each chunk's are its share only)
+        terms = _composite(term_sums, num_rows, top_m)[1]
+    scales = {}
+    if scale_sums is not None:  # the logged effective scales by term, from their means over the rows
+        means = scale_sums / num_rows
+        scales["blend"] = means[0]
+        if top_m is not None and top_m.shortfall_weight > 0:
+            scales["top_m_shortfall"] = means[1]
+        if top_m is not None and top_m.infonce_weight > 0:
+            scales["top_m_infonce"] = torch.full_like(means[0], options.top_m_infonce_scale)
+    return WEINCEStep(loss, statistics[0], guard_counts, terms, beta_t, beta_fit, scales)
 
 
-def _kept_sorts(layout: MNRLLayout, units: list[Unit], top_m: TopM | None, one_chunk: bool) -> list[HardestNegatives]:
-    """What the second pass's top-M terms need of a chunk's sorts: all of them with one chunk (kept anyway), else at
-    most M hardest per row, not the tail fit's width (none: no top-M terms, or they pick from the groups side by
-    side)."""
-    if top_m is None or not shares_the_sort(layout):
-        return [None] * len(layout.groups)
-    if one_chunk:  # without the selection the batch tail took its values from
-        return [dataclasses.replace(u.hardest, selection=None) for u in units]
-    return [u.hardest.first(min(top_m.m, u.hardest.values.shape[1])) for u in units]
-
-
-def _share_of_loss(sums: Tensor, num_rows: int, top_m: TopM | None) -> tuple[Tensor, CompositeLoss | None]:
-    """Rows' term sums (the blend's, or [blend, top-M shortfall, top-M InfoNCE]) -> their share of the step's loss,
-    each sum over the step's ``num_rows``: ``blend + shortfall_weight * top_m_shortfall + infonce_weight *
-    top_m_infonce``, a term whose weight is 0 left out (not multiplied by 0); and the terms (None without the top-M
-    terms)."""
-    if top_m is None:
-        return sums / num_rows, None
+def _composite(sums: Tensor, num_rows: int, top_m: TopM) -> tuple[Tensor, CompositeLoss]:
+    """Rows' term sums [blend, top-M shortfall, top-M InfoNCE] -> their share of the step's loss, each sum over the
+    step's ``num_rows``: ``blend + shortfall_weight * top_m_shortfall + infonce_weight * top_m_infonce``, a term whose
+    weight is 0 left out (not multiplied by 0); and the terms."""
     blend, shortfall, infonce = (sums / num_rows).unbind()
     shortfall = shortfall if top_m.shortfall_weight != 0.0 else None
     infonce = infonce if top_m.infonce_weight != 0.0 else None

@@ -30,15 +30,8 @@ GRADCACHE_CITATION = """
 
 @options
 class GradCacheOptions(Options):
-    """How a cached loss splits the batch.
-
-    Args:
-        mini_batch_size: rows per embedding mini-batch and per row chunk of the loss; memory grows with it, speed too.
-            The loss is the same for every value.
-        mini_batch_num_tokens: if set, embedding mini-batches are packed by this many non-padding tokens instead (as
-            in ``CachedMultipleNegativesRankingLoss``); the loss's row chunks keep ``mini_batch_size`` rows.
-        show_progress_bar: show progress bars over the mini-batches.
-    """
+    """How a cached loss splits the batch: the cached losses' ``mini_batch_size``, ``mini_batch_num_tokens`` and
+    ``show_progress_bar`` (their Args)."""
 
     mini_batch_size: int = operational(32)
     mini_batch_num_tokens: int | None = operational(None)
@@ -95,28 +88,19 @@ class GradCachedLoss(CachedLossMixin):
     def show_progress_bar(self) -> bool:
         return self.cache_options.show_progress_bar
 
-    def _concatenated_columns(self, reps: list[list[Tensor]]) -> list[Tensor]:
-        """Each column's mini-batch embeddings as one [batch, dimension] matrix. An empty batch (no mini-batch, or a
-        column without rows) is refused with the losses' own error, not ``torch.cat``'s."""
-        name = type(self).__name__
-        if not reps:
-            raise ValueError(f"{name}: got no input columns")
-        for index, column in enumerate(reps):
-            if not all(isinstance(piece, Tensor) for piece in column):
-                raise ValueError(f"{name}: column {index} must be a list of embedding tensors")
-            if not column or sum(piece.shape[0] if piece.dim() else 0 for piece in column) == 0:
-                raise ValueError(f"{name}: the batch is empty (column {index} has no rows)")
-        return [torch.cat(column) for column in reps]
-
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
-        self._at_first_training_step()
+        if not self._first_training_step_done:
+            self._at_first_training_step()
         sentence_features = list(sentence_features)
         if len(sentence_features) < 2:
             raise ValueError(
                 f"{type(self).__name__} needs at least 2 input columns (anchor, positive[, negative_1, ...]), "
                 f"got {len(sentence_features)}"
             )
-        self._pending_row_keys = self._row_keys(sentence_features)
+        guard = self.options.false_negative_filter
+        self._pending_row_keys = (
+            self._row_keys(sentence_features) if guard is not None and guard.rule == "identical" else None
+        )
         self._parameter_terms = []
         try:
             loss = self.forward_cached(sentence_features, labels)
@@ -151,10 +135,27 @@ class GradCachedLoss(CachedLossMixin):
         """The loss of the whole batch from the per-mini-batch embeddings, in row chunks of ``mini_batch_size``.
         With ``with_backward`` each chunk is back-propagated to ``reps`` at once and the loss returned detached (plus
         the zero-valued term carrying the loss parameters' gradients)."""
-        embeddings = self._concatenated_columns(reps)
-        row_keys = self._checked_row_keys(self._pending_row_keys, labels, embeddings)
+        embeddings, row_keys = self._stage_inputs(reps, labels)
         with full_precision(*embeddings):
             return self._cached_loss(embeddings, row_keys, with_backward)
+
+    def _stage_inputs(
+        self, reps: list[list[Tensor]], labels: Tensor | None
+    ) -> tuple[list[Tensor], list[Tensor] | None]:
+        """The loss stage's inputs: each column's embeddings as one matrix (an empty batch refused in the losses' own
+        words, not ``torch.cat``'s) and the keys of the false-negative guard."""
+        name = type(self).__name__
+        if not reps:
+            raise ValueError(f"{name}: got no input columns")
+        for index, column in enumerate(reps):
+            if not all(isinstance(piece, Tensor) for piece in column):
+                raise ValueError(f"{name}: column {index} must be a list of embedding tensors")
+            if not column or sum(piece.shape[0] if piece.dim() else 0 for piece in column) == 0:
+                raise ValueError(f"{name}: the batch is empty (column {index} has no rows)")
+        embeddings = [torch.cat(column) for column in reps]
+        if labels is None and self.options.false_negative_filter is None:
+            return embeddings, None  # nothing to check, nothing to compare
+        return embeddings, self._checked_row_keys(self._pending_row_keys, labels, embeddings)
 
     def _cached_loss(self, embeddings: list[Tensor], row_keys: list[Tensor] | None, with_backward: bool) -> Tensor:
         raise NotImplementedError

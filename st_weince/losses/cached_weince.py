@@ -1,15 +1,19 @@
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import tqdm
 from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
+from st_weince.functional.checks import full_precision
+from st_weince.functional.exchange import all_gather
 from st_weince.functional.false_negatives import FalseNegativeFilter
 from st_weince.functional.layouts import Direction, PartitionMode
 from st_weince.functional.options import Gate, TopM, WEINCEMode, WEINCEOptions, defaults_of
+from st_weince.functional.weince_step import weince_step
 from st_weince.losses._gradcache import GradCachedLoss, GradCacheOptions, backward_from_leaves
 from st_weince.losses.weince import WEINCELoss
 
@@ -23,20 +27,11 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
     device: what ``CachedMultipleNegativesRankingLoss`` is to MNRL, built on the same public
     :class:`~sentence_transformers.base.losses.gradcache.CachedLossMixin`.
 
-    WEINCE needs large batches most: its tail fit uses each anchor's top 10 % of negatives, at least 32. At batch 64
-    that is half of all negatives; at batch 4,096 it is about 410 true extremes.
-
-    The three GradCache steps, with WEINCE's statistics in the middle one:
-
-    1. embed every mini-batch without gradient;
-    2. compute the loss on the cached embeddings with :func:`~st_weince.functional.weince_step.weince_step` in row
-       chunks of ``mini_batch_size``: first the statistics, without gradient, over the *whole* score matrix (each
-       anchor's tail fit needs only its own row; the pivot ``rho0`` and the batch tail index are taken over all rows,
-       gathered across processes), so ``lambda``, ``beta`` and ``rho0`` are those of :class:`WEINCELoss` on the same
-       embeddings (to float32 rounding where a kernel rounds a mini-batch's embeddings or a row chunk's scores
-       differently); then the loss and its backward to the embeddings, chunk by chunk. Memory is linear in the
-       batch: the full B x C matrix is never held, with or without gradient;
-    3. re-embed every mini-batch with gradient and back-propagate the cached embedding gradients.
+    WEINCE needs large batches most: its tail fit uses each anchor's top 10 % of negatives, at least 32. The loss
+    stage takes the score matrix in row chunks of ``mini_batch_size``: first every row's tail fit and the pivot over
+    all rows, without gradient, so ``lambda``, ``beta`` and ``rho0`` are :class:`WEINCELoss`'s on the same embeddings;
+    then the loss and its backward, chunk by chunk. The full B x C matrix is never held (docs/weince.md, "Cached
+    WEINCE for large batches").
 
     Args:
         model: SentenceTransformer model.
@@ -148,13 +143,24 @@ class CachedWEINCELoss(GradCachedLoss, WEINCELoss):
         )
         self._set_cache_options(cache_options)
 
-    def _cached_loss(self, embeddings: list[Tensor], row_keys: list[Tensor] | None, with_backward: bool) -> Tensor:
-        layout_of, columns, leaves = self._layout_of(embeddings, row_keys, leaves=with_backward)
-        chunks = {"chunk_rows": self.mini_batch_size, "backward": with_backward, "progress": self._progress}
-        loss = self._step(layout_of, embeddings[0].shape[0], **chunks)
-        if with_backward:  # the chunks' gradients, accumulated on the leaves, through the normalisation and gather
-            backward_from_leaves(columns, leaves)
-        return loss
-
-    def _progress(self, chunks: list[tuple[int, int]]) -> Iterable[tuple[int, int]]:
-        return tqdm.tqdm(chunks, desc="Calculating loss", disable=not self.show_progress_bar)
+    def _loss_stage(
+        self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
+    ) -> Tensor:
+        embeddings, row_keys = self._stage_inputs(reps, labels)
+        with full_precision(*embeddings):
+            batch, columns = self._mnrl_columns(embeddings, row_keys, leaves=with_backward)
+            gather = all_gather if self.options.gather_across_devices else None
+            progress = functools.partial(tqdm.tqdm, desc="Calculating loss") if self.show_progress_bar else iter
+            step = weince_step(
+                batch,
+                self.options,
+                self.batch_beta_ema,
+                chunk_rows=self.mini_batch_size,
+                gather=gather,
+                backward=with_backward,
+                effective_scales=self.log_statistics,
+                progress=progress,
+            )
+            if with_backward:  # the chunks' gradients, accumulated on the leaves, through the normalisation and gather
+                backward_from_leaves(columns, [batch.queries, *batch.docs])
+            return self._end_step(step)

@@ -18,7 +18,6 @@ from sentence_transformers.base.losses.merged_forward import embed_columns
 from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
-from st_weince.calibration import mark_carried_values_stale
 from st_weince.functional.checks import check_score_shapes, compute_dtype, full_precision, require_valid_scores
 from st_weince.functional.false_negatives import KEY_RULES, FilterCounts, check_labels, feature_keys, label_keys
 from st_weince.functional.layouts import normalize_rows
@@ -42,40 +41,6 @@ _MNRL_NO_OPS: dict[str, Callable[[Any], bool]] = {
     "hardness_strength": lambda value: isinstance(value, numbers.Real) and not isinstance(value, bool) and value == 0,
     "partition_mode": lambda value: value is None,
 }
-
-
-def check_embedding_columns(
-    embeddings: list[Tensor],
-    loss_name: str,
-    min_columns: int = 2,
-) -> None:
-    """Raise a clear ValueError for too few columns, wrong shapes, and mismatched batch sizes or dimensions."""
-    if len(embeddings) < min_columns:
-        raise ValueError(
-            f"{loss_name} needs at least {min_columns} input columns (anchor, positive[, negative_1, ...]), "
-            f"got {len(embeddings)}. Check the columns of your dataset: a single text column is not enough."
-        )
-    for index, embedding in enumerate(embeddings):
-        if not isinstance(embedding, Tensor) or embedding.dim() != 2:
-            shape = tuple(embedding.shape) if isinstance(embedding, Tensor) else type(embedding).__name__
-            raise ValueError(
-                f"{loss_name}: column {index} must be a 2-D [batch, dimension] embedding matrix, got shape {shape}"
-            )
-        if not embedding.is_floating_point():
-            raise ValueError(f"{loss_name}: column {index} must hold floating-point embeddings, got {embedding.dtype}")
-    sizes = [e.shape[0] for e in embeddings]
-    if any(size != sizes[0] for size in sizes):
-        raise ValueError(f"{loss_name}: all columns must have the same batch size, got {sizes}")
-    if sizes[0] < 1:
-        raise ValueError(f"{loss_name}: the batch is empty")
-    dims = [e.shape[1] for e in embeddings]
-    if any(dim != dims[0] for dim in dims):
-        raise ValueError(f"{loss_name}: all columns must have the same embedding dimension, got {dims}")
-    if dims[0] < 1:
-        raise ValueError(
-            f"{loss_name}: the embeddings have no features (shape {tuple(embeddings[0].shape)}): a cosine score needs "
-            "at least one dimension"
-        )
 
 
 def guard_share_values(prefix: str, counts: FilterCounts | None) -> dict[str, Tensor]:
@@ -173,9 +138,8 @@ class ColumnsLoss(nn.Module, LossState):
 
     def _at_first_training_step(self) -> None:
         """Once, at the first forward in training mode with gradients on: an error when the loss gathers across the
-        processes of a group that the trainer trains each alone, an error when the loss has state that
-        nobody was declared to handle, and the model's carried trained values marked as not this training's (a
-        Python check on construction-time facts; no tensor is read)."""
+        processes of a group that the trainer trains each alone, and an error when the loss has state that nobody
+        was declared to handle (Python checks of construction-time facts; no tensor is read)."""
         if self._first_training_step_done or not (self.training and torch.is_grad_enabled()):
             return
         # A process group that accelerate (the trainer) trains NOT_PARALLEL, with gathering: docs/distributed.md
@@ -193,13 +157,13 @@ class ColumnsLoss(nn.Module, LossState):
                 "(model.fit builds a trainer of its own, which cannot be set up: use SentenceTransformerTrainer). In "
                 "a training loop of your own that handles it, call loss.mark_state_managed() once instead."
             )
-        if self.model is not None and self.carried_values() is None:
-            mark_carried_values_stale(self.model, trained_by=type(self).__name__)
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
-        self._at_first_training_step()
+        if not self._first_training_step_done:
+            self._at_first_training_step()
         sentence_features = list(sentence_features)
-        row_keys = self._row_keys(sentence_features)
+        guard = self.options.false_negative_filter
+        row_keys = self._row_keys(sentence_features) if guard is not None and guard.rule == "identical" else None
         embeddings = embed_columns(self.model, sentence_features)
         return self.compute_loss_from_embeddings(embeddings, labels, row_keys=row_keys)
 
@@ -211,7 +175,10 @@ class ColumnsLoss(nn.Module, LossState):
         ``"same_label"`` rule only (else ignored, with a warning). ``row_keys``: each column's
         :func:`~st_weince.functional.input_keys`, read by the ``"identical"`` rule only (``forward`` computes them
         from the token ids)."""
-        row_keys = self._checked_row_keys(row_keys, labels, embeddings)
+        if labels is None and self.options.false_negative_filter is None:
+            row_keys = None  # nothing to check, nothing to compare
+        else:
+            row_keys = self._checked_row_keys(row_keys, labels, embeddings)
         with full_precision(*embeddings):
             return self._loss_from_embeddings(embeddings, row_keys)
 
@@ -244,11 +211,32 @@ class ColumnsLoss(nn.Module, LossState):
         (float64 stays float64, half precision becomes float32), after the step's one host sync: with
         ``check_inputs``, rows with NaN/Inf or an overflowing norm (they would normalise to zero vectors) and an
         invalid loss state are refused there, all read at once."""
-        check_embedding_columns(embeddings, type(self).__name__)  # shapes, free
+        name = type(self).__name__  # the shapes (free: no device value is read)
+        if len(embeddings) < 2:
+            raise ValueError(
+                f"{name} needs at least 2 input columns (anchor, positive[, negative_1, ...]), got {len(embeddings)}. "
+                "Check the columns of your dataset: a single text column is not enough."
+            )
+        for index, embedding in enumerate(embeddings):
+            if not isinstance(embedding, Tensor) or embedding.dim() != 2:
+                shape = tuple(embedding.shape) if isinstance(embedding, Tensor) else type(embedding).__name__
+                raise ValueError(
+                    f"{name}: column {index} must be a 2-D [batch, dimension] embedding matrix, got shape {shape}"
+                )
+            if not embedding.is_floating_point():
+                raise ValueError(f"{name}: column {index} must hold floating-point embeddings, got {embedding.dtype}")
+        sizes, dims = [e.shape[0] for e in embeddings], [e.shape[1] for e in embeddings]
+        if len(set(sizes)) > 1:
+            raise ValueError(f"{name}: all columns must have the same batch size, got {sizes}")
+        if sizes[0] < 1:
+            raise ValueError(f"{name}: the batch is empty")
+        if len(set(dims)) > 1:
+            raise ValueError(f"{name}: all columns must have the same embedding dimension, got {dims}")
+        if dims[0] < 1:
+            raise ValueError(f"{name}: the embeddings have no features: a cosine score needs at least one dimension")
         columns = embeddings if gather is None else [gather(column) for column in embeddings]
         dtype = compute_dtype(*columns)
         checks = DeferredChecks() if self.options.check_inputs else None
-        name = type(self).__name__
         columns = [normalize_rows(column, checks, f"{name}: column {i}", dtype) for i, column in enumerate(columns)]
         if checks is not None:
             self._require_valid_state(checks)
@@ -258,13 +246,10 @@ class ColumnsLoss(nn.Module, LossState):
     # -- the false-negative guard's input keys ----------------------------------------------------------------
 
     def _guard_rule(self) -> str | None:
-        spec = self.options.false_negative_filter
-        return None if spec is None else spec.rule
+        return getattr(self.options.false_negative_filter, "rule", None)
 
-    def _row_keys(self, sentence_features: list[dict[str, Tensor]]) -> list[Tensor] | None:
-        """The input keys of every column's rows when the guard compares inputs (``"identical"``), else None."""
-        if self._guard_rule() != "identical":
-            return None
+    def _row_keys(self, sentence_features: list[dict[str, Tensor]]) -> list[Tensor]:
+        """The input keys of every column's rows, which the guard's ``"identical"`` rule compares."""
         return [feature_keys(features, type(self).__name__) for features in sentence_features]
 
     def _has_hard_negative_columns(self) -> bool:
@@ -289,7 +274,8 @@ class ColumnsLoss(nn.Module, LossState):
             check_labels(labels, embeddings[0].shape[0], type(self).__name__)
             labels = labels.to(embeddings[0].device)  # a no-op in training (the trainer moved them)
             return label_keys(labels, len(embeddings), hard_negative_columns=self._has_hard_negative_columns())
-        self._warn_unused_labels(labels)
+        if labels is not None:
+            self._warn_unused_labels(labels)
         if rule != "identical":
             return None
         num_columns = len(embeddings)
@@ -303,11 +289,11 @@ class ColumnsLoss(nn.Module, LossState):
 
     _warned_unused_labels = False
 
-    def _warn_unused_labels(self, labels: Tensor | None) -> None:
+    def _warn_unused_labels(self, labels: Tensor) -> None:
         """Warn once per loss object that it ignores ``labels`` (the columns sentence-transformers' data collator
         passes as labels, ``valid_label_columns``). Costs the step nothing: whether labels were given is known on the
         host."""
-        if labels is None or self._warned_unused_labels or torch.compiler.is_compiling():
+        if self._warned_unused_labels or torch.compiler.is_compiling():
             return
         message = (
             f"{type(self).__name__} does not use labels and ignores the 'label' or 'score' column of the dataset: "

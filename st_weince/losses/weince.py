@@ -12,11 +12,11 @@ from torch import Tensor, nn
 from st_weince.functional.batch_tail import initial_beta_ema
 from st_weince.functional.checks import full_precision
 from st_weince.functional.exchange import all_gather, all_gather_with_grad, process_count
-from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCounts, apply_false_negative_filter
-from st_weince.functional.layouts import CandidateGroup, Direction, MNRLLayout, PartitionMode, guard_layout, mnrl_layout
+from st_weince.functional.false_negatives import FalseNegativeFilter, apply_false_negative_filter
+from st_weince.functional.layouts import CandidateGroup, Direction, MNRLColumns, MNRLLayout, PartitionMode
 from st_weince.functional.options import RELEASED_COMPOSITE, Gate, TopM, WEINCEMode, WEINCEOptions, defaults_of
 from st_weince.functional.weince import WEINCEStatistics, negatives_needed, weince_statistics
-from st_weince.functional.weince_step import LayoutOf, WEINCEStep, weince_step
+from st_weince.functional.weince_step import WEINCEStep, weince_step
 from st_weince.losses.columns_loss import ColumnsLoss, guard_share_values
 
 WEINCE_CITATION = """
@@ -230,18 +230,13 @@ class WEINCELoss(ColumnsLoss):
     ) -> WEINCEStatistics:
         """Statistics of rows held by this process (the pivot rho0 taken over all processes' rows), without a step:
         no state advances and nothing is logged."""
-        return weince_statistics(scores, positive_index, valid_mask, self.options, gather=self._gather)
+        gather = all_gather if self.options.gather_across_devices else None
+        return weince_statistics(scores, positive_index, valid_mask, self.options, gather=gather)
 
     @property
     def last_statistics(self) -> WEINCEStatistics | None:
         """The statistics of the latest step's query rows."""
         return None if self.last_step is None else self.last_step.statistics
-
-    @property
-    def _gather(self) -> Callable[[Tensor], Tensor] | None:
-        """How a per-anchor tensor of this process becomes the global batch's (no gradient): ``all_gather`` when
-        gathering across devices, else None (this process's batch is the batch)."""
-        return all_gather if self.options.gather_across_devices else None
 
     # -- entry points ---------------------------------------------------------------------------------------------
 
@@ -252,60 +247,58 @@ class WEINCELoss(ColumnsLoss):
         self._check_scores(scores, positive_index, valid_mask, every_row_has_positive=True)
         positive_index = positive_index.long()
         with full_precision(scores):
-
-            def layout_of(begin: int, end: int) -> tuple[MNRLLayout, FilterCounts | None]:
-                mask, counts = apply_false_negative_filter(
-                    scores, positive_index, valid_mask, self.options.false_negative_filter
+            mask, counts = apply_false_negative_filter(
+                scores, positive_index, valid_mask, self.options.false_negative_filter
+            )
+            group = CandidateGroup(("query_to_doc",), scores, (scores.shape[1],), positive_index, mask, True)
+            layout = MNRLLayout((group,), "joint", scores.shape[0], guard_counts=counts)
+            gather = all_gather if self.options.gather_across_devices else None
+            return self._end_step(
+                weince_step(
+                    layout, self.options, self.batch_beta_ema, gather=gather, effective_scales=self.log_statistics
                 )
-                group = CandidateGroup(
-                    ("query_to_doc",), scores, (scores.shape[1],), positive_index, mask, has_positive=True
-                )
-                return MNRLLayout(groups=(group,), partition_mode="joint", num_rows=scores.shape[0]), counts
-
-            return self._step(layout_of, scores.shape[0])
+            )
 
     def _loss_from_embeddings(self, embeddings: list[Tensor], row_keys: list[Tensor] | None) -> Tensor:
-        return self._step(self._layout_of(embeddings, row_keys)[0], embeddings[0].shape[0])
+        batch = self._mnrl_columns(embeddings, row_keys)[0]
+        gather = all_gather if self.options.gather_across_devices else None
+        return self._end_step(
+            weince_step(batch, self.options, self.batch_beta_ema, gather=gather, effective_scales=self.log_statistics)
+        )
 
     # -- the pieces shared with CachedWEINCELoss ------------------------------------------------------------------
 
-    def _layout_of(
+    def _mnrl_columns(
         self, embeddings: list[Tensor], row_keys: list[Tensor] | None, *, leaves: bool = False
-    ) -> tuple[LayoutOf, list[Tensor], list[Tensor]]:
-        """How the layout of this process's rows ``begin:end`` is made (the false-negative guard applied; with the
-        guard's per-row counts, or None), from the checked, unit-length (and gathered) columns; those columns, and the
-        ones the layouts use: the same, or with ``leaves`` detached stand-ins for them, at which a chunk's backward
-        stops (a cached loss back-propagates the normalisation and the gather once, not once per chunk)."""
+    ) -> tuple[MNRLColumns, list[Tensor]]:
+        """This process's rows of the batch in MNRL's layout, from the checked, unit-length (and gathered) columns
+        (and keys); and those columns. With ``leaves`` the layout's columns are detached stand-ins for them, at which
+        a chunk's backward stops (a cached loss back-propagates the normalisation and the gather once, not once per
+        chunk)."""
         options = self.options
         gather = options.gather_across_devices
         keys = row_keys if row_keys is None or not gather else [all_gather(keys) for keys in row_keys]
         columns = self._checked_columns(embeddings, all_gather_with_grad if gather else None)
-        used = [column.detach().requires_grad_() for column in columns] if leaves else columns
-        queries, *docs = used
-        offset = process_count()[0] * embeddings[0].shape[0] if gather else 0
-        self._warn_once_if_no_tail_fits(queries.shape[0], len(docs))
-
-        def layout_of(begin: int, end: int) -> tuple[MNRLLayout, FilterCounts | None]:
-            rows = {"row_start": offset + begin, "row_end": offset + end}
-            layout = mnrl_layout(queries, docs, options.directions, options.partition_mode, **rows)
-            return guard_layout(layout, options.false_negative_filter, keys, offset + begin)
-
-        return layout_of, columns, used
-
-    def _step(self, layout_of: LayoutOf, num_rows: int, **chunking: Any) -> Tensor:
-        """:func:`~st_weince.functional.weince_step.weince_step` of this process's rows, and its end: on training
-        steps (grad enabled, loss in training mode) the step's ``beta_t`` is stored in the buffer; the statistics of
-        the query rows are kept (the latest ones and, with :attr:`log_statistics`, their running means for the
-        trainer's logs, on the device, so no step reads them on the host)."""
-        step = weince_step(
-            layout_of,
-            num_rows,
-            self.options,
-            self.batch_beta_ema,
-            gather=self._gather,
-            effective_scales=self.log_statistics,
-            **chunking,
+        queries, *docs = [column.detach().requires_grad_() for column in columns] if leaves else columns
+        if not self._batch_checked and self.training and torch.is_grad_enabled():
+            self._warn_if_no_tail_fits(queries.shape[0], len(docs))
+        batch = MNRLColumns(
+            queries,
+            docs,
+            options.directions,
+            options.partition_mode,
+            num_rows=embeddings[0].shape[0],
+            offset=process_count()[0] * embeddings[0].shape[0] if gather else 0,
+            guard=options.false_negative_filter,
+            keys=keys,
         )
+        return batch, columns
+
+    def _end_step(self, step: WEINCEStep) -> Tensor:
+        """The end of a :func:`~st_weince.functional.weince_step.weince_step`: on training steps (grad enabled, loss
+        in training mode) its ``beta_t`` is stored in the buffer; the step is kept (the latest one and, with
+        :attr:`log_statistics`, the running means of its statistics for the trainer's logs, on the device, so no step
+        reads them on the host)."""
         if step.beta_t is not None and self.training and torch.is_grad_enabled():
             with torch.no_grad():
                 self.batch_beta_ema.copy_(step.beta_t)
@@ -315,17 +308,15 @@ class WEINCELoss(ColumnsLoss):
             self.logged_statistics.add(logged_values(step))
         return step.loss
 
-    def _warn_once_if_no_tail_fits(self, batch_size: int, num_documents: int) -> None:
-        """At the first training step (grad enabled, loss in training mode): a warning when no anchor of this (global)
-        batch has the negatives a tail fit needs, so that lambda is 0 everywhere and the loss is InfoNCE. Shapes
-        decide; nothing is read from a device."""
-        if self._batch_checked or not (self.training and torch.is_grad_enabled()) or self.options.mode == "none":
-            return
+    def _warn_if_no_tail_fits(self, batch_size: int, num_documents: int) -> None:
+        """At the first training step: a warning when no anchor of this (global) batch has the negatives a tail fit
+        needs, so that lambda is 0 everywhere and the loss is InfoNCE. Shapes decide; nothing is read from a
+        device."""
         self._batch_checked = True
         directions = self.options.directions
         negatives = negatives_per_anchor(batch_size, num_documents, directions)
         needed = negatives_needed(self.options)
-        if negatives >= needed:
+        if self.options.mode == "none" or negatives >= needed:
             return
         batch = next(
             b for b in range(batch_size, needed + 2) if negatives_per_anchor(b, num_documents, directions) >= needed
@@ -364,8 +355,9 @@ def logged_values(step: WEINCEStep) -> dict[str, Tensor]:
         "weince_rho0": stats.rho0,
         "weince_delta_aic_mean": (stats.delta_aic * fitted).sum() / fitted.sum().clamp_min(1.0),
         "weince_beta_mean": stats.beta.mean(),
-        **guard_share_values("weince", step.guard_counts),  # of the query-anchored rows, like the statistics above
     }
+    if step.guard_counts is not None:  # of the query-anchored rows, like the statistics above
+        values.update(guard_share_values("weince", step.guard_counts))
     values.update({f"weince_effective_scale_{name}": value.detach() for name, value in step.effective_scales.items()})
     if step.terms is not None:
         values.update({f"weince_share_{name}": share for name, share in step.terms.shares().items()})

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from st_weince.calibration import CONFIG_KEY, carry_values, mark_values_not_carried
+from st_weince.calibration import CONFIG_KEY, carry_values, mark_carried_values_stale, mark_values_not_carried
 from st_weince.training.checkpoints import (
     LOSS_STATE_RECORD,
     TRAINER_STATE_FILE,
@@ -339,6 +339,9 @@ def prepare_trainer(
     trainer.add_callback(callback)
     _check_record_before_restore(trainer, allow_missing_loss_state)
     carry_trained_values(trainer.model, trainer.loss, 0, carried_values_from)  # the configured starts until a save
+    trained_by = sorted({type(module).__name__ for module in state_modules(trainer.loss).values()})
+    if trained_by and not any(module.carried_values() for module in state_modules(trainer.loss).values()):
+        mark_carried_values_stale(trainer.model, trained_by=", ".join(trained_by))  # values no loss here trains
 
     # Their own learning rate, through the trainer's learning_rate_mapping, which also gives them optimizer groups of
     # their own, so that LossStateCallback can take the weight decay off those groups at on_train_begin.
