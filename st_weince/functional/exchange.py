@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as functional_collectives
 from torch import Tensor
 
-from st_weince.functional.false_negatives import FilterCounts, positive_keys
+from st_weince.functional.false_negatives import FilterCounts, pair_scores, positive_keys
 
 ProcessGroup = dist.ProcessGroup | None
 #: Whether the neighbour exchange's backward runs the ring again (:class:`_RecomputedRing`); False keeps every received
@@ -300,10 +300,7 @@ def ring_block_losses(
     through the shifts instead, keeping every received block and its scores for backward.
     """
     params = {} if params is None else params
-    with torch.no_grad():
-        pairs = candidates.detach()[positive_index.clamp_min(0)]
-        pair_scores = (anchors.detach() * pairs).sum(-1)
-        positive_scores = torch.where(positive_index >= 0, pair_scores, float("inf"))
+    positive_scores = pair_scores(anchors, candidates, positive_index)
     reference_keys = None
     if candidate_keys is not None:
         reference_keys = positive_keys(candidate_keys, positive_index, candidates.shape[0])

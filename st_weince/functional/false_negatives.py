@@ -73,6 +73,14 @@ def positive_keys(candidate_keys: Tensor | None, positive_index: Tensor, num_can
     return keys.masked_fill(~inside[:, None], -1)
 
 
+@torch.no_grad()
+def pair_scores(anchors: Tensor, candidates: Tensor, positive_index: Tensor) -> Tensor:
+    """[A] each row's matching-pair score ``anchors[a] . candidates[positive_index[a]]``, the guard's threshold score,
+    ``+inf`` for a row without a positive (it then masks nothing)."""
+    pairs = candidates.detach()[positive_index.clamp_min(0)]
+    return torch.where(positive_index >= 0, (anchors.detach() * pairs).sum(-1), float("inf"))
+
+
 def label_keys(labels: Tensor, num_columns: int, hard_negative_columns: bool = True) -> list[Tensor]:
     """The ``"same_label"`` rule's keys of every column, [B, 2] each: ``(label, 0)`` for the anchor and positive
     columns (their rows' label), ``(label, 1)`` for the hard-negative columns (``hard_negative_columns``), which
