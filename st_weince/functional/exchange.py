@@ -1,22 +1,10 @@
-"""The exchanges between processes, all through torch's functional collectives
-(``torch.distributed._functional_collectives``), which torch keeps (``torch.distributed.nn.all_gather`` and the
-``*_tensor`` aliases warn from torch 2.13/2.14 on) and which ``torch.compile(fullgraph=True)`` traces with a live
-process group (``dist.P2POp`` does not):
-
-- :func:`all_gather_with_grad`: every process's rows, the gradient of each block sent back to its owner (the backward
-  is a sum reduce-scatter), for the candidates of both losses;
-- :func:`all_gather`: every process's rows without gradient, this process's own rows as given (sentence-transformers'
-  ``all_gather`` semantics), for input keys, labels and per-anchor statistics;
-- the neighbour exchange: candidate blocks passed around the ring of processes instead of all-gathered (SigLIP, Zhai et
-  al., ICCV 2023; open_clip's ``SigLipLoss(dist_impl="bidir")``), for a loss that is a sum over candidate blocks, as the
-  sigmoid loss is. docs/rb-sigmoid.md ("Many processes") describes the scheme and what was tested.
-
-Each process scores its anchors against its own block, then against its neighbours' blocks as they arrive around the
-ring in both directions; no process holds the global candidate matrix. Gradients travel back the way the blocks came:
-each shift is an ``all_to_all_single`` with one non-empty split each way, whose backward sends the received block's
-gradient to its sender. A collective's result is waited on at its first use: with NCCL that orders the current CUDA
-stream after the transfer, without a host-device sync; with gloo (CPU) it blocks until the transfer is done. Every
-process must pass blocks of the same shape and dtype (as ``all_gather`` also needs).
+"""The exchanges between processes, all through torch's functional collectives, which torch keeps (the
+``torch.distributed.nn`` ones warn from 2.13/2.14 on) and which ``torch.compile(fullgraph=True)`` traces:
+:func:`all_gather_with_grad` (candidates, each block's gradient back to its owner), :func:`all_gather` (keys, labels,
+statistics; sentence-transformers' semantics) and the neighbour exchange (:func:`ring_block_losses`: SigLIP's
+candidate blocks passed around the ring of processes in both directions, for a loss that is a sum over candidate
+blocks; the scheme and its tests: docs/rb-sigmoid.md, "Many processes"). A collective's result is waited on at its
+first use, so with NCCL there is no host-device sync. Every process must pass blocks of the same shape and dtype.
 """
 
 from __future__ import annotations
@@ -268,36 +256,24 @@ def ring_block_losses(
     group: ProcessGroup = None,
     candidate_keys: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, FilterCounts | None]:
-    """A loss that is a sum over candidate blocks, with the candidates of every process, by neighbour exchange.
+    """``weight`` times the mean over the local ``anchors`` [A, D] of their loss against every process's block of
+    ``candidates`` [C, D] (received around the ring), with the extremes over all blocks and what the guard removed
+    per anchor summed over the blocks (FilterCounts; None without a guard).
 
     Args:
-        anchors: [A, D] the local anchors.
-        candidates: [C, D] the local candidates (one process's block; hard-negative rows travel with it).
-        positive_index: [A] each anchor's positive row in the local ``candidates`` (-1: none); no anchor has a
-            positive in another process's block.
-        block_loss: ``(params, anchor rows, candidate block, positive index of the rows in the block, positive
-            scores)`` -> ``(mean loss over the rows, smallest matching score, largest non-matching score, what the
-            false-negative guard removed per row as FilterCounts, or None without a guard)``. ``params`` are the
-            loss parameters (``params``, or stand-ins for them in backward); ``positive scores`` [rows] are the
-            rows' matching-pair cosine scores (``+inf`` without a positive), the guard's threshold also in blocks
-            that do not hold the positive.
-        params: the loss parameters by name, which ``block_loss`` reads; they receive their gradients.
-        weight: factor on the loss.
+        positive_index: [A] each anchor's positive row in the local ``candidates`` (-1: none).
+        block_loss: ``(params, anchor rows, candidate block, the rows' positive index in the block, the rows'
+            matching-pair scores[, the block's keys, the rows' positives' keys])`` -> ``(mean loss over the rows,
+            smallest matching score, largest non-matching score, FilterCounts or None)``; the scores (``+inf``
+            without a positive) are the guard's threshold also in blocks that do not hold the positive.
+        params: the loss parameters by name, which ``block_loss`` reads (stand-ins in backward); they get gradients.
         anchor_chunk: score this many anchors at a time against each block (None: all at once).
-        backward: back-propagate the loss at once (the cached loss's stage 2) and return it detached: ``anchors``,
-            ``candidates`` and ``params`` (leaves, or any tensors requiring grad) receive their full gradients.
-        candidate_keys: [C, K] the local candidates' input keys (the false-negative guard's ``"identical"`` rule):
-            they travel around the ring with their block, and ``block_loss`` is then called with two more
-            arguments, the block's keys and the rows' positives' keys (-1 rows: no positive).
-
-    Returns:
-        ``weight`` times the mean over the anchors of their loss against every process's candidates, the extremes
-        over all blocks and what the guard removed per anchor summed over all blocks (FilterCounts; None without a
-        guard).
+        backward: back-propagate at once (the cached loss's stage 2) and return the loss detached.
+        candidate_keys: [C, K] the candidates' input keys (the ``"identical"`` rule), which travel with their block.
 
     In eager mode with gradients the loss is a :class:`_RecomputedRing`: what backward keeps does not grow with the
     number of processes. Under ``torch.compile`` (which cannot trace a backward that calls autograd) gradients flow
-    through the shifts instead, keeping every received block and its scores for backward.
+    through the shifts instead.
     """
     params = {} if params is None else params
     positive_scores = pair_scores(anchors, candidates, positive_index)

@@ -1,18 +1,8 @@
-"""The in-batch false-negative guard (docs/false-negatives.md): candidates that score too close to the positive are not
-negatives, so they leave the row's candidate set through the layout's ``valid_mask``, before the tail statistics and
-before the softmax or sigmoid: a masked candidate is neither fitted nor pushed away. A row's positive never is.
-
-Rules, on the cosine score ``s`` of a candidate and ``s_pos`` of the row's positive:
-
-- ``("absolute", m)``: mask when ``s > s_pos - m`` (``m >= 0``);
-- ``("relative", r)``: mask when ``s > s_pos - (1 - r) |s_pos|`` (``0 < r <= 1``): never above ``s_pos``, whatever its
-  sign;
-- ``"identical"``: mask the candidates whose input (token ids) is identical to the positive's, compared as
-  :func:`input_keys`, a hash per row, so that gathered and cached candidates are compared by a few integers;
-- ``"same_label"``: mask the candidates of the rows with the row's own label (mined hard negatives stay), compared as
-  :func:`label_keys`.
-
-Everything here is branch-free tensor code (no host-device sync).
+"""The in-batch false-negative guard: candidates that score too close to the row's positive (or share its input or
+label) are not negatives, so they leave the row's candidate set through the layout's ``valid_mask``, before the tail
+statistics and before the softmax or sigmoid. A row's positive never is. The rules (``("absolute", m)``,
+``("relative", r)``, ``"identical"``, ``"same_label"``) and their measurements: docs/false-negatives.md. Everything
+here is branch-free tensor code (no host-device sync).
 """
 
 from __future__ import annotations
@@ -257,16 +247,6 @@ def false_negative_mask(
     return masked
 
 
-@torch.no_grad()
-def filter_counts(masked: Tensor, positive_index: Tensor, valid_mask: Tensor | None) -> FilterCounts:
-    """Per row: how many candidates the guard masked, and how many valid negatives the row had before. A positive
-    index outside ``[0, C)`` (none, or in another candidate block) leaves every valid entry a negative."""
-    num_candidates = masked.shape[1]
-    valid = valid_mask.sum(1) if valid_mask is not None else torch.full_like(positive_index, num_candidates)
-    has_positive = (positive_index >= 0) & (positive_index < num_candidates)
-    return FilterCounts(masked.sum(1), (valid - has_positive.long()).clamp_min(0))
-
-
 def apply_false_negative_filter(
     scores: Tensor,
     positive_index: Tensor,
@@ -277,22 +257,19 @@ def apply_false_negative_filter(
     candidate_keys: Tensor | None = None,
     reference_keys: Tensor | None = None,
 ) -> tuple[Tensor | None, FilterCounts | None]:
-    """The guard, applied: ``valid_mask`` with the guard's candidates removed, and what was removed per row.
-
-    Every loss applies the guard through this function. With ``spec=None`` the mask comes back unchanged (and no
-    counts): the filter is off. ``positive_scores``, ``candidate_keys``, ``reference_keys`` as in
+    """The guard, applied: ``valid_mask`` with the guard's candidates removed, and per row how many candidates it
+    masked and how many valid negatives the row had before (a positive index outside ``[0, C)`` leaves every valid
+    entry a negative). Every loss applies the guard through this function; ``spec=None`` (off) gives the mask back
+    unchanged and no counts. ``positive_scores``, ``candidate_keys``, ``reference_keys`` as in
     :func:`false_negative_mask`.
     """
     if spec is None:
         return valid_mask, None
-    masked = false_negative_mask(
-        scores,
-        positive_index,
-        valid_mask,
-        spec,
-        positive_scores,
-        candidate_keys=candidate_keys,
-        reference_keys=reference_keys,
-    )
-    counts = filter_counts(masked, positive_index, valid_mask)
+    keys = {"candidate_keys": candidate_keys, "reference_keys": reference_keys}
+    masked = false_negative_mask(scores, positive_index, valid_mask, spec, positive_scores, **keys)
+    with torch.no_grad():
+        num_candidates = masked.shape[1]
+        valid = valid_mask.sum(1) if valid_mask is not None else torch.full_like(positive_index, num_candidates)
+        has_positive = (positive_index >= 0) & (positive_index < num_candidates)
+        counts = FilterCounts(masked.sum(1), (valid - has_positive.long()).clamp_min(0))
     return (~masked if valid_mask is None else valid_mask & ~masked), counts

@@ -7,7 +7,6 @@ from torch import Tensor, nn
 
 from st_weince.functional.false_negatives import FalseNegativeFilter
 from st_weince.functional.options import ColumnMode, Exchange, Parametrization, RBSigmoidOptions, defaults_of
-from st_weince.functional.sigmoid import constellation_margin_from_extremes
 from st_weince.losses._gradcache import GradCachedLoss, GradCacheOptions
 from st_weince.losses.rb_sigmoid import RBSigmoidLoss
 
@@ -178,5 +177,5 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
                 if value.requires_grad and used[name].grad is not None:
                     total = total + (value - value.detach()) * used[name].grad
         if self.log_statistics:
-            self._record(constellation_margin_from_extremes(*extremes)[0], guard_counts)
+            self._record(extremes, guard_counts)
         return total
