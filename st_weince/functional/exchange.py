@@ -35,26 +35,17 @@ def process_count(group: ProcessGroup = None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _group(group: ProcessGroup) -> dist.ProcessGroup:
-    return dist.group.WORLD if group is None else group
-
-
-def _gathered(tensor: Tensor, group: ProcessGroup) -> Tensor:
-    """Every process's ``tensor`` concatenated along dim 0, in rank order; differentiable (the backward is a sum
-    reduce-scatter: each block's gradient summed over the processes goes to its owner). ``all_gather_single_autograd``
-    (torch 2.14) is ``all_gather_tensor_autograd`` of torch 2.13, which 2.14 deprecates."""
-    gather = getattr(functional_collectives, "all_gather_single_autograd", None)
-    if gather is None:  # torch 2.13
-        gather = functional_collectives.all_gather_tensor_autograd
-    return gather(tensor.contiguous(), 0, _group(group))
-
-
 def all_gather_with_grad(tensor: Tensor, group: ProcessGroup = None) -> Tensor:
-    """Every process's rows of ``tensor`` (same shape on all), concatenated in rank order; the gradient of each
-    process's rows goes back to that process. ``tensor`` itself without an initialized process group."""
+    """Every process's rows of ``tensor`` (same shape on all), concatenated in rank order; the backward is a sum
+    reduce-scatter, so each process's rows get their gradient summed over the processes. ``tensor`` itself without
+    an initialized process group."""
     if process_count(group)[1] == 1:
         return tensor
-    return _gathered(tensor, group)
+    # all_gather_single_autograd (torch 2.14) is torch 2.13's all_gather_tensor_autograd, which 2.14 deprecates
+    gather = getattr(functional_collectives, "all_gather_single_autograd", None)
+    if gather is None:
+        gather = functional_collectives.all_gather_tensor_autograd
+    return gather(tensor.contiguous(), 0, dist.group.WORLD if group is None else group)
 
 
 def all_gather(tensor: Tensor, group: ProcessGroup = None) -> Tensor:
@@ -64,7 +55,7 @@ def all_gather(tensor: Tensor, group: ProcessGroup = None) -> Tensor:
     rank, world_size = process_count(group)
     if world_size == 1:
         return tensor
-    gathered = _gathered(tensor.detach(), group)
+    gathered = all_gather_with_grad(tensor.detach(), group)
     rows = tensor.shape[0]
     return torch.cat([gathered[: rank * rows], tensor, gathered[(rank + 1) * rows :]])
 
@@ -77,7 +68,8 @@ def _shift_one(tensor: Tensor, shift: int, group: ProcessGroup) -> Tensor:
     rows = tensor.shape[0]
     sent = [rows if peer == send_to else 0 for peer in range(world_size)]
     received = [rows if peer == receive_from else 0 for peer in range(world_size)]
-    return functional_collectives.all_to_all_single_autograd(tensor.contiguous(), received, sent, _group(group))
+    group = dist.group.WORLD if group is None else group
+    return functional_collectives.all_to_all_single_autograd(tensor.contiguous(), received, sent, group)
 
 
 def ring_shift(tensors: Sequence[Tensor], shifts: Sequence[int], group: ProcessGroup = None) -> tuple[Tensor, ...]:
@@ -122,23 +114,17 @@ class _Ring:
     reference_keys: Tensor | None
     guarded: bool = False  # set by the forward: whether the block loss returned guard counts
 
-    def chunks(self, num_anchors: int) -> Iterator[slice]:
+    def chunks(self) -> Iterator[slice]:
+        """The anchors' row chunks."""
+        num_anchors = self.positive_index.shape[0]
         step = num_anchors if self.anchor_chunk is None else self.anchor_chunk
         for begin in range(0, num_anchors, step):
             yield slice(begin, min(begin + step, num_anchors))
 
-    def block_value(
-        self,
-        params: dict[str, Tensor],
-        row_anchors: Tensor,
-        block: Tensor,
-        own: bool,
-        keys,
-        rows: slice,
-        num_anchors: int,
-    ):
-        """The weighted loss of the anchors ``row_anchors`` (rows ``rows`` of ``num_anchors``) against one process's
-        block (``own``: this process's), with the block's extremes and guard counts."""
+    def block_value(self, params: dict[str, Tensor], row_anchors: Tensor, block: Tensor, own: bool, keys, rows: slice):
+        """The weighted loss of the anchors ``row_anchors`` (rows ``rows`` of all) against one process's block
+        (``own``: this process's), with the block's extremes and guard counts."""
+        num_anchors = self.positive_index.shape[0]
         index = self.positive_index[rows] if own else torch.full_like(self.positive_index[rows], -1)
         key_arguments = () if keys is None else (keys, self.reference_keys[rows])
         value, low, high, masked = self.block_loss(
@@ -158,10 +144,8 @@ class _Ring:
         for source, block in ring_blocks(candidates, self.group):
             keys = None if key_blocks is None else next(key_blocks)[1]
             counts = []
-            for rows in self.chunks(anchors.shape[0]):
-                value, low, high, masked = self.block_value(
-                    params, anchors[rows], block, source == rank, keys, rows, anchors.shape[0]
-                )
+            for rows in self.chunks():
+                value, low, high, masked = self.block_value(params, anchors[rows], block, source == rank, keys, rows)
                 total = total + value
                 min_positive, max_negative = torch.minimum(min_positive, low), torch.maximum(max_negative, high)
                 if masked is not None:
@@ -203,10 +187,10 @@ class _RecomputedRing(torch.autograd.Function):
             """Accumulate this block's part of the anchors' and parameters' gradients; return the block's."""
             block = block.detach().requires_grad_(needs[1])
             block_grad = None
-            for rows in ring.chunks(anchors.shape[0]):
+            for rows in ring.chunks():
                 with torch.enable_grad():
                     row_anchors = anchors[rows].detach().requires_grad_(needs[0])
-                    value = ring.block_value(params, row_anchors, block, own, keys, rows, anchors.shape[0])[0]
+                    value = ring.block_value(params, row_anchors, block, own, keys, rows)[0]
                     inputs = [row_anchors, block, *params.values()]
                     wanted = [tensor for tensor in inputs if tensor.requires_grad]
                     grads = iter(torch.autograd.grad(value, wanted, grad_total, allow_unused=True))

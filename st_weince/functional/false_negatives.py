@@ -26,12 +26,9 @@ _KEY_MULTIPLIERS = ((1_103_515_245, 12_345), (69_069, 1_013_904_223), (1_664_525
 
 def input_keys(input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
     """[B, 5] int64 keys of a batch of token-id rows: two rows have equal keys iff they hold the same tokens (up to
-    hash collisions of probability about 2^-124 per pair), whatever their padding (right or left) or padded length.
-
-    Four polynomial hashes modulo the prime 2^31 - 1 of the tokens ``(id + 1)`` at their positions among the
-    row's real tokens (the ``attention_mask``), with position weights that are fixed pseudo-random functions of the
-    position (the same in every process and on every device), and the number of tokens. Integer tensor code on the
-    ids' device: no host-device sync, no data-dependent shapes."""
+    hash collisions of probability about 2^-124 per pair), whatever their padding side or padded length: four
+    polynomial hashes modulo 2^31 - 1 of the tokens at their positions among the row's real tokens, with fixed
+    pseudo-random position weights (the same in every process and on every device), and the number of tokens."""
     if input_ids.dim() != 2 or input_ids.is_floating_point():
         raise ValueError(
             f"input_ids must be a 2-D integer [batch, tokens] tensor, got {input_ids.dtype} {tuple(input_ids.shape)}"
@@ -78,11 +75,8 @@ def label_keys(labels: Tensor, num_columns: int, hard_negative_columns: bool = T
     masked. ``labels``: a 1-D integer (or bool) tensor, compared exactly as int64 (64-bit ids never merge, as they
     would as float64 above 2^53); :func:`check_labels` checks them."""
     labels = labels.detach().reshape(-1).to(torch.int64)
-    keys = []
-    for column in range(num_columns):
-        flag = 1 if hard_negative_columns and column >= 2 else 0
-        keys.append(torch.stack([labels, torch.full_like(labels, flag)], dim=1))
-    return keys
+    flags = [1 if hard_negative_columns and column >= 2 else 0 for column in range(num_columns)]
+    return [torch.stack([labels, torch.full_like(labels, flag)], dim=1) for flag in flags]
 
 
 def check_labels(labels: object, num_rows: int, owner: str) -> None:

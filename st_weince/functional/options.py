@@ -281,13 +281,10 @@ def _beta_option(value: Any) -> float | str:
 @options
 class RBSigmoidOptions(Options):
     """The options of RB-Sigmoid (:class:`~st_weince.losses.RBSigmoidLoss` and its cached variant; fields:
-    docs/options.md, and the loss's Args). Construction resolves the bias: in the relative parametrization
-    ``relative_bias`` is set (default 0.7) and ``bias`` is None; in the absolute one ``bias`` is set (default ``scale *
-    relative_bias``) and ``relative_bias`` is None.
-
-    The start values were chosen by measurement (``benchmarks/sigmoid_synthetic.py``, parts "init" and "bias";
-    ``docs/rb-sigmoid.md``): ``t = 10`` is SigLIP's start, ``b_rel = 0.7`` reached the largest margins. The cap
-    ``max_scale = 100`` is CLIP's and open_clip's cap on their logit scale (10x the start)."""
+    docs/options.md, and the loss's Args). Construction resolves the bias: exactly one of ``relative_bias`` (relative
+    parametrization, default 0.7) and ``bias`` (absolute, default ``scale * relative_bias``) is set, the other None.
+    ``t = 10`` is SigLIP's start, ``b_rel = 0.7`` reached the largest margins (``benchmarks/sigmoid_synthetic.py``,
+    docs/rb-sigmoid.md), ``max_scale = 100`` is CLIP's and open_clip's cap on their logit scale."""
 
     RELATIVE_BIAS_START: ClassVar[float] = 0.7
 

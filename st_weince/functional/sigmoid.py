@@ -286,22 +286,12 @@ class SigmoidLogits:
 
 @dataclass(frozen=True)
 class CandidateGuard:
-    """The in-batch false-negative guard of :func:`chunked_sigmoid_contrastive_loss`
-    (:mod:`st_weince.functional.false_negatives`): non-matching candidates whose cosine score is above the threshold
-    set by the row's matching-pair score are left out of the loss and of the extremes (rows without a positive mask
-    nothing), applied to the cosine scores before the score transform.
-
-    Args:
-        false_negative_filter: the rule; ``"identical"`` masks the candidates whose ``candidate_keys`` equal those
-            of the row's positive.
-        positive_scores: [A] the rows' matching-pair scores for the threshold, when ``candidates`` is one block of a
-            larger candidate set that may not hold the positive (``+inf``: the row masks nothing); None takes them
-            from ``candidates[positive_index]``.
-        candidate_keys: [C, K] :func:`~st_weince.functional.input_keys` of the candidates' inputs, for the
-            ``"identical"`` rule (required by it, unused otherwise).
-        reference_keys: [A, K] the keys of the rows' positives for the ``"identical"`` rule, when ``candidates`` may
-            not hold them (a row of -1 matches nothing); None takes them from ``candidate_keys[positive_index]``.
-    """
+    """The false-negative guard of :func:`chunked_sigmoid_contrastive_loss`, applied to the cosine scores before the
+    score transform; the masked candidates leave the loss and the extremes. ``positive_scores`` [A] and
+    ``reference_keys`` [A, K] (the threshold scores and the positives' keys, as in
+    :func:`~st_weince.functional.false_negatives.false_negative_mask`) are for a block of candidates that may not hold
+    the rows' positives; None takes them from the block. ``candidate_keys`` [C, K]: the ``"identical"`` rule's
+    :func:`~st_weince.functional.input_keys` of the candidates (required by it, unused otherwise)."""
 
     false_negative_filter: FalseNegativeFilter | tuple | list | str | None = None
     positive_scores: Tensor | None = None
@@ -333,8 +323,7 @@ def chunked_sigmoid_contrastive_loss(
     """:func:`sigmoid_contrastive_loss` of ``anchors @ candidates.T`` computed block by block over candidates.
 
     The sum of the losses of candidate blocks (the sigmoid loss has no normalization across candidates), each
-    recomputed during backward (activation checkpointing): the autograd graph holds one [A, chunk_size] block at a
-    time, so memory grows with ``A x chunk_size``, not ``A x C``.
+    recomputed during backward (activation checkpointing), so memory grows with ``A x chunk_size``, not ``A x C``.
 
     Args:
         anchors, candidates: [A, D] and [C, D] (normalize both beforehand for cosine scores).

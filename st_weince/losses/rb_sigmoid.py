@@ -245,10 +245,9 @@ class RBSigmoidLoss(ColumnsLoss):
     # ----- the loss parameters -----
     @property
     def scale(self) -> Tensor:
-        """The current ``t = exp(min(log_t, log max_scale))`` (a tensor in the autograd graph): MNRL's ``scale``,
-        trained. It cannot be assigned: ``t`` is a parameter that the optimizer (and its state) and the checkpoints
-        hold, so an assignment would either reset a trained value behind the optimizer's back or leave the recorded
-        start (``options.scale``) describing another run. Give the start to the constructor instead."""
+        """The current ``t = exp(min(log_t, log max_scale))`` (in the autograd graph): MNRL's ``scale``, trained. Not
+        assignable: the optimizer and the checkpoints hold ``t``, so an assignment would reset a trained value behind
+        the optimizer's back or leave the recorded start (``options.scale``) describing another run."""
         return self._capped_log_t(self.log_t).exp()
 
     @scale.setter
@@ -277,26 +276,9 @@ class RBSigmoidLoss(ColumnsLoss):
 
     @torch.no_grad()
     def clamp_parameters_(self) -> None:
-        """Clamp ``log_t`` in place to the cap of ``max_scale`` (as open_clip clamps its logit scale after each
-        optimizer step). Call it after every optimizer step in custom training loops; ``prepare_trainer`` does it
-        for the trainer. The same clamp on every process (after the averaged gradients' step) and on resume (the
-        checkpoint holds the clamped value), so 2 processes and a resumed run stay equal to one process."""
+        """Clamp ``log_t`` in place to the cap of ``max_scale``, as open_clip clamps its logit scale after each
+        optimizer step; call it after every optimizer step in custom training loops (``prepare_trainer`` does it)."""
         self.log_t.clamp_(max=self.log_scale_cap)
-
-    @property
-    def relative_bias(self) -> Tensor:
-        """``b_rel`` (relative) or ``b / t`` (absolute)."""
-        return self.b_rel if self.options.parametrization == "relative" else self.bias / self.scale
-
-    @property
-    def absolute_bias(self) -> Tensor:
-        """``b = t b_rel`` (relative) or ``b`` (absolute)."""
-        return self.bias if self.options.parametrization == "absolute" else self.scale * self.b_rel
-
-    @property
-    def delta(self) -> Tensor | None:
-        """The locked-encoder adapter's ``delta = sigmoid(x)``, or None without the adapter."""
-        return torch.sigmoid(self.adapter_logit) if self.options.locked_adapter else None
 
     def _has_hard_negative_columns(self) -> bool:
         return self.options.columns == "negatives"
@@ -322,8 +304,9 @@ class RBSigmoidLoss(ColumnsLoss):
             names.append("adapter_logit")
         return {name: getattr(self, name) for name in names}
 
-    def _scalars(self, params: dict[str, Tensor], dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    def _scalars(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         """Detached ``t`` (capped), ``b_rel``, ``b`` (and ``delta`` with the adapter), in ``dtype`` if given."""
+        params = self.loss_parameters()
         convert = (lambda value: value.detach()) if dtype is None else (lambda value: value.detach().to(dtype))
         t = self._capped_log_t(convert(params["log_t"])).exp()
         if self.options.parametrization == "relative":
@@ -491,19 +474,17 @@ class RBSigmoidLoss(ColumnsLoss):
     def logged_state(self) -> dict[str, Tensor]:
         """``t``, ``b_rel``, ``b`` (and ``delta``) as they are now, and ``t_capped``: 1 when ``t`` is at its cap
         ``max_scale`` (device tensors, read at the log)."""
-        params = self.loss_parameters()
-        values = {f"rb_sigmoid_{name}": value for name, value in self._scalars(params).items()}
-        capped = params["log_t"].detach() >= self.log_scale_cap
+        values = {f"rb_sigmoid_{name}": value for name, value in self._scalars().items()}
+        capped = self.log_t.detach() >= self.log_scale_cap
         values["rb_sigmoid_t_capped"] = capped.to(values["rb_sigmoid_t"].dtype)
         return values
 
     @torch.no_grad()
     def trained_values(self) -> dict[str, float]:
-        """The current values of the loss's own scalars, as Python floats (one host read): ``t`` (capped at
-        ``max_scale``), ``b_rel`` (``b / t`` in the absolute parametrization), ``b = t b_rel``, and ``delta`` with the
-        locked adapter. Not for the hot path. :meth:`get_config_dict` gives the configured starts instead; the model
-        carries these after training (:class:`st_weince.MatchProbability`) and its model card shows them."""
-        return {name: float(value) for name, value in self._scalars(self.loss_parameters(), torch.float64).items()}
+        """The current ``t`` (capped), ``b_rel``, ``b = t b_rel`` (and ``delta``) as Python floats (one host read; not
+        for the hot path). :meth:`get_config_dict` gives the configured starts instead; the model carries these after
+        training (:class:`st_weince.MatchProbability`)."""
+        return {name: float(value) for name, value in self._scalars(torch.float64).items()}
 
     @property
     def citation(self) -> str:
