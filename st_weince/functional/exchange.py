@@ -82,10 +82,9 @@ def ring_shift(tensors: Sequence[Tensor], shifts: Sequence[int], group: ProcessG
 
 def ring_blocks(local: Tensor, group: ProcessGroup = None) -> Iterator[tuple[int, Tensor]]:
     """``(source rank, block)`` for every process's block: first ``local``, then the others as they arrive around
-    the ring in both directions (``rank - 1`` and ``rank + 1``, ``rank - 2`` and ``rank + 2``, ...), each passed on
-    one step further by the process that received it. Lazy: a block is received when the previous one has been
-    used, so a caller that scores each block before taking the next holds one block of scores at a time. Every
-    process must consume the whole iterator. Differentiable through the shifts."""
+    the ring in both directions (``rank - 1`` and ``rank + 1``, ``rank - 2`` and ``rank + 2``, ...). Lazy, so a
+    caller that scores each block before taking the next holds one block of scores at a time; every process must
+    consume the whole iterator. Differentiable through the shifts."""
     rank, world_size = process_count(group)
     yield rank, local
     from_left = from_right = local
@@ -158,11 +157,8 @@ class _Ring:
 
 class _RecomputedRing(torch.autograd.Function):
     """The ring's loss, keeping for backward only this process's anchors, candidates and the loss parameters: the
-    backward runs the ring again (one direction), and at each step receives a neighbour's block with the gradient
-    that the processes before accumulated for it, recomputes that block's loss and its gradients, adds its own part
-    and passes both on; after a full turn each block's gradient reaches its owner (as ring attention does). Memory
-    for backward is one block at a time, whatever the number of processes; the price is a second pass of the
-    blocks (and their gradients) around the ring and the recomputed block losses."""
+    backward runs the ring again, one direction, each block travelling with the gradient accumulated for it so far
+    until it is home (as ring attention does; docs/rb-sigmoid.md). Memory for backward is one block at a time."""
 
     @staticmethod
     def forward(ctx, ring: _Ring, anchors: Tensor, candidates: Tensor, *values: Tensor):

@@ -205,14 +205,10 @@ def false_negative_mask(
 ) -> Tensor:
     """[A, C] bool, True at the candidates the guard removes (never a row's positive, never an invalid entry).
 
-    ``positive_scores`` [A] overrides the threshold's ``s_pos`` (for a block whose rows have their positive in another
-    block, e.g. MNRL's ``doc_to_doc`` direction without ``doc_to_query``, or a block of candidate columns that may
-    not hold the positive); an override of ``+inf`` masks nothing in that row. Rows without a positive
-    (``positive_index == -1`` and no override) mask nothing.
-
-    The ``"identical"`` rule needs ``candidate_keys`` [C, K] (:func:`input_keys` of the candidates) and compares them
-    with ``reference_keys`` [A, K], the keys of each row's positive, by default ``candidate_keys[positive_index]``
-    (rows without a positive mask nothing; a reference row of -1 matches nothing).
+    ``positive_scores`` [A] overrides the threshold's ``s_pos``, for rows whose positive is in another block of
+    candidates (``+inf`` masks nothing in that row); rows without a positive and no override mask nothing. The
+    ``"identical"`` rule compares ``candidate_keys`` [C, K] (:func:`input_keys` of the candidates) with
+    ``reference_keys`` [A, K], by default ``candidate_keys[positive_index]`` (a reference row of -1 matches nothing).
     """
     num_anchors, num_candidates = scores.shape
     has_positive = positive_index >= 0

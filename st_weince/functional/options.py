@@ -210,11 +210,6 @@ class TopM(Options):
         if self.infonce_scale is not None:
             self._store("infonce_scale", check_scale(self.infonce_scale, "infonce_scale"))
 
-    @property
-    def has_terms(self) -> bool:
-        """Whether either term is on (a weight > 0)."""
-        return self.shortfall_weight > 0 or self.infonce_weight > 0
-
 
 @options
 class WEINCEOptions(Options):
@@ -255,7 +250,8 @@ class WEINCEOptions(Options):
         self._store("beta", _beta_option(self.beta))
         self._store("false_negative_filter", FalseNegativeFilter.parse(self.false_negative_filter))
         top_m = _nested("top_m", self.top_m, TopM, optional=True)
-        self._store("top_m", top_m if top_m is not None and top_m.has_terms else None)
+        has_terms = top_m is not None and (top_m.shortfall_weight > 0 or top_m.infonce_weight > 0)
+        self._store("top_m", top_m if has_terms else None)
 
     @property
     def top_m_infonce_scale(self) -> float:

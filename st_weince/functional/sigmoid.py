@@ -237,41 +237,6 @@ def targets_from_positive_index(
     return (columns[None, :] == positive_index[:, None]).to(dtype or torch.float32)
 
 
-def _embedding_block(
-    anchors: Tensor,
-    candidates: Tensor,
-    positive_index: Tensor,
-    start: int,
-    scale: ScalarLike,
-    bias_value: ScalarLike,
-    relative: bool,
-    score_transform: Callable[[Tensor], Tensor] | None,
-    false_negative_filter: FalseNegativeFilter | None = None,
-    positive_scores: Tensor | None = None,
-    candidate_keys: Tensor | None = None,
-    reference_keys: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
-    """Loss sum of one candidate block (candidates ``start ...``) with its extremes and the false-negative guard's
-    per-row counts (masked, negatives; None without the guard): the score block of
-    :func:`chunked_sigmoid_contrastive_loss`."""
-    scores = anchors @ candidates.T
-    local = positive_index - start if start else positive_index  # each row's matching column in this block
-    # On the cosine scores (before a score transform), against each row's matching-pair score.
-    keys = {"candidate_keys": candidate_keys, "reference_keys": reference_keys}
-    valid_mask, guard_counts = apply_false_negative_filter(
-        scores, local, None, false_negative_filter, positive_scores, **keys
-    )
-    if score_transform is not None:
-        scores = score_transform(scores)
-    width = candidates.shape[0]
-    # (the guard never removes the matching column; a valid_mask given may)
-    in_block = (local >= 0) & (local < width)
-    column = local.clamp(0, width - 1)
-    loss_sum, low, high = _GatheredBlockSum.apply(scores, column, in_block, valid_mask, scale, -bias_value, relative)
-    guard = None if guard_counts is None else (guard_counts.masked, guard_counts.negatives)
-    return loss_sum, low, high, guard
-
-
 @dataclass(frozen=True)
 class SigmoidLogits:
     """How :func:`chunked_sigmoid_contrastive_loss` turns cosine scores into logits: ``scale``, exactly one of
@@ -371,15 +336,32 @@ def chunked_sigmoid_contrastive_loss(
         positive_scores = guard.positive_scores.detach().to(dtype)
     elif false_negative_filter is not None:
         positive_scores = pair_scores(anchors, candidates, positive_index)
+
+    def block_loss(block: Tensor, start: int, block_keys: Tensor | None):
+        """Loss sum of the candidates ``start ...`` (``block``), with its extremes and the guard's per-row counts."""
+        scores = anchors @ block.T
+        local = positive_index - start if start else positive_index  # each row's matching column in this block
+        # On the cosine scores (before a score transform), against each row's matching-pair score.
+        keys = {"candidate_keys": block_keys, "reference_keys": reference_keys}
+        valid_mask, counts = apply_false_negative_filter(
+            scores, local, None, false_negative_filter, positive_scores, **keys
+        )
+        if logits.score_transform is not None:
+            scores = logits.score_transform(scores)
+        width = block.shape[0]
+        # (the guard never removes the matching column; a valid_mask given may)
+        in_block = (local >= 0) & (local < width)
+        column = local.clamp(0, width - 1)
+        loss_sum, low, high = _GatheredBlockSum.apply(scores, column, in_block, valid_mask, t, -bias_value, relative)
+        return loss_sum, low, high, None if counts is None else (counts.masked, counts.negatives)
+
     total = min_positive = max_negative = guard_counts = None
     for start in range(0, num_candidates, step):
-        arguments = (anchors, candidates[start : start + step], positive_index, start, t, bias_value, relative)
-        block_keys = candidate_keys[start : start + step] if keyed else None
-        block_guard = (logits.score_transform, false_negative_filter, positive_scores, block_keys, reference_keys)
+        arguments = (candidates[start : start + step], start, candidate_keys[start : start + step] if keyed else None)
         if recompute:
-            loss_sum, low, high, masked = checkpoint(_embedding_block, *arguments, *block_guard, use_reentrant=False)
+            loss_sum, low, high, masked = checkpoint(block_loss, *arguments, use_reentrant=False)
         else:
-            loss_sum, low, high, masked = _embedding_block(*arguments, *block_guard)
+            loss_sum, low, high, masked = block_loss(*arguments)
         if total is None:
             total, min_positive, max_negative = loss_sum, low, high
         else:
