@@ -257,9 +257,8 @@ def ring_block_losses(
     """
     params = {} if params is None else params
     positive_scores = pair_scores(anchors, candidates, positive_index)
-    reference_keys = None
-    if candidate_keys is not None:
-        reference_keys = positive_keys(candidate_keys, positive_index, candidates.shape[0])
+    num_candidates = candidates.shape[0]
+    reference_keys = None if candidate_keys is None else positive_keys(candidate_keys, positive_index, num_candidates)
     ring = _Ring(
         block_loss,
         tuple(params),

@@ -68,29 +68,6 @@ def _logits(scores: Tensor, scale: ScalarLike, bias_value: ScalarLike, relative:
     return scale * (scores + negated_bias) if relative else scale * scores + negated_bias
 
 
-def _block_loss_sum(
-    scores: Tensor,
-    matching: Tensor,
-    valid_mask: Tensor | None,
-    scale: ScalarLike,
-    bias_value: ScalarLike,
-    relative: bool,
-) -> Tensor:
-    """Sum over the valid entries of one score block of ``-log sigmoid(z)`` (matching) / ``-log sigmoid(-z)`` (not):
-    ``softplus(v)`` with ``v = -z`` at the matching entries and ``z`` elsewhere, so each term keeps its float32
-    accuracy relative to its own value (``softplus(z) - z`` would cancel: a saturated match's 2e-8 rounds to 0, and at
-    ``z = 3000`` the ulp of ``z`` makes the sum negative). ``matching``: [A, C] bool, the matching (valid) entries."""
-    if valid_mask is not None:
-        # Excluded entries are zeroed before the logits, so that even NaN there (a masked self-pair) gives neither a
-        # NaN loss nor a NaN gradient.
-        scores = scores.masked_fill(~valid_mask, 0.0)
-    logits = _logits(scores, scale, bias_value, relative)
-    per_pair = F.softplus(torch.where(matching, -logits, logits))
-    if valid_mask is not None:
-        per_pair = per_pair.masked_fill(~valid_mask, 0.0)
-    return per_pair.sum()
-
-
 def _flip_matching(values: Tensor, index: Tensor, in_block: Tensor) -> Tensor:
     """``values`` with the sign of each row's matching entry (column ``index``, where ``in_block``) flipped, in place:
     ``z -> v`` before the softplus, and ``sigmoid(v) -> -sigmoid(-z)`` after it, two [A, 1] operations."""
@@ -99,13 +76,13 @@ def _flip_matching(values: Tensor, index: Tensor, in_block: Tensor) -> Tensor:
 
 
 class _GatheredBlockSum(torch.autograd.Function):
-    """:func:`_block_loss_sum` and :func:`score_extremes` of a block of embedding scores on three [A, C] buffers, one
-    kept (autograd: seven, two kept; ``F.softplus``'s ``log1p`` is slow on CPU): ``softplus(v) = max(v, 0) + log(w) +
-    (u - (w - 1)) / w``, ``u = exp(-|v|)``, ``w = 1 + u`` (``w - 1`` is exact; within 2 ulp of ``log1p``), with
-    ``v = -z`` at the row's matching column and ``z`` elsewhere (each term accurate relative to itself, as in
-    :func:`_block_loss_sum`); the gradient ``-sigmoid(-z)`` at the match and ``sigmoid(z)`` elsewhere, likewise.
-    Entries outside ``valid_mask`` are zeroed before the logits (a NaN there gives no NaN) and left out of every sum,
-    so a mask that excludes nothing gives the unmasked values bit for bit."""
+    """The loss sum of :func:`sigmoid_contrastive_loss` and the :func:`score_extremes` of a block of embedding scores
+    on three [A, C] buffers, one kept (autograd: seven, two kept; ``F.softplus``'s ``log1p`` is slow on CPU):
+    ``softplus(v) = max(v, 0) + log(w) + (u - (w - 1)) / w``, ``u = exp(-|v|)``, ``w = 1 + u`` (``w - 1`` is exact;
+    within 2 ulp of ``log1p``), with ``v = -z`` at the row's matching column and ``z`` elsewhere (each term accurate
+    relative to itself); the gradient ``-sigmoid(-z)`` at the match and ``sigmoid(z)`` elsewhere, likewise. Entries
+    outside ``valid_mask`` are zeroed before the logits (a NaN there gives no NaN) and left out of every sum, so a
+    mask that excludes nothing gives the unmasked values bit for bit."""
 
     @staticmethod
     def forward(ctx, scores, column, in_block, valid_mask, scale, negated_bias, relative):
@@ -189,8 +166,19 @@ def sigmoid_contrastive_loss(
     t = _scalar(scale, "scale", dtype, positive=True)
     bias_value, relative = _bias_argument(relative_bias, bias, dtype)
     matching = targets == 1 if valid_mask is None else (targets == 1) & valid_mask
-    loss_sum = _block_loss_sum(scores.to(dtype), matching, valid_mask, t, bias_value, relative)
-    return loss_sum / scores.shape[0]
+    block = scores.to(dtype)
+    if valid_mask is not None:
+        # Excluded entries are zeroed before the logits, so that even NaN there (a masked self-pair) gives neither a
+        # NaN loss nor a NaN gradient.
+        block = block.masked_fill(~valid_mask, 0.0)
+    # softplus(v) with v = -z at the matching entries and z elsewhere, so each term keeps its float32 accuracy relative
+    # to its own value (softplus(z) - z would cancel: a saturated match's 2e-8 rounds to 0, and at z = 3000 the ulp of
+    # z makes the sum negative)
+    logits = _logits(block, t, bias_value, relative)
+    per_pair = F.softplus(torch.where(matching, -logits, logits))
+    if valid_mask is not None:
+        per_pair = per_pair.masked_fill(~valid_mask, 0.0)
+    return per_pair.sum() / scores.shape[0]
 
 
 def locked_adapter_scores(scores: Tensor, delta: ScalarLike) -> Tensor:

@@ -86,12 +86,8 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
             model = SentenceTransformer("all-MiniLM-L6-v2")
             train_dataset = Dataset.from_dict({"anchor": questions, "positive": answers})  # lists of texts
             args = SentenceTransformerTrainingArguments(output_dir="out", per_device_train_batch_size=4096)
-            trainer = SentenceTransformerTrainer(
-                model=model,
-                args=args,
-                train_dataset=train_dataset,
-                loss=CachedRBSigmoidLoss(model, mini_batch_size=64, symmetric=True),
-            )
+            loss = CachedRBSigmoidLoss(model, mini_batch_size=64, symmetric=True)
+            trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train_dataset, loss=loss)
             prepare_trainer(trainer)
             trainer.train()
     """

@@ -394,9 +394,8 @@ class RBSigmoidLoss(ColumnsLoss):
         columns = [column.detach().requires_grad_() for column in normalized] if backward else normalized
         gathered, positive_index = candidate_columns(columns, options)
         # Without gathering the candidates are the columns themselves; gathered ones become leaves of their own.
-        candidates = gathered
-        if all_gathers(options) and backward:
-            candidates = [column.detach().requires_grad_() for column in gathered]
+        leaves = all_gathers(options) and backward
+        candidates = [column.detach().requires_grad_() for column in gathered] if leaves else gathered
         batch_size = columns[0].shape[0]
         step = batch_size if chunk_rows is None else chunk_rows
 
@@ -435,9 +434,9 @@ class RBSigmoidLoss(ColumnsLoss):
                     extremes = (low, high)
                     if counts is not None:
                         guard_counts.append(counts)
+        if leaves:
+            backward_from_leaves(gathered, candidates)
         if backward:
-            if all_gathers(options):
-                backward_from_leaves(gathered, candidates)
             backward_from_leaves(normalized, columns)
         # per-anchor counts of the row chunks, in row order
         return total, extremes, FilterCounts.cat(guard_counts) if guard_counts else None
