@@ -58,8 +58,8 @@ def test_absolute_default_start_is_t_times_b_rel_and_both_agree():
     relative = RBSigmoidLoss(None, scale=4.0, relative_bias=0.25)
     absolute = RBSigmoidLoss(None, parametrization="absolute", scale=4.0, relative_bias=0.25)
     assert absolute.bias.item() == pytest.approx(1.0)
-    assert absolute.trained_values()["b_rel"] == pytest.approx(0.25)
-    assert relative.trained_values()["b"] == pytest.approx(1.0)
+    assert absolute.relative_bias.item() == pytest.approx(0.25)
+    assert relative.absolute_bias.item() == pytest.approx(1.0)
     torch.testing.assert_close(
         relative.compute_loss_from_embeddings([a, p, n]), absolute.compute_loss_from_embeddings([a, p, n])
     )

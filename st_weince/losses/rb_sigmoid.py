@@ -280,6 +280,21 @@ class RBSigmoidLoss(ColumnsLoss):
         optimizer step; call it after every optimizer step in custom training loops (``prepare_trainer`` does it)."""
         self.log_t.clamp_(max=self.log_scale_cap)
 
+    @property
+    def relative_bias(self) -> Tensor:
+        """``b_rel`` (relative) or ``b / t`` (absolute)."""
+        return self.b_rel if self.options.parametrization == "relative" else self.bias / self.scale
+
+    @property
+    def absolute_bias(self) -> Tensor:
+        """``b = t b_rel`` (relative) or ``b`` (absolute)."""
+        return self.bias if self.options.parametrization == "absolute" else self.scale * self.b_rel
+
+    @property
+    def delta(self) -> Tensor | None:
+        """The locked-encoder adapter's ``delta = sigmoid(x)``, or None without the adapter."""
+        return torch.sigmoid(self.adapter_logit) if self.options.locked_adapter else None
+
     def _has_hard_negative_columns(self) -> bool:
         return self.options.columns == "negatives"
 
