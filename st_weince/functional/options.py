@@ -30,6 +30,7 @@ from st_weince.utils.options import (
 )
 
 WEINCEMode = Literal["both", "rho", "aic", "none"]
+WEINCE_MODES = ("both", "rho", "aic", "none")
 BETA_AUTO_RANGE = (0.5, 16.0)  # the clamp of an estimated tail index ("auto"), as released
 Parametrization = Literal["relative", "absolute"]
 ColumnMode = Literal["negatives", "modalities"]
@@ -240,7 +241,10 @@ class WEINCEOptions(Options):
             self._store(name, flag_option(name, getattr(self, name)))
         check_directions(self.directions, self.partition_mode)
         self._store("directions", tuple(self.directions))
-        self._store("mode", choice_option("mode", self.mode, typing.get_args(WEINCEMode)))
+        if not isinstance(self.mode, str):
+            raise TypeError(f"mode must be 'both', 'rho', 'aic' or 'none', got {type(self.mode).__name__}")
+        if self.mode not in WEINCE_MODES:
+            raise ValueError(f"mode must be 'both', 'rho', 'aic' or 'none', got {self.mode!r}")
         self._store("gate", _nested("gate", self.gate, Gate))
         check_representable("eps", self.eps, torch.float32, positive=True)  # log(eps) must stay finite
         self._store("beta", _beta_option(self.beta))
