@@ -38,7 +38,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.lab
 from benchmarks.lab.geometry import constellation_test, modality_gap_separability  # noqa: E402
 from benchmarks.lab.outputs import scratch  # noqa: E402
-from st_weince.functional import constellation_margin, locked_adapter_scores, sigmoid_contrastive_loss  # noqa: E402
+from st_weince.functional import constellation_margin, sigmoid_contrastive_loss  # noqa: E402
+from st_weince.functional.sigmoid import locked_adapter_scores  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
 
 matplotlib.use("Agg")

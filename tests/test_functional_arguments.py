@@ -7,20 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from st_weince.functional import (
-    Gate,
-    TopM,
-    WEINCEOptions,
-    batch_negative_tail,
+from st_weince.functional import Gate, TopM, WEINCEOptions, weince_cross_entropy, weince_statistics
+from st_weince.functional.batch_tail import batch_negative_tail, batch_tail_size, initial_beta_ema
+from st_weince.functional.top_m import top_m_terms
+from st_weince.functional.weince import (
     batch_pivot,
-    batch_tail_size,
     blend_weights,
-    initial_beta_ema,
     negatives_needed,
     statistics_from_fit,
-    top_m_terms,
-    weince_cross_entropy,
-    weince_statistics,
     weince_tail_fit,
 )
 from st_weince.utils.hotpath import count_host_syncs

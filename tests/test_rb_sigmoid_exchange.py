@@ -147,8 +147,8 @@ def test_single_process_neighbour_exchange_is_the_local_loss():
 def test_ring_block_losses_without_processes_match_the_dense_loss():
     """One process: the ring holds the local block only; anchor chunks with their backward at once (the cached
     loss's stage) give the dense loss and its gradients, guard counts included."""
-    from st_weince.functional import CandidateGuard, SigmoidLogits, chunked_sigmoid_contrastive_loss
     from st_weince.functional.exchange import ring_block_losses, ring_shift
+    from st_weince.functional.sigmoid import CandidateGuard, SigmoidLogits, chunked_sigmoid_contrastive_loss
 
     generator = torch.Generator().manual_seed(1)
     anchors = torch.randn(7, 5, generator=generator, dtype=torch.float64)

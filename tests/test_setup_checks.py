@@ -10,7 +10,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from st_weince.functional import WEINCEOptions, negatives_needed
+from st_weince.functional import WEINCEOptions
+from st_weince.functional.weince import negatives_needed
 from st_weince.losses import CachedRBSigmoidLoss, CachedWEINCELoss, RBSigmoidLoss, WEINCELoss
 from st_weince.utils.hotpath import count_host_syncs
 from tests.conftest import TINY_SENTENCES, build_trainer

@@ -10,15 +10,17 @@ import torch
 import torch.nn.functional as F
 
 from st_weince.functional import (
-    CandidateGuard,
     FalseNegativeFilter,
-    SigmoidLogits,
     apply_false_negative_filter,
     check_scores,
-    chunked_sigmoid_contrastive_loss,
     constellation_margin,
-    locked_adapter_scores,
     sigmoid_contrastive_loss,
+)
+from st_weince.functional.sigmoid import (
+    CandidateGuard,
+    SigmoidLogits,
+    chunked_sigmoid_contrastive_loss,
+    locked_adapter_scores,
     sigmoid_logits,
     targets_from_positive_index,
 )

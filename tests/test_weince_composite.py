@@ -10,21 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from st_weince.functional import (
+from st_weince.functional import TopM, WEINCEOptions, check_scores, mnrl_layout, nt_xent_layout, weince_cross_entropy
+from st_weince.functional.batch_tail import (
     BatchTail,
-    TopM,
-    WEINCEOptions,
     batch_negative_tail,
     batch_tail_fit,
-    check_scores,
     initial_beta_ema,
-    mnrl_layout,
-    nt_xent_layout,
-    top_m_terms,
     update_beta_ema,
-    weince_cross_entropy,
 )
-from st_weince.functional.top_m import top_m_selection
+from st_weince.functional.top_m import top_m_selection, top_m_terms
 from st_weince.losses import WEINCELoss
 from st_weince.utils.hotpath import count_host_syncs
 from tests.weince_release_reference import ReleasedCompositeReference
@@ -333,7 +327,7 @@ def test_moving_average_rules():
 
 
 def test_tail_size_rule():
-    from st_weince.functional import batch_tail_size
+    from st_weince.functional.batch_tail import batch_tail_size
 
     for total, expected in ((5, 5), (1000, 1000), (1024, 1024), (20480, 1024), (30000, 1500), (261120, 13056)):
         assert batch_tail_size(total, TopM()) == expected

@@ -14,12 +14,11 @@ from st_weince.functional import (
     WEINCEOptions,
     check_scores,
     nt_xent_layout,
-    tail_sizes,
     weince_cross_entropy,
     weince_logits,
     weince_statistics,
-    weince_tail_fit,
 )
+from st_weince.functional.weince import tail_sizes, weince_tail_fit
 from st_weince.utils.hotpath import count_host_syncs
 from tests.float32_tolerance import tail_fit_tolerances
 from tests.weince_reference import reference_loss, reference_statistics
@@ -255,7 +254,7 @@ def test_statistics_do_not_depend_on_how_many_rows_are_fitted_together():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_fused_cross_entropy_equals_logits_then_cross_entropy(dtype):
-    from st_weince.functional import blended_cross_entropy
+    from st_weince.functional.weince import blended_cross_entropy
 
     scores = paired_scores(30, 40, seed=12).to(dtype)
     scores[3, 7] = 1.0  # a negative at the cap: the clamp's zero shortfall gradient

@@ -1,116 +1,29 @@
 """Pure tensor functions on score matrices: the math every loss adapter (text and vision) calls, and the options
-objects they take."""
+objects they take. The names below are the public API (docs/algorithms.md, "The functional API"); everything else
+stays importable from its module (``st_weince.functional.weince.weince_tail_fit``) and may change."""
 
-from st_weince.functional.batch_tail import (
-    BatchTail,
-    BatchTailFit,
-    batch_negative_tail,
-    batch_tail_fit,
-    batch_tail_size,
-    initial_beta_ema,
-    update_beta_ema,
-)
-from st_weince.functional.checks import check_scores, compute_dtype
-from st_weince.functional.false_negatives import (
-    FalseNegativeFilter,
-    FilterCounts,
-    apply_false_negative_filter,
-    false_negative_mask,
-    input_keys,
-)
-from st_weince.functional.layouts import (
-    CandidateGroup,
-    MNRLLayout,
-    mnrl_cross_entropy,
-    mnrl_layout,
-    normalize_rows,
-    nt_xent_layout,
-)
+from st_weince.functional.checks import check_scores
+from st_weince.functional.false_negatives import FalseNegativeFilter, apply_false_negative_filter, input_keys
+from st_weince.functional.layouts import mnrl_layout, normalize_rows, nt_xent_layout
 from st_weince.functional.options import Gate, RBSigmoidOptions, TopM, WEINCEOptions
-from st_weince.functional.sigmoid import (
-    CandidateGuard,
-    SigmoidBlockLoss,
-    SigmoidLogits,
-    chunked_sigmoid_contrastive_loss,
-    constellation_margin,
-    constellation_margin_from_extremes,
-    locked_adapter_scores,
-    match_probabilities,
-    score_extremes,
-    sigmoid_contrastive_loss,
-    sigmoid_logits,
-    targets_from_positive_index,
-)
-from st_weince.functional.top_m import shortfall_logits, top_m_terms
-from st_weince.functional.weince import (
-    TailFit,
-    WEINCEStatistics,
-    batch_pivot,
-    blend_weights,
-    blended_cross_entropy,
-    negatives_needed,
-    statistics_from_fit,
-    tail_index,
-    tail_sizes,
-    weince_cross_entropy,
-    weince_logits,
-    weince_statistics,
-    weince_tail_fit,
-)
-from st_weince.functional.weince_step import WEINCEStep, weince_step
+from st_weince.functional.sigmoid import constellation_margin, sigmoid_contrastive_loss
+from st_weince.functional.weince import weince_cross_entropy, weince_logits, weince_statistics
 
 __all__ = [
-    "BatchTail",
-    "BatchTailFit",
-    "CandidateGroup",
-    "CandidateGuard",
     "FalseNegativeFilter",
-    "FilterCounts",
     "Gate",
-    "MNRLLayout",
     "RBSigmoidOptions",
-    "SigmoidBlockLoss",
-    "SigmoidLogits",
-    "TailFit",
     "TopM",
     "WEINCEOptions",
-    "WEINCEStep",
-    "WEINCEStatistics",
     "apply_false_negative_filter",
-    "batch_negative_tail",
-    "batch_pivot",
-    "batch_tail_fit",
-    "batch_tail_size",
-    "blend_weights",
-    "blended_cross_entropy",
     "check_scores",
-    "chunked_sigmoid_contrastive_loss",
-    "compute_dtype",
     "constellation_margin",
-    "constellation_margin_from_extremes",
-    "false_negative_mask",
-    "initial_beta_ema",
     "input_keys",
-    "locked_adapter_scores",
-    "match_probabilities",
-    "mnrl_cross_entropy",
     "mnrl_layout",
-    "negatives_needed",
     "normalize_rows",
     "nt_xent_layout",
-    "score_extremes",
-    "shortfall_logits",
     "sigmoid_contrastive_loss",
-    "sigmoid_logits",
-    "statistics_from_fit",
-    "tail_index",
-    "tail_sizes",
-    "targets_from_positive_index",
-    "top_m_terms",
-    "update_beta_ema",
     "weince_cross_entropy",
     "weince_logits",
     "weince_statistics",
-    "weince_step",
-    "weince_tail_fit",
 ]

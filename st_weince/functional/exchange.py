@@ -1,22 +1,10 @@
-"""The exchanges between processes, all through torch's functional collectives
-(``torch.distributed._functional_collectives``), which torch keeps (``torch.distributed.nn.all_gather`` and the
-``*_tensor`` aliases warn from torch 2.13/2.14 on) and which ``torch.compile(fullgraph=True)`` traces with a live
-process group (``dist.P2POp`` does not):
-
-- :func:`all_gather_with_grad`: every process's rows, the gradient of each block sent back to its owner (the backward
-  is a sum reduce-scatter), for the candidates of both losses;
-- :func:`all_gather`: every process's rows without gradient, this process's own rows as given (sentence-transformers'
-  ``all_gather`` semantics), for input keys, labels and per-anchor statistics;
-- the neighbour exchange: candidate blocks passed around the ring of processes instead of all-gathered (SigLIP, Zhai et
-  al., ICCV 2023; open_clip's ``SigLipLoss(dist_impl="bidir")``), for a loss that is a sum over candidate blocks, as the
-  sigmoid loss is. docs/rb-sigmoid.md ("Many processes") describes the scheme and what was tested.
-
-Each process scores its anchors against its own block, then against its neighbours' blocks as they arrive around the
-ring in both directions; no process holds the global candidate matrix. Gradients travel back the way the blocks came:
-each shift is an ``all_to_all_single`` with one non-empty split each way, whose backward sends the received block's
-gradient to its sender. A collective's result is waited on at its first use: with NCCL that orders the current CUDA
-stream after the transfer, without a host-device sync; with gloo (CPU) it blocks until the transfer is done. Every
-process must pass blocks of the same shape and dtype (as ``all_gather`` also needs).
+"""The exchanges between processes, all through torch's functional collectives, which torch keeps (the
+``torch.distributed.nn`` ones warn from 2.13/2.14 on) and which ``torch.compile(fullgraph=True)`` traces:
+:func:`all_gather_with_grad` (candidates, each block's gradient back to its owner), :func:`all_gather` (keys, labels,
+statistics; sentence-transformers' semantics) and the neighbour exchange (:func:`ring_block_losses`: SigLIP's
+candidate blocks passed around the ring of processes in both directions, for a loss that is a sum over candidate
+blocks; the scheme and its tests: docs/rb-sigmoid.md, "Many processes"). A collective's result is waited on at its
+first use, so with NCCL there is no host-device sync. Every process must pass blocks of the same shape and dtype.
 """
 
 from __future__ import annotations
@@ -29,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as functional_collectives
 from torch import Tensor
 
-from st_weince.functional.false_negatives import FilterCounts, positive_keys
+from st_weince.functional.false_negatives import FilterCounts, pair_scores, positive_keys
 
 ProcessGroup = dist.ProcessGroup | None
 #: Whether the neighbour exchange's backward runs the ring again (:class:`_RecomputedRing`); False keeps every received
@@ -47,26 +35,17 @@ def process_count(group: ProcessGroup = None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _group(group: ProcessGroup) -> dist.ProcessGroup:
-    return dist.group.WORLD if group is None else group
-
-
-def _gathered(tensor: Tensor, group: ProcessGroup) -> Tensor:
-    """Every process's ``tensor`` concatenated along dim 0, in rank order; differentiable (the backward is a sum
-    reduce-scatter: each block's gradient summed over the processes goes to its owner). ``all_gather_single_autograd``
-    (torch 2.14) is ``all_gather_tensor_autograd`` of torch 2.13, which 2.14 deprecates."""
-    gather = getattr(functional_collectives, "all_gather_single_autograd", None)
-    if gather is None:  # torch 2.13
-        gather = functional_collectives.all_gather_tensor_autograd
-    return gather(tensor.contiguous(), 0, _group(group))
-
-
 def all_gather_with_grad(tensor: Tensor, group: ProcessGroup = None) -> Tensor:
-    """Every process's rows of ``tensor`` (same shape on all), concatenated in rank order; the gradient of each
-    process's rows goes back to that process. ``tensor`` itself without an initialized process group."""
+    """Every process's rows of ``tensor`` (same shape on all), concatenated in rank order; the backward is a sum
+    reduce-scatter, so each process's rows get their gradient summed over the processes. ``tensor`` itself without
+    an initialized process group."""
     if process_count(group)[1] == 1:
         return tensor
-    return _gathered(tensor, group)
+    # all_gather_single_autograd (torch 2.14) is torch 2.13's all_gather_tensor_autograd, which 2.14 deprecates
+    gather = getattr(functional_collectives, "all_gather_single_autograd", None)
+    if gather is None:
+        gather = functional_collectives.all_gather_tensor_autograd
+    return gather(tensor.contiguous(), 0, dist.group.WORLD if group is None else group)
 
 
 def all_gather(tensor: Tensor, group: ProcessGroup = None) -> Tensor:
@@ -76,7 +55,7 @@ def all_gather(tensor: Tensor, group: ProcessGroup = None) -> Tensor:
     rank, world_size = process_count(group)
     if world_size == 1:
         return tensor
-    gathered = _gathered(tensor.detach(), group)
+    gathered = all_gather_with_grad(tensor.detach(), group)
     rows = tensor.shape[0]
     return torch.cat([gathered[: rank * rows], tensor, gathered[(rank + 1) * rows :]])
 
@@ -89,7 +68,8 @@ def _shift_one(tensor: Tensor, shift: int, group: ProcessGroup) -> Tensor:
     rows = tensor.shape[0]
     sent = [rows if peer == send_to else 0 for peer in range(world_size)]
     received = [rows if peer == receive_from else 0 for peer in range(world_size)]
-    return functional_collectives.all_to_all_single_autograd(tensor.contiguous(), received, sent, _group(group))
+    group = dist.group.WORLD if group is None else group
+    return functional_collectives.all_to_all_single_autograd(tensor.contiguous(), received, sent, group)
 
 
 def ring_shift(tensors: Sequence[Tensor], shifts: Sequence[int], group: ProcessGroup = None) -> tuple[Tensor, ...]:
@@ -102,10 +82,9 @@ def ring_shift(tensors: Sequence[Tensor], shifts: Sequence[int], group: ProcessG
 
 def ring_blocks(local: Tensor, group: ProcessGroup = None) -> Iterator[tuple[int, Tensor]]:
     """``(source rank, block)`` for every process's block: first ``local``, then the others as they arrive around
-    the ring in both directions (``rank - 1`` and ``rank + 1``, ``rank - 2`` and ``rank + 2``, ...), each passed on
-    one step further by the process that received it. Lazy: a block is received when the previous one has been
-    used, so a caller that scores each block before taking the next holds one block of scores at a time. Every
-    process must consume the whole iterator. Differentiable through the shifts."""
+    the ring in both directions (``rank - 1`` and ``rank + 1``, ``rank - 2`` and ``rank + 2``, ...). Lazy, so a
+    caller that scores each block before taking the next holds one block of scores at a time; every process must
+    consume the whole iterator. Differentiable through the shifts."""
     rank, world_size = process_count(group)
     yield rank, local
     from_left = from_right = local
@@ -134,23 +113,17 @@ class _Ring:
     reference_keys: Tensor | None
     guarded: bool = False  # set by the forward: whether the block loss returned guard counts
 
-    def chunks(self, num_anchors: int) -> Iterator[slice]:
+    def chunks(self) -> Iterator[slice]:
+        """The anchors' row chunks."""
+        num_anchors = self.positive_index.shape[0]
         step = num_anchors if self.anchor_chunk is None else self.anchor_chunk
         for begin in range(0, num_anchors, step):
             yield slice(begin, min(begin + step, num_anchors))
 
-    def block_value(
-        self,
-        params: dict[str, Tensor],
-        row_anchors: Tensor,
-        block: Tensor,
-        own: bool,
-        keys,
-        rows: slice,
-        num_anchors: int,
-    ):
-        """The weighted loss of the anchors ``row_anchors`` (rows ``rows`` of ``num_anchors``) against one process's
-        block (``own``: this process's), with the block's extremes and guard counts."""
+    def block_value(self, params: dict[str, Tensor], row_anchors: Tensor, block: Tensor, own: bool, keys, rows: slice):
+        """The weighted loss of the anchors ``row_anchors`` (rows ``rows`` of all) against one process's block
+        (``own``: this process's), with the block's extremes and guard counts."""
+        num_anchors = self.positive_index.shape[0]
         index = self.positive_index[rows] if own else torch.full_like(self.positive_index[rows], -1)
         key_arguments = () if keys is None else (keys, self.reference_keys[rows])
         value, low, high, masked = self.block_loss(
@@ -170,10 +143,8 @@ class _Ring:
         for source, block in ring_blocks(candidates, self.group):
             keys = None if key_blocks is None else next(key_blocks)[1]
             counts = []
-            for rows in self.chunks(anchors.shape[0]):
-                value, low, high, masked = self.block_value(
-                    params, anchors[rows], block, source == rank, keys, rows, anchors.shape[0]
-                )
+            for rows in self.chunks():
+                value, low, high, masked = self.block_value(params, anchors[rows], block, source == rank, keys, rows)
                 total = total + value
                 min_positive, max_negative = torch.minimum(min_positive, low), torch.maximum(max_negative, high)
                 if masked is not None:
@@ -186,11 +157,8 @@ class _Ring:
 
 class _RecomputedRing(torch.autograd.Function):
     """The ring's loss, keeping for backward only this process's anchors, candidates and the loss parameters: the
-    backward runs the ring again (one direction), and at each step receives a neighbour's block with the gradient
-    that the processes before accumulated for it, recomputes that block's loss and its gradients, adds its own part
-    and passes both on; after a full turn each block's gradient reaches its owner (as ring attention does). Memory
-    for backward is one block at a time, whatever the number of processes; the price is a second pass of the
-    blocks (and their gradients) around the ring and the recomputed block losses."""
+    backward runs the ring again, one direction, each block travelling with the gradient accumulated for it so far
+    until it is home (as ring attention does; docs/rb-sigmoid.md). Memory for backward is one block at a time."""
 
     @staticmethod
     def forward(ctx, ring: _Ring, anchors: Tensor, candidates: Tensor, *values: Tensor):
@@ -215,10 +183,10 @@ class _RecomputedRing(torch.autograd.Function):
             """Accumulate this block's part of the anchors' and parameters' gradients; return the block's."""
             block = block.detach().requires_grad_(needs[1])
             block_grad = None
-            for rows in ring.chunks(anchors.shape[0]):
+            for rows in ring.chunks():
                 with torch.enable_grad():
                     row_anchors = anchors[rows].detach().requires_grad_(needs[0])
-                    value = ring.block_value(params, row_anchors, block, own, keys, rows, anchors.shape[0])[0]
+                    value = ring.block_value(params, row_anchors, block, own, keys, rows)[0]
                     inputs = [row_anchors, block, *params.values()]
                     wanted = [tensor for tensor in inputs if tensor.requires_grad]
                     grads = iter(torch.autograd.grad(value, wanted, grad_total, allow_unused=True))
@@ -268,45 +236,29 @@ def ring_block_losses(
     group: ProcessGroup = None,
     candidate_keys: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, FilterCounts | None]:
-    """A loss that is a sum over candidate blocks, with the candidates of every process, by neighbour exchange.
+    """``weight`` times the mean over the local ``anchors`` [A, D] of their loss against every process's block of
+    ``candidates`` [C, D] (received around the ring), with the extremes over all blocks and what the guard removed
+    per anchor summed over the blocks (FilterCounts; None without a guard).
 
     Args:
-        anchors: [A, D] the local anchors.
-        candidates: [C, D] the local candidates (one process's block; hard-negative rows travel with it).
-        positive_index: [A] each anchor's positive row in the local ``candidates`` (-1: none); no anchor has a
-            positive in another process's block.
-        block_loss: ``(params, anchor rows, candidate block, positive index of the rows in the block, positive
-            scores)`` -> ``(mean loss over the rows, smallest matching score, largest non-matching score, what the
-            false-negative guard removed per row as FilterCounts, or None without a guard)``. ``params`` are the
-            loss parameters (``params``, or stand-ins for them in backward); ``positive scores`` [rows] are the
-            rows' matching-pair cosine scores (``+inf`` without a positive), the guard's threshold also in blocks
-            that do not hold the positive.
-        params: the loss parameters by name, which ``block_loss`` reads; they receive their gradients.
-        weight: factor on the loss.
+        positive_index: [A] each anchor's positive row in the local ``candidates`` (-1: none).
+        block_loss: ``(params, anchor rows, candidate block, the rows' positive index in the block, the rows'
+            matching-pair scores[, the block's keys, the rows' positives' keys])`` -> ``(mean loss over the rows,
+            smallest matching score, largest non-matching score, FilterCounts or None)``; the scores (``+inf``
+            without a positive) are the guard's threshold also in blocks that do not hold the positive.
+        params: the loss parameters by name, which ``block_loss`` reads (stand-ins in backward); they get gradients.
         anchor_chunk: score this many anchors at a time against each block (None: all at once).
-        backward: back-propagate the loss at once (the cached loss's stage 2) and return it detached: ``anchors``,
-            ``candidates`` and ``params`` (leaves, or any tensors requiring grad) receive their full gradients.
-        candidate_keys: [C, K] the local candidates' input keys (the false-negative guard's ``"identical"`` rule):
-            they travel around the ring with their block, and ``block_loss`` is then called with two more
-            arguments, the block's keys and the rows' positives' keys (-1 rows: no positive).
-
-    Returns:
-        ``weight`` times the mean over the anchors of their loss against every process's candidates, the extremes
-        over all blocks and what the guard removed per anchor summed over all blocks (FilterCounts; None without a
-        guard).
+        backward: back-propagate at once (the cached loss's stage 2) and return the loss detached.
+        candidate_keys: [C, K] the candidates' input keys (the ``"identical"`` rule), which travel with their block.
 
     In eager mode with gradients the loss is a :class:`_RecomputedRing`: what backward keeps does not grow with the
     number of processes. Under ``torch.compile`` (which cannot trace a backward that calls autograd) gradients flow
-    through the shifts instead, keeping every received block and its scores for backward.
+    through the shifts instead.
     """
     params = {} if params is None else params
-    with torch.no_grad():
-        pairs = candidates.detach()[positive_index.clamp_min(0)]
-        pair_scores = (anchors.detach() * pairs).sum(-1)
-        positive_scores = torch.where(positive_index >= 0, pair_scores, float("inf"))
-    reference_keys = None
-    if candidate_keys is not None:
-        reference_keys = positive_keys(candidate_keys, positive_index, candidates.shape[0])
+    positive_scores = pair_scores(anchors, candidates, positive_index)
+    num_candidates = candidates.shape[0]
+    reference_keys = None if candidate_keys is None else positive_keys(candidate_keys, positive_index, num_candidates)
     ring = _Ring(
         block_loss,
         tuple(params),

@@ -1,18 +1,8 @@
-"""The in-batch false-negative guard (docs/false-negatives.md): candidates that score too close to the positive are not
-negatives, so they leave the row's candidate set through the layout's ``valid_mask``, before the tail statistics and
-before the softmax or sigmoid: a masked candidate is neither fitted nor pushed away. A row's positive never is.
-
-Rules, on the cosine score ``s`` of a candidate and ``s_pos`` of the row's positive:
-
-- ``("absolute", m)``: mask when ``s > s_pos - m`` (``m >= 0``);
-- ``("relative", r)``: mask when ``s > s_pos - (1 - r) |s_pos|`` (``0 < r <= 1``): never above ``s_pos``, whatever its
-  sign;
-- ``"identical"``: mask the candidates whose input (token ids) is identical to the positive's, compared as
-  :func:`input_keys`, a hash per row, so that gathered and cached candidates are compared by a few integers;
-- ``"same_label"``: mask the candidates of the rows with the row's own label (mined hard negatives stay), compared as
-  :func:`label_keys`.
-
-Everything here is branch-free tensor code (no host-device sync).
+"""The in-batch false-negative guard: candidates that score too close to the row's positive (or share its input or
+label) are not negatives, so they leave the row's candidate set through the layout's ``valid_mask``, before the tail
+statistics and before the softmax or sigmoid. A row's positive never is. The rules (``("absolute", m)``,
+``("relative", r)``, ``"identical"``, ``"same_label"``) and their measurements: docs/false-negatives.md. Everything
+here is branch-free tensor code (no host-device sync).
 """
 
 from __future__ import annotations
@@ -36,12 +26,9 @@ _KEY_MULTIPLIERS = ((1_103_515_245, 12_345), (69_069, 1_013_904_223), (1_664_525
 
 def input_keys(input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
     """[B, 5] int64 keys of a batch of token-id rows: two rows have equal keys iff they hold the same tokens (up to
-    hash collisions of probability about 2^-124 per pair), whatever their padding (right or left) or padded length.
-
-    Four polynomial hashes modulo the prime 2^31 - 1 of the tokens ``(id + 1)`` at their positions among the
-    row's real tokens (the ``attention_mask``), with position weights that are fixed pseudo-random functions of the
-    position (the same in every process and on every device), and the number of tokens. Integer tensor code on the
-    ids' device: no host-device sync, no data-dependent shapes."""
+    hash collisions of probability about 2^-124 per pair), whatever their padding side or padded length: four
+    polynomial hashes modulo 2^31 - 1 of the tokens at their positions among the row's real tokens, with fixed
+    pseudo-random position weights (the same in every process and on every device), and the number of tokens."""
     if input_ids.dim() != 2 or input_ids.is_floating_point():
         raise ValueError(
             f"input_ids must be a 2-D integer [batch, tokens] tensor, got {input_ids.dtype} {tuple(input_ids.shape)}"
@@ -73,6 +60,14 @@ def positive_keys(candidate_keys: Tensor | None, positive_index: Tensor, num_can
     return keys.masked_fill(~inside[:, None], -1)
 
 
+@torch.no_grad()
+def pair_scores(anchors: Tensor, candidates: Tensor, positive_index: Tensor) -> Tensor:
+    """[A] each row's matching-pair score ``anchors[a] . candidates[positive_index[a]]``, the guard's threshold score,
+    ``+inf`` for a row without a positive (it then masks nothing)."""
+    pairs = candidates.detach()[positive_index.clamp_min(0)]
+    return torch.where(positive_index >= 0, (anchors.detach() * pairs).sum(-1), float("inf"))
+
+
 def label_keys(labels: Tensor, num_columns: int, hard_negative_columns: bool = True) -> list[Tensor]:
     """The ``"same_label"`` rule's keys of every column, [B, 2] each: ``(label, 0)`` for the anchor and positive
     columns (their rows' label), ``(label, 1)`` for the hard-negative columns (``hard_negative_columns``), which
@@ -80,11 +75,8 @@ def label_keys(labels: Tensor, num_columns: int, hard_negative_columns: bool = T
     masked. ``labels``: a 1-D integer (or bool) tensor, compared exactly as int64 (64-bit ids never merge, as they
     would as float64 above 2^53); :func:`check_labels` checks them."""
     labels = labels.detach().reshape(-1).to(torch.int64)
-    keys = []
-    for column in range(num_columns):
-        flag = 1 if hard_negative_columns and column >= 2 else 0
-        keys.append(torch.stack([labels, torch.full_like(labels, flag)], dim=1))
-    return keys
+    flags = [1 if hard_negative_columns and column >= 2 else 0 for column in range(num_columns)]
+    return [torch.stack([labels, torch.full_like(labels, flag)], dim=1) for flag in flags]
 
 
 def check_labels(labels: object, num_rows: int, owner: str) -> None:
@@ -213,14 +205,10 @@ def false_negative_mask(
 ) -> Tensor:
     """[A, C] bool, True at the candidates the guard removes (never a row's positive, never an invalid entry).
 
-    ``positive_scores`` [A] overrides the threshold's ``s_pos`` (for a block whose rows have their positive in another
-    block, e.g. MNRL's ``doc_to_doc`` direction without ``doc_to_query``, or a block of candidate columns that may
-    not hold the positive); an override of ``+inf`` masks nothing in that row. Rows without a positive
-    (``positive_index == -1`` and no override) mask nothing.
-
-    The ``"identical"`` rule needs ``candidate_keys`` [C, K] (:func:`input_keys` of the candidates) and compares them
-    with ``reference_keys`` [A, K], the keys of each row's positive, by default ``candidate_keys[positive_index]``
-    (rows without a positive mask nothing; a reference row of -1 matches nothing).
+    ``positive_scores`` [A] overrides the threshold's ``s_pos``, for rows whose positive is in another block of
+    candidates (``+inf`` masks nothing in that row); rows without a positive and no override mask nothing. The
+    ``"identical"`` rule compares ``candidate_keys`` [C, K] (:func:`input_keys` of the candidates) with
+    ``reference_keys`` [A, K], by default ``candidate_keys[positive_index]`` (a reference row of -1 matches nothing).
     """
     num_anchors, num_candidates = scores.shape
     has_positive = positive_index >= 0
@@ -249,16 +237,6 @@ def false_negative_mask(
     return masked
 
 
-@torch.no_grad()
-def filter_counts(masked: Tensor, positive_index: Tensor, valid_mask: Tensor | None) -> FilterCounts:
-    """Per row: how many candidates the guard masked, and how many valid negatives the row had before. A positive
-    index outside ``[0, C)`` (none, or in another candidate block) leaves every valid entry a negative."""
-    num_candidates = masked.shape[1]
-    valid = valid_mask.sum(1) if valid_mask is not None else torch.full_like(positive_index, num_candidates)
-    has_positive = (positive_index >= 0) & (positive_index < num_candidates)
-    return FilterCounts(masked.sum(1), (valid - has_positive.long()).clamp_min(0))
-
-
 def apply_false_negative_filter(
     scores: Tensor,
     positive_index: Tensor,
@@ -269,22 +247,19 @@ def apply_false_negative_filter(
     candidate_keys: Tensor | None = None,
     reference_keys: Tensor | None = None,
 ) -> tuple[Tensor | None, FilterCounts | None]:
-    """The guard, applied: ``valid_mask`` with the guard's candidates removed, and what was removed per row.
-
-    Every loss applies the guard through this function. With ``spec=None`` the mask comes back unchanged (and no
-    counts): the filter is off. ``positive_scores``, ``candidate_keys``, ``reference_keys`` as in
+    """The guard, applied: ``valid_mask`` with the guard's candidates removed, and per row how many candidates it
+    masked and how many valid negatives the row had before (a positive index outside ``[0, C)`` leaves every valid
+    entry a negative). Every loss applies the guard through this function; ``spec=None`` (off) gives the mask back
+    unchanged and no counts. ``positive_scores``, ``candidate_keys``, ``reference_keys`` as in
     :func:`false_negative_mask`.
     """
     if spec is None:
         return valid_mask, None
-    masked = false_negative_mask(
-        scores,
-        positive_index,
-        valid_mask,
-        spec,
-        positive_scores,
-        candidate_keys=candidate_keys,
-        reference_keys=reference_keys,
-    )
-    counts = filter_counts(masked, positive_index, valid_mask)
+    keys = {"candidate_keys": candidate_keys, "reference_keys": reference_keys}
+    masked = false_negative_mask(scores, positive_index, valid_mask, spec, positive_scores, **keys)
+    with torch.no_grad():
+        num_candidates = masked.shape[1]
+        valid = valid_mask.sum(1) if valid_mask is not None else torch.full_like(positive_index, num_candidates)
+        has_positive = (positive_index >= 0) & (positive_index < num_candidates)
+        counts = FilterCounts(masked.sum(1), (valid - has_positive.long()).clamp_min(0))
     return (~masked if valid_mask is None else valid_mask & ~masked), counts

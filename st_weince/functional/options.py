@@ -1,13 +1,9 @@
-"""The options of the two losses, one frozen dataclass each: :class:`WEINCEOptions` (with its gate, :class:`Gate`, and
-the released composite's top-M terms, :class:`TopM`, nested in it) and :class:`RBSigmoidOptions`.
-
-Each is the one home of its defaults and of their checks. The loss classes take its fields as their keyword
-arguments (their written-out signatures read the defaults, :func:`defaults_of`), the functional API takes the object,
-and checkpoints and model cards record it (:meth:`Options.to_config`); a field made with :func:`operational` changes
-only how the loss is computed, so a resume accepts another value of it. Every field is checked once, at
-construction, with an error naming it: a numeric field declares its range (:class:`Within`), numbers may be any real
-(Python or NumPy) number and are stored as Python ``float`` / ``int``, and bools, strings and non-finite values are
-refused.
+"""The options of the two losses, one frozen dataclass each: :class:`WEINCEOptions` (with :class:`Gate` and
+:class:`TopM` nested in it) and :class:`RBSigmoidOptions`. Each is the one home of its defaults and their checks: the
+loss signatures read the defaults (:func:`defaults_of`), checkpoints and model cards record the object
+(:meth:`Options.to_config`), and every field is checked once, at construction, with an error naming it. The fields,
+defaults and ranges are tabled in docs/options.md (a test holds the tables to the fields); docs/conventions.md says how
+to add one.
 """
 
 from __future__ import annotations
@@ -179,16 +175,8 @@ def check_scale(scale: Any, name: str = "scale") -> float:
 @options
 class Gate(Options):
     """The gate ``lambda(a) = sigmoid(kappa_rho (log rho0 - log rho(a))) * sigmoid(kappa_aic (dAIC(a) - aic_margin))``
-    that weights each anchor's shortfall logit (docs/algorithms.md 1.1); the defaults are the released
-    implementation's. ``WEINCELoss(model, gate=Gate(q=0.4))`` moves the pivot. Which factors are on is WEINCE's
-    ``mode``.
-
-    Args:
-        q: quantile of the hardest-negative shortfalls that defines the batch pivot ``rho0``, in [0, 1].
-        kappa_rho: slope of the hardness gate, >= 0.
-        kappa_aic: slope of the geometry (AIC) gate, >= 0.
-        aic_margin: AIC difference at which the geometry gate is one half (any finite number).
-    """
+    that weights each anchor's shortfall logit (docs/algorithms.md 1.1; fields: docs/options.md); the defaults are the
+    released implementation's. Which factors are on is WEINCE's ``mode``."""
 
     dtype: ClassVar[torch.dtype | None] = torch.float32
 
@@ -201,27 +189,8 @@ class Gate(Options):
 @options
 class TopM(Options):
     """The released composite's two top-M terms and the batch tail index of the shortfall term (docs/algorithms.md
-    1.2b); the defaults are the released implementation's, with both terms off. ``TopM(shortfall_weight=0.5,
-    infonce_weight=0.5)`` is the released pair.
-
-    Args:
-        m: M, the number of hardest negatives per anchor (an integer >= 1); a row with K negatives uses
-            ``min(M, K - 1)`` of them.
-        shortfall_weight: weight of the top-M shortfall term (>= 0; 0 = off; released: 0.5): a shortfall softmax,
-            logits ``-beta_t log(1 - s)``, over the positive and the M hardest negatives, with ``beta_t`` the batch
-            tail index below.
-        infonce_weight: weight of the top-M InfoNCE term (>= 0; 0 = off; released: 0.5): InfoNCE (logits
-            ``scale * s``) over the positive and the M hardest negatives only.
-        infonce_scale: the top-M InfoNCE term's own inverse temperature (None: the loss's ``scale``, as released),
-            e.g. the shortfall term's logged ``weince_effective_scale_top_m_shortfall``, to compare the two links at
-            matched sharpness (docs/weince.md, "How sharp is the loss?").
-        beta_ema_start: start value of the moving average of the batch tail index (> 0).
-        beta_ema_momentum: weight of the previous value in the moving average, in [0, 1).
-        beta_min_r_squared: a fit is trusted only when its R^2 reaches this, in [0, 1].
-        beta_min, beta_max: a trusted slope is clamped to [beta_min, beta_max] before it enters the average.
-        beta_tail_min_points, beta_tail_frac: the tail size ``k = min(K_all, max(beta_tail_min_points,
-            floor(beta_tail_frac * K_all)))`` over the batch's K_all negative scores.
-    """
+    1.2b; fields: docs/options.md); the defaults are the released implementation's, with both terms off.
+    ``TopM(shortfall_weight=0.5, infonce_weight=0.5)`` is the released pair."""
 
     m: Annotated[int, Within("[1, inf)")] = 50
     shortfall_weight: Annotated[float, Within("[0, inf)", note=" (0 turns the term off)")] = 0.0
@@ -241,47 +210,14 @@ class TopM(Options):
         if self.infonce_scale is not None:
             self._store("infonce_scale", check_scale(self.infonce_scale, "infonce_scale"))
 
-    @property
-    def has_terms(self) -> bool:
-        """Whether either term is on (a weight > 0)."""
-        return self.shortfall_weight > 0 or self.infonce_weight > 0
-
 
 @options
 class WEINCEOptions(Options):
     """The options of WEINCE (:class:`~st_weince.losses.WEINCELoss`, its cached variant and the functions of
-    :mod:`st_weince.functional.weince`). The gate's and the top-M terms' defaults are the released
-    implementation's; ``beta`` is "auto" because the released 1.0 was tuned at temperature 0.5 and is 10-20x too soft
-    at SimCSE's 0.05 (``docs/weince.md``); ``scale`` and the layout options are MultipleNegativesRankingLoss's.
-
-    Args:
-        scale: inverse temperature, ``scale = 1 / temperature`` (as in MNRL; 20 = temperature 0.05).
-        gather_across_devices: gather embeddings across processes (local anchors x global candidates); the pivot
-            ``rho0`` is then taken over the anchors of the global batch, so results do not depend on the split.
-        directions: as in MNRL: "query_to_doc" (required), "query_to_query", "doc_to_query", "doc_to_doc". Rows
-            anchored at queries (query_to_doc, query_to_query) share one set of statistics per query; rows anchored
-            at documents (doc_to_query, doc_to_doc) get their own.
-        partition_mode: "joint" (one softmax over all directions) or "per_direction" (one per direction,
-            averaged), as in MNRL.
-        beta: tail index in the shortfall logit, a finite number > 0, or "auto": each anchor's estimate, clamped to
-            [0.5, 16]. The released implementation uses 1.0 (at temperature 0.5).
-        mode: "both" (hardness x geometry gate), "rho" (hardness only), "aic" (geometry only) or "none" (lambda = 0:
-            exactly MultipleNegativesRankingLoss through the same code path, the control arm of a comparison).
-        gate: the gate lambda's four settings as one :class:`Gate` (or its dict).
-        tail_frac: share of an anchor's negatives used for the tail fit, in (0, 1].
-        min_tail_points: minimum tail size, an integer >= 1.
-        eps: floor of the shortfall ``1 - s`` for every term, in (0, 0.5).
-        false_negative_filter: the in-batch false-negative guard (off by default), applied to each row's candidates
-            before the tail statistics and the softmax (removed candidates are neither fitted nor pushed away; the
-            positive never is): ``("absolute", m)``, ``("relative", r)``, ``"identical"`` or ``"same_label"``
-            (docs/false-negatives.md). Logged as ``weince_fn_masked_share`` and ``weince_fn_anchors_share``.
-        check_inputs: check the embeddings for NaN/Inf in every forward pass, with one host-device sync. False makes
-            the hot path free of host syncs, so ``torch.compile(..., fullgraph=True)`` and CUDA graphs work; a NaN
-            embedding then gives a NaN loss instead of an error.
-        top_m: the released composite's two top-M terms and the batch tail index of its shortfall term, as one
-            :class:`TopM` (or its dict); None (the default, and a TopM with both weights 0): off, the loss is the
-            blend alone.
-    """
+    :mod:`st_weince.functional.weince`; fields: docs/options.md, and the loss's Args). The gate's and the top-M
+    terms' defaults are the released implementation's; ``beta`` is "auto" because the released 1.0 was tuned at
+    temperature 0.5 and is 10-20x too soft at SimCSE's 0.05 (``docs/weince.md``); ``scale`` and the layout options are
+    MultipleNegativesRankingLoss's. ``top_m`` with both weights 0 is stored as None: the loss is the blend alone."""
 
     dtype: ClassVar[torch.dtype | None] = torch.float32
 
@@ -314,7 +250,8 @@ class WEINCEOptions(Options):
         self._store("beta", _beta_option(self.beta))
         self._store("false_negative_filter", FalseNegativeFilter.parse(self.false_negative_filter))
         top_m = _nested("top_m", self.top_m, TopM, optional=True)
-        self._store("top_m", top_m if top_m is not None and top_m.has_terms else None)
+        has_terms = top_m is not None and (top_m.shortfall_weight > 0 or top_m.infonce_weight > 0)
+        self._store("top_m", top_m if has_terms else None)
 
     @property
     def top_m_infonce_scale(self) -> float:
@@ -339,49 +276,11 @@ def _beta_option(value: Any) -> float | str:
 
 @options
 class RBSigmoidOptions(Options):
-    """The options of RB-Sigmoid (:class:`~st_weince.losses.RBSigmoidLoss` and its cached variant). Construction
-    resolves the bias: in the relative parametrization ``relative_bias`` is set (default 0.7) and ``bias`` is None;
-    in the absolute one ``bias`` is set (default ``scale * relative_bias``) and ``relative_bias`` is None.
-
-    The start values were chosen by measurement (``benchmarks/sigmoid_synthetic.py``, parts "init" and "bias";
-    ``docs/rb-sigmoid.md``): ``t = 10`` is SigLIP's start, ``b_rel = 0.7`` reached the largest margins. The cap
-    ``max_scale = 100`` is CLIP's and open_clip's cap on their logit scale (10x the start).
-
-    Args:
-        scale: initial ``t = 1 / temperature`` (trained as ``log_t``), as MNRL's ``scale``; SigLIP's start.
-        max_scale: cap on ``t`` (>= ``scale``, finite in float32): the forward uses ``t = exp(min(log_t, log
-            max_scale))``, and after every optimizer step ``log_t`` itself is clamped to the cap, where its gradient
-            stays live. Logged as ``rb_sigmoid_t_capped`` (1 at the cap).
-        parametrization: "relative" (``z = t (s - b_rel)``) or "absolute" (SigLIP's ``z = t s - b``).
-        relative_bias: initial ``b_rel`` (None: 0.7). In the absolute parametrization it gives the start ``b = scale *
-            relative_bias`` instead of ``bias``.
-        bias: initial absolute bias ``b`` (absolute parametrization only).
-        trainable_scale: train ``t``; if False it stays fixed.
-        trainable_bias: train the bias (``b_rel`` or ``b``); if False it is a fixed hyperparameter (a fixed ``b_rel``
-            trades margin against bias).
-        gather_across_devices: score the local anchors against the candidates of all processes.
-        exchange: how the other processes' candidates arrive with ``gather_across_devices``: "all_gather" (one
-            global candidate matrix) or "neighbour" (SigLIP's scheme: the candidate blocks pass around the ring of
-            processes in both directions and the anchors are scored against one block at a time, so no process
-            holds the global matrix; same loss and gradients; equal local batch sizes required).
-        symmetric: also score the positives (column 2) as anchors against all anchors and average both directions;
-            without hard-negative columns this changes nothing, with them it doubles the anchor-positive block's
-            weight relative to the hard negatives.
-        columns: "negatives" (as MNRL: anchor, positive, negative_1, ...; the candidates are all positives and
-            negatives of the batch) or "modalities" (each column one modality of the same items; the loss is the sum
-            over all column pairs of the two-modality loss, sharing ``t`` and the bias).
-        locked_adapter: for a locked (frozen) encoder on one side: replace ``s`` by ``delta^2 s - (1 - delta^2)``
-            with one trainable ``delta = sigmoid(x)``, the implicit adapter ``(delta U, sqrt(1 - delta^2))``,
-            ``(delta V, -sqrt(1 - delta^2))``.
-        adapter_logit: initial ``x`` of the adapter (0 gives ``delta = 0.5``, as in the released experiments).
-        chunk_size: compute the loss in blocks of this many candidates (each recomputed during backward), so memory
-            grows with batch x chunk instead of batch x candidates. None: one block.
-        check_inputs: check the embeddings and the loss parameters (finite) in every forward, with one host-device
-            sync. False: no check and no sync (``torch.compile(fullgraph=True)`` then traces the loss whole).
-        false_negative_filter: the in-batch false-negative guard (off by default), as WEINCE's: the removed
-            candidates count neither in the loss nor in the logged margin. Logged as ``rb_sigmoid_fn_masked_share``
-            and ``rb_sigmoid_fn_anchors_share``.
-    """
+    """The options of RB-Sigmoid (:class:`~st_weince.losses.RBSigmoidLoss` and its cached variant; fields:
+    docs/options.md, and the loss's Args). Construction resolves the bias: exactly one of ``relative_bias`` (relative
+    parametrization, default 0.7) and ``bias`` (absolute, default ``scale * relative_bias``) is set, the other None.
+    ``t = 10`` is SigLIP's start, ``b_rel = 0.7`` reached the largest margins (``benchmarks/sigmoid_synthetic.py``,
+    docs/rb-sigmoid.md), ``max_scale = 100`` is CLIP's and open_clip's cap on their logit scale."""
 
     RELATIVE_BIAS_START: ClassVar[float] = 0.7
 

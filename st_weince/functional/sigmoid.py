@@ -1,35 +1,14 @@
-"""The sigmoid contrastive loss (SigLIP; RB-Sigmoid's relative-bias parametrization) as pure functions.
+"""The sigmoid contrastive loss (SigLIP; RB-Sigmoid's relative-bias parametrization) as pure functions: each formula
+of docs/algorithms.md section 2 once, for the loss classes, the vision recipe, the diagnostics and the benchmarks.
 
-Every formula of ``docs/algorithms.md`` section 2 lives here exactly once; the sentence-transformers adapters
-(:class:`st_weince.losses.RBSigmoidLoss`, :class:`st_weince.losses.CachedRBSigmoidLoss`), the vision recipe, the
-diagnostics and the synthetic experiments call these.
-
-Conventions
------------
-``scores``      [A, C] cosine similarities of A anchors (rows) against C candidates (columns).
-``targets``     [A, C] 1 for a matching pair, 0 for a non-matching one.
-``valid_mask``  [A, C] bool, False for entries that are no candidate at all (self-pairs, masked entries).
-
-Parametrizations of the logit (exactly one bias is given), with the scale ``t > 0`` (the inverse temperature):
-
-- relative (RB-Sigmoid): ``z = t * (s - b_rel)``;
-- absolute (SigLIP):     ``z = t * s - b``, so ``b = t * b_rel``.
-
-Loss (SigLIP's normalization): ``-(1/A) sum_a sum_c [y log sigmoid(z) + (1 - y) log sigmoid(-z)]``, i.e. the mean over
-anchors of the sum over valid candidates. Computed as ``softplus(-+z)``, each term with the sign of its own label, which
-is finite for any scale (``t = 1e4`` with scores of exactly +-1 gives a finite loss and finite gradients) and keeps
-every term's float32 accuracy relative to its value.
-
-One implementation: :func:`_block_loss_sum` (the loss of one score block) and :func:`_block_extremes` (its smallest
-matching and largest non-matching score) serve the dense score-matrix functions and the block-by-block computation on
-embeddings alike (the unchunked case is a single block); a block of embedding scores takes both from one fused
-autograd Function, :class:`_GatheredBlockSum`.
-
-Dtype: computed in the inputs' dtype, at least float32: float64 stays float64, float16 / bfloat16 are computed in
-float32. Scalars (scale, biases) are cast to that dtype, so a float32 parameter in a float64 computation is exact.
-
-Input checks: shapes and dtypes only (free, no host-device sync); the values are checked once where a loss receives
-its inputs, or by :func:`st_weince.functional.check_scores` for direct callers.
+``scores`` [A, C] are cosine scores of A anchors against C candidates, ``targets`` [A, C] 1 at a matching pair and 0
+elsewhere, ``valid_mask`` [A, C] False at entries that are no candidate. The logit is ``z = t (s - b_rel)`` (relative)
+or ``z = t s - b`` (absolute, SigLIP), exactly one bias given; the loss is the mean over anchors of the sum over valid
+candidates of ``softplus(-+z)``, each term with the sign of its own label, so it stays finite for any ``t`` and keeps
+each term's float32 accuracy relative to its value. One block loss serves the dense functions and the block-by-block
+computation on embeddings (:class:`_GatheredBlockSum`). Computed in the inputs' dtype, at least float32; scalars are
+cast to it. Only shapes are checked here (free); values are checked where a loss receives its inputs, or by
+:func:`st_weince.functional.check_scores`.
 """
 
 from __future__ import annotations
@@ -49,6 +28,7 @@ from st_weince.functional.false_negatives import (
     FalseNegativeFilter,
     FilterCounts,
     apply_false_negative_filter,
+    pair_scores,
     positive_keys,
 )
 from st_weince.utils.hotpath import DeferredChecks
@@ -88,29 +68,6 @@ def _logits(scores: Tensor, scale: ScalarLike, bias_value: ScalarLike, relative:
     return scale * (scores + negated_bias) if relative else scale * scores + negated_bias
 
 
-def _block_loss_sum(
-    scores: Tensor,
-    matching: Tensor,
-    valid_mask: Tensor | None,
-    scale: ScalarLike,
-    bias_value: ScalarLike,
-    relative: bool,
-) -> Tensor:
-    """Sum over the valid entries of one score block of ``-log sigmoid(z)`` (matching) / ``-log sigmoid(-z)`` (not):
-    ``softplus(v)`` with ``v = -z`` at the matching entries and ``z`` elsewhere, so each term keeps its float32
-    accuracy relative to its own value (``softplus(z) - z`` would cancel: a saturated match's 2e-8 rounds to 0, and at
-    ``z = 3000`` the ulp of ``z`` makes the sum negative). ``matching``: [A, C] bool, the matching (valid) entries."""
-    if valid_mask is not None:
-        # Excluded entries are zeroed before the logits, so that even NaN there (a masked self-pair) gives neither a
-        # NaN loss nor a NaN gradient.
-        scores = scores.masked_fill(~valid_mask, 0.0)
-    logits = _logits(scores, scale, bias_value, relative)
-    per_pair = F.softplus(torch.where(matching, -logits, logits))
-    if valid_mask is not None:
-        per_pair = per_pair.masked_fill(~valid_mask, 0.0)
-    return per_pair.sum()
-
-
 def _flip_matching(values: Tensor, index: Tensor, in_block: Tensor) -> Tensor:
     """``values`` with the sign of each row's matching entry (column ``index``, where ``in_block``) flipped, in place:
     ``z -> v`` before the softplus, and ``sigmoid(v) -> -sigmoid(-z)`` after it, two [A, 1] operations."""
@@ -119,13 +76,13 @@ def _flip_matching(values: Tensor, index: Tensor, in_block: Tensor) -> Tensor:
 
 
 class _GatheredBlockSum(torch.autograd.Function):
-    """:func:`_block_loss_sum` and :func:`_block_extremes` of a block of embedding scores on three [A, C] buffers, one
-    kept (autograd: seven, two kept; ``F.softplus``'s ``log1p`` is slow on CPU): ``softplus(v) = max(v, 0) + log(w) +
-    (u - (w - 1)) / w``, ``u = exp(-|v|)``, ``w = 1 + u`` (``w - 1`` is exact; within 2 ulp of ``log1p``), with
-    ``v = -z`` at the row's matching column and ``z`` elsewhere (each term accurate relative to itself, as in
-    :func:`_block_loss_sum`); the gradient ``-sigmoid(-z)`` at the match and ``sigmoid(z)`` elsewhere, likewise.
-    Entries outside ``valid_mask`` are zeroed before the logits (a NaN there gives no NaN) and left out of every sum,
-    so a mask that excludes nothing gives the unmasked values bit for bit."""
+    """The loss sum of :func:`sigmoid_contrastive_loss` and the :func:`score_extremes` of a block of embedding scores
+    on three [A, C] buffers, one kept (autograd: seven, two kept; ``F.softplus``'s ``log1p`` is slow on CPU):
+    ``softplus(v) = max(v, 0) + log(w) + (u - (w - 1)) / w``, ``u = exp(-|v|)``, ``w = 1 + u`` (``w - 1`` is exact;
+    within 2 ulp of ``log1p``), with ``v = -z`` at the row's matching column and ``z`` elsewhere (each term accurate
+    relative to itself); the gradient ``-sigmoid(-z)`` at the match and ``sigmoid(z)`` elsewhere, likewise. Entries
+    outside ``valid_mask`` are zeroed before the logits (a NaN there gives no NaN) and left out of every sum, so a
+    mask that excludes nothing gives the unmasked values bit for bit."""
 
     @staticmethod
     def forward(ctx, scores, column, in_block, valid_mask, scale, negated_bias, relative):
@@ -166,18 +123,6 @@ class _GatheredBlockSum(torch.autograd.Function):
         grad_scale = grad_sum * (residual * buffer).sum() if ctx.needs_input_grad[4] else None  # torch.dot: 1e-5 off
         grad_bias = grad_sum * residual.sum() * (scale if ctx.relative else 1.0) if ctx.needs_input_grad[5] else None
         return residual.mul_(grad_sum * scale), None, None, None, grad_scale, grad_bias, None
-
-
-def _block_extremes(scores: Tensor, positive_mask: Tensor, valid_mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Smallest matching and largest non-matching valid score of one block (no gradient): ``+inf`` / ``-inf`` when the
-    block has none. Masked reductions, no boolean indexing, so no host-device sync."""
-    detached = scores.detach()
-    negative_mask = ~positive_mask
-    if valid_mask is not None:
-        positive_mask, negative_mask = positive_mask & valid_mask, negative_mask & valid_mask
-    min_positive = detached.masked_fill(~positive_mask, float("inf")).amin()
-    max_negative = detached.masked_fill(~negative_mask, float("-inf")).amax()
-    return min_positive, max_negative
 
 
 def sigmoid_logits(
@@ -221,8 +166,19 @@ def sigmoid_contrastive_loss(
     t = _scalar(scale, "scale", dtype, positive=True)
     bias_value, relative = _bias_argument(relative_bias, bias, dtype)
     matching = targets == 1 if valid_mask is None else (targets == 1) & valid_mask
-    loss_sum = _block_loss_sum(scores.to(dtype), matching, valid_mask, t, bias_value, relative)
-    return loss_sum / scores.shape[0]
+    block = scores.to(dtype)
+    if valid_mask is not None:
+        # Excluded entries are zeroed before the logits, so that even NaN there (a masked self-pair) gives neither a
+        # NaN loss nor a NaN gradient.
+        block = block.masked_fill(~valid_mask, 0.0)
+    # softplus(v) with v = -z at the matching entries and z elsewhere, so each term keeps its float32 accuracy relative
+    # to its own value (softplus(z) - z would cancel: a saturated match's 2e-8 rounds to 0, and at z = 3000 the ulp of
+    # z makes the sum negative)
+    logits = _logits(block, t, bias_value, relative)
+    per_pair = F.softplus(torch.where(matching, -logits, logits))
+    if valid_mask is not None:
+        per_pair = per_pair.masked_fill(~valid_mask, 0.0)
+    return per_pair.sum() / scores.shape[0]
 
 
 def locked_adapter_scores(scores: Tensor, delta: ScalarLike) -> Tensor:
@@ -242,11 +198,16 @@ def constellation_margin_from_extremes(min_positive: Tensor, max_negative: Tenso
 
 
 def score_extremes(scores: Tensor, targets: Tensor, valid_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Smallest matching (positive) and largest valid non-matching score, without gradient.
-
-    An empty set gives ``+inf`` (no matching pair) / ``-inf`` (no non-matching pair)."""
+    """Smallest matching and largest valid non-matching score, without gradient: ``+inf`` / ``-inf`` when there is
+    none. Masked reductions, no boolean indexing, so no host-device sync."""
     check_score_shapes(scores, None, valid_mask, targets=targets)
-    return _block_extremes(scores.to(compute_dtype(scores)), targets == 1, valid_mask)
+    detached = scores.to(compute_dtype(scores)).detach()
+    positive_mask = targets == 1
+    negative_mask = ~positive_mask
+    if valid_mask is not None:
+        positive_mask, negative_mask = positive_mask & valid_mask, negative_mask & valid_mask
+    min_positive = detached.masked_fill(~positive_mask, float("inf")).amin()
+    return min_positive, detached.masked_fill(~negative_mask, float("-inf")).amax()
 
 
 def constellation_margin(scores: Tensor, targets: Tensor, valid_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -260,48 +221,8 @@ def targets_from_positive_index(
     """0/1 targets [A, C] (float32 unless ``dtype``) with a 1 at ``positive_index[a]``; rows with index -1 have no
     positive. Built by comparison with the column numbers, without data-dependent shapes (no sync)."""
     check_positive_index(positive_index)
-    return _positive_mask(positive_index, num_candidates).to(dtype or torch.float32)
-
-
-def _positive_mask(positive_index: Tensor, width: int) -> Tensor:
-    """[A, width] bool, True where column ``j`` is the row's positive."""
-    columns = torch.arange(width, device=positive_index.device)
-    return columns[None, :] == positive_index[:, None]
-
-
-def _embedding_block(
-    anchors: Tensor,
-    candidates: Tensor,
-    positive_index: Tensor,
-    start: int,
-    scale: ScalarLike,
-    bias_value: ScalarLike,
-    relative: bool,
-    score_transform: Callable[[Tensor], Tensor] | None,
-    false_negative_filter: FalseNegativeFilter | None = None,
-    positive_scores: Tensor | None = None,
-    candidate_keys: Tensor | None = None,
-    reference_keys: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
-    """Loss sum of one candidate block (candidates ``start ...``) with its extremes and the false-negative guard's
-    per-row counts (masked, negatives; None without the guard): the score block of
-    :func:`chunked_sigmoid_contrastive_loss`."""
-    scores = anchors @ candidates.T
-    local = positive_index - start if start else positive_index  # each row's matching column in this block
-    # On the cosine scores (before a score transform), against each row's matching-pair score.
-    keys = {"candidate_keys": candidate_keys, "reference_keys": reference_keys}
-    valid_mask, guard_counts = apply_false_negative_filter(
-        scores, local, None, false_negative_filter, positive_scores, **keys
-    )
-    if score_transform is not None:
-        scores = score_transform(scores)
-    width = candidates.shape[0]
-    # (the guard never removes the matching column; a valid_mask given may)
-    in_block = (local >= 0) & (local < width)
-    column = local.clamp(0, width - 1)
-    loss_sum, low, high = _GatheredBlockSum.apply(scores, column, in_block, valid_mask, scale, -bias_value, relative)
-    guard = None if guard_counts is None else (guard_counts.masked, guard_counts.negatives)
-    return loss_sum, low, high, guard
+    columns = torch.arange(num_candidates, device=positive_index.device)
+    return (columns[None, :] == positive_index[:, None]).to(dtype or torch.float32)
 
 
 @dataclass(frozen=True)
@@ -318,22 +239,12 @@ class SigmoidLogits:
 
 @dataclass(frozen=True)
 class CandidateGuard:
-    """The in-batch false-negative guard of :func:`chunked_sigmoid_contrastive_loss`
-    (:mod:`st_weince.functional.false_negatives`): non-matching candidates whose cosine score is above the threshold
-    set by the row's matching-pair score are left out of the loss and of the extremes (rows without a positive mask
-    nothing), applied to the cosine scores before the score transform.
-
-    Args:
-        false_negative_filter: the rule; ``"identical"`` masks the candidates whose ``candidate_keys`` equal those
-            of the row's positive.
-        positive_scores: [A] the rows' matching-pair scores for the threshold, when ``candidates`` is one block of a
-            larger candidate set that may not hold the positive (``+inf``: the row masks nothing); None takes them
-            from ``candidates[positive_index]``.
-        candidate_keys: [C, K] :func:`~st_weince.functional.input_keys` of the candidates' inputs, for the
-            ``"identical"`` rule (required by it, unused otherwise).
-        reference_keys: [A, K] the keys of the rows' positives for the ``"identical"`` rule, when ``candidates`` may
-            not hold them (a row of -1 matches nothing); None takes them from ``candidate_keys[positive_index]``.
-    """
+    """The false-negative guard of :func:`chunked_sigmoid_contrastive_loss`, applied to the cosine scores before the
+    score transform; the masked candidates leave the loss and the extremes. ``positive_scores`` [A] and
+    ``reference_keys`` [A, K] (the threshold scores and the positives' keys, as in
+    :func:`~st_weince.functional.false_negatives.false_negative_mask`) are for a block of candidates that may not hold
+    the rows' positives; None takes them from the block. ``candidate_keys`` [C, K]: the ``"identical"`` rule's
+    :func:`~st_weince.functional.input_keys` of the candidates (required by it, unused otherwise)."""
 
     false_negative_filter: FalseNegativeFilter | tuple | list | str | None = None
     positive_scores: Tensor | None = None
@@ -365,8 +276,7 @@ def chunked_sigmoid_contrastive_loss(
     """:func:`sigmoid_contrastive_loss` of ``anchors @ candidates.T`` computed block by block over candidates.
 
     The sum of the losses of candidate blocks (the sigmoid loss has no normalization across candidates), each
-    recomputed during backward (activation checkpointing): the autograd graph holds one [A, chunk_size] block at a
-    time, so memory grows with ``A x chunk_size``, not ``A x C``. The extremes and guard counts come from the blocks.
+    recomputed during backward (activation checkpointing), so memory grows with ``A x chunk_size``, not ``A x C``.
 
     Args:
         anchors, candidates: [A, D] and [C, D] (normalize both beforehand for cosine scores).
@@ -378,8 +288,6 @@ def chunked_sigmoid_contrastive_loss(
             False (the loss classes, which check their own inputs) checks the shapes only.
     """
     guard = guard or CandidateGuard()
-    scale, relative_bias, bias = logits.scale, logits.relative_bias, logits.bias
-    positive_scores, candidate_keys, reference_keys = guard.positive_scores, guard.candidate_keys, guard.reference_keys
     false_negative_filter = FalseNegativeFilter.parse(guard.false_negative_filter)
     shapes = f"{tuple(anchors.shape)} and {tuple(candidates.shape)}"
     if anchors.dim() != 2 or candidates.dim() != 2 or anchors.shape[1] != candidates.shape[1]:
@@ -387,51 +295,61 @@ def chunked_sigmoid_contrastive_loss(
     if anchors.shape[0] == 0 or candidates.shape[0] == 0:
         raise ValueError(f"anchors and candidates must not be empty, got {shapes}")
     check_positive_index(positive_index, anchors.shape[0])
+    num_candidates = candidates.shape[0]
     if check_inputs:
-        message = f"positive_index must lie in [-1, {candidates.shape[0] - 1}] (-1 = no positive in this row)"
+        message = f"positive_index must lie in [-1, {num_candidates - 1}] (-1 = no positive in this row)"
         checks = DeferredChecks()
-        checks.require((positive_index >= -1) & (positive_index < candidates.shape[0]), message)
+        checks.require((positive_index >= -1) & (positive_index < num_candidates), message)
         checks.raise_if_failed()
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
     dtype = compute_dtype(anchors, candidates)
-    t = _scalar(scale, "scale", dtype, positive=True)
-    bias_value, relative = _bias_argument(relative_bias, bias, dtype)
-    num_candidates = candidates.shape[0]
+    t = _scalar(logits.scale, "scale", dtype, positive=True)
+    bias_value, relative = _bias_argument(logits.relative_bias, logits.bias, dtype)
     anchors = anchors if anchors.dtype == dtype else anchors.to(dtype)
     candidates = candidates if candidates.dtype == dtype else candidates.to(dtype)
     step = num_candidates if chunk_size is None else min(chunk_size, num_candidates)
     recompute = step < num_candidates and torch.is_grad_enabled()
-    guard_counts: FilterCounts | None = None
-    if false_negative_filter is None:
-        positive_scores = None
-    elif false_negative_filter.needs_keys:
-        positive_scores = None
+    keyed = false_negative_filter is not None and false_negative_filter.needs_keys
+    candidate_keys, reference_keys, positive_scores = guard.candidate_keys, None, None
+    if keyed:
+        reference_keys = guard.reference_keys
         if reference_keys is None or candidate_keys is None or candidate_keys.shape[0] != num_candidates:
             reference_keys = positive_keys(candidate_keys, positive_index, num_candidates)
-    elif positive_scores is not None:
-        if positive_scores.shape != positive_index.shape:
+    elif false_negative_filter is not None and guard.positive_scores is not None:
+        if guard.positive_scores.shape != positive_index.shape:
             raise ValueError(
-                f"positive_scores must be [A] = {tuple(positive_index.shape)}, got {tuple(positive_scores.shape)}"
+                f"positive_scores must be [A] = {tuple(positive_index.shape)}, got {tuple(guard.positive_scores.shape)}"
             )
-        positive_scores = positive_scores.detach().to(dtype)
-    else:
-        with torch.no_grad():
-            pairs = candidates.detach()[positive_index.clamp_min(0)]
-            pair_scores = (anchors.detach() * pairs).sum(-1)
-            # +inf: a row without a positive has no threshold, so the guard masks nothing there
-            positive_scores = torch.where(positive_index >= 0, pair_scores, float("inf"))
-    total = min_positive = max_negative = None
-    keyed = false_negative_filter is not None and false_negative_filter.needs_keys
-    reference_keys = reference_keys if keyed else None
+        positive_scores = guard.positive_scores.detach().to(dtype)
+    elif false_negative_filter is not None:
+        positive_scores = pair_scores(anchors, candidates, positive_index)
+
+    def block_loss(block: Tensor, start: int, block_keys: Tensor | None):
+        """Loss sum of the candidates ``start ...`` (``block``), with its extremes and the guard's per-row counts."""
+        scores = anchors @ block.T
+        local = positive_index - start if start else positive_index  # each row's matching column in this block
+        # On the cosine scores (before a score transform), against each row's matching-pair score.
+        keys = {"candidate_keys": block_keys, "reference_keys": reference_keys}
+        valid_mask, counts = apply_false_negative_filter(
+            scores, local, None, false_negative_filter, positive_scores, **keys
+        )
+        if logits.score_transform is not None:
+            scores = logits.score_transform(scores)
+        width = block.shape[0]
+        # (the guard never removes the matching column; a valid_mask given may)
+        in_block = (local >= 0) & (local < width)
+        column = local.clamp(0, width - 1)
+        loss_sum, low, high = _GatheredBlockSum.apply(scores, column, in_block, valid_mask, t, -bias_value, relative)
+        return loss_sum, low, high, None if counts is None else (counts.masked, counts.negatives)
+
+    total = min_positive = max_negative = guard_counts = None
     for start in range(0, num_candidates, step):
-        arguments = (anchors, candidates[start : start + step], positive_index, start, t, bias_value, relative)
-        block_keys = candidate_keys[start : start + step] if keyed else None
-        block_guard = (logits.score_transform, false_negative_filter, positive_scores, block_keys, reference_keys)
+        arguments = (candidates[start : start + step], start, candidate_keys[start : start + step] if keyed else None)
         if recompute:
-            loss_sum, low, high, masked = checkpoint(_embedding_block, *arguments, *block_guard, use_reentrant=False)
+            loss_sum, low, high, masked = checkpoint(block_loss, *arguments, use_reentrant=False)
         else:
-            loss_sum, low, high, masked = _embedding_block(*arguments, *block_guard)
+            loss_sum, low, high, masked = block_loss(*arguments)
         if total is None:
             total, min_positive, max_negative = loss_sum, low, high
         else:

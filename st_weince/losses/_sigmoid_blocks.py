@@ -42,13 +42,6 @@ def all_gathers(options: Any) -> bool:
     return options.gather_across_devices and options.exchange == "all_gather"
 
 
-def gather_if_candidates(column: Any, index: int, options: Any, gather: Any) -> Any:
-    """``gather(column)`` when column ``index`` is a candidate of some directional block: every column after the first,
-    and the first with ``symmetric``. The others stay local (no block reads them), so that no collective's result
-    is left unused (and unwaited)."""
-    return gather(column) if index > 0 or options.symmetric else column
-
-
 def candidate_columns(columns: list[Tensor], options: Any) -> tuple[list[Tensor], Tensor]:
     """The candidate columns (the local ones, or all-gathered with gradient) and the row of each local anchor's
     positive among them."""
@@ -56,8 +49,10 @@ def candidate_columns(columns: list[Tensor], options: Any) -> tuple[list[Tensor]
     if not all_gathers(options):
         return columns, torch.arange(batch_size, device=columns[0].device)
     offset = process_count()[0] * batch_size
+    # Only the columns that some block scores against are gathered (all but the first, which only ``symmetric``
+    # reads), so that no collective's result is left unused (and unwaited).
     gathered = [
-        gather_if_candidates(column, index, options, all_gather_with_grad) for index, column in enumerate(columns)
+        all_gather_with_grad(column) if i > 0 or options.symmetric else column for i, column in enumerate(columns)
     ]
     return gathered, torch.arange(offset, offset + batch_size, device=columns[0].device)
 
@@ -84,5 +79,5 @@ def key_blocks(columns: list[Tensor], row_keys: list[Tensor] | None, options: An
     if row_keys is None:
         return [None] * len(directional_blocks(columns, columns, options))
     if all_gathers(options):  # with the neighbour exchange they travel with their candidate blocks instead
-        row_keys = [gather_if_candidates(keys, index, options, all_gather) for index, keys in enumerate(row_keys)]
+        row_keys = [all_gather(keys) if i > 0 or options.symmetric else keys for i, keys in enumerate(row_keys)]
     return [keys for _, keys, _ in directional_blocks(columns, row_keys, options)]

@@ -7,7 +7,6 @@ from torch import Tensor, nn
 
 from st_weince.functional.false_negatives import FalseNegativeFilter
 from st_weince.functional.options import ColumnMode, Exchange, Parametrization, RBSigmoidOptions, defaults_of
-from st_weince.functional.sigmoid import constellation_margin_from_extremes
 from st_weince.losses._gradcache import GradCachedLoss, GradCacheOptions
 from st_weince.losses.rb_sigmoid import RBSigmoidLoss
 
@@ -19,23 +18,16 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
     """
     :class:`~st_weince.losses.RBSigmoidLoss` with gradient caching (GradCache, Gao et al. 2021), for batches far
     larger than fit in memory, built on sentence-transformers' ``CachedLossMixin`` as
-    ``CachedMultipleNegativesRankingLoss`` is:
+    ``CachedMultipleNegativesRankingLoss`` is: (1) embed every mini-batch without gradients; (2) compute the loss over
+    row chunks of ``mini_batch_size`` anchors, back-propagating each chunk to the embeddings at once (the sigmoid loss
+    has no softmax normalization, so it is exactly the sum of the chunks'); (3) re-embed every mini-batch with
+    gradients and apply the cached ones. Memory grows linearly with the batch.
 
-        (1) embed every mini-batch without gradients;
-        (2) compute the loss over row chunks of ``mini_batch_size`` anchors, back-propagating each chunk to the
-            embeddings at once, so that one ``[mini_batch_size, candidates]`` block of scores is alive at a
-            time (the sigmoid loss has no softmax normalization, so it is exactly the sum of the chunks' losses):
-            memory grows linearly with the batch;
-        (3) re-embed every mini-batch with gradients and apply the cached embedding gradients.
-
-    Loss, model gradients and loss-parameter gradients equal those of :class:`RBSigmoidLoss` on the same batch
-    (tested to 1e-5); the parameters have the same names (``log_t``, ``b_rel`` or ``bias``, ``adapter_logit``),
-    so checkpoints, ``learning_rate_mapping`` and :func:`st_weince.training.prepare_trainer` carry over.
-
-    The loss parameters are trained as in the uncached loss: step (2) runs on detached stand-ins of them, and
-    their gradients reach the parameters through the trainer's backward, so fp16 loss scaling, gradient
-    accumulation and the weights of ``MatryoshkaLoss`` apply to them as to the model's (the mechanism is
-    described in :class:`~st_weince.losses._gradcache.GradCachedLoss`).
+    Loss and gradients equal :class:`RBSigmoidLoss`'s on the same batch (tested to 1e-5), with the same parameter
+    names, so checkpoints and :func:`st_weince.training.prepare_trainer` carry over. Step (2) runs on detached
+    stand-ins of the loss parameters, whose gradients reach them through the trainer's backward, so fp16 loss scaling,
+    gradient accumulation and ``MatryoshkaLoss``'s weights apply to them as to the model's
+    (:class:`~st_weince.losses._gradcache.GradCachedLoss`).
 
     Args:
         model: SentenceTransformer model.
@@ -94,12 +86,8 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
             model = SentenceTransformer("all-MiniLM-L6-v2")
             train_dataset = Dataset.from_dict({"anchor": questions, "positive": answers})  # lists of texts
             args = SentenceTransformerTrainingArguments(output_dir="out", per_device_train_batch_size=4096)
-            trainer = SentenceTransformerTrainer(
-                model=model,
-                args=args,
-                train_dataset=train_dataset,
-                loss=CachedRBSigmoidLoss(model, mini_batch_size=64, symmetric=True),
-            )
+            loss = CachedRBSigmoidLoss(model, mini_batch_size=64, symmetric=True)
+            trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train_dataset, loss=loss)
             prepare_trainer(trainer)
             trainer.train()
     """
@@ -166,10 +154,10 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
 
     def _cached_loss(self, embeddings: list[Tensor], row_keys: list[Tensor] | None, with_backward: bool) -> Tensor:
         """The loss over row chunks of ``mini_batch_size`` anchors; with ``with_backward`` each chunk is
-        back-propagated to the embeddings at once, and the loss parameters' gradients are returned as the
-        zero-valued term ``sum_p (p - p.detach()) g_p`` added to the detached loss (see the class docstring)."""
+        back-propagated to the embeddings at once, on detached stand-ins of the loss parameters, whose gradients are
+        returned as the zero-valued term ``sum_p (p - p.detach()) g_p`` added to the detached loss."""
         params = used = self.loss_parameters()
-        if with_backward:  # the chunks run on detached stand-ins of the parameters (see the class docstring)
+        if with_backward:
             used = {name: value.detach().requires_grad_(value.requires_grad) for name, value in params.items()}
         chunks = {"chunk_rows": self.mini_batch_size, "backward": with_backward}
         total, extremes, guard_counts = self._block_losses(self._checked_columns(embeddings), used, row_keys, **chunks)
@@ -178,5 +166,5 @@ class CachedRBSigmoidLoss(GradCachedLoss, RBSigmoidLoss):
                 if value.requires_grad and used[name].grad is not None:
                     total = total + (value - value.detach()) * used[name].grad
         if self.log_statistics:
-            self._record(constellation_margin_from_extremes(*extremes)[0], guard_counts)
+            self._record(extremes, guard_counts)
         return total

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +15,7 @@ from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCoun
 from st_weince.functional.options import ColumnMode, Exchange, Parametrization, RBSigmoidOptions, defaults_of
 from st_weince.functional.sigmoid import (
     CandidateGuard,
+    SigmoidBlockLoss,
     SigmoidLogits,
     chunked_sigmoid_contrastive_loss,
     constellation_margin_from_extremes,
@@ -56,15 +58,11 @@ RB_SIGMOID_CITATION = """
 
 class RBSigmoidLoss(ColumnsLoss):
     """
-    RB-Sigmoid: the sigmoid (SigLIP-style) contrastive loss with a trainable scale (inverse temperature) ``t``
-    and a trainable *relative* bias ``b_rel``. Every (anchor, candidate) pair is an independent binary decision
-    "matching or not" with logit ``z = t (s - b_rel)`` on the cosine score ``s``; there is no softmax over the
-    batch. The loss is the mean over anchors of the sum over candidates of ``-log sigmoid(+-z)``.
-
-    Zero loss is reachable exactly on ``(m, b_rel)``-constellations: every matching pair scores at least
-    ``b_rel + m`` and every non-matching pair at most ``b_rel - m``. Training ``b_rel`` directly (instead of
-    SigLIP's absolute bias ``b = t b_rel``, which drifts ``b / t`` towards 0) reaches larger margins. The
-    absolute parametrization is available as the plain SigLIP baseline.
+    RB-Sigmoid: the sigmoid (SigLIP-style) contrastive loss with a trainable scale ``t`` and a trainable *relative*
+    bias ``b_rel``. Every (anchor, candidate) pair is its own binary decision "matching or not" with logit
+    ``z = t (s - b_rel)`` on the cosine score ``s``; the loss is the mean over anchors of the sum over candidates of
+    ``-log sigmoid(+-z)``. Training ``b_rel`` instead of SigLIP's ``b = t b_rel`` reaches larger margins
+    (docs/rb-sigmoid.md); the absolute parametrization is the plain SigLIP baseline.
 
     Args:
         model: SentenceTransformer model (None to use only ``compute_loss_from_embeddings`` / ``loss_from_scores``).
@@ -136,10 +134,9 @@ class RBSigmoidLoss(ColumnsLoss):
         +-------------------------------------------------+--------+
 
     Recommendations:
-        - Call :func:`st_weince.training.prepare_trainer` on the trainer: it logs ``t``, ``b_rel``, ``b`` and the
-          margin, checkpoints the loss parameters, keeps weight decay off them, averages their gradients across
-          processes and gives them their own learning rate (``loss_learning_rate``; at fine-tuning rates such
-          as 2e-5 they would hardly move), also under a wrapper such as ``MatryoshkaLoss``.
+        - Call :func:`st_weince.training.prepare_trainer` on the trainer: it logs and checkpoints the loss
+          parameters and gives them their own learning rate (at fine-tuning rates such as 2e-5 they would hardly
+          move), also under a wrapper such as ``MatryoshkaLoss``.
         - Use ``BatchSamplers.NO_DUPLICATES`` so no in-batch negative duplicates an anchor's positive.
         - For batches beyond what fits in memory use :class:`~st_weince.losses.CachedRBSigmoidLoss` (the same
           loss with gradient caching, with the same options and parameter names).
@@ -248,10 +245,9 @@ class RBSigmoidLoss(ColumnsLoss):
     # ----- the loss parameters -----
     @property
     def scale(self) -> Tensor:
-        """The current ``t = exp(min(log_t, log max_scale))`` (a tensor in the autograd graph): MNRL's ``scale``,
-        trained. It cannot be assigned: ``t`` is a parameter that the optimizer (and its state) and the checkpoints
-        hold, so an assignment would either reset a trained value behind the optimizer's back or leave the recorded
-        start (``options.scale``) describing another run. Give the start to the constructor instead."""
+        """The current ``t = exp(min(log_t, log max_scale))`` (in the autograd graph): MNRL's ``scale``, trained. Not
+        assignable: the optimizer and the checkpoints hold ``t``, so an assignment would reset a trained value behind
+        the optimizer's back or leave the recorded start (``options.scale``) describing another run."""
         return self._capped_log_t(self.log_t).exp()
 
     @scale.setter
@@ -280,10 +276,8 @@ class RBSigmoidLoss(ColumnsLoss):
 
     @torch.no_grad()
     def clamp_parameters_(self) -> None:
-        """Clamp ``log_t`` in place to the cap of ``max_scale`` (as open_clip clamps its logit scale after each
-        optimizer step). Call it after every optimizer step in custom training loops; ``prepare_trainer`` does it
-        for the trainer. The same clamp on every process (after the averaged gradients' step) and on resume (the
-        checkpoint holds the clamped value), so 2 processes and a resumed run stay equal to one process."""
+        """Clamp ``log_t`` in place to the cap of ``max_scale``, as open_clip clamps its logit scale after each
+        optimizer step; call it after every optimizer step in custom training loops (``prepare_trainer`` does it)."""
         self.log_t.clamp_(max=self.log_scale_cap)
 
     @property
@@ -325,8 +319,9 @@ class RBSigmoidLoss(ColumnsLoss):
             names.append("adapter_logit")
         return {name: getattr(self, name) for name in names}
 
-    def _scalars(self, params: dict[str, Tensor], dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    def _scalars(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         """Detached ``t`` (capped), ``b_rel``, ``b`` (and ``delta`` with the adapter), in ``dtype`` if given."""
+        params = self.loss_parameters()
         convert = (lambda value: value.detach()) if dtype is None else (lambda value: value.detach().to(dtype))
         t = self._capped_log_t(convert(params["log_t"])).exp()
         if self.options.parametrization == "relative":
@@ -340,22 +335,19 @@ class RBSigmoidLoss(ColumnsLoss):
             values["delta"] = torch.sigmoid(convert(params["adapter_logit"]))
         return values
 
-    def _logit_arguments(self, params: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Any]:
-        """Keyword arguments of the functional losses for these parameter values, in the computation dtype (the
-        scale is exponentiated in that dtype, so float64 inputs get a float64 ``t``)."""
+    def _sigmoid_logits(self, params: dict[str, Tensor], dtype: torch.dtype) -> SigmoidLogits:
+        """The logits' scale, bias and score transform (the locked adapter) for these parameter values, in the
+        computation dtype (the scale is exponentiated in it, so float64 inputs get a float64 ``t``)."""
         log_t = self._capped_log_t(params["log_t"])
-        arguments: dict[str, Any] = {"scale": (log_t if log_t.dtype == dtype else log_t.to(dtype)).exp()}
+        scale = (log_t if log_t.dtype == dtype else log_t.to(dtype)).exp()
         if self.options.parametrization == "relative":
-            arguments["relative_bias"] = params["b_rel"]
+            logits = SigmoidLogits(scale, relative_bias=params["b_rel"])
         else:
-            arguments["bias"] = params["bias"]
-        return arguments
-
-    def _score_transform(self, params: dict[str, Tensor], dtype: torch.dtype) -> Callable[[Tensor], Tensor] | None:
+            logits = SigmoidLogits(scale, bias=params["bias"])
         if not self.options.locked_adapter:
-            return None
+            return logits
         delta = torch.sigmoid(params["adapter_logit"].to(dtype))
-        return lambda scores: locked_adapter_scores(scores, delta)
+        return dataclasses.replace(logits, score_transform=lambda scores: locked_adapter_scores(scores, delta))
 
     def _require_valid_state(self, checks: DeferredChecks) -> None:
         for name, value in self.loss_parameters().items():
@@ -375,24 +367,25 @@ class RBSigmoidLoss(ColumnsLoss):
         with full_precision(scores):
             dtype = compute_dtype(scores)
             targets = targets_from_positive_index(positive_index, scores.shape[1], dtype=dtype)
-            transform = self._score_transform(params, dtype)
+            logits = self._sigmoid_logits(params, dtype)
             # on the cosine scores, before the adapter's transform, as in compute_loss_from_embeddings
             valid_mask, guard_counts = apply_false_negative_filter(
                 scores, positive_index, valid_mask, self.options.false_negative_filter
             )
-            scores = scores.to(dtype) if transform is None else transform(scores)
-            arguments = self._logit_arguments(params, dtype)
-            loss = sigmoid_contrastive_loss(scores, targets, valid_mask=valid_mask, check_inputs=False, **arguments)
+            scores = scores.to(dtype) if logits.score_transform is None else logits.score_transform(scores)
+            bias = {"relative_bias": logits.relative_bias, "bias": logits.bias}
+            loss = sigmoid_contrastive_loss(
+                scores, targets, scale=logits.scale, **bias, valid_mask=valid_mask, check_inputs=False
+            )
             if self.log_statistics:
-                margin, _ = constellation_margin_from_extremes(*score_extremes(scores, targets, valid_mask))
-                self._record(margin, guard_counts)
+                self._record(score_extremes(scores, targets, valid_mask), guard_counts)
             return loss
 
     def _loss_from_embeddings(self, embeddings: list[Tensor], row_keys: list[Tensor] | None) -> Tensor:
         params = self.loss_parameters()
         loss, extremes, guard_counts = self._block_losses(self._checked_columns(embeddings), params, row_keys)
-        if self.log_statistics:  # the first block's margin and guard shares
-            self._record(constellation_margin_from_extremes(*extremes)[0], guard_counts)
+        if self.log_statistics:
+            self._record(extremes, guard_counts)
         return loss
 
     # ----- the pieces, shared with CachedRBSigmoidLoss -----
@@ -406,21 +399,18 @@ class RBSigmoidLoss(ColumnsLoss):
         backward: bool = False,
     ) -> tuple[Tensor, tuple[Tensor, Tensor], FilterCounts | None]:
         """The loss of the checked, unit-length columns: the weighted sum of every anchors-against-candidates block's
-        loss (:func:`~st_weince.losses._sigmoid_blocks.directional_blocks`; candidates all-gathered with gradient when
-        the exchange is ``"all_gather"``), over row chunks of ``chunk_rows`` anchors (None: one chunk); with the first
-        block's extremes and its false-negative guard counts per anchor (None without the guard).
+        loss (:func:`~st_weince.losses._sigmoid_blocks.directional_blocks`), over row chunks of ``chunk_rows`` anchors
+        (None: one chunk); with the first block's extremes and guard counts per anchor (None without the guard).
 
         With ``backward`` (a cached loss's loss stage) each chunk is back-propagated at once and the loss returned
-        detached. Normalization and gathering then run once on leaves: each chunk's backward stops at the normalized
-        (and gathered) columns, and one backward per column then carries the accumulated gradients through the
-        gather and the normalization to the embeddings."""
+        detached: each chunk's backward stops at the normalized (and gathered) columns, made leaves here, and one
+        backward per column then carries the accumulated gradients through the gather and normalization."""
         options = self.options
         columns = [column.detach().requires_grad_() for column in normalized] if backward else normalized
         gathered, positive_index = candidate_columns(columns, options)
         # Without gathering the candidates are the columns themselves; gathered ones become leaves of their own.
-        candidates = gathered
-        if all_gathers(options) and backward:
-            candidates = [column.detach().requires_grad_() for column in gathered]
+        leaves = all_gathers(options) and backward
+        candidates = [column.detach().requires_grad_() for column in gathered] if leaves else gathered
         batch_size = columns[0].shape[0]
         step = batch_size if chunk_rows is None else chunk_rows
 
@@ -431,8 +421,10 @@ class RBSigmoidLoss(ColumnsLoss):
             anchors = columns[anchor_column]
             if options.gather_across_devices and options.exchange == "neighbour":
                 # Each process block arrives once; the row chunks go through it before the next one is received.
-                ring = {"weight": weight, "anchor_chunk": chunk_rows, "backward": backward}
-                chunk_results = [self._block_loss(anchors, block, positive_index, params, keys, **ring)]
+                ring = {"weight": weight, "anchor_chunk": chunk_rows, "backward": backward, "candidate_keys": keys}
+                chunk_results = [
+                    ring_block_losses(anchors, block, positive_index, self._rows_loss, params=params, **ring)
+                ]
             else:
                 chunk_results = []
                 for begin in range(0, batch_size, step):
@@ -440,7 +432,9 @@ class RBSigmoidLoss(ColumnsLoss):
                     anchor_rows, positive_rows = anchors, positive_index  # one chunk: no slice in the graph
                     if chunk_rows is not None:
                         anchor_rows, positive_rows = anchors[begin:end], positive_index[begin:end]
-                    value, low, high, counts = self._block_loss(anchor_rows, block, positive_rows, params, keys)
+                    value, low, high, counts = self._rows_loss(
+                        params, anchor_rows, block, positive_rows, block_keys=keys
+                    )
                     # The block loss is the mean over the chunk's anchors; the loss is the mean over all anchors.
                     value = value * (weight * (end - begin) / batch_size)
                     if backward:
@@ -450,88 +444,62 @@ class RBSigmoidLoss(ColumnsLoss):
             for value, low, high, counts in chunk_results:
                 total = value if total is None else total + value
                 if block_index == 0:  # the logged margin is the first block's
-                    extremes = (low, high) if extremes is None else _merge(extremes, low, high)
+                    if extremes is not None:
+                        low, high = torch.minimum(extremes[0], low), torch.maximum(extremes[1], high)
+                    extremes = (low, high)
                     if counts is not None:
                         guard_counts.append(counts)
+        if leaves:
+            backward_from_leaves(gathered, candidates)
         if backward:
-            if all_gathers(options):
-                backward_from_leaves(gathered, candidates)
             backward_from_leaves(normalized, columns)
         # per-anchor counts of the row chunks, in row order
         return total, extremes, FilterCounts.cat(guard_counts) if guard_counts else None
 
-    def _block_loss(
+    def _rows_loss(
         self,
-        anchors: Tensor,
-        candidates: Tensor,
-        positive_index: Tensor,
         params: dict[str, Tensor],
-        candidate_keys: Tensor | None = None,
-        **ring: Any,
-    ) -> tuple[Tensor, Tensor, Tensor, FilterCounts | None]:
-        """Mean over ``anchors`` of their loss against ``candidates``, with the block's smallest matching and largest
-        non-matching score (no gradient), and what the false-negative guard removed per anchor (None without it).
-        With ``exchange="neighbour"`` ``candidates`` are the local ones, and the loss is taken against every
-        process's block of them, passed around the ring (:func:`st_weince.functional.exchange.ring_block_losses`,
-        with its ``weight``, ``anchor_chunk`` and ``backward`` in ``ring``; the candidates' input keys travel with
-        their block)."""
-
-        def block_loss(params, rows, block, index, positive_scores=None, block_keys=None, reference_keys=None):
-            # ``positive_scores``, ``reference_keys``: the guard's threshold scores and the positives' input keys,
-            # when the block may not hold the rows' positives
-            logits = SigmoidLogits(
-                **self._logit_arguments(params, rows.dtype), score_transform=self._score_transform(params, rows.dtype)
-            )
-            guard = CandidateGuard(self.options.false_negative_filter, positive_scores, block_keys, reference_keys)
-            return chunked_sigmoid_contrastive_loss(
-                rows,
-                block,
-                index,
-                logits,
-                guard=guard,
-                chunk_size=self.options.chunk_size,
-                check_inputs=False,  # checked by the loss, with its own switch
-            )
-
-        if not (self.options.gather_across_devices and self.options.exchange == "neighbour"):
-            return block_loss(params, anchors, candidates, positive_index, block_keys=candidate_keys)
-        return ring_block_losses(
-            anchors, candidates, positive_index, block_loss, params=params, candidate_keys=candidate_keys, **ring
+        rows: Tensor,
+        block: Tensor,
+        index: Tensor,
+        positive_scores: Tensor | None = None,
+        block_keys: Tensor | None = None,
+        reference_keys: Tensor | None = None,
+    ) -> SigmoidBlockLoss:
+        """Mean over the anchor ``rows`` of their loss against one ``block`` of candidates, with its extremes and guard
+        counts; the block loss of :func:`~st_weince.functional.exchange.ring_block_losses`, which passes the guard's
+        threshold ``positive_scores`` and the positives' ``reference_keys`` when the block may not hold them."""
+        guard = CandidateGuard(self.options.false_negative_filter, positive_scores, block_keys, reference_keys)
+        logits = self._sigmoid_logits(params, rows.dtype)
+        # the inputs are checked by the loss, with its own switch
+        return chunked_sigmoid_contrastive_loss(
+            rows, block, index, logits, guard=guard, chunk_size=self.options.chunk_size, check_inputs=False
         )
 
     @torch.no_grad()
-    def _record(self, margin: Tensor, guard_counts: FilterCounts | None = None) -> None:
-        """Keep the batch statistics, the ``margin`` (and the false-negative guard's shares), as device tensors: no
-        sync in the hot path. The margin is that of the (local) batch: ``(min matching score - max non-matching
-        score) / 2`` of the first anchors-vs-candidates block
-        (:func:`~st_weince.functional.sigmoid.constellation_margin_from_extremes`); a block without matching or
-        without non-matching pairs has an infinite margin, not counted. ``t`` and ``b_rel`` are state, logged as they
-        are at the log (:meth:`logged_state`)."""
-        values = {"rb_sigmoid_margin": margin}
-        self.logged_statistics.add({**values, **guard_share_values("rb_sigmoid", guard_counts)})
+    def _record(self, extremes: tuple[Tensor, Tensor], guard_counts: FilterCounts | None) -> None:
+        """Keep the margin of the first anchors-against-candidates block of the (local) batch, from its ``extremes``
+        (infinite without matching or non-matching pairs, then not counted), and the guard's shares, as device
+        tensors: no sync in the hot path. ``t`` and ``b_rel`` are state, read at the log (:meth:`logged_state`)."""
+        margin, _ = constellation_margin_from_extremes(*extremes)
+        self.logged_statistics.add({"rb_sigmoid_margin": margin, **guard_share_values("rb_sigmoid", guard_counts)})
 
     @torch.no_grad()
     def logged_state(self) -> dict[str, Tensor]:
         """``t``, ``b_rel``, ``b`` (and ``delta``) as they are now, and ``t_capped``: 1 when ``t`` is at its cap
         ``max_scale`` (device tensors, read at the log)."""
-        params = self.loss_parameters()
-        values = {f"rb_sigmoid_{name}": value for name, value in self._scalars(params).items()}
-        capped = params["log_t"].detach() >= self.log_scale_cap
+        values = {f"rb_sigmoid_{name}": value for name, value in self._scalars().items()}
+        capped = self.log_t.detach() >= self.log_scale_cap
         values["rb_sigmoid_t_capped"] = capped.to(values["rb_sigmoid_t"].dtype)
         return values
 
     @torch.no_grad()
     def trained_values(self) -> dict[str, float]:
-        """The current values of the loss's own scalars, as Python floats (one host read): ``t`` (capped at
-        ``max_scale``), ``b_rel`` (``b / t`` in the absolute parametrization), ``b = t b_rel``, and ``delta`` with the
-        locked adapter. Not for the hot path. :meth:`get_config_dict` gives the configured starts instead; the model
-        carries these after training (:class:`st_weince.MatchProbability`) and its model card shows them."""
-        return {name: float(value) for name, value in self._scalars(self.loss_parameters(), torch.float64).items()}
+        """The current ``t`` (capped), ``b_rel``, ``b = t b_rel`` (and ``delta``) as Python floats (one host read; not
+        for the hot path). :meth:`get_config_dict` gives the configured starts instead; the model carries these after
+        training (:class:`st_weince.MatchProbability`)."""
+        return {name: float(value) for name, value in self._scalars(torch.float64).items()}
 
     @property
     def citation(self) -> str:
         return RB_SIGMOID_CITATION
-
-
-def _merge(extremes: tuple[Tensor, Tensor], low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
-    return torch.minimum(extremes[0], low), torch.maximum(extremes[1], high)
