@@ -2,7 +2,7 @@
 
 Only the loss changes between runs; it is the SAME class as on the text side (st_weince/vision/objectives.py).
 ``--loss-option KEY=VALUE`` (repeatable) goes to the loss class, which validates it; ``--scale`` is 1 / temperature
-(default 2), or RB-Sigmoid's starting t. ``--preset`` (st_weince.vision.setups.SETUPS; docs/vision.md compares them):
+(default 2), or RB-Sigmoid's starting t. ``--preset`` (simclr_tools.setups.SETUPS; docs/vision.md compares them):
 ``batchnorm-head`` (the default; BatchNorm head, Adam lr 1e-3 with weight decay 1e-6, jitter 0.4/0.4/0.4/0.1,
 normalised inputs, the standardized probe protocol) or ``released`` (docs/algorithms.md 1.2b for both arms: head
 without BatchNorm or biases, Adam lr 3e-4, jitter 0.8/0.8/0.8/0.2, no normalisation, the released probe protocol;
@@ -38,13 +38,7 @@ from tqdm.auto import tqdm
 
 from st_weince.training.processes import count_processes
 from st_weince.utils.cli import quiet_known_warnings, user_errors_exit
-from st_weince.vision.augment import SimCLRAugment, SimCLRAugmentConfig, eval_transform
-from st_weince.vision.data import DEFAULT_SPLITS, ImageTensorDataset, load_dataset
-from st_weince.vision.evaluation import evaluate_frozen_features, extract_features
-from st_weince.vision.models import BACKBONES, SimCLRModel, save_encoder
 from st_weince.vision.objectives import LOSSES, SIMCLR_BETA, SIMCLR_SCALE, SimCLRObjective
-from st_weince.vision.setups import SETUPS
-from st_weince.vision.training import SimCLRTraining, build_model, build_optimizer, data_order
 
 from recipe_tools import (
     default_output_dir,
@@ -54,6 +48,12 @@ from recipe_tools import (
     quiet_unless_rank_zero,
     write_run_outputs,
 )
+from simclr_tools.augment import SimCLRAugment, SimCLRAugmentConfig, eval_transform
+from simclr_tools.data import DEFAULT_SPLITS, ImageTensorDataset, load_dataset
+from simclr_tools.evaluation import evaluate_frozen_features, extract_features
+from simclr_tools.models import BACKBONES, SimCLRModel, save_encoder
+from simclr_tools.setups import SETUPS
+from simclr_tools.training import SimCLRTraining, build_model, build_optimizer, data_order
 
 FEATURE_WIDTH = "features"  # --hidden-dim value: as wide as the backbone features
 

@@ -17,9 +17,10 @@ import torch
 from torch import Tensor, nn
 
 from st_weince.training import average_loss_gradients
-from st_weince.vision.augment import SimCLRAugment
-from st_weince.vision.models import SimCLRModel
-from st_weince.vision.setups import Setup
+
+from simclr_tools.augment import SimCLRAugment
+from simclr_tools.models import SimCLRModel
+from simclr_tools.setups import Setup
 
 
 def data_order(num_images: int, seed: int, epoch: int) -> Tensor:
