@@ -101,7 +101,8 @@ def heap_checked_runs() -> subprocess.CompletedProcess:
             print("trained", backbone, width, flush=True)
         """
     )
-    env = {**os.environ, "MALLOC_CHECK_": "3", "MALLOC_PERTURB_": "165", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "recipes")])}
+    path = os.pathsep.join([REPO, os.path.join(REPO, "recipes")])  # the package and the recipe's simclr_tools
+    env = {**os.environ, "MALLOC_CHECK_": "3", "MALLOC_PERTURB_": "165", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     return subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True)
 
 

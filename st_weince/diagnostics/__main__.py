@@ -386,9 +386,7 @@ def analyse(encoded: Encoded, args: argparse.Namespace, *, started: float | None
     return summary
 
 
-def main(
-    argv: Sequence[str] | None = None, image_views: Callable[[argparse.Namespace], Encoded] | None = None
-) -> int:
+def main(argv: Sequence[str] | None = None, image_views: Callable[[argparse.Namespace], Encoded] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.command = None if argv is None else " ".join(["st-weince-diagnostics", *argv])
