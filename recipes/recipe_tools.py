@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from st_weince.training.processes import ProcessCount, count_processes
 from st_weince.utils.cli import check_model_path
 from st_weince.utils.provenance import provenance
 
@@ -321,6 +322,16 @@ def checkpoint_to_resume(resume: str | None, output_dir: str) -> str | None:
         raise ValueError(f"--resume-from-checkpoint {resume!r} is not a checkpoint with optimizer state (a checkpoint-*"
                          " folder of an earlier run started with --save-optimizer-state)")  # fmt: skip
     return resume
+
+
+def announce_processes(actual: int, *, prints: bool, warn: bool = True) -> ProcessCount:
+    """``count_processes(actual)``: the processes that train against those the launcher asked for; the process that
+    ``prints`` says how many train and (``warn``) warns when the launcher asked for more (``accelerate launch --cpu
+    --num_processes 2`` starts one process; ``--multi_gpu`` or torchrun start two)."""
+    processes = count_processes(actual)
+    if prints:
+        processes.announce(warn=warn)
+    return processes
 
 
 def quiet_unless_rank_zero() -> bool:

@@ -35,12 +35,12 @@ from transformers import set_seed
 
 from st_weince.losses import RBSigmoidLoss, WEINCELoss
 from st_weince.training import prepare_trainer
-from st_weince.training.processes import count_processes
 from st_weince.utils.cli import quiet_known_warnings, user_errors_exit
 
 from recipe_tools import (
     DEMO_TRAIN_FILE,
     POOLINGS,
+    announce_processes,
     checkpoint_to_resume,
     fetch_wiki1m,
     fill_output_dir,
@@ -139,9 +139,8 @@ def resolve_gather_across_devices(args: argparse.Namespace, world_size: int) -> 
 def train(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; the trainer's process group has the same
-    rank_zero, processes = int(os.environ.get("RANK", "0")) == 0, count_processes(world_size)  # rank 0 prints
-    if rank_zero:
-        processes.announce(warn=False)  # prepare_trainer warns when the launcher asked for more processes
+    rank_zero = int(os.environ.get("RANK", "0")) == 0  # rank 0 prints
+    processes = announce_processes(world_size, prints=rank_zero, warn=False)  # prepare_trainer warns
     args.gather_across_devices = resolve_gather_across_devices(args, world_size)
     if args.batch_size % world_size:
         raise ValueError(f"--batch-size {args.batch_size} is the global batch and must be divisible by the "

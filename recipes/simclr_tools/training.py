@@ -113,6 +113,15 @@ class SimCLRTraining:
         self.optimizer.step()
         return loss.detach()
 
+    def throughput(self, pairs: int, train_seconds: float, steps: int) -> dict[str, float]:
+        """The run's speed: ``pairs`` trained in ``train_seconds`` over ``steps``, and the augmentations' share."""
+        return {
+            "source_images_per_second_data_pipeline": pairs / max(self.augment_seconds, 1e-9),
+            "train_pairs_per_second": pairs / max(train_seconds, 1e-9),
+            "seconds_per_step": train_seconds / max(steps, 1),
+            "augment_share_of_step": self.augment_seconds / max(train_seconds, 1e-9),
+        }
+
     def epoch(
         self,
         images: Tensor,
