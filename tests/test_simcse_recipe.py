@@ -371,3 +371,11 @@ def test_accelerate_launch_on_a_cpu_says_it_runs_one_process(tiny_model_dir, sma
     environment = json.loads((out / "results.json").read_text())["environment"]
     assert environment["world_size"] == 1
     assert environment["processes"] == {"launcher": "accelerate launch", "requested": 2, "actual": 1}
+
+
+@pytest.mark.parametrize("script", ["simcse.py", "simclr.py"])
+def test_the_recipes_are_example_sized(script):
+    """A recipe reads as one script, as accelerate's and sentence-transformers' examples do: what it shares with the
+    other recipe or the studies lives in recipe_tools.py or simclr_tools/ (issue 52: at most 220 lines each)."""
+    lines = (REPO / "recipes" / script).read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 220, f"recipes/{script} has {len(lines)} lines; move machinery to recipes/recipe_tools.py"

@@ -1,4 +1,4 @@
-"""st_weince.vision's training step and epoch: bit for bit the loop the SimCLR studies' committed outputs came from,
+"""recipes/simclr_tools' training step and epoch: bit for bit the loop the SimCLR studies' committed outputs came from,
 the presets and arms, the per-step hook, sharding over processes, autocast and the non-finite loss error."""
 
 from __future__ import annotations
