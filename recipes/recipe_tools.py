@@ -23,12 +23,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from st_weince.training.processes import ProcessCount, count_processes
 from st_weince.utils.cli import check_model_path
 from st_weince.utils.provenance import provenance
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
+
+    from st_weince.training.processes import ProcessCount
 
 # --------------------------------------------------------------------------------------------------------------------
 # Command-line values
@@ -328,6 +329,8 @@ def announce_processes(actual: int, *, prints: bool, warn: bool = True) -> Proce
     """``count_processes(actual)``: the processes that train against those the launcher asked for; the process that
     ``prints`` says how many train and (``warn``) warns when the launcher asked for more (``accelerate launch --cpu
     --num_processes 2`` starts one process; ``--multi_gpu`` or torchrun start two)."""
+    from st_weince.training.processes import count_processes
+
     processes = count_processes(actual)
     if prints:
         processes.announce(warn=warn)
