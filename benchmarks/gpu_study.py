@@ -1,11 +1,11 @@
 """InfoNCE against WEINCE on CIFAR-10 with a full-width ResNet-18, on one GPU in about 8 minutes.
 
-Two setups (``--setup``; st_weince.vision.SETUPS, as the studies and recipes/simclr.py --preset):
+Two setups (``--setup``; simclr_tools.setups.SETUPS, as the studies and recipes/simclr.py --preset):
 
 - ``released`` (default): ALGORITHMS.md 1.2b's training setup for both arms (projection head without BatchNorm or
   biases, hidden width = feature width; Adam lr 3e-4 without weight decay; colour jitter 0.8/0.8/0.8/0.2; no
   normalisation), InfoNCE against the released composite (the blend + 0.5 x top-M shortfall + 0.5 x top-M InfoNCE,
-  M = 50: the arms ``infonce`` and ``composite`` of st_weince.vision.ARMS), evaluated with the released
+  M = 50: the arms ``infonce`` and ``composite`` of benchmarks.lab.arms.ARMS), evaluated with the released
   probe protocol too (stratified 80/20 split, linear probe on raw features, Adam lr 3e-4, 100 epochs; k-NN over 5
   split seeds) besides the k-NN on the whole train split;
 - ``batchnorm-head``: the BatchNorm-head setup (Adam lr 1e-3,
@@ -20,9 +20,9 @@ at that step. That schedule is fixed from arm 3's run of this invocation (same s
 These arms record every step's loss and top-M effective scales.
 
 All arms start from the same seed (same initial network, data order and augmentations) and train with
-st_weince.vision.SimCLRTraining, the step of the recipe and the studies. The first arm trains whole epochs while they
-fit its share of the time budget; the others then train the same number of epochs, so the comparison is at equal
-images seen. Augmentations run on the GPU (st_weince.vision.SimCLRAugment does
+simclr_tools.training.SimCLRTraining, the step of the recipe and the studies. The first arm trains whole
+epochs while they fit its share of the time budget; the others then train the same number of epochs,
+so the comparison is at equal images seen. Augmentations run on the GPU (simclr_tools.augment.SimCLRAugment does
 the pixel work on the images' device; only the per-image random parameters are drawn on the CPU), the forward pass
 runs under bf16 autocast with channels_last tensors, the loss in float32. At the end: weighted k-NN top-1 (k = 20,
 temperature 0.1, all k kept) on frozen backbone features of all 50,000 training and 10,000 test images, and the POT
@@ -64,9 +64,11 @@ from benchmarks.simclr_link_or_temperature import SCHEDULED, SHORTFALL
 from st_weince.diagnostics import pot_fit
 from st_weince.diagnostics.collect import negative_pool
 from st_weince.utils.provenance import provenance
-from st_weince.vision.augment import SimCLRAugment, eval_transform
-from st_weince.vision.data import balanced_subset, load_dataset
-from st_weince.vision.evaluation import (
+from st_weince.vision.objectives import SIMCLR_BETA, SIMCLR_SCALE
+
+from simclr_tools.augment import SimCLRAugment, eval_transform
+from simclr_tools.data import balanced_subset, load_dataset
+from simclr_tools.evaluation import (
     KNN_KS,
     KNN_TEMPERATURE,
     STANDARDIZED_PROTOCOL,
@@ -74,15 +76,14 @@ from st_weince.vision.evaluation import (
     extract_features,
     knn_evaluate,
 )
-from st_weince.vision.models import SimCLRModel
-from st_weince.vision.objectives import SIMCLR_BETA, SIMCLR_SCALE
-from st_weince.vision.setups import SETUPS
-from st_weince.vision.training import SimCLRTraining, build_model, build_optimizer, data_order, to_memory_format
+from simclr_tools.models import SimCLRModel
+from simclr_tools.setups import SETUPS
+from simclr_tools.training import SimCLRTraining, build_model, build_optimizer, data_order, to_memory_format
 
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "cifar10" / "cifar10-jpg.zip"
 DEFAULT_OUTPUT = scratch(__file__, "gpu_study.json")  # the committed results only with --output
 DEFAULT_OUTPUT_LINK = DEFAULT_OUTPUT.with_name("gpu_study_link.json")  # --pair link without --output
-# The two arms of each setup, baseline first; their objectives: st_weince.vision.ARMS.
+# The two arms of each setup, baseline first; their objectives: benchmarks.lab.arms.ARMS.
 SETUP_ARMS = {"released": ("infonce", "composite"), "batchnorm-head": ("infonce", "blend")}
 # --pair link (released setup): the top-M shortfall term against the linear top-M term at its fixed effective scale
 # and at arm 3's per-step effective scale, each on top of InfoNCE (docs/evidence.md "link or temperature").

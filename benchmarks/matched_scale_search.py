@@ -40,8 +40,9 @@ from benchmarks.lab.arms import build_run  # noqa: E402
 from benchmarks.lab.outputs import scratch  # noqa: E402
 from benchmarks.lab.simclr_eval import DEFAULT_DATA, load_data  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
-from st_weince.vision.augment import SimCLRAugment  # noqa: E402
-from st_weince.vision.training import SimCLRTraining, data_order  # noqa: E402
+
+from simclr_tools.augment import SimCLRAugment  # noqa: E402
+from simclr_tools.training import SimCLRTraining, data_order  # noqa: E402
 
 OUTPUT = scratch(__file__, "scale_search_epoch1.jsonl")  # the committed probes: ablation.MATCHED_SCALE_DIR
 LAST_STEPS = 20

@@ -35,7 +35,7 @@ resumable JSON lines; states outside the git tree) under its ``"released"`` setu
 images), CIFAR-stem ResNet-18 of width 16 (study 1's scale), projection head Linear(128, 128, no bias) - ReLU -
 Linear(128, 64, no bias), Adam lr 3e-4 without weight decay, batch 256 pairs, temperature 0.5, colour jitter
 0.8/0.8/0.8/0.2 with p 0.8, grayscale p 0.2, no normalisation. Evaluation: the released probe protocol
-(st_weince.vision.RELEASED_PROTOCOL) on un-augmented backbone features of the training images: a stratified 80/20
+(simclr_tools.evaluation.RELEASED_PROTOCOL) on un-augmented backbone features of the training images: a stratified 80/20
 split, logistic regression on the raw features of the 80 % (Adam lr 3e-4, batch 256, 100 epochs), test accuracy
 after the last epoch; weighted k-NN (temperature 0.1, k in {1, 2, 5, 10, 20, 50}, headline k = 50) averaged over
 split seeds 1..5. The final line (``"type": "final"``) uses all 50,000 training images; the per-epoch checkpoints
@@ -71,7 +71,8 @@ from benchmarks.lab import simclr_runner as runner  # noqa: E402
 from benchmarks.lab.arms import ARMS, MATCHED_TOP_M_INFONCE_SCALE  # noqa: E402
 from benchmarks.lab.outputs import scratch  # noqa: E402
 from st_weince.utils.provenance import provenance  # noqa: E402
-from st_weince.vision.setups import SETUPS  # noqa: E402
+
+from simclr_tools.setups import SETUPS  # noqa: E402
 
 OUTPUT = scratch(__file__)  # the committed runs (benchmarks/results/simclr_ablation/) only with --output-dir
 STATE = Path("/work/st-weince-ablation-state")
@@ -88,7 +89,7 @@ SCALE_NOTE = (
 )
 BASELINE = "infonce"
 RELEASED = SETUPS["released"]
-# ARMS (st_weince.vision): run-name prefix -> the objective: the loss, its options, the temperature where not 0.5.
+# ARMS (benchmarks.lab.arms): run-name prefix -> the objective: the loss, its options, the temperature where not 0.5.
 # The composite's parts, each measured as InfoNCE + that part (the blend replaces InfoNCE, so it is measured alone).
 PARTS = ("infonce-topm-infonce", "infonce-topm-shortfall", "blend")
 COMPOSITE = "composite"

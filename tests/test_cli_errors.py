@@ -88,7 +88,7 @@ def test_simcse_recipe_cli(tmp_path, capsys):
     assert line == f"simcse.py: error: --resume-from-checkpoint {str(missing)!r} does not exist"
     run = run_folder(tmp_path)
     with pytest.raises(ValueError, match="is a run folder; the model is in"):
-        recipe.load_model(recipe.parse_args(["--model", str(run), "--output-dir", str(tmp_path / "out")]))
+        recipe.load_simcse_model(recipe.parse_args(["--model", str(run), "--output-dir", str(tmp_path / "out")]))
 
 
 def test_simclr_recipe_cli(tmp_path, capsys):

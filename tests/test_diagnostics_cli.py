@@ -73,8 +73,9 @@ def test_cli_text_model(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_cli_image_encoder(tmp_path) -> None:
-    from st_weince.vision.models import SimCLRModel, save_encoder
+def test_cli_image_encoder(tmp_path, capsys) -> None:
+    from simclr_diagnostics import image_views  # recipes/simclr_diagnostics.py: the image encoders are the recipe's
+    from simclr_tools.models import SimCLRModel, save_encoder
 
     rng = np.random.default_rng(0)
     for label in ("a", "b"):
@@ -91,7 +92,10 @@ def test_cli_image_encoder(tmp_path) -> None:
         "--stability-quantiles", "0.8", "0.9", "--profile-points", "3", "--encode-batch-size", "16",
         "--anchor-sample", "0",
     ]  # fmt: skip
-    assert main(argv) == 0
+    with pytest.raises(SystemExit):  # the wheel's command line has no image reader: it says where it is
+        main(argv)
+    assert "run python recipes/simclr_diagnostics.py" in capsys.readouterr().err
+    assert main(argv, image_views=image_views) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["scale"]["layout"] == "nt_xent" and summary["scale"]["temperature"] == 0.5
     assert summary["link"]["augment"]["rows"] == 96  # 3 batches of 16 pairs -> 2 x 16 anchors each

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from st_weince.vision.models import NARROW_STRIDED_1X1_CHANNELS, CifarResNet, StridedPointwiseConv2d
+from simclr_tools.models import NARROW_STRIDED_1X1_CHANNELS, CifarResNet, StridedPointwiseConv2d
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,7 +88,7 @@ def heap_checked_runs() -> subprocess.CompletedProcess:
     script = textwrap.dedent(
         f"""
         import torch
-        from st_weince.vision.models import CifarResNet
+        from simclr_tools.models import CifarResNet
         for backbone, width in {NARROW_RESNETS!r}:
             torch.manual_seed(0)
             model = CifarResNet(backbone, width=width).to(memory_format=torch.channels_last)
@@ -101,7 +101,8 @@ def heap_checked_runs() -> subprocess.CompletedProcess:
             print("trained", backbone, width, flush=True)
         """
     )
-    env = {**os.environ, "MALLOC_CHECK_": "3", "MALLOC_PERTURB_": "165", "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    path = os.pathsep.join([REPO, os.path.join(REPO, "recipes")])  # the package and the recipe's simclr_tools
+    env = {**os.environ, "MALLOC_CHECK_": "3", "MALLOC_PERTURB_": "165", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     return subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True)
 
 

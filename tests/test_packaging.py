@@ -1,12 +1,15 @@
-"""Packaging: a built wheel carries LICENSE, py.typed and the version of st_weince/__init__.py (the one place);
-sentence-transformers' unexported embed_columns, which the losses import, still has the import path, signature and
-behaviour they rely on (pyproject pins sentence-transformers < 7 for it: this test is what fails when it moves)."""
+"""Packaging: a built wheel carries LICENSE, py.typed and the version of st_weince/__init__.py (the one place) and
+nothing of the recipes' SimCLR apparatus; scipy and matplotlib are the diagnostics' extra (the core does not import
+them, the diagnostics without them name the extra); sentence-transformers' unexported embed_columns, which the losses
+import, still has the import path, signature and behaviour they rely
+on (pyproject pins sentence-transformers < 7 for it: this test is what fails when it moves)."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
 import inspect
+import os
 import pkgutil
 import re
 import shutil
@@ -19,6 +22,7 @@ import torch
 
 import st_weince
 from tests.conftest import REPO_ROOT
+from tests.test_architecture import imported_modules, within
 
 tomllib = pytest.importorskip("tomllib", reason="Python >= 3.11 reads pyproject.toml without a dependency")
 PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))
@@ -54,10 +58,78 @@ def test_wheel_ships_py_typed_license_and_the_version(tmp_path):
     assert wheel.name.startswith(f"st_weince-{st_weince.__version__}-")
     names = zipfile.ZipFile(wheel).namelist()
     assert "st_weince/py.typed" in names
+    # the vision adapter only: datasets, augmentations, ResNets, setups, step and probes are recipes/simclr_tools'
+    assert sorted(n for n in names if n.startswith("st_weince/vision/")) == [
+        "st_weince/vision/__init__.py",
+        "st_weince/vision/objectives.py",
+    ]
     assert any(re.fullmatch(r"st_weince-[^/]+\.dist-info/licenses/LICENSE", name) for name in names)
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "License-Expression: Apache-2.0" in metadata
     assert re.search(r"Requires-Dist: sentence-transformers\[train\]<7,>=6\.3\.0", metadata)
+    for package in ("scipy", "matplotlib"):  # the diagnostics' extra, not the losses' requirements
+        assert re.search(rf"Requires-Dist: {package}>=[\d.]+; extra == \"diagnostics\"", metadata), package
+        assert not re.search(rf"Requires-Dist: {package}[<>=!~\d.,]*\n", metadata), package
+
+
+PLOTTING_AND_FITTING = ("scipy", "matplotlib")
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter on this checkout (a module already imported here would hide its imports)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, env=env)
+
+
+def test_the_extras_hold_scipy_and_matplotlib_for_the_diagnostics():
+    project = PYPROJECT["project"]
+    assert not [d for d in project["dependencies"] if d.startswith(PLOTTING_AND_FITTING)]
+    assert sorted(re.split(r"[<>=]", d)[0] for d in project["optional-dependencies"]["diagnostics"]) == [
+        "matplotlib",
+        "scipy",
+    ]
+    assert "diagnostics" in re.search(r"\[(.*)\]", project["optional-dependencies"]["all"][0]).group(1).split(",")
+    assert project["scripts"]["st-weince-diagnostics"] == "st_weince.diagnostics.__main__:main"
+
+
+def test_only_the_diagnostics_import_scipy_or_matplotlib():
+    package = REPO_ROOT / "st_weince"
+    wrong = [
+        f"{path.relative_to(REPO_ROOT)}:{line} imports {module}"
+        for path in sorted(package.rglob("*.py"))
+        if "diagnostics" not in path.relative_to(package).parts
+        for module, line in imported_modules(path)
+        if within(module, PLOTTING_AND_FITTING)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_core_loads_neither_scipy_nor_matplotlib():
+    loaded = f"print(sorted(name for name in {PLOTTING_AND_FITTING!r} if name in sys.modules))"
+    done = _python(f"import sys\nimport st_weince, st_weince.functional, st_weince.training\n{loaded}")
+    assert done.returncode == 0 and done.stdout.split("\n")[-2] == "[]", done.stderr[-2000:]
+    # the losses import sentence-transformers, which itself needs scipy (its requirement, not ours): no matplotlib
+    losses = "import st_weince.losses, st_weince.vision.objectives"
+    done = _python(f"import sys\n{losses}\nprint('matplotlib' in sys.modules)")
+    assert done.returncode == 0 and done.stdout.split("\n")[-2] == "False", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("missing", PLOTTING_AND_FITTING)
+def test_the_diagnostics_without_their_extra_name_it(missing):
+    """Without scipy (or matplotlib) the core still imports; the package, its command line's entry point and
+    ``python -m st_weince.diagnostics`` fail with one line that names the extra."""
+    hide = f"import sys\nsys.modules[{missing!r}] = None  # as if not installed\n"
+    assert _python(hide + "import st_weince, st_weince.functional, st_weince.training").returncode == 0
+    fix = 'pip install "st-weince[diagnostics]"'
+    for attempt in (
+        "import st_weince.diagnostics",
+        "from st_weince.diagnostics.__main__ import main",  # what the st-weince-diagnostics script runs first
+        "import runpy\nsys.argv = ['st-weince-diagnostics', '--help']\n"
+        "runpy.run_module('st_weince.diagnostics', run_name='__main__')",
+    ):
+        done = _python(hide + attempt)
+        last = done.stderr.strip().splitlines()[-1]
+        assert done.returncode != 0 and last.startswith("ImportError:") and missing in last and fix in last, last
 
 
 def test_sentence_transformers_major_version_is_the_pinned_one():

@@ -11,8 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from st_weince.vision.augment import RELEASED_AUGMENT, SimCLRAugmentConfig, eval_transform
-from st_weince.vision.evaluation import (
+from tests.test_vision_recipe import recipe, tiny_zip  # noqa: F401 (fixtures)
+
+from simclr_tools.augment import RELEASED_AUGMENT, SimCLRAugmentConfig, eval_transform
+from simclr_tools.evaluation import (
     RELEASED_PROTOCOL,
     STANDARDIZED_PROTOCOL,
     evaluate_frozen_features,
@@ -21,9 +23,8 @@ from st_weince.vision.evaluation import (
     linear_probe,
     stratified_split,
 )
-from st_weince.vision.models import SimCLRModel, load_encoder, save_encoder
-from st_weince.vision.setups import SETUPS
-from tests.test_vision_recipe import recipe, tiny_zip  # noqa: F401 (fixtures)
+from simclr_tools.models import SimCLRModel, load_encoder, save_encoder
+from simclr_tools.setups import SETUPS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

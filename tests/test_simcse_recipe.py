@@ -154,7 +154,7 @@ def test_error_paths(recipe, tiny_model_dir, small_stsb, train_file, tmp_path, c
         return recipe.parse_args(base_args(Path(model), stsb, train, tmp_path / "out", *extra))
 
     with pytest.raises(ValueError, match=r"model path .*does not exist.*--model"):
-        recipe.load_model(args_with(model=tmp_path / "no-such-model"))
+        recipe.load_simcse_model(args_with(model=tmp_path / "no-such-model"))
     with pytest.raises(ValueError, match=r"training file .*not found.*--train-file"):
         recipe.train(args_with(train=tmp_path / "missing.txt"))
     with pytest.raises(ValueError, match=r"STS-B dev file .*not found.*--stsb-dir"):
@@ -172,7 +172,7 @@ def test_error_paths(recipe, tiny_model_dir, small_stsb, train_file, tmp_path, c
     # A hub name cannot be fetched offline: the message says how to supply the model instead.
     os.environ["HF_HUB_OFFLINE"] = "1"
     with pytest.raises(ValueError, match=r"(?s)could not load model 'no-org/no-such-model'.*--model DIR"):
-        recipe.load_model(args_with("--pooling", "cls", model="no-org/no-such-model"))
+        recipe.load_simcse_model(args_with("--pooling", "cls", model="no-org/no-such-model"))
     # The command line turns these into one readable line and exit status 2 (as argparse), not a traceback.
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
@@ -203,19 +203,21 @@ def test_printed_scores_are_what_eval_sts_gives_on_the_saved_model(weince_run, s
         assert f"{cli['scores']['STSBenchmark']:.2f}" == f"{printed:.2f}"
 
 
-def test_read_first_lines_keeps_order_and_duplicates(recipe, tmp_path) -> None:
+def test_read_first_lines_keeps_order_and_duplicates(tmp_path) -> None:
+    from recipe_tools import read_first_lines
+
     path = tmp_path / "s.txt"
     path.write_text("a b\n\nc d\na b\ne f\n", encoding="utf-8")
-    assert recipe.read_first_lines(path) == ["a b", "c d", "a b", "e f"]  # a training file is used as it is
-    assert recipe.read_first_lines(path, 2) == ["a b", "c d"]
+    assert read_first_lines(path) == ["a b", "c d", "a b", "e f"]  # a training file is used as it is
+    assert read_first_lines(path, 2) == ["a b", "c d"]
     with pytest.raises(ValueError, match="limit must be at least 1"):
-        recipe.read_first_lines(path, 0)
+        read_first_lines(path, 0)
 
 
 def test_paper_preset_truncates_training_only(recipe, tiny_model_dir, tmp_path):
     """SimCSE trains at 32 tokens but evaluates untruncated: the paper preset's model keeps the tokenizer's length."""
     args = recipe.parse_args(["--preset", "paper", "--model", str(tiny_model_dir), "--output-dir", str(tmp_path)])
-    model, num_encoder_modules = recipe.load_model(args)
+    model, num_encoder_modules = recipe.load_simcse_model(args)
     assert args.max_seq_length == 32 and args.pooling == "cls" and args.save_optimizer_state
     assert num_encoder_modules == 2 and len(model) == 3  # Transformer, CLS pooling, the training-only MLP head
     assert model.max_seq_length == args.eval_max_length > 32
@@ -369,3 +371,11 @@ def test_accelerate_launch_on_a_cpu_says_it_runs_one_process(tiny_model_dir, sma
     environment = json.loads((out / "results.json").read_text())["environment"]
     assert environment["world_size"] == 1
     assert environment["processes"] == {"launcher": "accelerate launch", "requested": 2, "actual": 1}
+
+
+@pytest.mark.parametrize("script", ["simcse.py", "simclr.py"])
+def test_the_recipes_are_example_sized(script):
+    """A recipe reads as one script, as accelerate's and sentence-transformers' examples do: what it shares with the
+    other recipe or the studies lives in recipe_tools.py or simclr_tools/ (issue 52: at most 220 lines each)."""
+    lines = (REPO / "recipes" / script).read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 220, f"recipes/{script} has {len(lines)} lines; move machinery to recipes/recipe_tools.py"

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torchvision.transforms.v2 import functional as TF
 
-from st_weince.vision.augment import (
+from simclr_tools.augment import (
     SimCLRAugment,
     SimCLRAugmentConfig,
     color_jitter,

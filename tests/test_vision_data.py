@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from st_weince.vision.data import balanced_subset, load_dataset, load_image_folder
+from simclr_tools.data import balanced_subset, load_dataset, load_image_folder
 
 CLASSES = ["cat", "dog", "frog"]
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from st_weince.vision.evaluation import knn_evaluate, linear_probe
-from st_weince.vision.models import CifarResNet, SimCLRModel, load_encoder, save_encoder
+from simclr_tools.evaluation import knn_evaluate, linear_probe
+from simclr_tools.models import CifarResNet, SimCLRModel, load_encoder, save_encoder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

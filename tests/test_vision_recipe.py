@@ -11,8 +11,9 @@ import pytest
 import torch
 from PIL import Image
 
-from st_weince.vision.models import load_encoder
 from tests.conftest import load_script
+
+from simclr_tools.models import load_encoder
 
 REPO = Path(__file__).resolve().parents[1]
 

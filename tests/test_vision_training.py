@@ -1,4 +1,4 @@
-"""st_weince.vision's training step and epoch: bit for bit the loop the SimCLR studies' committed outputs came from,
+"""recipes/simclr_tools' training step and epoch: bit for bit the loop the SimCLR studies' committed outputs came from,
 the presets and arms, the per-step hook, sharding over processes, autocast and the non-finite loss error."""
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ import torch
 
 from benchmarks.lab.arms import ARMS, arm_objective, build_run
 from st_weince.utils.hotpath import count_host_syncs
-from st_weince.vision.augment import SimCLRAugment
-from st_weince.vision.data import load_dataset
-from st_weince.vision.models import SimCLRModel, load_encoder
 from st_weince.vision.objectives import SimCLRObjective
-from st_weince.vision.setups import SETUPS
-from st_weince.vision.training import SimCLRTraining, build_optimizer, data_order
 from tests.test_vision_recipe import recipe, tiny_zip  # noqa: F401 (fixtures)
+
+from simclr_tools.augment import SimCLRAugment
+from simclr_tools.data import load_dataset
+from simclr_tools.models import SimCLRModel, load_encoder
+from simclr_tools.setups import SETUPS
+from simclr_tools.training import SimCLRTraining, build_optimizer, data_order
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -9,10 +9,11 @@ from typing import Any
 
 import torch
 
-from st_weince.vision.models import SimCLRModel
 from st_weince.vision.objectives import SIMCLR_BETA, SIMCLR_SCALE, SimCLRObjective
-from st_weince.vision.setups import RELEASED_TOP_M_OPTIONS, SETUPS
-from st_weince.vision.training import build_model, build_optimizer
+
+from simclr_tools.models import SimCLRModel
+from simclr_tools.setups import RELEASED_TOP_M_OPTIONS, SETUPS
+from simclr_tools.training import build_model, build_optimizer
 
 # The top-M shortfall term's effective scale in the ablation's arm 3 (the mean of weince_effective_scale_top_m_shortfall
 # over epoch 1, seeds 0 and 1: 28.35 and 33.39), the fixed scale of the matched arm's linear top-M term.

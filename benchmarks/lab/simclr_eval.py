@@ -18,9 +18,10 @@ from st_weince.diagnostics import pot_fit
 from st_weince.diagnostics.collect import negative_pool
 from st_weince.functional import nt_xent_layout
 from st_weince.losses import WEINCELoss
-from st_weince.vision.augment import SimCLRAugment, eval_transform
-from st_weince.vision.data import ImageTensorDataset, balanced_subset, load_dataset
-from st_weince.vision.evaluation import (
+
+from simclr_tools.augment import SimCLRAugment, eval_transform
+from simclr_tools.data import ImageTensorDataset, balanced_subset, load_dataset
+from simclr_tools.evaluation import (
     KNN_KS,
     KNN_TEMPERATURE,
     STANDARDIZED_PROTOCOL,
@@ -29,9 +30,9 @@ from st_weince.vision.evaluation import (
     knn_evaluate,
     linear_probe,
 )
-from st_weince.vision.models import SimCLRModel
-from st_weince.vision.setups import SETUPS
-from st_weince.vision.training import to_memory_format
+from simclr_tools.models import SimCLRModel
+from simclr_tools.setups import SETUPS
+from simclr_tools.training import to_memory_format
 
 DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "cifar10" / "cifar10-jpg.zip"
 KNN_HEADLINE_K = 20
@@ -112,7 +113,7 @@ def encoder_weince_statistics(model: SimCLRModel, data: EvalData, config: dict[s
 def protocol_evaluation(
     features: Tensor, labels: Tensor, test_features: Tensor, data: EvalData, config: dict[str, Any], seed: int
 ) -> dict[str, Any]:
-    """The setup's probe protocol (st_weince.vision.evaluate_frozen_features) in the study's record keys, plus the
+    """The setup's probe protocol (evaluate_frozen_features) in the study's record keys, plus the
     protocol's own figures (validation accuracies, every k-NN split seed)."""
     result = evaluate_frozen_features(
         features,

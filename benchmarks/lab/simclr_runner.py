@@ -40,9 +40,10 @@ from benchmarks.lab.simclr_eval import DEFAULT_DATA, EvalData, evaluate, load_da
 from benchmarks.lab.summaries import update_docs
 from st_weince.training import loss_state_record, restore_loss_state
 from st_weince.utils.provenance import provenance
-from st_weince.vision.augment import SimCLRAugment
-from st_weince.vision.setups import SETUPS
-from st_weince.vision.training import SimCLRTraining, data_order
+
+from simclr_tools.augment import SimCLRAugment
+from simclr_tools.setups import SETUPS
+from simclr_tools.training import SimCLRTraining, data_order
 
 STUDY: dict[str, Any] = {
     "dataset": "cifar10",

@@ -9,9 +9,10 @@ JSON lines, Parquet, or a ``save_to_disk`` folder); the negative pool is the pai
 or on a file of sentences, one a line, for the negative pool (``--sentences``), with or without pairs. The last line
 printed begins ``Verdict:`` (the rule: docs/diagnostics.md, "The verdict").
 
-Images (an encoder saved by ``st_weince.vision.models.save_encoder``) on an ImageFolder directory or zip:
+Images (an encoder saved by recipes/simclr.py) on an ImageFolder directory or zip, with the same options, from a clone
+of the repository (the CIFAR encoders and augmentations are the recipe's, ``recipes/simclr_tools``):
 
-    python -m st_weince.diagnostics --encoder runs/simclr/... --images cifar10-jpg.zip --image-split test \
+    python recipes/simclr_diagnostics.py --encoder runs/simclr/... --images cifar10-jpg.zip --image-split test \
         --output-dir DIR
 
 The steps (negative pool and its POT fits, choice data and link fits, verdict) and the outputs (``summary.json``
@@ -25,7 +26,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,7 +35,6 @@ import torch
 
 from st_weince.diagnostics.collect import (
     choice_data,
-    encode_images,
     encode_texts,
     hardest_negatives,
     negative_pool,
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     dropout.add_argument("--skip-dropout", action="store_true", help=argparse.SUPPRESS)  # the default with --pairs
     src.add_argument("--max-seq-length", type=int, default=32, help="token limit (SimCSE trains with 32)")
     img = p.add_argument_group("image encoder")
-    img.add_argument("--encoder", help="directory written by st_weince.vision.models.save_encoder")
+    img.add_argument("--encoder", help="directory written by recipes/simclr.py (recipes/simclr_diagnostics.py)")
     img.add_argument("--images", help="ImageFolder directory or zip (<split>/<class>/<image>)")
     img.add_argument("--image-split", default="test")
     img.add_argument(
@@ -200,38 +200,6 @@ def _text_views(args: argparse.Namespace) -> Encoded:
     return Encoded(frozen, views, data, None if pairs is None else pairs.labels)
 
 
-def _image_views(args: argparse.Namespace) -> Encoded:
-    from st_weince.vision.augment import SimCLRAugment, eval_transform
-    from st_weince.vision.data import load_image_folder
-    from st_weince.vision.models import load_encoder
-
-    if not args.images:
-        raise ValueError("--encoder needs --images (an ImageFolder directory or zip)")
-    model = load_encoder(args.encoder)
-    encoder = model.forward if args.features == "projection" else model.encode
-    dataset = load_image_folder(args.images, args.image_split, args.num_inputs, args.seed)
-    images = dataset.images
-    print(f"encoding {len(images)} images", flush=True)
-    bs = args.encode_batch_size
-    frozen = encode_images(encoder, images, transform=eval_transform, batch_size=bs, show_progress_bar=True)
-    augment = SimCLRAugment(generator=torch.Generator().manual_seed(args.seed))
-    views: Views = {
-        "augment": (
-            encode_images(encoder, images, transform=augment.view, batch_size=bs, show_progress_bar=True),
-            encode_images(encoder, images, transform=augment.view, batch_size=bs, show_progress_bar=True),
-            {"kind": "two SimCLR augmentations (st_weince.vision.augment.SimCLRAugment)"},
-        )
-    }
-    data = {
-        "inputs": len(images),
-        "input_file": args.images,
-        "split": args.image_split,
-        "features": args.features,
-        "encoder_config": model.config,
-    }
-    return Encoded(frozen, views, data)
-
-
 def _command_line() -> str:
     program = Path(sys.argv[0]).name
     program = "python -m st_weince.diagnostics" if program == "__main__.py" else program
@@ -309,9 +277,16 @@ def _link_fits(
     return links, choices, beta1_fits
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, image_views: Callable[[argparse.Namespace], Encoded] | None = None) -> dict:
+    """Encode the inputs and ``analyse`` them: text with the model; images with ``image_views``, the SimCLR recipe's
+    encoder reader (recipes/simclr_diagnostics.py passes it; the CIFAR encoders are the recipe's, not the wheel's)."""
     if bool(args.model) == bool(args.encoder):
         raise ValueError("pass exactly one of --model (text) and --encoder (images)")
+    if args.encoder and image_views is None:
+        raise ValueError(
+            "--encoder: image encoders are the SimCLR recipe's; run python recipes/simclr_diagnostics.py with the "
+            "same options (from a clone of the repository)"
+        )
     for option in ("scale", "temperature"):
         if getattr(args, option) is not None and not getattr(args, option) > 0:
             raise ValueError(f"--{option} must be > 0, got {getattr(args, option)}")
@@ -319,7 +294,7 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     started = time.time()
     torch.manual_seed(args.seed)
-    encoded = _text_views(args) if args.model else _image_views(args)
+    encoded = _text_views(args) if args.model else image_views(args)
     return analyse(encoded, args, started=started)
 
 
@@ -396,14 +371,14 @@ def analyse(encoded: Encoded, args: argparse.Namespace, *, started: float | None
     return summary
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, image_views: Callable[[argparse.Namespace], Encoded] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.command = None if argv is None else " ".join(["st-weince-diagnostics", *argv])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     quiet_known_warnings()
     with user_errors_exit(parser.prog):  # a missing file or model, a bad value: one line, exit status 2
-        run(args)
+        run(args, image_views)
     return 0
 
 

@@ -17,9 +17,10 @@ import torch
 from torch import Tensor, nn
 
 from st_weince.training import average_loss_gradients
-from st_weince.vision.augment import SimCLRAugment
-from st_weince.vision.models import SimCLRModel
-from st_weince.vision.setups import Setup
+
+from simclr_tools.augment import SimCLRAugment
+from simclr_tools.models import SimCLRModel
+from simclr_tools.setups import Setup
 
 
 def data_order(num_images: int, seed: int, epoch: int) -> Tensor:
@@ -111,6 +112,15 @@ class SimCLRTraining:
         average_loss_gradients(self.objective)  # the loss is not inside DDP: average t, b_rel over processes
         self.optimizer.step()
         return loss.detach()
+
+    def throughput(self, pairs: int, train_seconds: float, steps: int) -> dict[str, float]:
+        """The run's speed: ``pairs`` trained in ``train_seconds`` over ``steps``, and the augmentations' share."""
+        return {
+            "source_images_per_second_data_pipeline": pairs / max(self.augment_seconds, 1e-9),
+            "train_pairs_per_second": pairs / max(train_seconds, 1e-9),
+            "seconds_per_step": train_seconds / max(steps, 1),
+            "augment_share_of_step": self.augment_seconds / max(train_seconds, 1e-9),
+        }
 
     def epoch(
         self,

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from st_weince.functional.options import RELEASED_COMPOSITE
-from st_weince.vision.augment import RELEASED_AUGMENT, SimCLRAugmentConfig
-from st_weince.vision.evaluation import RELEASED_PROTOCOL, STANDARDIZED_PROTOCOL, ProbeProtocol
+
+from simclr_tools.augment import RELEASED_AUGMENT, SimCLRAugmentConfig
+from simclr_tools.evaluation import RELEASED_PROTOCOL, STANDARDIZED_PROTOCOL, ProbeProtocol
 
 STL10_MEAN, STL10_STD = (0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)
 

@@ -1,7 +1,7 @@
 """Image datasets as in-memory uint8 tensors: ImageFolder directories, zips of one, and torchvision downloads.
 
 Small-image datasets (CIFAR, STL-10) fit in memory as ``uint8 [N, 3, H, W]``; augmentations then run batched on
-tensors (see :mod:`st_weince.vision.augment`), on the training device, instead of image by image in PIL.
+tensors (see :mod:`simclr_tools.augment`), on the training device, instead of image by image in PIL.
 
 Offline layout (``torchvision.datasets.ImageFolder``'s): ``<root>/<split>/<class>/<image>``, as a directory or as a
 zip (an optional single top-level folder is allowed), e.g. ``shared/data/cifar10/cifar10-jpg.zip``.

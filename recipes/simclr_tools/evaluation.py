@@ -345,3 +345,26 @@ def evaluate_frozen_features(
         }
     )
     return results
+
+
+def evaluate_encoder(
+    encoder: nn.Module,
+    probe_train: Any,
+    test: Any,
+    protocol: ProbeProtocol,
+    transform: Callable[[Tensor], Tensor],
+    *,
+    epochs: int = 100,
+    batch_size: int = 512,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> dict[str, Any]:
+    """:func:`evaluate_frozen_features` of ``encoder``'s features of two labelled image sets (``images``, ``labels``,
+    ``classes``: :class:`~simclr_tools.data.ImageTensorDataset`), un-augmented (``transform``: the evaluation's
+    normalisation), plus the set sizes."""
+    train_features, test_features = (
+        extract_features(encoder, split.images, transform, batch_size, device) for split in (probe_train, test)
+    )
+    result = evaluate_frozen_features(train_features, probe_train.labels, test_features, test.labels, protocol,
+                                      epochs=epochs, num_classes=len(probe_train.classes), seed=seed)  # fmt: skip
+    return {**result, "probe_train_images": len(probe_train), "eval_images": len(test)}
