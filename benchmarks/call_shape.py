@@ -15,8 +15,11 @@ first training step makes once-only checks). Recorded per loss:
 - ``functional_to_losses_calls``: calls from ``st_weince/functional/`` into ``st_weince/losses/`` (a closure handed
   down).
 
-    python benchmarks/call_shape.py --label after            # adds "after" to benchmarks/results/call_shape.json
-    PYTHONPATH=/tmp/old python benchmarks/call_shape.py --label before
+    python benchmarks/call_shape.py --label after    # adds "after" to runs/benchmarks/call_shape/call_shape.json
+    PYTHONPATH=/tmp/old python benchmarks/call_shape.py --label before --output benchmarks/results/call_shape.json
+
+The committed ``benchmarks/results/call_shape.json`` changes only when ``--output`` names it. The default is computed
+here, not from ``benchmarks.lab.outputs``: ``PYTHONPATH`` may name an older checkout that lacks it.
 """
 
 from __future__ import annotations
@@ -165,7 +168,9 @@ def _profiled(loss, features, package_dir: Path) -> CallShape:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--label", default="current", help="the key of this run in the output (e.g. before, after)")
-    parser.add_argument("--output", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "call_shape.json")
+    parser.add_argument(
+        "--output", type=Path, default=REPO_ROOT / "runs" / "benchmarks" / "call_shape" / "call_shape.json"
+    )
     args = parser.parse_args()
 
     from st_weince.utils.provenance import provenance
