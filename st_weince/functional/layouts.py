@@ -170,12 +170,43 @@ class MNRLColumns:
     keys: list[Tensor] | None = None
 
     def layout(self, begin: int, end: int) -> MNRLLayout:
-        """The guarded layout of this process's rows ``begin:end``."""
-        start = self.offset + begin
-        layout = mnrl_layout(
-            self.queries, self.docs, self.directions, self.partition_mode, row_start=start, row_end=self.offset + end
-        )
-        return layout if self.guard is None else guard_layout(layout, self.guard, self.keys, start)[0]
+        """The guarded layout of this process's rows ``begin:end`` (the directions checked when the options were
+        built; :func:`mnrl_layout` for the layout's rows)."""
+        row_start, row_end = self.offset + begin, self.offset + end
+        queries, docs, directions = self.queries, self.docs, self.directions
+        num_queries, device = queries.shape[0], queries.device
+        rows = torch.arange(row_start, row_end, device=device)
+        docs_all = torch.cat(docs, dim=0) if len(docs) > 1 else docs[0]
+        row_queries = queries[row_start:row_end]
+        row_docs = docs[0][row_start:row_end]
+
+        blocks: dict[str, tuple[Tensor, Tensor | None]] = {"query_to_doc": (row_queries @ docs_all.T, None)}
+        if "query_to_query" in directions:
+            not_self = torch.arange(num_queries, device=device)[None, :] != rows[:, None]
+            blocks["query_to_query"] = (row_queries @ queries.T, not_self)
+        if "doc_to_query" in directions:
+            blocks["doc_to_query"] = (row_docs @ queries.T, None)
+        if "doc_to_doc" in directions:
+            other_query = (torch.arange(docs_all.shape[0], device=device) % num_queries)[None, :] != rows[:, None]
+            blocks["doc_to_doc"] = (row_docs @ docs_all.T, other_query)
+
+        if self.partition_mode == "joint":
+            grouped = [tuple(d for d in QUERY_ANCHORED if d in blocks), tuple(d for d in DOC_ANCHORED if d in blocks)]
+        else:
+            grouped = [(d,) for d in blocks]
+        groups = []
+        for group in filter(None, grouped):
+            scores = torch.cat([blocks[d][0] for d in group], dim=1) if len(group) > 1 else blocks[group[0]][0]
+            valid_mask = None  # all valid: no mask tensor, no masked copies
+            if any(blocks[d][1] is not None for d in group):
+                ones = {d: torch.ones_like(blocks[d][0], dtype=torch.bool) for d in group if blocks[d][1] is None}
+                valid_mask = torch.cat([blocks[d][1] if d not in ones else ones[d] for d in group], dim=1)
+            has_positive = group[0] in ("query_to_doc", "doc_to_query")
+            widths = tuple(blocks[d][0].shape[1] for d in group)
+            positive_index = rows if has_positive else torch.full_like(rows, -1)
+            groups.append(CandidateGroup(group, scores, widths, positive_index, valid_mask, has_positive))
+        layout = MNRLLayout(tuple(groups), self.partition_mode, row_end - row_start)
+        return layout if self.guard is None else guard_layout(layout, self.guard, self.keys, row_start)[0]
 
 
 def mnrl_layout(
@@ -199,50 +230,7 @@ def mnrl_layout(
     row_end = num_queries if row_end is None else row_end
     if not 0 <= row_start < row_end <= num_queries:
         raise ValueError(f"rows {row_start}:{row_end} must be a non-empty range within the {num_queries} queries")
-    device = queries.device
-    rows = torch.arange(row_start, row_end, device=device)
-    docs_all = torch.cat(docs, dim=0) if len(docs) > 1 else docs[0]
-    row_queries = queries[row_start:row_end]
-    row_docs = docs[0][row_start:row_end]
-
-    blocks: dict[str, tuple[Tensor, Tensor | None]] = {"query_to_doc": (row_queries @ docs_all.T, None)}
-    if "query_to_query" in directions:
-        not_self = torch.arange(num_queries, device=device)[None, :] != rows[:, None]
-        blocks["query_to_query"] = (row_queries @ queries.T, not_self)
-    if "doc_to_query" in directions:
-        blocks["doc_to_query"] = (row_docs @ queries.T, None)
-    if "doc_to_doc" in directions:
-        other_query = (torch.arange(docs_all.shape[0], device=device) % num_queries)[None, :] != rows[:, None]
-        blocks["doc_to_doc"] = (row_docs @ docs_all.T, other_query)
-
-    if partition_mode == "joint":
-        grouped = [tuple(d for d in QUERY_ANCHORED if d in blocks), tuple(d for d in DOC_ANCHORED if d in blocks)]
-    else:
-        grouped = [(d,) for d in blocks]
-    groups = []
-    for group in filter(None, grouped):
-        scores = torch.cat([blocks[d][0] for d in group], dim=1) if len(group) > 1 else blocks[group[0]][0]
-        valid_mask = None  # all valid: no mask tensor, no masked copies
-        if any(blocks[d][1] is not None for d in group):
-            valid_mask = torch.cat(
-                [
-                    blocks[d][1] if blocks[d][1] is not None else torch.ones_like(blocks[d][0], dtype=torch.bool)
-                    for d in group
-                ],
-                dim=1,
-            )
-        has_positive = group[0] in ("query_to_doc", "doc_to_query")
-        groups.append(
-            CandidateGroup(
-                directions=group,
-                scores=scores,
-                widths=tuple(blocks[d][0].shape[1] for d in group),
-                positive_index=rows if has_positive else torch.full_like(rows, -1),
-                valid_mask=valid_mask,
-                has_positive=has_positive,
-            )
-        )
-    return MNRLLayout(groups=tuple(groups), partition_mode=partition_mode, num_rows=row_end - row_start)
+    return MNRLColumns(queries, docs, directions, partition_mode, num_queries).layout(row_start, row_end)
 
 
 def guard_layout(

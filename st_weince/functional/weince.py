@@ -22,7 +22,6 @@ from st_weince.functional.checks import (
     check_score_shapes,
     check_scores,
     compute_dtype,
-    from_order_keys,
     order_keys,
 )
 from st_weince.functional.line_fit import burn_in, fit_lines, row_design, shared_design
@@ -149,7 +148,7 @@ def hardest_negatives(
     selected = negative_selection(scores, positive_index, valid_mask, has_positive)
     values, columns = selected.topk(width, dim=1, sorted=True)
     return HardestNegatives(
-        values=values if values.is_floating_point() else from_order_keys(values, scores.dtype),
+        values=values if values.is_floating_point() else order_keys(values).view(scores.dtype),
         columns=columns if with_columns else None,
         selection=selected if keep_selection else None,
     )
@@ -303,14 +302,6 @@ def blend_weights(fit: TailFit, rho0: Tensor | float, options: WEINCEOptions = D
     return _where_fitted(fit, lam, 0.0)
 
 
-def tail_index(fit: TailFit, beta: float | str = DEFAULTS.beta) -> Tensor:
-    """beta(a) in the shortfall logit: a constant (reference implementation: 1.0) or "auto", the clamped estimate."""
-    if beta == "auto":
-        low, high = BETA_AUTO_RANGE
-        return _where_fitted(fit, fit.beta_hat.clamp(low, high), 1.0)
-    return torch.full_like(fit.beta_hat, beta)
-
-
 @torch.no_grad()
 def statistics_from_fit(
     fit: TailFit,
@@ -334,9 +325,14 @@ def statistics_from_fit(
         rho0 = batch_pivot(rho, has_negatives, options.gate.q)
     if not isinstance(rho0, Tensor) or rho0.dtype != fit.rho.dtype or rho0.device != fit.rho.device:
         rho0 = torch.as_tensor(rho0, dtype=fit.rho.dtype, device=fit.rho.device)
+    # beta(a) in the shortfall logit: a constant (reference implementation: 1.0) or "auto", the clamped estimate
+    if options.beta == "auto":
+        beta = _where_fitted(fit, fit.beta_hat.clamp(*BETA_AUTO_RANGE), 1.0)
+    else:
+        beta = torch.full_like(fit.beta_hat, options.beta)
     return WEINCEStatistics(
         lam=blend_weights(fit, rho0, options),
-        beta=tail_index(fit, options.beta),
+        beta=beta,
         rho=fit.rho,
         delta_aic=fit.delta_aic,
         rho0=rho0,
