@@ -170,9 +170,7 @@ def update_beta_ema(beta_ema: Tensor, fit: BatchTailFit, options: TopM) -> Tenso
     return torch.where(fit.trusted, updated, beta_ema)
 
 
-def initial_beta_ema(
-    options: TopM, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
-) -> Tensor:
-    """The moving average's start value as a scalar tensor (a buffer's initial value)."""
+def initial_beta_ema(options: TopM) -> Tensor:
+    """The moving average's start value as a float32 scalar tensor (a buffer's initial value, moved with the loss)."""
     require_options(options, TopM)
-    return torch.tensor(options.beta_ema_start, device=device, dtype=dtype)
+    return torch.tensor(options.beta_ema_start, dtype=torch.float32)

@@ -356,7 +356,6 @@ def weince_statistics(
     ``rho0`` overrides the batch pivot. ``gather`` maps a per-anchor tensor of this process to the one of the global
     batch (e.g. an all-gather under data parallelism), so that the pivot is taken over every process's anchors.
     """
-    require_options(options, WEINCEOptions)
     fit = weince_tail_fit(scores, positive_index, valid_mask, options)
     return statistics_from_fit(fit, options, rho0=rho0, gather=gather)
 
@@ -485,22 +484,20 @@ def weince_cross_entropy(
     options: WEINCEOptions = DEFAULTS,
     *,
     reduction: str = "mean",
-    rho0: Tensor | float | None = None,
-    statistics: WEINCEStatistics | None = None,
 ) -> Tensor:
     """WEINCE loss (the blend, docs/algorithms.md 1.2, at ``options.scale``): the cross-entropy of each row's
-    blended logits with its positive as the target. ``statistics``: precomputed statistics of these rows. The values
-    are checked as torch's losses do (:func:`check_scores` with ``every_row_has_positive=True``, one host sync) unless
-    ``options.check_inputs`` is False (no sync: ``torch.compile(fullgraph=True)`` traces it whole)."""
+    blended logits with its positive as the target. The values are checked as torch's losses do
+    (:func:`check_scores` with ``every_row_has_positive=True``, one host sync) unless ``options.check_inputs`` is
+    False (no sync: ``torch.compile(fullgraph=True)`` traces it whole)."""
     require_options(options, WEINCEOptions)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    check_score_shapes(scores, positive_index, valid_mask)
     if options.check_inputs:
         check_scores(scores, positive_index, valid_mask, every_row_has_positive=True)
+    else:
+        check_score_shapes(scores, positive_index, valid_mask)
     positive_index = positive_index.long()
-    if statistics is None:
-        statistics = weince_statistics(scores, positive_index, valid_mask, options, rho0=rho0)
+    statistics = weince_statistics(scores, positive_index, valid_mask, options)
     rows = blended_cross_entropy(
         scores, statistics.lam, statistics.beta, positive_index, valid_mask, scale=options.scale, eps=options.eps
     )
