@@ -206,7 +206,7 @@ class MNRLColumns:
             positive_index = rows if has_positive else torch.full_like(rows, -1)
             groups.append(CandidateGroup(group, scores, widths, positive_index, valid_mask, has_positive))
         layout = MNRLLayout(tuple(groups), self.partition_mode, row_end - row_start)
-        return layout if self.guard is None else guard_layout(layout, self.guard, self.keys, row_start)[0]
+        return layout if self.guard is None else guard_layout(layout, self.guard, self.keys, row_start)
 
 
 def mnrl_layout(
@@ -235,13 +235,13 @@ def mnrl_layout(
 
 def guard_layout(
     layout: MNRLLayout, spec: FalseNegativeFilter | None, keys: list[Tensor] | None = None, row_start: int = 0
-) -> tuple[MNRLLayout, FilterCounts | None]:
-    """The layout with the false-negative guard's candidates removed from every group's ``valid_mask``, and the
+) -> MNRLLayout:
+    """The layout with the false-negative guard's candidates removed from every group's ``valid_mask``, with the
     per-row counts (masked, negatives before) of the query-anchored group; the layout itself when the guard is off.
     ``keys``: the (gathered) columns' keys for the ``"identical"`` and ``"same_label"`` rules, the layout's first row
     ``row_start``."""
     if spec is None:
-        return layout, None
+        return layout
     query_group = layout.groups[0]
     # The row's own positive pair score: query i against document i (query_to_doc, the first block of group 0).
     pair_scores = query_group.scores.gather(1, query_group.positive_index[:, None]).squeeze(1)
@@ -269,28 +269,19 @@ def guard_layout(
         )
         counts = group_counts if counts is None else counts
         groups.append(dataclasses.replace(group, valid_mask=valid_mask))
-    return MNRLLayout(tuple(groups), layout.partition_mode, layout.num_rows, guard_counts=counts), counts
+    return MNRLLayout(tuple(groups), layout.partition_mode, layout.num_rows, guard_counts=counts)
 
 
 def mnrl_cross_entropy(layout: MNRLLayout, group_logits: list[Tensor]) -> Tensor:
-    """Per-row loss [R] from the logits of each group of ``layout`` (invalid entries at -inf), as MNRL does:
-    ``"joint"``, one softmax over every direction of the row, with the query_to_doc positive as the target;
-    ``"per_direction"``, the mean over directions of each direction's own cross-entropy."""
-    if len(group_logits) != len(layout.groups):
-        raise ValueError(f"need one logits tensor per group ({len(layout.groups)}), got {len(group_logits)}")
+    """Per-row loss [R] of MNRL's ``"joint"`` softmax from the logits of each group of ``layout`` (invalid entries at
+    -inf): one softmax over every direction of the row, with the query_to_doc positive as the target (a layout of one
+    softmax per group takes the fused cross-entropy of each)."""
     # The logits are shifted by their row maximum (no gradient: the loss does not depend on the shift) before the
     # log-sum-exp and the positive's logit are subtracted: at an extreme scale both are huge and their difference
     # would lose the log K of a row of equal logits to rounding; shifted, equal logits are exactly 0.
-    if layout.partition_mode == "joint":
-        query_group = layout.groups[0]
-        row_max = torch.stack([logits.detach().amax(dim=1) for logits in group_logits], dim=1).amax(dim=1)
-        shifted = [logits - row_max[:, None] for logits in group_logits]
-        positive = shifted[0].gather(1, query_group.positive_index[:, None]).squeeze(1)
-        # log-sum-exp per group, then across groups: no concatenated copy of the rows
-        log_z = torch.stack([logits.logsumexp(dim=1) for logits in shifted], dim=1).logsumexp(dim=1)
-        return log_z - positive
-    losses = []
-    for group, logits in zip(layout.groups, group_logits):
-        shifted = logits - logits.detach().amax(dim=1, keepdim=True)
-        losses.append(shifted.logsumexp(dim=1) - shifted.gather(1, group.positive_index[:, None]).squeeze(1))
-    return torch.stack(losses, dim=1).mean(dim=1)
+    row_max = torch.stack([logits.detach().amax(dim=1) for logits in group_logits], dim=1).amax(dim=1)
+    shifted = [logits - row_max[:, None] for logits in group_logits]
+    positive = shifted[0].gather(1, layout.groups[0].positive_index[:, None]).squeeze(1)
+    # log-sum-exp per group, then across groups: no concatenated copy of the rows
+    log_z = torch.stack([logits.logsumexp(dim=1) for logits in shifted], dim=1).logsumexp(dim=1)
+    return log_z - positive
