@@ -335,14 +335,13 @@ class WEINCELoss(ColumnsLoss):
         needs, so that lambda is 0 everywhere and the loss is InfoNCE. Shapes decide; nothing is read from a
         device."""
         self._batch_checked = True
-        directions = self.options.directions
-        negatives = negatives_per_anchor(batch_size, num_documents, directions)
+        # a query-anchored row's negatives: every document but its positive, with query_to_query every other query
+        others = int("query_to_query" in self.options.directions)
+        negatives = batch_size * (num_documents + others) - 1 - others
         needed = negatives_needed(self.options)
         if self.options.mode == "none" or negatives >= needed:
             return
-        batch = next(
-            b for b in range(batch_size, needed + 2) if negatives_per_anchor(b, num_documents, directions) >= needed
-        )
+        batch = -(-(needed + 1 + others) // (num_documents + others))  # the smallest batch with as many
         warnings.warn(
             f"{type(self).__name__} at a batch of {batch_size} ({negatives} negative{'s' if negatives != 1 else ''} "
             f"per anchor) fits no anchor's tail: its tail fit needs at least {needed} negatives per anchor, so lambda "
@@ -356,10 +355,3 @@ class WEINCELoss(ColumnsLoss):
     @property
     def citation(self) -> str:
         return WEINCE_CITATION
-
-
-def negatives_per_anchor(batch_size: int, num_documents: int, directions: tuple[str, ...]) -> int:
-    """The negatives of a query-anchored row of MNRL's layout: every document but its positive, and with
-    ``query_to_query`` every other query."""
-    negatives = batch_size * num_documents - 1
-    return negatives + (batch_size - 1 if "query_to_query" in directions else 0)
