@@ -31,9 +31,9 @@ WEINCE_CITATION = """
 """
 
 
-# Why MultipleNegativesRankingLoss's arguments other than their no-op values do not apply to WEINCE.
 _DEFAULTS = defaults_of(WEINCEOptions)  # the signature's defaults: read from the options class, their one home
 
+# Why MultipleNegativesRankingLoss's arguments other than their no-op values do not apply to WEINCE.
 _HARDNESS = (
     "MNRL's hardness weighting adds alpha * s to the negative logits, so the softmax would no longer be the choice "
     "model whose tail WEINCE fits; WEINCE's own lambda already up-weights anchors with hard negatives"
