@@ -484,11 +484,13 @@ def weince_cross_entropy(
     options: WEINCEOptions = DEFAULTS,
     *,
     reduction: str = "mean",
+    rho0: Tensor | float | None = None,
+    statistics: WEINCEStatistics | None = None,
 ) -> Tensor:
     """WEINCE loss (the blend, docs/algorithms.md 1.2, at ``options.scale``): the cross-entropy of each row's
-    blended logits with its positive as the target. The values are checked as torch's losses do
-    (:func:`check_scores` with ``every_row_has_positive=True``, one host sync) unless ``options.check_inputs`` is
-    False (no sync: ``torch.compile(fullgraph=True)`` traces it whole)."""
+    blended logits with its positive as the target. ``statistics``: precomputed statistics of these rows. The values
+    are checked as torch's losses do (:func:`check_scores` with ``every_row_has_positive=True``, one host sync) unless
+    ``options.check_inputs`` is False (no sync: ``torch.compile(fullgraph=True)`` traces it whole)."""
     require_options(options, WEINCEOptions)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
@@ -497,7 +499,8 @@ def weince_cross_entropy(
     else:
         check_score_shapes(scores, positive_index, valid_mask)
     positive_index = positive_index.long()
-    statistics = weince_statistics(scores, positive_index, valid_mask, options)
+    if statistics is None:
+        statistics = weince_statistics(scores, positive_index, valid_mask, options, rho0=rho0)
     rows = blended_cross_entropy(
         scores, statistics.lam, statistics.beta, positive_index, valid_mask, scale=options.scale, eps=options.eps
     )
