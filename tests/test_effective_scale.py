@@ -19,12 +19,12 @@ EPS = 1e-6
 def test_the_shortfall_secant_slope_by_hand_and_its_tangent_limit():
     low = torch.tensor([0.1, -0.5, 0.9, 0.3], dtype=torch.float64)
     high = torch.tensor([0.6, 0.5, 0.99, 0.3], dtype=torch.float64)
-    slope = shortfall_secant_slope(low, high, EPS)
+    slope = shortfall_secant_slope(torch.stack([low, high], dim=1), None, EPS)
     expected = [(math.log(1 - a) - math.log(1 - b)) / (b - a) for a, b in zip(low.tolist()[:3], high.tolist()[:3])]
     assert slope[:3].tolist() == pytest.approx(expected, rel=1e-12)
     assert float(slope[3]) == pytest.approx(1 / 0.7, rel=1e-12)  # one score: the tangent beta / (1 - s)
     # scores at the cap use 1 - eps, as the logits do: finite
-    assert math.isfinite(float(shortfall_secant_slope(torch.tensor([0.0]), torch.tensor([1.0]), EPS)))
+    assert math.isfinite(float(shortfall_secant_slope(torch.tensor([[0.0, 1.0]]), None, EPS)))
 
 
 def test_the_blend_scale_is_the_temperature_at_lambda_0_and_the_shortfall_secant_at_1():

@@ -187,7 +187,7 @@ def test_rows_without_their_own_positive_use_the_query_to_doc_pair_score():
     loss = WEINCELoss(None, directions=("query_to_doc", "doc_to_doc"), false_negative_filter=("absolute", 0.05))
     queries, docs = (F.normalize(c.detach(), dim=-1) for c in columns)
     layout = mnrl_layout(queries, [docs], loss.options.directions, loss.options.partition_mode)
-    layout, _ = guard_layout(layout, loss.options.false_negative_filter)
+    layout = guard_layout(layout, loss.options.false_negative_filter)
     doc_group = layout.groups[1]
     assert not doc_group.has_positive and doc_group.directions == ("doc_to_doc",)
     removed = {tuple(x) for x in (~doc_group.valid_mask & ~torch.eye(64, dtype=torch.bool)).nonzero().tolist()}
@@ -210,7 +210,7 @@ def assert_cached_equals_uncached(cached, uncached, columns, prefix: str) -> Non
         queries, *docs = [normalize_rows(column) for column in columns]
         options = uncached.options
         layout = mnrl_layout(queries, docs, options.directions, options.partition_mode)
-        layout, _ = guard_layout(layout, options.false_negative_filter)
+        layout = guard_layout(layout, options.false_negative_filter)
         group = layout.groups[0]  # the query rows, guarded, whose statistics the loss logs
         ulps = ulps_apart(block_scores(uncached, columns, row_chunks(columns[0].shape[0], 5)), group.scores)
         tolerance = tail_fit_tolerances(group.scores, group.positive_index, group.valid_mask, options, ulps)["lam"]

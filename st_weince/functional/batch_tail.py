@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from st_weince.functional.checks import check_score_shapes, compute_dtype, from_order_keys
+from st_weince.functional.checks import check_score_shapes, compute_dtype, order_keys
 from st_weince.functional.line_fit import burn_in, fit_design, fit_lines, shared_design
 from st_weince.functional.options import TopM, require_options
 from st_weince.functional.weince import HardestNegatives, count_negatives, negative_selection
@@ -97,7 +97,7 @@ def batch_negative_tail(
     # The keep smallest shortfalls are the keep largest negative scores: one top-k of the flat selection.
     largest = selected.reshape(-1).topk(keep, sorted=True).values
     if not largest.is_floating_point():  # order keys (on CPU)
-        largest = from_order_keys(largest, scores.dtype)
+        largest = order_keys(largest).view(scores.dtype)
     dtype = compute_dtype(scores)
     shortfall = torch.rsub(largest if largest.dtype == dtype else largest.to(dtype), 1.0).clamp_min_(eps)
     if valid_mask is None and has_positive is not None:  # every row alike: a count from the shapes
@@ -170,9 +170,7 @@ def update_beta_ema(beta_ema: Tensor, fit: BatchTailFit, options: TopM) -> Tenso
     return torch.where(fit.trusted, updated, beta_ema)
 
 
-def initial_beta_ema(
-    options: TopM, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
-) -> Tensor:
-    """The moving average's start value as a scalar tensor (a buffer's initial value)."""
+def initial_beta_ema(options: TopM) -> Tensor:
+    """The moving average's start value as a float32 scalar tensor (a buffer's initial value, moved with the loss)."""
     require_options(options, TopM)
-    return torch.tensor(options.beta_ema_start, device=device, dtype=dtype)
+    return torch.tensor(options.beta_ema_start, dtype=torch.float32)

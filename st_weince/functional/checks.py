@@ -32,15 +32,10 @@ def order_keys(values: Tensor) -> Tensor:
     """Integer keys that order like the floating ``values``: their bits, with the magnitude bits flipped where the sign
     bit is set (ties stay ties; -0.0 ranks below 0.0, and NaN gets no rank of its own). On CPU torch's top-k on such
     keys makes the float top-k's comparisons without its NaN-aware comparator, about a third of its time. The map is
-    its own inverse on the keys (:func:`from_order_keys`)."""
+    its own inverse on the keys: ``order_keys(keys).view(dtype)`` are the floats of the keys, bit for bit."""
     bits = values.view(_INTEGER_OF_SIZE[values.element_size()])  # keys (an integer tensor) stay as they are
     sign = 8 * bits.element_size() - 1
     return (bits >> sign).bitwise_and_((1 << sign) - 1).bitwise_xor_(bits)
-
-
-def from_order_keys(keys: Tensor, dtype: torch.dtype) -> Tensor:
-    """The floats of :func:`order_keys`' keys, bit for bit."""
-    return order_keys(keys).view(dtype)
 
 
 #: The order key of -inf in each floating dtype (a Python int: what a row's excluded entry is set to).

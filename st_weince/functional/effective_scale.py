@@ -9,9 +9,15 @@ import torch
 from torch import Tensor
 
 
-def shortfall_secant_slope(low: Tensor, high: Tensor, eps: float) -> Tensor:
-    """The secant slope of ``-log(1 - s)`` between ``low`` and ``high`` (elementwise, ``low <= high``), scores capped
-    at ``1 - eps``; the tangent ``1 / (1 - high)`` where they are equal."""
+def shortfall_secant_slope(scores: Tensor, valid_mask: Tensor | None, eps: float) -> Tensor:
+    """Per row [A]: the secant slope of ``-log(1 - s)`` between the row's lowest and highest valid score, scores
+    capped at ``1 - eps``; the tangent ``1 / (1 - s)`` where they are equal (no gradient)."""
+    scores = scores.detach()
+    if valid_mask is None:
+        low, high = scores.amin(dim=1), scores.amax(dim=1)
+    else:
+        low = scores.masked_fill(~valid_mask, float("inf")).amin(dim=1)
+        high = scores.masked_fill(~valid_mask, float("-inf")).amax(dim=1)
     low, high = low.clamp(max=1.0 - eps), high.clamp(max=1.0 - eps)
     width = high - low
     rise = torch.log1p(-low) - torch.log1p(-high)
@@ -20,27 +26,15 @@ def shortfall_secant_slope(low: Tensor, high: Tensor, eps: float) -> Tensor:
     return torch.where(spread, rise / torch.where(spread, width, 1.0), tangent)
 
 
-def row_score_range(scores: Tensor, valid_mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The lowest and highest valid score of each row, ``([A], [A])`` (no gradient)."""
-    scores = scores.detach()
-    if valid_mask is None:
-        return scores.amin(dim=1), scores.amax(dim=1)
-    return (
-        scores.masked_fill(~valid_mask, float("inf")).amin(dim=1),
-        scores.masked_fill(~valid_mask, float("-inf")).amax(dim=1),
-    )
-
-
 @torch.no_grad()
 def blend_effective_scale(
     scores: Tensor, valid_mask: Tensor | None, lam: Tensor, beta: Tensor, *, scale: float, eps: float
 ) -> Tensor:
     """Per row [A]: the secant slope of the blended logit ``(1 - lam) s scale + lam (-beta log(1 - s))`` over the row's
     valid scores (the positive and every candidate of its softmax)."""
-    low, high = row_score_range(scores, valid_mask)
-    if lam.dtype != low.dtype:
-        lam, beta = lam.to(low.dtype), beta.to(low.dtype)
-    return (1.0 - lam) * scale + lam * beta * shortfall_secant_slope(low, high, eps)
+    if lam.dtype != scores.dtype:
+        lam, beta = lam.to(scores.dtype), beta.to(scores.dtype)
+    return (1.0 - lam) * scale + lam * beta * shortfall_secant_slope(scores, valid_mask, eps)
 
 
 @torch.no_grad()
@@ -48,5 +42,4 @@ def selection_shortfall_scale(picked: Tensor, used: Tensor | None, beta: Tensor,
     """Per row [A]: the secant slope of the top-M shortfall logit ``-beta log(1 - s)`` over a row's used entries of a
     :func:`~st_weince.functional.top_m.top_m_selection` (its positive and used hardest negatives; None: all)."""
     # The positive is an entry of the set, so a row without used negatives (M' = 0) has the range of one score.
-    low, high = row_score_range(picked, used)
-    return beta * shortfall_secant_slope(low, high, eps)
+    return beta * shortfall_secant_slope(picked, used, eps)

@@ -170,12 +170,43 @@ class MNRLColumns:
     keys: list[Tensor] | None = None
 
     def layout(self, begin: int, end: int) -> MNRLLayout:
-        """The guarded layout of this process's rows ``begin:end``."""
-        start = self.offset + begin
-        layout = mnrl_layout(
-            self.queries, self.docs, self.directions, self.partition_mode, row_start=start, row_end=self.offset + end
-        )
-        return layout if self.guard is None else guard_layout(layout, self.guard, self.keys, start)[0]
+        """The guarded layout of this process's rows ``begin:end`` (the directions checked when the options were
+        built; :func:`mnrl_layout` for the layout's rows)."""
+        row_start, row_end = self.offset + begin, self.offset + end
+        queries, docs, directions = self.queries, self.docs, self.directions
+        num_queries, device = queries.shape[0], queries.device
+        rows = torch.arange(row_start, row_end, device=device)
+        docs_all = torch.cat(docs, dim=0) if len(docs) > 1 else docs[0]
+        row_queries = queries[row_start:row_end]
+        row_docs = docs[0][row_start:row_end]
+
+        blocks: dict[str, tuple[Tensor, Tensor | None]] = {"query_to_doc": (row_queries @ docs_all.T, None)}
+        if "query_to_query" in directions:
+            not_self = torch.arange(num_queries, device=device)[None, :] != rows[:, None]
+            blocks["query_to_query"] = (row_queries @ queries.T, not_self)
+        if "doc_to_query" in directions:
+            blocks["doc_to_query"] = (row_docs @ queries.T, None)
+        if "doc_to_doc" in directions:
+            other_query = (torch.arange(docs_all.shape[0], device=device) % num_queries)[None, :] != rows[:, None]
+            blocks["doc_to_doc"] = (row_docs @ docs_all.T, other_query)
+
+        if self.partition_mode == "joint":
+            grouped = [tuple(d for d in QUERY_ANCHORED if d in blocks), tuple(d for d in DOC_ANCHORED if d in blocks)]
+        else:
+            grouped = [(d,) for d in blocks]
+        groups = []
+        for group in filter(None, grouped):
+            scores = torch.cat([blocks[d][0] for d in group], dim=1) if len(group) > 1 else blocks[group[0]][0]
+            valid_mask = None  # all valid: no mask tensor, no masked copies
+            if any(blocks[d][1] is not None for d in group):
+                ones = {d: torch.ones_like(blocks[d][0], dtype=torch.bool) for d in group if blocks[d][1] is None}
+                valid_mask = torch.cat([blocks[d][1] if d not in ones else ones[d] for d in group], dim=1)
+            has_positive = group[0] in ("query_to_doc", "doc_to_query")
+            widths = tuple(blocks[d][0].shape[1] for d in group)
+            positive_index = rows if has_positive else torch.full_like(rows, -1)
+            groups.append(CandidateGroup(group, scores, widths, positive_index, valid_mask, has_positive))
+        layout = MNRLLayout(tuple(groups), self.partition_mode, row_end - row_start)
+        return layout if self.guard is None else guard_layout(layout, self.guard, self.keys, row_start)
 
 
 def mnrl_layout(
@@ -199,61 +230,18 @@ def mnrl_layout(
     row_end = num_queries if row_end is None else row_end
     if not 0 <= row_start < row_end <= num_queries:
         raise ValueError(f"rows {row_start}:{row_end} must be a non-empty range within the {num_queries} queries")
-    device = queries.device
-    rows = torch.arange(row_start, row_end, device=device)
-    docs_all = torch.cat(docs, dim=0) if len(docs) > 1 else docs[0]
-    row_queries = queries[row_start:row_end]
-    row_docs = docs[0][row_start:row_end]
-
-    blocks: dict[str, tuple[Tensor, Tensor | None]] = {"query_to_doc": (row_queries @ docs_all.T, None)}
-    if "query_to_query" in directions:
-        not_self = torch.arange(num_queries, device=device)[None, :] != rows[:, None]
-        blocks["query_to_query"] = (row_queries @ queries.T, not_self)
-    if "doc_to_query" in directions:
-        blocks["doc_to_query"] = (row_docs @ queries.T, None)
-    if "doc_to_doc" in directions:
-        other_query = (torch.arange(docs_all.shape[0], device=device) % num_queries)[None, :] != rows[:, None]
-        blocks["doc_to_doc"] = (row_docs @ docs_all.T, other_query)
-
-    if partition_mode == "joint":
-        grouped = [tuple(d for d in QUERY_ANCHORED if d in blocks), tuple(d for d in DOC_ANCHORED if d in blocks)]
-    else:
-        grouped = [(d,) for d in blocks]
-    groups = []
-    for group in filter(None, grouped):
-        scores = torch.cat([blocks[d][0] for d in group], dim=1) if len(group) > 1 else blocks[group[0]][0]
-        valid_mask = None  # all valid: no mask tensor, no masked copies
-        if any(blocks[d][1] is not None for d in group):
-            valid_mask = torch.cat(
-                [
-                    blocks[d][1] if blocks[d][1] is not None else torch.ones_like(blocks[d][0], dtype=torch.bool)
-                    for d in group
-                ],
-                dim=1,
-            )
-        has_positive = group[0] in ("query_to_doc", "doc_to_query")
-        groups.append(
-            CandidateGroup(
-                directions=group,
-                scores=scores,
-                widths=tuple(blocks[d][0].shape[1] for d in group),
-                positive_index=rows if has_positive else torch.full_like(rows, -1),
-                valid_mask=valid_mask,
-                has_positive=has_positive,
-            )
-        )
-    return MNRLLayout(groups=tuple(groups), partition_mode=partition_mode, num_rows=row_end - row_start)
+    return MNRLColumns(queries, docs, directions, partition_mode, num_queries).layout(row_start, row_end)
 
 
 def guard_layout(
     layout: MNRLLayout, spec: FalseNegativeFilter | None, keys: list[Tensor] | None = None, row_start: int = 0
-) -> tuple[MNRLLayout, FilterCounts | None]:
-    """The layout with the false-negative guard's candidates removed from every group's ``valid_mask``, and the
+) -> MNRLLayout:
+    """The layout with the false-negative guard's candidates removed from every group's ``valid_mask``, with the
     per-row counts (masked, negatives before) of the query-anchored group; the layout itself when the guard is off.
     ``keys``: the (gathered) columns' keys for the ``"identical"`` and ``"same_label"`` rules, the layout's first row
     ``row_start``."""
     if spec is None:
-        return layout, None
+        return layout
     query_group = layout.groups[0]
     # The row's own positive pair score: query i against document i (query_to_doc, the first block of group 0).
     pair_scores = query_group.scores.gather(1, query_group.positive_index[:, None]).squeeze(1)
@@ -281,28 +269,19 @@ def guard_layout(
         )
         counts = group_counts if counts is None else counts
         groups.append(dataclasses.replace(group, valid_mask=valid_mask))
-    return MNRLLayout(tuple(groups), layout.partition_mode, layout.num_rows, guard_counts=counts), counts
+    return MNRLLayout(tuple(groups), layout.partition_mode, layout.num_rows, guard_counts=counts)
 
 
 def mnrl_cross_entropy(layout: MNRLLayout, group_logits: list[Tensor]) -> Tensor:
-    """Per-row loss [R] from the logits of each group of ``layout`` (invalid entries at -inf), as MNRL does:
-    ``"joint"``, one softmax over every direction of the row, with the query_to_doc positive as the target;
-    ``"per_direction"``, the mean over directions of each direction's own cross-entropy."""
-    if len(group_logits) != len(layout.groups):
-        raise ValueError(f"need one logits tensor per group ({len(layout.groups)}), got {len(group_logits)}")
+    """Per-row loss [R] of MNRL's ``"joint"`` softmax from the logits of each group of ``layout`` (invalid entries at
+    -inf): one softmax over every direction of the row, with the query_to_doc positive as the target (a layout of one
+    softmax per group takes the fused cross-entropy of each)."""
     # The logits are shifted by their row maximum (no gradient: the loss does not depend on the shift) before the
     # log-sum-exp and the positive's logit are subtracted: at an extreme scale both are huge and their difference
     # would lose the log K of a row of equal logits to rounding; shifted, equal logits are exactly 0.
-    if layout.partition_mode == "joint":
-        query_group = layout.groups[0]
-        row_max = torch.stack([logits.detach().amax(dim=1) for logits in group_logits], dim=1).amax(dim=1)
-        shifted = [logits - row_max[:, None] for logits in group_logits]
-        positive = shifted[0].gather(1, query_group.positive_index[:, None]).squeeze(1)
-        # log-sum-exp per group, then across groups: no concatenated copy of the rows
-        log_z = torch.stack([logits.logsumexp(dim=1) for logits in shifted], dim=1).logsumexp(dim=1)
-        return log_z - positive
-    losses = []
-    for group, logits in zip(layout.groups, group_logits):
-        shifted = logits - logits.detach().amax(dim=1, keepdim=True)
-        losses.append(shifted.logsumexp(dim=1) - shifted.gather(1, group.positive_index[:, None]).squeeze(1))
-    return torch.stack(losses, dim=1).mean(dim=1)
+    row_max = torch.stack([logits.detach().amax(dim=1) for logits in group_logits], dim=1).amax(dim=1)
+    shifted = [logits - row_max[:, None] for logits in group_logits]
+    positive = shifted[0].gather(1, layout.groups[0].positive_index[:, None]).squeeze(1)
+    # log-sum-exp per group, then across groups: no concatenated copy of the rows
+    log_z = torch.stack([logits.logsumexp(dim=1) for logits in shifted], dim=1).logsumexp(dim=1)
+    return log_z - positive

@@ -22,7 +22,6 @@ from st_weince.functional.checks import (
     check_score_shapes,
     check_scores,
     compute_dtype,
-    from_order_keys,
     order_keys,
 )
 from st_weince.functional.line_fit import burn_in, fit_lines, row_design, shared_design
@@ -149,7 +148,7 @@ def hardest_negatives(
     selected = negative_selection(scores, positive_index, valid_mask, has_positive)
     values, columns = selected.topk(width, dim=1, sorted=True)
     return HardestNegatives(
-        values=values if values.is_floating_point() else from_order_keys(values, scores.dtype),
+        values=values if values.is_floating_point() else order_keys(values).view(scores.dtype),
         columns=columns if with_columns else None,
         selection=selected if keep_selection else None,
     )
@@ -303,14 +302,6 @@ def blend_weights(fit: TailFit, rho0: Tensor | float, options: WEINCEOptions = D
     return _where_fitted(fit, lam, 0.0)
 
 
-def tail_index(fit: TailFit, beta: float | str = DEFAULTS.beta) -> Tensor:
-    """beta(a) in the shortfall logit: a constant (reference implementation: 1.0) or "auto", the clamped estimate."""
-    if beta == "auto":
-        low, high = BETA_AUTO_RANGE
-        return _where_fitted(fit, fit.beta_hat.clamp(low, high), 1.0)
-    return torch.full_like(fit.beta_hat, beta)
-
-
 @torch.no_grad()
 def statistics_from_fit(
     fit: TailFit,
@@ -334,9 +325,14 @@ def statistics_from_fit(
         rho0 = batch_pivot(rho, has_negatives, options.gate.q)
     if not isinstance(rho0, Tensor) or rho0.dtype != fit.rho.dtype or rho0.device != fit.rho.device:
         rho0 = torch.as_tensor(rho0, dtype=fit.rho.dtype, device=fit.rho.device)
+    # beta(a) in the shortfall logit: a constant (reference implementation: 1.0) or "auto", the clamped estimate
+    if options.beta == "auto":
+        beta = _where_fitted(fit, fit.beta_hat.clamp(*BETA_AUTO_RANGE), 1.0)
+    else:
+        beta = torch.full_like(fit.beta_hat, options.beta)
     return WEINCEStatistics(
         lam=blend_weights(fit, rho0, options),
-        beta=tail_index(fit, options.beta),
+        beta=beta,
         rho=fit.rho,
         delta_aic=fit.delta_aic,
         rho0=rho0,
@@ -360,7 +356,6 @@ def weince_statistics(
     ``rho0`` overrides the batch pivot. ``gather`` maps a per-anchor tensor of this process to the one of the global
     batch (e.g. an all-gather under data parallelism), so that the pivot is taken over every process's anchors.
     """
-    require_options(options, WEINCEOptions)
     fit = weince_tail_fit(scores, positive_index, valid_mask, options)
     return statistics_from_fit(fit, options, rho0=rho0, gather=gather)
 
@@ -499,9 +494,10 @@ def weince_cross_entropy(
     require_options(options, WEINCEOptions)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    check_score_shapes(scores, positive_index, valid_mask)
     if options.check_inputs:
         check_scores(scores, positive_index, valid_mask, every_row_has_positive=True)
+    else:
+        check_score_shapes(scores, positive_index, valid_mask)
     positive_index = positive_index.long()
     if statistics is None:
         statistics = weince_statistics(scores, positive_index, valid_mask, options, rho0=rho0)

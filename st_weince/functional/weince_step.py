@@ -46,13 +46,13 @@ _PER_ROW = ("lam", "beta", "rho", "delta_aic", "beta_hat", "fitted")
 Unit = tuple[CandidateGroup, HardestNegatives | None]
 
 
-def top_m_units(layout: MNRLLayout, hardest: list[HardestNegatives | None], shared_sort: bool) -> list[Unit]:
+def top_m_units(layout: MNRLLayout, hardest: list[HardestNegatives | None]) -> list[Unit]:
     """The softmaxes of the layout's rows, over which the top-M terms pick a row's hardest negatives: under
     ``"joint"`` one, every group's candidates of the row side by side (the query_to_doc positive the target, as in
-    the blend's softmax); under ``"per_direction"`` (or with one group: ``shared_sort``) one per group, each with its
-    group's sort ``hardest``."""
+    the blend's softmax); under ``"per_direction"`` (or with one group) one per group, each with its group's sort
+    ``hardest``."""
     groups = layout.groups
-    if shared_sort:
+    if layout.partition_mode == "per_direction" or len(groups) == 1:
         return list(zip(groups, hardest))
     valid_mask = None
     if any(g.valid_mask is not None for g in groups):
@@ -227,7 +227,7 @@ def weince_step(
             chunk_fits.append(fits)
             chunk_counts.append(layout.guard_counts)
             if beta_ema is not None:
-                units = top_m_units(layout, sorts, shared_sort)
+                units = top_m_units(layout, sorts)
                 chunk_tails.append(batch_tail(units, num_rows, options, gathered=gather is not None))
                 del units  # its scores are this chunk's: not kept into the next one
             if sort_top_m is None:
@@ -286,9 +286,8 @@ def weince_step(
                 )
             )
         if top_m is not None:
-            shared_sort = layout.partition_mode == "per_direction" or len(layout.groups) == 1
             shortfall, infonce, scale_top_m = top_m_rows(
-                top_m_units(layout, sorts, shared_sort), beta_t, options, effective_scale=effective_scales
+                top_m_units(layout, sorts), beta_t, options, effective_scale=effective_scales
             )
             rows = torch.stack([rows, shortfall, infonce])
             scales += [scale_top_m] if effective_scales else []

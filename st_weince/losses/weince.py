@@ -31,9 +31,9 @@ WEINCE_CITATION = """
 """
 
 
-# Why MultipleNegativesRankingLoss's arguments other than their no-op values do not apply to WEINCE.
 _DEFAULTS = defaults_of(WEINCEOptions)  # the signature's defaults: read from the options class, their one home
 
+# Why MultipleNegativesRankingLoss's arguments other than their no-op values do not apply to WEINCE.
 _HARDNESS = (
     "MNRL's hardness weighting adds alpha * s to the negative logits, so the softmax would no longer be the choice "
     "model whose tail WEINCE fits; WEINCE's own lambda already up-weights anchors with hard negatives"
@@ -297,15 +297,37 @@ class WEINCELoss(ColumnsLoss):
     def _end_step(self, step: WEINCEStep) -> Tensor:
         """The end of a :func:`~st_weince.functional.weince_step.weince_step`: on training steps (grad enabled, loss
         in training mode) its ``beta_t`` is stored in the buffer; the step is kept (the latest one and, with
-        :attr:`log_statistics`, the running means of its statistics for the trainer's logs, on the device, so no step
-        reads them on the host)."""
+        :attr:`log_statistics`, the running means of its query rows' statistics for the trainer's logs, on the
+        device, so no step reads them on the host): the gate and tail statistics, the guard's shares, each term's
+        effective scale and, with the top-M terms, each term's share of the loss, the batch tail index and its fit's
+        R^2."""
         if step.beta_t is not None and self.training and torch.is_grad_enabled():
             with torch.no_grad():
                 self.batch_beta_ema.copy_(step.beta_t)
         if not torch.compiler.is_compiling():
             self.last_step = step
-        if self.log_statistics:
-            self.logged_statistics.add(logged_values(step))
+        if not self.log_statistics:
+            return step.loss
+        stats = step.statistics
+        fitted = stats.fitted.to(stats.lam.dtype)
+        values = {
+            "weince_lambda_mean": stats.lam.mean(),
+            "weince_lambda_gt_half": (stats.lam > 0.5).to(stats.lam.dtype).mean(),
+            "weince_rho0": stats.rho0,
+            "weince_delta_aic_mean": (stats.delta_aic * fitted).sum() / fitted.sum().clamp_min(1.0),
+            "weince_beta_mean": stats.beta.mean(),
+        }
+        if step.guard_counts is not None:  # of the query-anchored rows, like the statistics above
+            values.update(guard_share_values("weince", step.guard_counts))
+        values.update(
+            {f"weince_effective_scale_{name}": scale.detach() for name, scale in step.effective_scales.items()}
+        )
+        if step.terms is not None:
+            values.update({f"weince_share_{name}": share for name, share in step.terms.shares().items()})
+        if step.beta_t is not None and step.fit is not None:
+            values["weince_batch_beta"] = step.beta_t.detach()
+            values["weince_batch_beta_r2"] = step.fit.r_squared
+        self.logged_statistics.add(values)
         return step.loss
 
     def _warn_if_no_tail_fits(self, batch_size: int, num_documents: int) -> None:
@@ -313,14 +335,13 @@ class WEINCELoss(ColumnsLoss):
         needs, so that lambda is 0 everywhere and the loss is InfoNCE. Shapes decide; nothing is read from a
         device."""
         self._batch_checked = True
-        directions = self.options.directions
-        negatives = negatives_per_anchor(batch_size, num_documents, directions)
+        # a query-anchored row's negatives: every document but its positive, with query_to_query every other query
+        others = int("query_to_query" in self.options.directions)
+        negatives = batch_size * (num_documents + others) - 1 - others
         needed = negatives_needed(self.options)
         if self.options.mode == "none" or negatives >= needed:
             return
-        batch = next(
-            b for b in range(batch_size, needed + 2) if negatives_per_anchor(b, num_documents, directions) >= needed
-        )
+        batch = -(-(needed + 1 + others) // (num_documents + others))  # the smallest batch with as many
         warnings.warn(
             f"{type(self).__name__} at a batch of {batch_size} ({negatives} negative{'s' if negatives != 1 else ''} "
             f"per anchor) fits no anchor's tail: its tail fit needs at least {needed} negatives per anchor, so lambda "
@@ -334,34 +355,3 @@ class WEINCELoss(ColumnsLoss):
     @property
     def citation(self) -> str:
         return WEINCE_CITATION
-
-
-def negatives_per_anchor(batch_size: int, num_documents: int, directions: tuple[str, ...]) -> int:
-    """The negatives of a query-anchored row of MNRL's layout: every document but its positive, and with
-    ``query_to_query`` every other query."""
-    negatives = batch_size * num_documents - 1
-    return negatives + (batch_size - 1 if "query_to_query" in directions else 0)
-
-
-def logged_values(step: WEINCEStep) -> dict[str, Tensor]:
-    """The logged statistics of a step's query rows (device tensors: no step reads them on the host): the gate and
-    tail statistics, the guard's shares, each term's effective scale and, with the top-M terms, each term's share of
-    the loss, the batch tail index and its fit's R^2."""
-    stats = step.statistics
-    fitted = stats.fitted.to(stats.lam.dtype)
-    values = {
-        "weince_lambda_mean": stats.lam.mean(),
-        "weince_lambda_gt_half": (stats.lam > 0.5).to(stats.lam.dtype).mean(),
-        "weince_rho0": stats.rho0,
-        "weince_delta_aic_mean": (stats.delta_aic * fitted).sum() / fitted.sum().clamp_min(1.0),
-        "weince_beta_mean": stats.beta.mean(),
-    }
-    if step.guard_counts is not None:  # of the query-anchored rows, like the statistics above
-        values.update(guard_share_values("weince", step.guard_counts))
-    values.update({f"weince_effective_scale_{name}": value.detach() for name, value in step.effective_scales.items()})
-    if step.terms is not None:
-        values.update({f"weince_share_{name}": share for name, share in step.terms.shares().items()})
-    if step.beta_t is not None and step.fit is not None:
-        values["weince_batch_beta"] = step.beta_t.detach()
-        values["weince_batch_beta_r2"] = step.fit.r_squared
-    return values

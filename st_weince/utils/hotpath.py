@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -18,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 SYNC_OPS = ("_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", "item")
 
 
+@dataclass
 class DeferredChecks:
     """Boolean device conditions with their error messages, all read by one sync.
 
@@ -29,48 +31,39 @@ class DeferredChecks:
         checks.raise_if_failed()  # one sync; ValueError naming the first failed condition
     """
 
-    def __init__(self, error: type[Exception] = ValueError) -> None:
-        self.error = error
-        self._conditions: list[Tensor] = []
-        self._messages: list[str] = []
+    _checks: list[tuple[Tensor, str]] = field(default_factory=list)  # (a 0-d bool tensor, its message)
 
     def require(self, condition: Tensor, message: str) -> None:
         """Add a condition (a bool tensor, reduced with ``all``) that must hold."""
-        self._conditions.append(condition.all())
-        self._messages.append(message)
+        self._checks.append((condition.all(), message))
 
     def raise_if_failed(self) -> None:
-        """Read every condition with one host-device sync; raise the first failed one's message."""
-        if not self._conditions:
+        """Read every condition with one host-device sync; raise a ValueError with the first failed one's message."""
+        if not self._checks:
             return
-        device = self._conditions[0].device
-        flags = torch.stack([c if c.device == device else c.to(device) for c in self._conditions])
+        device = self._checks[0][0].device
+        flags = torch.stack([c if c.device == device else c.to(device) for c, _ in self._checks])
         if bool(flags.all()):  # the one sync of the success path
             return
-        failed = [message for message, ok in zip(self._messages, flags.tolist()) if not ok]
-        raise self.error(failed[0] if len(failed) == 1 else failed[0] + f" (and {len(failed) - 1} more problems)")
+        failed = [message for (_, message), ok in zip(self._checks, flags.tolist()) if not ok]
+        raise ValueError(failed[0] if len(failed) == 1 else failed[0] + f" (and {len(failed) - 1} more problems)")
 
 
-class _SyncCounter(TorchDispatchMode):
+class SyncCount(TorchDispatchMode):
+    """What :func:`count_host_syncs` yields: the syncing ops counted while it is active, ``total`` and ``by_op``."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.counts: Counter[str] = Counter()
+        self.by_op: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name in SYNC_OPS:
-            self.counts[name] += 1
+            self.by_op[name] += 1
         elif name == "index" and len(args) > 1:
             if any(isinstance(i, Tensor) and i.dtype == torch.bool for i in args[1] if i is not None):
-                self.counts["index(bool mask)"] += 1
+                self.by_op["index(bool mask)"] += 1
         return func(*args, **(kwargs or {}))
-
-
-class SyncCount:
-    """Result of :func:`count_host_syncs`: ``total`` and ``by_op``."""
-
-    def __init__(self) -> None:
-        self.by_op: Counter[str] = Counter()
 
     @property
     def total(self) -> int:
@@ -90,8 +83,5 @@ def count_host_syncs() -> Iterator[SyncCount]:
             loss(features, None).backward()
         assert syncs.total <= 1
     """
-    result = SyncCount()
-    mode = _SyncCounter()
-    with mode:
-        yield result
-    result.by_op.update(mode.counts)
+    with SyncCount() as counter:
+        yield counter

@@ -9,44 +9,34 @@ transfer per device. This module sits below both, so the losses do not depend on
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
 
 class RunningMeans:
-    """Accumulates scalar statistics between two log events; no autograd graph is kept and, for tensors, no
-    host-device synchronisation happens before :meth:`pop`. Non-finite tensor values (e.g. the margin of a block
-    without negatives) are left out of their mean instead of turning it into NaN.
+    """Accumulates scalar tensor statistics between two log events; no autograd graph is kept and no host-device
+    synchronisation happens before :meth:`pop`. Non-finite values (e.g. the margin of a block without negatives) are
+    left out of their mean instead of turning it into NaN.
 
     The tensors of one :meth:`add` (0-d, on one device) are stacked into one vector, so that a step adds a handful of
     operators however many statistics it logs (on a GPU each operator is a kernel launch)."""
 
     def __init__(self) -> None:
-        # per set of names added together: (names, sums [N], counts [N]) of their finite values, since the last
-        # end_step or pop; and those of the latest ended step
+        # per set of names added together: (sums [N], counts [N]) of their finite values, since the last end_step or
+        # pop; and those of the latest ended step
         self._groups: dict[tuple[str, ...], tuple[Tensor, Tensor]] = {}
-        self._floats: dict[str, tuple[float, int]] = {}
         self._ended_groups: dict[tuple[str, ...], tuple[Tensor, Tensor]] = {}
-        self._ended_floats: dict[str, tuple[float, int]] = {}
 
     @torch.no_grad()
-    def add(self, values: dict[str, Any]) -> None:
-        tensors = {key: value for key, value in values.items() if isinstance(value, Tensor)}
-        for key, value in values.items():
-            if key not in tensors:
-                total, count = self._floats.get(key, (0.0, 0))
-                self._floats[key] = (total + float(value), count + 1)
-        if not tensors:
-            return
+    def add(self, values: dict[str, Tensor]) -> None:
+        """Add one step's (or batch's) 0-d tensors ``values``, on one device."""
         # stack copies: a value may be a view of a parameter that the optimizer changes before the log
-        stacked = torch.stack(list(tensors.values()))
+        stacked = torch.stack(list(values.values()))
         if stacked.dtype != torch.float32:
             stacked = stacked.to(torch.float32)
         finite = torch.isfinite(stacked)
         stacked = torch.nan_to_num(stacked, nan=0.0, posinf=0.0, neginf=0.0)
-        names = tuple(tensors)
+        names = tuple(values)
         previous = self._groups.get(names)
         if previous is None:
             self._groups[names] = (stacked, finite.to(torch.float32))
@@ -58,10 +48,9 @@ class RunningMeans:
         """End a training step: the values added since the last call (or :meth:`pop`) become the ones :meth:`pop`
         returns, replacing those of an earlier step; nothing changes when none were added. Returns whether any were
         added (a Python fact: no host-device sync)."""
-        if not (self._groups or self._floats):
+        if not self._groups:
             return False
         self._ended_groups, self._groups = self._groups, {}
-        self._ended_floats, self._floats = self._floats, {}
         return True
 
     def pop(self, current: dict[str, Tensor] | None = None) -> dict[str, float]:
@@ -70,8 +59,8 @@ class RunningMeans:
         ``current`` (0-d tensors: state such as a parameter's value now, not a mean) those values too, read in the
         same transfer, one device-to-host transfer per device."""
         self.end_step()
-        sums = {key: total for key, (total, _) in self._ended_floats.items()}
-        counts = {key: float(count) for key, (_, count) in self._ended_floats.items()}
+        sums: dict[str, float] = {}
+        counts: dict[str, float] = {}
         # per device: (names, sums, counts) of the means, and (names, values, None) of the current values
         by_device: dict[torch.device, list[tuple[tuple[str, ...], Tensor, Tensor | None]]] = {}
         for names, (total, count) in self._ended_groups.items():
@@ -91,7 +80,7 @@ class RunningMeans:
                         sums[key] = sums.get(key, 0.0) + flat[offset + index]
                         counts[key] = counts.get(key, 0.0) + flat[offset + width + index]
                 offset += width if count is None else 2 * width
-        self._ended_groups, self._ended_floats = {}, {}
+        self._ended_groups = {}
         return {**{key: sums[key] / counts[key] for key in sums if counts[key] > 0}, **now}
 
 
