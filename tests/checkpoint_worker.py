@@ -1,6 +1,6 @@
-"""A tiny trainer run for the checkpoint tests (tests/test_checkpoints.py), also run as a subprocess that the test
-SIGKILLs at a chosen moment of a checkpoint save. The loss (``--loss``): RB-Sigmoid (its trained t and b_rel) or the
-released WEINCE composite (its batch tail index, a moving average carried across steps).
+"""A tiny trainer run for the checkpoint tests (tests/training/test_checkpoints.py), also run as a subprocess that the
+test SIGKILLs at a chosen moment of a checkpoint save. The loss (``--loss``): RB-Sigmoid (its trained t and b_rel) or
+the released WEINCE composite (its batch tail index, a moving average carried across steps).
 
     python tests/checkpoint_worker.py MODEL_DIR OUTPUT_DIR [--loss NAME] [--block WHERE --block-step N --ready FILE]
 

@@ -1,4 +1,4 @@
-"""Run by tests/test_collectives.py in 2 processes with torchrun's environment (gloo, CPU).
+"""Run by tests/functional/test_collectives.py in 2 processes with torchrun's environment (gloo, CPU).
 
 Records, for WEINCELoss (``gather_across_devices=True``), RBSigmoidLoss with ``exchange="all_gather"`` and with
 ``exchange="neighbour"``:

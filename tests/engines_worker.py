@@ -1,6 +1,6 @@
-"""Run by tests/test_engines.py in 2 processes with torchrun's environment (gloo, CPU; :func:`tests.forked.run_ranks`),
-one launch per engine running the four losses (WEINCE, RB-Sigmoid and both cached variants, gather_across_devices=True)
-on conftest's tiny BERT without dropout.
+"""Run by tests/training/test_engines.py in 2 processes with torchrun's environment (gloo, CPU;
+:func:`tests.forked.run_ranks`), one launch per engine running the four losses (WEINCE, RB-Sigmoid and both cached
+variants, gather_across_devices=True) on conftest's tiny BERT without dropout.
 
 - ``ddp``: the sentence-transformers trainer (``use_cpu=True``, DDP, prepare_trainer, AdamW, 3 steps, a checkpoint at
   step 2), recording each rank's batch and gradients at step 1 (model and loss parameters, as the optimizer gets

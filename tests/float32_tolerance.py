@@ -13,8 +13,8 @@ scores of the test:
 1. ``one_ulp_sensitivity``: move every score by one ulp (all up, all down, and 32 random sign patterns), recompute
    the statistics, and take the largest change of each output. One ulp is that of the scores in [0.5, 1), where
    tails lie (2^-24 in float32; ``score_ulp``), and differences are counted in the same unit. Measured on the
-   tiny-BERT triplets of tests/test_cached_weince.py (48 anchors, 96 or 144 candidates, tails of 32): lam 1.8e-5 to
-   2.1e-5 (1.1e-5 with the pivot held fixed: the pivot's own one-ulp move doubles it), beta ("auto") 1.1e-4 to
+   tiny-BERT triplets of tests/losses/test_cached_weince.py (48 anchors, 96 or 144 candidates, tails of 32): lam 1.8e-5
+   to 2.1e-5 (1.1e-5 with the pivot held fixed: the pivot's own one-ulp move doubles it), beta ("auto") 1.1e-4 to
    1.6e-4, rho 6e-8 (one ulp), delta_aic 4.3e-3 to 6.9e-3; the same with ATEN_CPU_CAPABILITY=default.
 2. The probes do not hit the worst direction exactly: moving each score alone by one ulp and summing the absolute
    changes of a row (the linearised worst case, every score moved in its worst direction) gave at most 1.0x (lam,

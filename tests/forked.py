@@ -207,7 +207,8 @@ def run_ranks(server: ForkServer, module: str, argv, log_dir: Path, nproc: int =
     """``torchrun --nproc_per_node nproc -m module argv`` on one machine: ``nproc`` forked workers with torchrun's
     environment (RANK, WORLD_SIZE, LOCAL_RANK, ..., MASTER_ADDR/PORT on a free loopback port). Raises with the
     workers' output if one fails (the others are killed). Returns the output of rank 0. torchrun's own agent
-    (restarts, its rendezvous store) is not involved: tests/test_simcse_recipe.py runs the recipe under torchrun."""
+    (restarts, its rendezvous store) is not involved: tests/recipes/test_simcse_recipe.py runs the recipe under
+    torchrun."""
     from tests.conftest import free_port
 
     port = free_port()

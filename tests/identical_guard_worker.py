@@ -1,5 +1,5 @@
-"""Run by tests/test_false_negative_identical.py in 2 processes with torchrun's environment (gloo, CPU): each rank takes
-its half of one global batch with duplicated inputs across the halves and computes all four losses with
+"""Run by tests/losses/test_false_negative_identical.py in 2 processes with torchrun's environment (gloo, CPU): each
+rank takes its half of one global batch with duplicated inputs across the halves and computes all four losses with
 ``false_negative_filter="identical"`` and ``gather_across_devices=True`` (the cached ones through their loss stage,
 in mini-batches; RB-Sigmoid also with ``exchange="neighbour"``, where the keys travel with the candidate blocks);
 records each loss and its masked share in OUTPUT_DIR/rank{r}.pt."""

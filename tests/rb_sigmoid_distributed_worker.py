@@ -1,4 +1,4 @@
-"""Run by tests/test_rb_sigmoid_distributed.py in 2 processes with torchrun's environment (gloo, CPU;
+"""Run by tests/losses/test_rb_sigmoid_distributed.py in 2 processes with torchrun's environment (gloo, CPU;
 :func:`tests.forked.run_ranks`).
 
 Part 1 (embeddings): each rank takes its slice of one global batch, computes RBSigmoidLoss with

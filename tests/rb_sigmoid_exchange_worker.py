@@ -1,4 +1,4 @@
-"""Run by tests/test_rb_sigmoid_exchange.py in N processes with torchrun's environment (gloo, CPU), N = 2 and 4.
+"""Run by tests/losses/test_rb_sigmoid_exchange.py in N processes with torchrun's environment (gloo, CPU), N = 2 and 4.
 
 Everything in float64 (embeddings and loss parameters), so that two code paths agree to rounding. Each rank takes its
 slice of one global batch and records ``checks[name] = (distributed value, reference value)`` pairs:

@@ -1,6 +1,6 @@
-"""Run by tests/test_collectives.py in 1 and 4 processes with torchrun's environment (gloo, CPU): what RBSigmoidLoss
-keeps for backward (the bytes of the tensors autograd saves, ``torch.autograd.graph.saved_tensors_hooks``) in one
-forward at an equal per-process batch, by exchange: ``"neighbour"`` (the ring run again in backward),
+"""Run by tests/functional/test_collectives.py in 1 and 4 processes with torchrun's environment (gloo, CPU): what
+RBSigmoidLoss keeps for backward (the bytes of the tensors autograd saves, ``torch.autograd.graph.saved_tensors_hooks``)
+in one forward at an equal per-process batch, by exchange: ``"neighbour"`` (the ring run again in backward),
 ``"neighbour-kept"`` (the scheme it replaced: every received block kept for backward) and ``"all_gather"``; and the
 recomputing ring's gradients against the kept scheme's, float32. Written to OUTPUT_DIR/rank{r}.pt."""
 

@@ -1,5 +1,5 @@
-"""Run by tests/test_false_negative_same_label.py in 2 processes with torchrun's environment (gloo, CPU): each rank
-takes its half of one global batch whose labels repeat across the halves and computes all four losses with
+"""Run by tests/losses/test_false_negative_same_label.py in 2 processes with torchrun's environment (gloo, CPU): each
+rank takes its half of one global batch whose labels repeat across the halves and computes all four losses with
 ``false_negative_filter="same_label"`` and ``gather_across_devices=True`` (the cached ones through their loss stage,
 in mini-batches; RB-Sigmoid also with ``exchange="neighbour"``, where the labels travel with the candidate blocks);
 records each loss and its masked share in OUTPUT_DIR/rank{r}.pt."""

@@ -1,4 +1,4 @@
-"""Run by tests/test_weince_distributed.py in 2 processes with torchrun's environment (gloo, CPU).
+"""Run by tests/losses/test_weince_distributed.py in 2 processes with torchrun's environment (gloo, CPU).
 
 Each rank takes its slice of one global batch of embeddings, computes WEINCELoss with gather_across_devices=True,
 back-propagates, and writes its loss and the gradients of its own rows to OUTPUT_DIR/rank{r}.pt; then the same with

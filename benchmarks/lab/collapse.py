@@ -14,8 +14,8 @@ flags an epoch when both hold:
 The earlier rules read the epoch's mean training loss near the collapsed encoder's value (:func:`collapse_loss`). That
 value is where every run starts (the initial network maps all images close together), and an epoch's mean mixes the
 steps before and after a collapse: the scheduled arm's epoch-1 mean, 8.2537, sat 0.052 above 8.202 and escaped a 0.05
-band, while a run that trained (arm 10 seed 0, epoch 1) sat 0.047 below it. tests/test_simclr_ablation.py applies
-this rule to every committed run file.
+band, while a run that trained (arm 10 seed 0, epoch 1) sat 0.047 below it. tests/benchmarks/test_simclr_ablation.py
+applies this rule to every committed run file.
 
 The scale probes (benchmarks/matched_scale_search.py) log each step's loss and rho0 but no probes, so this rule cannot
 judge their steps. :func:`probe_step_near_collapse` only times how long a probe's loss stays near the collapsed value.

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import st_weince.functional
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "algorithms.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "algorithms.md"
 
 
 def documented_names() -> list[str]:

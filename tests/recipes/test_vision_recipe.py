@@ -15,7 +15,7 @@ from tests.conftest import load_script
 
 from simclr_tools.models import load_encoder
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

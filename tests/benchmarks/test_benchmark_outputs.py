@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import load_script
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 COMMITTED = REPO / "benchmarks" / "results"
 SCRIPTS = sorted((REPO / "benchmarks").glob("*.py"))
 # the options that name where a script writes

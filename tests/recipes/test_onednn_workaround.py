@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from simclr_tools.models import NARROW_STRIDED_1X1_CHANNELS, CifarResNet, StridedPointwiseConv2d
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.numerics

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from benchmarks.lab import collapse, runlog
+from tests.benchmarks.test_simclr_runner import TINY, image_folder, lines, run_study, without_timing  # noqa: F401
 from tests.conftest import REPO_ROOT, load_script
-from tests.test_simclr_runner import TINY, image_folder, lines, run_study, without_timing  # noqa: F401
 
 # The released probe splits its training images 80/20 per class: all 24 (12 a class) leave 2 a class to validate.
 TINY_RELEASED = {**TINY, "hidden_dim": None, "epochs": 2, "full_eval_epochs": [], "probe_subset": None}

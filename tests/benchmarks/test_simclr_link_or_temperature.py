@@ -9,9 +9,9 @@ import math
 
 import pytest
 
+from tests.benchmarks.test_simclr_ablation import TINY_RELEASED
+from tests.benchmarks.test_simclr_runner import image_folder, lines, run_study  # noqa: F401
 from tests.conftest import load_script
-from tests.test_simclr_ablation import TINY_RELEASED
-from tests.test_simclr_runner import image_folder, lines, run_study  # noqa: F401
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from st_weince.training import (
     save_loss_state,
 )
 from tests.conftest import build_trainer, pairs_dataset, stop_at
-from tests.test_rb_sigmoid_trainer import make_trainer
+from tests.training.test_rb_sigmoid_trainer import make_trainer
 
 
 # ----- item 3: a second call -----

@@ -11,7 +11,7 @@ import torch
 from benchmarks.lab.arms import ARMS, arm_objective, build_run
 from st_weince.utils.hotpath import count_host_syncs
 from st_weince.vision.objectives import SimCLRObjective
-from tests.test_vision_recipe import recipe, tiny_zip  # noqa: F401 (fixtures)
+from tests.recipes.test_vision_recipe import recipe, tiny_zip  # noqa: F401 (fixtures)
 
 from simclr_tools.augment import SimCLRAugment
 from simclr_tools.data import load_dataset

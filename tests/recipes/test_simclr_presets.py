@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.test_vision_recipe import recipe, tiny_zip  # noqa: F401 (fixtures)
+from tests.recipes.test_vision_recipe import recipe, tiny_zip  # noqa: F401 (fixtures)
 
 from simclr_tools.augment import RELEASED_AUGMENT, SimCLRAugmentConfig, eval_transform
 from simclr_tools.evaluation import (

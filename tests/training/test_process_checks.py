@@ -4,8 +4,8 @@ processes than train gets a warning from prepare_trainer, SimCSE gathers by defa
 loss's own parameters obey max_grad_norm (clipped on their own, their norm logged as loss_grad_norm).
 
 The process group of 2 is stood in for by torch.distributed's answers (for a whole trainer run, by
-``process_group_size``, the one place the checks read them); tests/test_engines.py runs the same refusal with a real
-2-process group."""
+``process_group_size``, the one place the checks read them); tests/training/test_engines.py runs the same refusal with a
+real 2-process group."""
 
 from __future__ import annotations
 
@@ -18,7 +18,12 @@ import st_weince.training.processes as processes
 from st_weince.losses import CachedRBSigmoidLoss, RBSigmoidLoss, WEINCELoss
 from st_weince.training import clip_loss_gradients, prepare_trainer
 from tests.conftest import SHORT_RUN, build_trainer, load_script
-from tests.test_processes import ACCELERATE_CPU_TWO, ACCELERATE_CPU_TWO_ARGV, LAUNCHER_VARIABLES, TORCHRUN_RANK0
+from tests.training.test_processes import (
+    ACCELERATE_CPU_TWO,
+    ACCELERATE_CPU_TWO_ARGV,
+    LAUNCHER_VARIABLES,
+    TORCHRUN_RANK0,
+)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from st_weince.losses._gradcache import GradCacheOptions
 from st_weince.training import LOSS_STATE_RECORD, check_resumable, read_checkpoint_loss_state
 from st_weince.training.checkpoints import check_record_resumable, loss_state_record
 from tests.conftest import stop_at
-from tests.test_rb_sigmoid_trainer import make_trainer
+from tests.training.test_rb_sigmoid_trainer import make_trainer
 
 OPTIONS_CLASSES = (WEINCEOptions, Gate, TopM, RBSigmoidOptions, GradCacheOptions)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # `eval/` is a top-level folder of the repository, not an installed package
     sys.path.insert(0, str(REPO_ROOT))
 

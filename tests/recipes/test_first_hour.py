@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import load_script
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "simcse.py"
 
 

@@ -67,7 +67,7 @@ def test_cli_text_model(tmp_path) -> None:
     assert 0.0 <= link["beta1_tau_fitted"]["lam"] <= 1.0
     assert summary["command"].startswith("st-weince-diagnostics --model")
     assert summary["versions"]["torch"] == torch.__version__
-    # the verdict on the given pairs (tests/test_diagnostics_verdict.py checks its numbers)
+    # the verdict on the given pairs (tests/diagnostics/test_diagnostics_verdict.py checks its numbers)
     assert summary["verdict"]["positives"] == "pairs" and summary["verdict"]["line"].startswith("Verdict: ")
     assert summary["weince_gate"]["anchors"] == 64 and summary["scale"]["training_scale"] == 20.0
 

@@ -24,7 +24,7 @@ from tests.float32_tolerance import (
     tail_fit_tolerances,
     ulps_apart,
 )
-from tests.test_weince_composite import KINDS, _cases, make_batch
+from tests.functional.test_weince_composite import KINDS, _cases, make_batch
 from tests.weince_release_reference import ReleasedCompositeReference
 
 TOLERANCE = 1e-6

@@ -16,7 +16,7 @@ from st_weince.functional import WEINCEOptions, check_scores, nt_xent_layout, we
 from st_weince.losses import CachedRBSigmoidLoss, CachedWEINCELoss, RBSigmoidLoss, WEINCELoss
 from st_weince.training import LOSS_STATE_RECORD, check_resumable, last_complete_checkpoint, prepare_trainer
 from tests.conftest import stop_at
-from tests.test_rb_sigmoid_trainer import make_trainer
+from tests.training.test_rb_sigmoid_trainer import make_trainer
 
 LOSSES = (WEINCELoss, RBSigmoidLoss)
 ALL_LOSSES = (WEINCELoss, CachedWEINCELoss, RBSigmoidLoss, CachedRBSigmoidLoss)

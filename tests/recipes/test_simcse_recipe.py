@@ -18,7 +18,7 @@ from tests.conftest import load_script, torchrun_command
 
 from recipe_tools import parse_key_values
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "simcse.py"
 
 

@@ -17,7 +17,7 @@ from st_weince.losses import CachedRBSigmoidLoss, RBSigmoidLoss
 from tests.forked import run_ranks
 from tests.rb_sigmoid_exchange_worker import GLOBAL_BATCH, SETTINGS
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-6  # float64 on both paths: only the order of the sums differs
 
 

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("mteb")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # `eval/` is a top-level folder of the repository, not an installed package
     sys.path.insert(0, str(REPO_ROOT))
 
