@@ -60,24 +60,22 @@ def all_gather(tensor: Tensor, group: ProcessGroup = None) -> Tensor:
     return torch.cat([gathered[: rank * rows], tensor, gathered[(rank + 1) * rows :]])
 
 
-def _shift_one(tensor: Tensor, shift: int, group: ProcessGroup) -> Tensor:
-    """Send ``tensor`` to ``rank + shift``, receive the tensor of ``rank - shift``: an ``all_to_all_single`` with one
-    non-empty split each way, differentiable (its backward sends the gradient back to the sender)."""
-    rank, world_size = process_count(group)
-    send_to, receive_from = (rank + shift) % world_size, (rank - shift) % world_size
-    rows = tensor.shape[0]
-    sent = [rows if peer == send_to else 0 for peer in range(world_size)]
-    received = [rows if peer == receive_from else 0 for peer in range(world_size)]
-    group = dist.group.WORLD if group is None else group
-    return functional_collectives.all_to_all_single_autograd(tensor.contiguous(), received, sent, group)
-
-
 def ring_shift(tensors: Sequence[Tensor], shifts: Sequence[int], group: ProcessGroup = None) -> tuple[Tensor, ...]:
     """Each process sends ``tensors[i]`` to ``rank + shifts[i]`` and returns what ``rank - shifts[i]`` sent
-    (shifts modulo the world size; every process must call it with the same shifts and shapes). Differentiable."""
+    (shifts modulo the world size; every process must call it with the same shifts and shapes): one
+    ``all_to_all_single`` per tensor with one non-empty split each way, differentiable (its backward sends the
+    gradient back to the sender)."""
     if len(tensors) != len(shifts) or not tensors:
         raise ValueError(f"give one shift per tensor (and at least one), got {len(tensors)} and {len(shifts)}")
-    return tuple(_shift_one(tensor, int(shift), group) for tensor, shift in zip(tensors, shifts))
+    rank, world_size = process_count(group)
+    shifted = []
+    for tensor, shift in zip(tensors, shifts):
+        send_to, receive_from = (rank + int(shift)) % world_size, (rank - int(shift)) % world_size
+        sent = [tensor.shape[0] if peer == send_to else 0 for peer in range(world_size)]
+        received = [tensor.shape[0] if peer == receive_from else 0 for peer in range(world_size)]
+        world = dist.group.WORLD if group is None else group
+        shifted.append(functional_collectives.all_to_all_single_autograd(tensor.contiguous(), received, sent, world))
+    return tuple(shifted)
 
 
 def ring_blocks(local: Tensor, group: ProcessGroup = None) -> Iterator[tuple[int, Tensor]]:
@@ -205,13 +203,13 @@ class _RecomputedRing(torch.autograd.Function):
         for _ in range(1, world_size):
             # One step along the ring: the block of rank - step arrives with its gradient so far (none at step 1).
             moving = [block] + ([] if keys is None else [keys]) + ([] if carried is None else [carried])
-            moved = [_shift_one(tensor, 1, ring.group) for tensor in moving]
+            moved = ring_shift(moving, [1] * len(moving), ring.group)
             block = moved[0]
             keys = None if keys is None else moved[1]
             grad = block_gradient(block, keys, own=False)
             carried = grad if carried is None else moved[-1] + grad
         if carried is not None:  # one step further: home to the block's owner
-            grad_candidates = _plus(grad_candidates, _shift_one(carried, 1, ring.group))
+            grad_candidates = _plus(grad_candidates, ring_shift((carried,), (1,), ring.group)[0])
         if not needs[1]:
             grad_candidates = None
         return None, grad_anchors, grad_candidates, *grad_values

@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import tempfile
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import sort_checkpoints
 
 from st_weince.training.loss_tensors import (
     LossTree,
@@ -31,7 +30,6 @@ logger = logging.getLogger(__name__)
 TRAINER_STATE_FILE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
 LOSS_STATE_RECORD = "LossStateRecord"  # the key of the loss state in trainer_state.json's "stateful_callbacks"
 _RECORD_FORMAT = 1
-_CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")  # as transformers.trainer_utils._re_checkpoint
 
 
 def _encode(state: dict[str, Tensor]) -> dict[str, dict[str, Any]]:
@@ -243,20 +241,12 @@ def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
     """The highest-numbered ``checkpoint-N`` in ``output_dir`` whose ``trainer_state.json`` is readable, or None. The
     trainer writes that file last, so a run killed while saving leaves a folder without it, which
     ``resume_from_checkpoint=True`` would pick and transformers refuse. Nothing is renamed or deleted."""
-    output_dir = os.fspath(output_dir)
-    if not os.path.isdir(output_dir):
-        return None
-    steps = []
-    for name in os.listdir(output_dir):
-        match = _CHECKPOINT_NAME.match(name)
-        folder = os.path.join(output_dir, name)
-        if match and os.path.isdir(folder):
-            problem = _trainer_state_problem(os.path.join(folder, TRAINER_STATE_FILE))
-            if problem is None:
-                steps.append((int(match.group(1)), folder))
-            else:
-                logger.info("%s %s: skipped as incomplete", os.path.join(folder, TRAINER_STATE_FILE), problem)
-    return max(steps)[1] if steps else None
+    for folder in reversed(sort_checkpoints(os.fspath(output_dir))):  # by step, the highest first
+        problem = _trainer_state_problem(os.path.join(folder, TRAINER_STATE_FILE))
+        if problem is None:
+            return folder
+        logger.info("%s %s: skipped as incomplete", os.path.join(folder, TRAINER_STATE_FILE), problem)
+    return None
 
 
 def check_record_resumable(loss: LossTree, record: Any, source: str, allow_missing_loss_state: bool = False) -> None:
