@@ -205,13 +205,12 @@ def _checkpoint_record(checkpoint: str, consequence: str = "") -> tuple[str, Any
     """(path of the checkpoint's ``trainer_state.json``, its loss-state record or None); FileNotFoundError /
     ValueError naming the file when it is missing, empty or unreadable, followed by ``consequence``."""
     path = os.path.join(checkpoint, TRAINER_STATE_FILE)
-    problem = _trainer_state_problem(path)
+    content, problem = _read_trainer_state(path)
     if problem is not None:
         raise (FileNotFoundError if problem == "is missing" else ValueError)(
             f"{path} {problem}: this checkpoint is incomplete (was the run killed while saving it?){consequence}"
         )
-    with open(path, encoding="utf-8") as handle:
-        return path, stored_record(json.load(handle).get("stateful_callbacks"), path)
+    return path, stored_record(content.get("stateful_callbacks"), path)
 
 
 def read_checkpoint_loss_state(checkpoint: str | os.PathLike) -> dict[str, Tensor] | None:
@@ -221,20 +220,20 @@ def read_checkpoint_loss_state(checkpoint: str | os.PathLike) -> dict[str, Tenso
     return None if record is None else record_loss_state(record, path)[1]
 
 
-def _trainer_state_problem(path: str) -> str | None:
-    """Why ``trainer_state.json`` at ``path`` cannot be resumed from, or None if it is readable."""
+def _read_trainer_state(path: str) -> tuple[dict[str, Any], None] | tuple[None, str]:
+    """``(content, None)`` of the ``trainer_state.json`` at ``path``, or ``(None, why it cannot be resumed from)``."""
     if not os.path.isfile(path):
-        return "is missing"
+        return None, "is missing"
     if os.path.getsize(path) == 0:
-        return "is empty"
+        return None, "is empty"
     try:
         with open(path, encoding="utf-8") as handle:
             content = json.load(handle)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        return f"is not readable JSON ({error})"
+        return None, f"is not readable JSON ({error})"
     if not isinstance(content, dict) or "global_step" not in content:
-        return "is not a trainer state"
-    return None
+        return None, "is not a trainer state"
+    return content, None
 
 
 def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
@@ -242,7 +241,7 @@ def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
     trainer writes that file last, so a run killed while saving leaves a folder without it, which
     ``resume_from_checkpoint=True`` would pick and transformers refuse. Nothing is renamed or deleted."""
     for folder in reversed(sort_checkpoints(os.fspath(output_dir))):  # by step, the highest first
-        problem = _trainer_state_problem(os.path.join(folder, TRAINER_STATE_FILE))
+        _, problem = _read_trainer_state(os.path.join(folder, TRAINER_STATE_FILE))
         if problem is None:
             return folder
         logger.info("%s %s: skipped as incomplete", os.path.join(folder, TRAINER_STATE_FILE), problem)
