@@ -16,6 +16,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -249,6 +250,17 @@ class CandidateGuard:
     reference_keys: Tensor | None = None
 
 
+class SigmoidBlockLoss(NamedTuple):
+    """:func:`chunked_sigmoid_contrastive_loss`'s result: the loss (mean over anchors), the smallest matching and the
+    largest non-matching score (no gradient; ``+inf`` / ``-inf`` if none; the margin: see
+    :func:`constellation_margin_from_extremes`), what the guard removed per anchor (None without a guard)."""
+
+    loss: Tensor
+    min_matching: Tensor
+    max_non_matching: Tensor
+    guard_counts: FilterCounts | None
+
+
 def chunked_sigmoid_contrastive_loss(
     anchors: Tensor,
     candidates: Tensor,
@@ -258,11 +270,8 @@ def chunked_sigmoid_contrastive_loss(
     guard: CandidateGuard | None = None,
     chunk_size: int | None = None,
     check_inputs: bool = True,
-) -> tuple[Tensor, Tensor, Tensor, FilterCounts | None]:
-    """:func:`sigmoid_contrastive_loss` of ``anchors @ candidates.T`` computed block by block over candidates: the
-    loss (mean over anchors), the smallest matching and the largest non-matching score (no gradient; ``+inf`` /
-    ``-inf`` if none; the margin: :func:`constellation_margin_from_extremes`), and what the guard removed per anchor
-    (None without a guard).
+) -> SigmoidBlockLoss:
+    """:func:`sigmoid_contrastive_loss` of ``anchors @ candidates.T`` computed block by block over candidates.
 
     The sum of the losses of candidate blocks (the sigmoid loss has no normalization across candidates), each
     recomputed during backward (activation checkpointing), so memory grows with ``A x chunk_size``, not ``A x C``.
@@ -346,7 +355,7 @@ def chunked_sigmoid_contrastive_loss(
         if masked is not None:
             block_counts = FilterCounts(*masked)
             guard_counts = block_counts if guard_counts is None else guard_counts.plus(block_counts)
-    return total / anchors.shape[0], min_positive, max_negative, guard_counts
+    return SigmoidBlockLoss(total / anchors.shape[0], min_positive, max_negative, guard_counts)
 
 
 def match_probabilities(

@@ -15,6 +15,7 @@ from st_weince.functional.false_negatives import FalseNegativeFilter, FilterCoun
 from st_weince.functional.options import ColumnMode, Exchange, Parametrization, RBSigmoidOptions, defaults_of
 from st_weince.functional.sigmoid import (
     CandidateGuard,
+    SigmoidBlockLoss,
     SigmoidLogits,
     chunked_sigmoid_contrastive_loss,
     constellation_margin_from_extremes,
@@ -464,7 +465,7 @@ class RBSigmoidLoss(ColumnsLoss):
         positive_scores: Tensor | None = None,
         block_keys: Tensor | None = None,
         reference_keys: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor, Tensor, FilterCounts | None]:
+    ) -> SigmoidBlockLoss:
         """Mean over the anchor ``rows`` of their loss against one ``block`` of candidates, with its extremes and guard
         counts; the block loss of :func:`~st_weince.functional.exchange.ring_block_losses`, which passes the guard's
         threshold ``positive_scores`` and the positives' ``reference_keys`` when the block may not hold them."""
