@@ -59,18 +59,11 @@ class LossStateRecord(TrainerCallback, ExportableState):
     def __init__(self, output_dir: str | None = None) -> None:
         self.output_dir = output_dir
         self.trainer: Any = None
-        self.global_step = 0
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.global_step = state.global_step
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.global_step = state.global_step
 
     def state(self) -> dict[str, Any]:
         if self.trainer is None:
             raise RuntimeError("LossStateRecord is not linked to a trainer: call st_weince.training.prepare_trainer")
-        record = loss_state_record(self.trainer.loss, self.global_step)
+        record = loss_state_record(self.trainer.loss, self.trainer.state.global_step)
         return {"args": {"output_dir": self.output_dir}, "attributes": record}
 
 

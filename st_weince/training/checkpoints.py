@@ -220,20 +220,25 @@ def read_checkpoint_loss_state(checkpoint: str | os.PathLike) -> dict[str, Tenso
     return None if record is None else record_loss_state(record, path)[1]
 
 
-def _read_trainer_state(path: str) -> tuple[dict[str, Any], None] | tuple[None, str]:
-    """``(content, None)`` of the ``trainer_state.json`` at ``path``, or ``(None, why it cannot be resumed from)``."""
+def _read_json(path: str) -> tuple[Any, str | None]:
+    """``(content, None)`` of the JSON file at ``path``, or ``(None, why it cannot be read)``."""
     if not os.path.isfile(path):
         return None, "is missing"
     if os.path.getsize(path) == 0:
         return None, "is empty"
     try:
         with open(path, encoding="utf-8") as handle:
-            content = json.load(handle)
+            return json.load(handle), None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        return None, f"is not readable JSON ({error})"
-    if not isinstance(content, dict) or "global_step" not in content:
+        return None, f"is corrupt, not readable JSON ({error})"
+
+
+def _read_trainer_state(path: str) -> tuple[Any, str | None]:
+    """``(content, None)`` of the ``trainer_state.json`` at ``path``, or ``(None, why it cannot be resumed from)``."""
+    content, problem = _read_json(path)
+    if problem is None and not (isinstance(content, dict) and "global_step" in content):
         return None, "is not a trainer state"
-    return content, None
+    return content, problem
 
 
 def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
@@ -312,13 +317,9 @@ def load_loss_state(loss: LossTree, directory: str | os.PathLike) -> int | None:
     if not state_tensors(loss):
         return None
     path = os.path.join(os.fspath(directory), LOSS_STATE_FILE)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} is missing: {directory} holds no loss state")
-    if os.path.getsize(path) == 0:
-        raise ValueError(f"{path} is empty (0 bytes): the loss state was not written completely")
-    try:
-        with open(path, encoding="utf-8") as stream:
-            record = json.load(stream)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path} is corrupt or not a loss-state file ({type(error).__name__})") from None
+    record, problem = _read_json(path)
+    if problem is not None:
+        raise (FileNotFoundError if problem == "is missing" else ValueError)(
+            f"{path} {problem}: {directory} holds no readable loss state (was it written completely?)"
+        )
     return restore_loss_state(loss, record, path)
