@@ -125,32 +125,17 @@ class LossStateCallback(TrainerCallback):
         carry_trained_values(self.trainer.model, self.trainer.loss, state.global_step, self.carried_values_from)
 
 
-class LossGradientClipping(TrainerCallback):
-    """Averages the loss parameters' gradients across processes, clips them to ``max_grad_norm`` on their own (the
-    trainer clips the model's only) and logs their norm as ``loss_grad_norm``. First of the callbacks, so that the
-    printers and reporters see it."""
+class LossStatisticsCallback(TrainerCallback):
+    """Adds every loss module's :meth:`~st_weince.training.protocol.LossState.pop_logged_statistics` to every
+    training log record, named after their dataset with a dict of losses; the losses compute them only in the steps
+    that a record will hold (docs/training.md, "How a loss's statistics reach the logs"). Also averages the loss
+    parameters' gradients across processes, clips them to ``max_grad_norm`` on their own (the trainer clips the
+    model's only) and logs their norm as ``loss_grad_norm``. First of the callbacks, so that the printers and
+    reporters see what it logs."""
 
     def __init__(self, loss: LossTree) -> None:
         self.loss = loss
         self.gradient_norm: Any = None  # the last optimizer step's, a device tensor: read at logging steps only
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        average_loss_gradients(self.loss)
-        self.gradient_norm = clip_loss_gradients(self.loss, args.max_grad_norm)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs is None or "loss" not in logs or self.gradient_norm is None:
-            return
-        _add_to_logs(state, logs, {"loss_grad_norm": float(self.gradient_norm)})
-
-
-class LossStatisticsCallback(TrainerCallback):
-    """Adds every loss module's :meth:`~st_weince.training.protocol.LossState.pop_logged_statistics` to every
-    training log record, named after their dataset with a dict of losses; the losses compute them only in the steps
-    that a record will hold (docs/training.md, "How a loss's statistics reach the logs")."""
-
-    def __init__(self, loss: LossTree) -> None:
-        self.loss = loss
         self._pending: set[str] = set()  # the loss modules whose statistics no step has computed since the last record
         self._latest: dict[str, float] = {}
 
@@ -171,6 +156,10 @@ class LossStatisticsCallback(TrainerCallback):
         for prefix, module in state_modules(self.loss).items():
             module.log_statistics = logs or prefix in self._pending
 
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        average_loss_gradients(self.loss)
+        self.gradient_norm = clip_loss_gradients(self.loss, args.max_grad_norm)
+
     def on_step_end(self, args, state, control, **kwargs):
         for prefix, module in state_modules(self.loss).items():
             if module.log_statistics and module.end_statistics_step():  # it ran: a Python fact, no host read
@@ -184,6 +173,8 @@ class LossStatisticsCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or "loss" not in logs:
             return
+        if self.gradient_norm is not None:
+            _add_to_logs(state, logs, {"loss_grad_norm": float(self.gradient_norm)})
         for prefix, module in state_modules(self.loss).items():
             dataset = prefix.split(".")[0] + "_" if isinstance(self.loss, dict) else ""
             values = module.pop_logged_statistics()
@@ -309,7 +300,6 @@ def prepare_trainer(
     for module in state_modules(trainer.loss).values():
         module.mark_state_managed("st_weince.training.prepare_trainer")  # the callbacks below handle it
     trainer.callback_handler.callbacks.insert(0, LossStatisticsCallback(trainer.loss))  # before printers, reporters
-    trainer.callback_handler.callbacks.insert(0, LossGradientClipping(trainer.loss))
     trainer.args = copy.copy(trainer.args)  # an arguments object reused for another trainer must not carry these
     trainer.args.restore_callback_states_from_checkpoint = True
     record = LossStateRecord(os.path.abspath(trainer.args.output_dir or "."))
@@ -430,7 +420,6 @@ def _check_given_optimizer(trainer: Any) -> None:
 
 __all__ = [
     "DEFAULT_LOSS_LEARNING_RATE",
-    "LossGradientClipping",
     "LossStateCallback",
     "LossStateRecord",
     "LossStatisticsCallback",
