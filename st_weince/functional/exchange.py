@@ -19,7 +19,6 @@ from torch import Tensor
 
 from st_weince.functional.false_negatives import FilterCounts, pair_scores, positive_keys
 
-ProcessGroup = dist.ProcessGroup | None
 #: Whether the neighbour exchange's backward runs the ring again (:class:`_RecomputedRing`); False keeps every received
 #: block and its graph for backward instead, the scheme it replaced, which benchmarks/rb_sigmoid_exchange.py measures
 #: against it in the same run.
@@ -28,73 +27,72 @@ RECOMPUTE_IN_BACKWARD = True
 BlockLoss = Callable[..., tuple[Tensor, Tensor, Tensor, FilterCounts | None]]
 
 
-def process_count(group: ProcessGroup = None) -> tuple[int, int]:
-    """``(rank, world_size)`` in ``group``; ``(0, 1)`` without an initialized process group."""
+def process_count() -> tuple[int, int]:
+    """``(rank, world_size)`` in the default process group; ``(0, 1)`` without an initialized one."""
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    return dist.get_rank(), dist.get_world_size()
 
 
-def all_gather_with_grad(tensor: Tensor, group: ProcessGroup = None) -> Tensor:
+def all_gather_with_grad(tensor: Tensor) -> Tensor:
     """Every process's rows of ``tensor`` (same shape on all), concatenated in rank order; the backward is a sum
     reduce-scatter, so each process's rows get their gradient summed over the processes. ``tensor`` itself without
     an initialized process group."""
-    if process_count(group)[1] == 1:
+    if process_count()[1] == 1:
         return tensor
     # all_gather_single_autograd (torch 2.14) is torch 2.13's all_gather_tensor_autograd, which 2.14 deprecates
     gather = getattr(functional_collectives, "all_gather_single_autograd", None)
     if gather is None:
         gather = functional_collectives.all_gather_tensor_autograd
-    return gather(tensor.contiguous(), 0, dist.group.WORLD if group is None else group)
+    return gather(tensor.contiguous(), 0, dist.group.WORLD)
 
 
-def all_gather(tensor: Tensor, group: ProcessGroup = None) -> Tensor:
+def all_gather(tensor: Tensor) -> Tensor:
     """Every process's rows of ``tensor`` concatenated in rank order, the others' without gradient and this process's
     own rows as given (with their gradient), as sentence-transformers' ``all_gather``; for integer keys, labels and
     per-anchor statistics. ``tensor`` itself without an initialized process group."""
-    rank, world_size = process_count(group)
+    rank, world_size = process_count()
     if world_size == 1:
         return tensor
-    gathered = all_gather_with_grad(tensor.detach(), group)
+    gathered = all_gather_with_grad(tensor.detach())
     rows = tensor.shape[0]
     return torch.cat([gathered[: rank * rows], tensor, gathered[(rank + 1) * rows :]])
 
 
-def _shift_one(tensor: Tensor, shift: int, group: ProcessGroup) -> Tensor:
-    """Send ``tensor`` to ``rank + shift``, receive the tensor of ``rank - shift``: an ``all_to_all_single`` with one
-    non-empty split each way, differentiable (its backward sends the gradient back to the sender)."""
-    rank, world_size = process_count(group)
-    send_to, receive_from = (rank + shift) % world_size, (rank - shift) % world_size
-    rows = tensor.shape[0]
-    sent = [rows if peer == send_to else 0 for peer in range(world_size)]
-    received = [rows if peer == receive_from else 0 for peer in range(world_size)]
-    group = dist.group.WORLD if group is None else group
-    return functional_collectives.all_to_all_single_autograd(tensor.contiguous(), received, sent, group)
-
-
-def ring_shift(tensors: Sequence[Tensor], shifts: Sequence[int], group: ProcessGroup = None) -> tuple[Tensor, ...]:
+def ring_shift(tensors: Sequence[Tensor], shifts: Sequence[int]) -> tuple[Tensor, ...]:
     """Each process sends ``tensors[i]`` to ``rank + shifts[i]`` and returns what ``rank - shifts[i]`` sent
-    (shifts modulo the world size; every process must call it with the same shifts and shapes). Differentiable."""
+    (shifts modulo the world size; every process must call it with the same shifts and shapes): one
+    ``all_to_all_single`` per tensor with one non-empty split each way, differentiable (its backward sends the
+    gradient back to the sender)."""
     if len(tensors) != len(shifts) or not tensors:
         raise ValueError(f"give one shift per tensor (and at least one), got {len(tensors)} and {len(shifts)}")
-    return tuple(_shift_one(tensor, int(shift), group) for tensor, shift in zip(tensors, shifts))
+    rank, world_size = process_count()
+    shifted = []
+    for tensor, shift in zip(tensors, shifts):
+        send_to, receive_from = (rank + int(shift)) % world_size, (rank - int(shift)) % world_size
+        sent = [tensor.shape[0] if peer == send_to else 0 for peer in range(world_size)]
+        received = [tensor.shape[0] if peer == receive_from else 0 for peer in range(world_size)]
+        shifted.append(
+            functional_collectives.all_to_all_single_autograd(tensor.contiguous(), received, sent, dist.group.WORLD)
+        )
+    return tuple(shifted)
 
 
-def ring_blocks(local: Tensor, group: ProcessGroup = None) -> Iterator[tuple[int, Tensor]]:
+def ring_blocks(local: Tensor) -> Iterator[tuple[int, Tensor]]:
     """``(source rank, block)`` for every process's block: first ``local``, then the others as they arrive around
     the ring in both directions (``rank - 1`` and ``rank + 1``, ``rank - 2`` and ``rank + 2``, ...). Lazy, so a
     caller that scores each block before taking the next holds one block of scores at a time; every process must
     consume the whole iterator. Differentiable through the shifts."""
-    rank, world_size = process_count(group)
+    rank, world_size = process_count()
     yield rank, local
     from_left = from_right = local
     for distance in range(1, (world_size - 1) // 2 + 1):
-        from_left, from_right = ring_shift((from_left, from_right), (1, -1), group)
+        from_left, from_right = ring_shift((from_left, from_right), (1, -1))
         yield (rank - distance) % world_size, from_left
         yield (rank + distance) % world_size, from_right
     if world_size > 1 and world_size % 2 == 0:
         # An odd number of other processes: the block opposite on the ring comes one step further from the left.
-        (from_left,) = ring_shift((from_left,), (1,), group)
+        (from_left,) = ring_shift((from_left,), (1,))
         yield (rank - world_size // 2) % world_size, from_left
 
 
@@ -108,7 +106,6 @@ class _Ring:
     positive_scores: Tensor
     weight: float
     anchor_chunk: int | None
-    group: ProcessGroup
     candidate_keys: Tensor | None
     reference_keys: Tensor | None
     guarded: bool = False  # set by the forward: whether the block loss returned guard counts
@@ -134,13 +131,13 @@ class _Ring:
     def forward_pass(self, anchors: Tensor, candidates: Tensor, params: dict[str, Tensor]):
         """The loss over every process's block, received around the ring in both directions (:func:`ring_blocks`);
         differentiable through the shifts when its inputs require grad."""
-        key_blocks = None if self.candidate_keys is None else ring_blocks(self.candidate_keys, self.group)
+        key_blocks = None if self.candidate_keys is None else ring_blocks(self.candidate_keys)
         total = anchors.new_zeros(())
         min_positive = anchors.new_tensor(float("inf"))
         max_negative = anchors.new_tensor(float("-inf"))
         guard_counts: FilterCounts | None = None
-        rank, _ = process_count(self.group)
-        for source, block in ring_blocks(candidates, self.group):
+        rank, _ = process_count()
+        for source, block in ring_blocks(candidates):
             keys = None if key_blocks is None else next(key_blocks)[1]
             counts = []
             for rows in self.chunks():
@@ -199,19 +196,19 @@ class _RecomputedRing(torch.autograd.Function):
                         grad_values[index] += grad
             return block_grad
 
-        world_size = process_count(ring.group)[1]
+        world_size = process_count()[1]
         grad_candidates = block_gradient(candidates, ring.candidate_keys, own=True)
         block, keys, carried = candidates, ring.candidate_keys, None
         for _ in range(1, world_size):
             # One step along the ring: the block of rank - step arrives with its gradient so far (none at step 1).
             moving = [block] + ([] if keys is None else [keys]) + ([] if carried is None else [carried])
-            moved = [_shift_one(tensor, 1, ring.group) for tensor in moving]
+            moved = ring_shift(moving, [1] * len(moving))
             block = moved[0]
             keys = None if keys is None else moved[1]
             grad = block_gradient(block, keys, own=False)
             carried = grad if carried is None else moved[-1] + grad
         if carried is not None:  # one step further: home to the block's owner
-            grad_candidates = _plus(grad_candidates, _shift_one(carried, 1, ring.group))
+            grad_candidates = _plus(grad_candidates, ring_shift((carried,), (1,))[0])
         if not needs[1]:
             grad_candidates = None
         return None, grad_anchors, grad_candidates, *grad_values
@@ -233,7 +230,6 @@ def ring_block_losses(
     weight: float = 1.0,
     anchor_chunk: int | None = None,
     backward: bool = False,
-    group: ProcessGroup = None,
     candidate_keys: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, FilterCounts | None]:
     """``weight`` times the mean over the local ``anchors`` [A, D] of their loss against every process's block of
@@ -266,7 +262,6 @@ def ring_block_losses(
         positive_scores,
         weight,
         anchor_chunk,
-        group,
         candidate_keys,
         reference_keys,
     )

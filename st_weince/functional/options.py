@@ -79,9 +79,9 @@ def defaults_of(options_class: type[Options]) -> types.SimpleNamespace:
 
 
 class Options:
-    """A frozen options dataclass (made by :func:`options`): its :class:`Within` fields are checked at construction,
-    the others by the subclass's ``_check_other_fields``. A field made with :func:`operational` changes only how the
-    loss is computed; every other one changes what it computes."""
+    """A frozen options dataclass (made by :func:`options`): its :class:`Within` fields and its flags (the fields with
+    a bool default) are checked at construction, the others by the subclass's ``_check_other_fields``. A field made
+    with :func:`operational` changes only how the loss is computed; every other one changes what it computes."""
 
     #: each number must also be finite in this dtype (the one the statistics and logits are computed in)
     dtype: ClassVar[torch.dtype | None] = None
@@ -90,6 +90,9 @@ class Options:
     def __post_init__(self) -> None:
         for name, (default, spec) in self._ranges.items():
             self._store(name, _checked(name, getattr(self, name), default, spec, self.dtype))
+        for field in dataclasses.fields(self):
+            if type(field.default) is bool:  # a flag: True or False, nothing else
+                self._store(field.name, flag_option(field.name, getattr(self, field.name)))
         self._check_other_fields()
 
     def _store(self, name: str, value: Any) -> None:
@@ -237,8 +240,6 @@ class WEINCEOptions(Options):
 
     def _check_other_fields(self) -> None:
         self._store("scale", check_scale(self.scale))
-        for name in ("gather_across_devices", "check_inputs"):
-            self._store(name, flag_option(name, getattr(self, name)))
         check_directions(self.directions, self.partition_mode)
         self._store("directions", tuple(self.directions))
         if not isinstance(self.mode, str):
@@ -335,9 +336,6 @@ class RBSigmoidOptions(Options):
             put("bias", self.scale * start if bias is None else bias)
             check_representable("bias", self.bias, torch.float32)  # scale * relative_bias may overflow
             put("relative_bias", None)
-        for name in ("trainable_scale", "trainable_bias", "gather_across_devices", "symmetric", "locked_adapter"):
-            put(name, flag_option(name, getattr(self, name)))
-        put("check_inputs", flag_option("check_inputs", self.check_inputs))
         if self.exchange == "neighbour" and not self.gather_across_devices:
             raise ValueError(
                 "exchange='neighbour' passes candidate blocks between processes, so it needs "

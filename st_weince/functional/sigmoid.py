@@ -50,15 +50,16 @@ def _scalar(value: ScalarLike, name: str, dtype: torch.dtype, positive: bool = F
     return real_option(name, value, positive=positive)
 
 
-def _bias_argument(
-    relative_bias: ScalarLike | None, bias: ScalarLike | None, dtype: torch.dtype
-) -> tuple[ScalarLike, bool]:
-    """``(bias value, relative?)`` from exactly one of ``relative_bias`` and ``bias``."""
+def _logit_parameters(
+    scale: ScalarLike, relative_bias: ScalarLike | None, bias: ScalarLike | None, dtype: torch.dtype
+) -> tuple[ScalarLike, ScalarLike, bool]:
+    """``(t, bias value, relative?)`` in ``dtype`` from ``scale`` and exactly one of ``relative_bias`` and ``bias``."""
+    t = _scalar(scale, "scale", dtype, positive=True)
     if (relative_bias is None) == (bias is None):
         raise ValueError("give exactly one of relative_bias (z = t (s - b_rel)) or bias (z = t s - b)")
     if relative_bias is not None:
-        return _scalar(relative_bias, "relative_bias", dtype), True
-    return _scalar(bias, "bias", dtype), False
+        return t, _scalar(relative_bias, "relative_bias", dtype), True
+    return t, _scalar(bias, "bias", dtype), False
 
 
 def _logits(scores: Tensor, scale: ScalarLike, bias_value: ScalarLike, relative: bool) -> Tensor:
@@ -132,9 +133,7 @@ def sigmoid_logits(
     dtype (see the module docstring). Exactly one of ``relative_bias`` and ``bias`` must be given; ``scale`` must be
     finite and > 0."""
     dtype = compute_dtype(scores)
-    t = _scalar(scale, "scale", dtype, positive=True)
-    bias_value, relative = _bias_argument(relative_bias, bias, dtype)
-    return _logits(scores.to(dtype), t, bias_value, relative)
+    return _logits(scores.to(dtype), *_logit_parameters(scale, relative_bias, bias, dtype))
 
 
 def sigmoid_contrastive_loss(
@@ -163,8 +162,7 @@ def sigmoid_contrastive_loss(
     """
     (check_scores if check_inputs else check_score_shapes)(scores, None, valid_mask, targets=targets)
     dtype = compute_dtype(scores)
-    t = _scalar(scale, "scale", dtype, positive=True)
-    bias_value, relative = _bias_argument(relative_bias, bias, dtype)
+    t, bias_value, relative = _logit_parameters(scale, relative_bias, bias, dtype)
     matching = targets == 1 if valid_mask is None else (targets == 1) & valid_mask
     block = scores.to(dtype)
     if valid_mask is not None:
@@ -304,8 +302,7 @@ def chunked_sigmoid_contrastive_loss(
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
     dtype = compute_dtype(anchors, candidates)
-    t = _scalar(logits.scale, "scale", dtype, positive=True)
-    bias_value, relative = _bias_argument(logits.relative_bias, logits.bias, dtype)
+    t, bias_value, relative = _logit_parameters(logits.scale, logits.relative_bias, logits.bias, dtype)
     anchors = anchors if anchors.dtype == dtype else anchors.to(dtype)
     candidates = candidates if candidates.dtype == dtype else candidates.to(dtype)
     step = num_candidates if chunk_size is None else min(chunk_size, num_candidates)

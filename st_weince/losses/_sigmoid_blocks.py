@@ -42,42 +42,40 @@ def all_gathers(options: Any) -> bool:
     return options.gather_across_devices and options.exchange == "all_gather"
 
 
-def candidate_columns(columns: list[Tensor], options: Any) -> tuple[list[Tensor], Tensor]:
-    """The candidate columns (the local ones, or all-gathered with gradient) and the row of each local anchor's
-    positive among them."""
+def candidate_columns(
+    columns: list[Tensor], row_keys: list[Tensor] | None, options: Any
+) -> tuple[list[Tensor], list[Tensor] | None, Tensor]:
+    """The candidate columns and their input keys (the local ones, or all-gathered: the columns with gradient), and the
+    row of each local anchor's positive among them. With the neighbour exchange the keys travel with their candidate
+    blocks instead."""
     batch_size = columns[0].shape[0]
     if not all_gathers(options):
-        return columns, torch.arange(batch_size, device=columns[0].device)
+        return columns, row_keys, torch.arange(batch_size, device=columns[0].device)
     offset = process_count()[0] * batch_size
     # Only the columns that some block scores against are gathered (all but the first, which only ``symmetric``
     # reads), so that no collective's result is left unused (and unwaited).
     gathered = [
         all_gather_with_grad(column) if i > 0 or options.symmetric else column for i, column in enumerate(columns)
     ]
-    return gathered, torch.arange(offset, offset + batch_size, device=columns[0].device)
-
-
-def directional_blocks(columns: list[Tensor], candidates: list[Any], options: Any) -> list[tuple[int, Any, float]]:
-    """``(anchor column, candidates, weight)`` of every anchors-against-candidates block whose weighted sum is the
-    loss (``candidates``: the candidate columns, or their input keys). The first block's margin is the one
-    logged."""
-    if options.columns == "negatives":
-        documents = candidates[1] if len(candidates) == 2 else torch.cat(candidates[1:], dim=0)
-        pairs, reverse = [(0, documents)], [(1, candidates[0])]
-    else:
-        index_pairs = list(combinations(range(len(columns)), 2))
-        pairs = [(i, candidates[j]) for i, j in index_pairs]
-        reverse = [(j, candidates[i]) for i, j in index_pairs]
-    if not options.symmetric:
-        return [(column, block, 1.0) for column, block in pairs]
-    # Each direction of a pair gets half the weight: the symmetric loss is the mean of both directions.
-    return [(column, block, 0.5) for column, block in pairs + reverse]
-
-
-def key_blocks(columns: list[Tensor], row_keys: list[Tensor] | None, options: Any) -> list[Tensor | None]:
-    """The candidates' input keys of every directional block (gathered like the candidates), or Nones."""
-    if row_keys is None:
-        return [None] * len(directional_blocks(columns, columns, options))
-    if all_gathers(options):  # with the neighbour exchange they travel with their candidate blocks instead
+    if row_keys is not None:
         row_keys = [all_gather(keys) if i > 0 or options.symmetric else keys for i, keys in enumerate(row_keys)]
-    return [keys for _, keys, _ in directional_blocks(columns, row_keys, options)]
+    return gathered, row_keys, torch.arange(offset, offset + batch_size, device=columns[0].device)
+
+
+def directional_blocks(num_columns: int, options: Any) -> list[tuple[int, tuple[int, ...], float]]:
+    """``(anchor column, candidate columns, weight)`` of every anchors-against-candidates block whose weighted sum is
+    the loss (the candidate columns are concatenated, :func:`joined`). The first block's margin is the one logged."""
+    if options.columns == "negatives":
+        pairs, reverse = [(0, tuple(range(1, num_columns)))], [(1, (0,))]
+    else:
+        index_pairs = list(combinations(range(num_columns), 2))
+        pairs, reverse = [(i, (j,)) for i, j in index_pairs], [(j, (i,)) for i, j in index_pairs]
+    if not options.symmetric:
+        return [(column, sources, 1.0) for column, sources in pairs]
+    # Each direction of a pair gets half the weight: the symmetric loss is the mean of both directions.
+    return [(column, sources, 0.5) for column, sources in pairs + reverse]
+
+
+def joined(tensors: list[Tensor], sources: tuple[int, ...]) -> Tensor:
+    """The rows of ``tensors[i]`` for ``i`` in ``sources``, one after the other."""
+    return tensors[sources[0]] if len(sources) == 1 else torch.cat([tensors[i] for i in sources], dim=0)

@@ -29,7 +29,7 @@ from st_weince.losses._sigmoid_blocks import (
     all_gathers,
     candidate_columns,
     directional_blocks,
-    key_blocks,
+    joined,
     symmetric_from_directions,
 )
 from st_weince.losses.columns_loss import ColumnsLoss, guard_share_values
@@ -407,7 +407,7 @@ class RBSigmoidLoss(ColumnsLoss):
         backward per column then carries the accumulated gradients through the gather and normalization."""
         options = self.options
         columns = [column.detach().requires_grad_() for column in normalized] if backward else normalized
-        gathered, positive_index = candidate_columns(columns, options)
+        gathered, candidate_keys, positive_index = candidate_columns(columns, row_keys, options)
         # Without gathering the candidates are the columns themselves; gathered ones become leaves of their own.
         leaves = all_gathers(options) and backward
         candidates = [column.detach().requires_grad_() for column in gathered] if leaves else gathered
@@ -416,9 +416,9 @@ class RBSigmoidLoss(ColumnsLoss):
 
         total = extremes = None
         guard_counts: list[FilterCounts] = []
-        blocks = zip(directional_blocks(columns, candidates, options), key_blocks(columns, row_keys, options))
-        for block_index, ((anchor_column, block, weight), keys) in enumerate(blocks):
-            anchors = columns[anchor_column]
+        for block_index, (anchor_column, sources, weight) in enumerate(directional_blocks(len(columns), options)):
+            anchors, block = columns[anchor_column], joined(candidates, sources)
+            keys = None if candidate_keys is None else joined(candidate_keys, sources)
             if options.gather_across_devices and options.exchange == "neighbour":
                 # Each process block arrives once; the row chunks go through it before the next one is received.
                 ring = {"weight": weight, "anchor_chunk": chunk_rows, "backward": backward, "candidate_keys": keys}

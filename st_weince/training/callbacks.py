@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import re
-import weakref
 from typing import Any
 
 from torch import nn
@@ -52,34 +51,19 @@ logger = logging.getLogger(__name__)
 #: benchmarks/loss_learning_rate.py, docs/training.md).
 DEFAULT_LOSS_LEARNING_RATE = 3e-2
 
-# The losses prepared for each output folder: a record the trainer re-creates from a checkpoint finds its loss here.
-_PREPARED: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
-
-
 class LossStateRecord(TrainerCallback, ExportableState):
-    """Carries the loss state into every checkpoint's ``trainer_state.json``: :meth:`state` is the record. One the
-    trainer re-creates from a checkpoint is compared with the trainer's loss as its attributes are set."""
+    """Carries the loss state into every checkpoint's ``trainer_state.json``: :meth:`state` is the record. The trainer
+    re-creates it from a checkpoint after :func:`_check_record_before_restore` checked the record; the
+    :class:`LossStateCallback` links the new one to the trainer at ``on_train_begin``."""
 
     def __init__(self, output_dir: str | None = None) -> None:
         self.output_dir = output_dir
-        self.trainer: Any = _PREPARED.get(output_dir) if output_dir is not None else None
-        self.global_step = 0
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        super().__setattr__(name, value)
-        if name == "loss" and isinstance(value, dict) and self.trainer is not None:  # restored from a checkpoint
-            check_record_resumable(self.trainer.loss, {"loss": value}, "the checkpoint resumed from")
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.global_step = state.global_step
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.global_step = state.global_step
+        self.trainer: Any = None
 
     def state(self) -> dict[str, Any]:
         if self.trainer is None:
             raise RuntimeError("LossStateRecord is not linked to a trainer: call st_weince.training.prepare_trainer")
-        record = loss_state_record(self.trainer.loss, self.global_step)
+        record = loss_state_record(self.trainer.loss, self.trainer.state.global_step)
         return {"args": {"output_dir": self.output_dir}, "attributes": record}
 
 
@@ -87,11 +71,8 @@ class LossStateCallback(TrainerCallback):
     """Restores the loss state on resume, runs each loss's step after the optimizer's, refuses to checkpoint a
     non-finite state, loads the best checkpoint's with the best model, and lets the model carry the trained values."""
 
-    def __init__(
-        self, trainer: Any, allow_missing_loss_state: bool = False, carried_values_from: str | None = None
-    ) -> None:
+    def __init__(self, trainer: Any, carried_values_from: str | None = None) -> None:
         self.trainer = trainer
-        self.allow_missing_loss_state = allow_missing_loss_state
         self.carried_values_from = carried_values_from
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
@@ -103,9 +84,8 @@ class LossStateCallback(TrainerCallback):
         if state.global_step == 0:
             return  # not a resume (the trainer restored a checkpoint's trainer state)
         source = f"the {TRAINER_STATE_FILE} of the checkpoint resumed from (step {state.global_step})"
+        # The record was checked against the loss before the trainer restored it (_check_record_before_restore).
         stored = stored_record(state.stateful_callbacks, source)
-        # Another loss class or configuration, or no loss state for a loss with parameters: refused with the reason.
-        check_record_resumable(self.trainer.loss, stored, source, self.allow_missing_loss_state)
         if not state_tensors(self.trainer.loss):
             return  # nothing to restore
         if stored is None:
@@ -145,34 +125,17 @@ class LossStateCallback(TrainerCallback):
         carry_trained_values(self.trainer.model, self.trainer.loss, state.global_step, self.carried_values_from)
 
 
-class LossGradientClipping(TrainerCallback):
-    """Averages the loss parameters' gradients across processes, clips them to ``max_grad_norm`` on their own (the
-    trainer clips the model's only) and logs their norm as ``loss_grad_norm``. First of the callbacks, so that the
-    printers and reporters see it."""
+class LossStatisticsCallback(TrainerCallback):
+    """Adds every loss module's :meth:`~st_weince.training.protocol.LossState.pop_logged_statistics` to every
+    training log record, named after their dataset with a dict of losses; the losses compute them only in the steps
+    that a record will hold (docs/training.md, "How a loss's statistics reach the logs"). Also averages the loss
+    parameters' gradients across processes, clips them to ``max_grad_norm`` on their own (the trainer clips the
+    model's only) and logs their norm as ``loss_grad_norm``. First of the callbacks, so that the printers and
+    reporters see what it logs."""
 
     def __init__(self, loss: LossTree) -> None:
         self.loss = loss
         self.gradient_norm: Any = None  # the last optimizer step's, a device tensor: read at logging steps only
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        average_loss_gradients(self.loss)
-        self.gradient_norm = clip_loss_gradients(self.loss, args.max_grad_norm)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs is None or "loss" not in logs or self.gradient_norm is None:
-            return
-        logs["loss_grad_norm"] = float(self.gradient_norm)
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1]["loss_grad_norm"] = logs["loss_grad_norm"]
-
-
-class LossStatisticsCallback(TrainerCallback):
-    """Adds every loss module's :meth:`~st_weince.training.protocol.LossState.pop_logged_statistics` to every
-    training log record, named after their dataset with a dict of losses; the losses compute them only in the steps
-    that a record will hold (docs/training.md, "How a loss's statistics reach the logs")."""
-
-    def __init__(self, loss: LossTree) -> None:
-        self.loss = loss
         self._pending: set[str] = set()  # the loss modules whose statistics no step has computed since the last record
         self._latest: dict[str, float] = {}
 
@@ -193,6 +156,10 @@ class LossStatisticsCallback(TrainerCallback):
         for prefix, module in state_modules(self.loss).items():
             module.log_statistics = logs or prefix in self._pending
 
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        average_loss_gradients(self.loss)
+        self.gradient_norm = clip_loss_gradients(self.loss, args.max_grad_norm)
+
     def on_step_end(self, args, state, control, **kwargs):
         for prefix, module in state_modules(self.loss).items():
             if module.log_statistics and module.end_statistics_step():  # it ran: a Python fact, no host read
@@ -206,17 +173,23 @@ class LossStatisticsCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or "loss" not in logs:
             return
+        if self.gradient_norm is not None:
+            _add_to_logs(state, logs, {"loss_grad_norm": float(self.gradient_norm)})
         for prefix, module in state_modules(self.loss).items():
             dataset = prefix.split(".")[0] + "_" if isinstance(self.loss, dict) else ""
             values = module.pop_logged_statistics()
             self._latest.update({dataset + key: round(value, 6) for key, value in values.items()})
         if isinstance(self.loss, dict):
             self._pending = set(state_modules(self.loss))
-        extra = dict(self._latest)
-        logs.update(extra)
-        # The trainer appended a copy of ``logs`` to the history before calling the callbacks.
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(extra)
+        _add_to_logs(state, logs, self._latest)
+
+
+def _add_to_logs(state: Any, logs: dict[str, Any], values: dict[str, Any]) -> None:
+    """Add ``values`` to a log record and to its copy that the trainer appended to the history before calling the
+    callbacks."""
+    logs.update(values)
+    if state.log_history and state.log_history[-1].get("step") == state.global_step:
+        state.log_history[-1].update(values)
 
 
 def carry_trained_values(model: nn.Module, loss: LossTree, global_step: int, source: str | None = None) -> None:
@@ -327,14 +300,12 @@ def prepare_trainer(
     for module in state_modules(trainer.loss).values():
         module.mark_state_managed("st_weince.training.prepare_trainer")  # the callbacks below handle it
     trainer.callback_handler.callbacks.insert(0, LossStatisticsCallback(trainer.loss))  # before printers, reporters
-    trainer.callback_handler.callbacks.insert(0, LossGradientClipping(trainer.loss))
     trainer.args = copy.copy(trainer.args)  # an arguments object reused for another trainer must not carry these
     trainer.args.restore_callback_states_from_checkpoint = True
-    output_dir = os.path.abspath(trainer.args.output_dir or ".")
-    _PREPARED[output_dir] = trainer
-    record = LossStateRecord(output_dir)
+    record = LossStateRecord(os.path.abspath(trainer.args.output_dir or "."))
+    record.trainer = trainer
     trainer.add_callback(record)
-    callback = LossStateCallback(trainer, allow_missing_loss_state, carried_values_from)
+    callback = LossStateCallback(trainer, carried_values_from)
     callback.prepared_with = arguments
     trainer.add_callback(callback)
     _check_record_before_restore(trainer, allow_missing_loss_state)
@@ -395,9 +366,7 @@ def _check_record_before_restore(trainer: Any, allow_missing_loss_state: bool) -
     """Wrap the trainer's ``_load_callback_state`` (run on resume after it read ``trainer_state.json``, before the
     optimizer, with no hook between) to check the loss-state record first: a corrupt entry (an AttributeError in
     transformers) and another loss's checkpoint are refused naming the cause, wherever the checkpoint lies."""
-    restore = getattr(trainer, "_load_callback_state", None)
-    if restore is None:
-        return
+    restore = trainer._load_callback_state
 
     def load_callback_state() -> None:
         state = trainer.state
@@ -451,7 +420,6 @@ def _check_given_optimizer(trainer: Any) -> None:
 
 __all__ = [
     "DEFAULT_LOSS_LEARNING_RATE",
-    "LossGradientClipping",
     "LossStateCallback",
     "LossStateRecord",
     "LossStatisticsCallback",

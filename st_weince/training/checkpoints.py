@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import tempfile
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import sort_checkpoints
 
 from st_weince.training.loss_tensors import (
     LossTree,
@@ -31,7 +30,6 @@ logger = logging.getLogger(__name__)
 TRAINER_STATE_FILE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
 LOSS_STATE_RECORD = "LossStateRecord"  # the key of the loss state in trainer_state.json's "stateful_callbacks"
 _RECORD_FORMAT = 1
-_CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")  # as transformers.trainer_utils._re_checkpoint
 
 
 def _encode(state: dict[str, Tensor]) -> dict[str, dict[str, Any]]:
@@ -207,13 +205,12 @@ def _checkpoint_record(checkpoint: str, consequence: str = "") -> tuple[str, Any
     """(path of the checkpoint's ``trainer_state.json``, its loss-state record or None); FileNotFoundError /
     ValueError naming the file when it is missing, empty or unreadable, followed by ``consequence``."""
     path = os.path.join(checkpoint, TRAINER_STATE_FILE)
-    problem = _trainer_state_problem(path)
+    content, problem = _read_trainer_state(path)
     if problem is not None:
         raise (FileNotFoundError if problem == "is missing" else ValueError)(
             f"{path} {problem}: this checkpoint is incomplete (was the run killed while saving it?){consequence}"
         )
-    with open(path, encoding="utf-8") as handle:
-        return path, stored_record(json.load(handle).get("stateful_callbacks"), path)
+    return path, stored_record(content.get("stateful_callbacks"), path)
 
 
 def read_checkpoint_loss_state(checkpoint: str | os.PathLike) -> dict[str, Tensor] | None:
@@ -223,40 +220,37 @@ def read_checkpoint_loss_state(checkpoint: str | os.PathLike) -> dict[str, Tenso
     return None if record is None else record_loss_state(record, path)[1]
 
 
-def _trainer_state_problem(path: str) -> str | None:
-    """Why ``trainer_state.json`` at ``path`` cannot be resumed from, or None if it is readable."""
+def _read_json(path: str) -> tuple[Any, str | None]:
+    """``(content, None)`` of the JSON file at ``path``, or ``(None, why it cannot be read)``."""
     if not os.path.isfile(path):
-        return "is missing"
+        return None, "is missing"
     if os.path.getsize(path) == 0:
-        return "is empty"
+        return None, "is empty"
     try:
         with open(path, encoding="utf-8") as handle:
-            content = json.load(handle)
+            return json.load(handle), None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        return f"is not readable JSON ({error})"
-    if not isinstance(content, dict) or "global_step" not in content:
-        return "is not a trainer state"
-    return None
+        return None, f"is corrupt, not readable JSON ({error})"
+
+
+def _read_trainer_state(path: str) -> tuple[Any, str | None]:
+    """``(content, None)`` of the ``trainer_state.json`` at ``path``, or ``(None, why it cannot be resumed from)``."""
+    content, problem = _read_json(path)
+    if problem is None and not (isinstance(content, dict) and "global_step" in content):
+        return None, "is not a trainer state"
+    return content, problem
 
 
 def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
     """The highest-numbered ``checkpoint-N`` in ``output_dir`` whose ``trainer_state.json`` is readable, or None. The
     trainer writes that file last, so a run killed while saving leaves a folder without it, which
     ``resume_from_checkpoint=True`` would pick and transformers refuse. Nothing is renamed or deleted."""
-    output_dir = os.fspath(output_dir)
-    if not os.path.isdir(output_dir):
-        return None
-    steps = []
-    for name in os.listdir(output_dir):
-        match = _CHECKPOINT_NAME.match(name)
-        folder = os.path.join(output_dir, name)
-        if match and os.path.isdir(folder):
-            problem = _trainer_state_problem(os.path.join(folder, TRAINER_STATE_FILE))
-            if problem is None:
-                steps.append((int(match.group(1)), folder))
-            else:
-                logger.info("%s %s: skipped as incomplete", os.path.join(folder, TRAINER_STATE_FILE), problem)
-    return max(steps)[1] if steps else None
+    for folder in reversed(sort_checkpoints(os.fspath(output_dir))):  # by step, the highest first
+        _, problem = _read_trainer_state(os.path.join(folder, TRAINER_STATE_FILE))
+        if problem is None:
+            return folder
+        logger.info("%s %s: skipped as incomplete", os.path.join(folder, TRAINER_STATE_FILE), problem)
+    return None
 
 
 def check_record_resumable(loss: LossTree, record: Any, source: str, allow_missing_loss_state: bool = False) -> None:
@@ -323,13 +317,9 @@ def load_loss_state(loss: LossTree, directory: str | os.PathLike) -> int | None:
     if not state_tensors(loss):
         return None
     path = os.path.join(os.fspath(directory), LOSS_STATE_FILE)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} is missing: {directory} holds no loss state")
-    if os.path.getsize(path) == 0:
-        raise ValueError(f"{path} is empty (0 bytes): the loss state was not written completely")
-    try:
-        with open(path, encoding="utf-8") as stream:
-            record = json.load(stream)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path} is corrupt or not a loss-state file ({type(error).__name__})") from None
+    record, problem = _read_json(path)
+    if problem is not None:
+        raise (FileNotFoundError if problem == "is missing" else ValueError)(
+            f"{path} {problem}: {directory} holds no readable loss state (was it written completely?)"
+        )
     return restore_loss_state(loss, record, path)

@@ -137,7 +137,7 @@ def process_group_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def unparallel_process_group_message(group_size: int, trained: int, who: str, argv: Sequence[str] | None = None) -> str:
+def unparallel_process_group_message(group_size: int, trained: int, who: str) -> str:
     """Why a process group of ``group_size`` processes trained as ``trained`` is wrong with a gathering loss, and the
     fix."""
     return (
@@ -147,7 +147,7 @@ def unparallel_process_group_message(group_size: int, trained: int, who: str, ar
         "copies of its own batch as negatives, and the processes would end with different parameters. On a CPU, "
         "transformers trains the processes together only with use_cpu=True: pass it to the training arguments "
         "(SentenceTransformerTrainingArguments(..., use_cpu=True); Accelerator(cpu=True) in a loop of your own), and "
-        f"launch with:\n    {working_command(group_size, argv)}\nor train one process (python your_script.py)."
+        f"launch with:\n    {working_command(group_size)}\nor train one process (python your_script.py)."
     )
 
 

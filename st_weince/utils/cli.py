@@ -23,20 +23,11 @@ KNOWN_HARMLESS_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
     # mteb calling sentence-transformers' renamed methods (get_sentence_embedding_dimension ...): mteb's to update
     (r"", FutureWarning, r"mteb\."),
 )
-# The same mteb notice also goes to its logger.
-_KNOWN_HARMLESS_LOG_RECORDS = {"mteb": "is superseded by"}
+# The same mteb notice also goes to its logger: a filter per logger, made once (``addFilter`` adds an object once).
+_KNOWN_HARMLESS_LOG_FILTERS = {"mteb": lambda record: "is superseded by" not in record.getMessage()}
 _MODEL_FILES = ("modules.json", "config.json")  # a saved SentenceTransformer / a Hugging Face model folder
 # A user's mistake on the command line (a missing file, a bad value) rather than a bug: one line, exit status 2.
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, NotADirectoryError)
-
-
-class _DropRecords(logging.Filter):
-    def __init__(self, fragment: str) -> None:
-        super().__init__()
-        self.fragment = fragment
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.fragment not in record.getMessage()
 
 
 def quiet_known_warnings() -> None:
@@ -45,10 +36,8 @@ def quiet_known_warnings() -> None:
         return
     for message, category, module in KNOWN_HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
-    for name, fragment in _KNOWN_HARMLESS_LOG_RECORDS.items():
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropRecords) and f.fragment == fragment for f in logger.filters):
-            logger.addFilter(_DropRecords(fragment))
+    for name, keep in _KNOWN_HARMLESS_LOG_FILTERS.items():
+        logging.getLogger(name).addFilter(keep)
 
 
 @contextlib.contextmanager

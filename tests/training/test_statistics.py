@@ -10,7 +10,7 @@ import torch
 from transformers import TrainerControl, TrainerState
 
 from st_weince.losses import RBSigmoidLoss
-from st_weince.training.callbacks import LossGradientClipping, LossStateCallback
+from st_weince.training.callbacks import LossStateCallback, LossStatisticsCallback
 from st_weince.utils.hotpath import count_host_syncs
 from st_weince.utils.logged_statistics import RunningMeans
 
@@ -42,7 +42,7 @@ def test_per_step_callbacks_do_not_sync(tiny_model):
     trainer = Trainer()
     trainer.loss, trainer.model = loss, tiny_model
     callback = LossStateCallback(trainer)
-    clipping = LossGradientClipping(loss)  # averages and clips the loss parameters' gradients (issue 53)
+    clipping = LossStatisticsCallback(loss)  # averages and clips the loss parameters' gradients (issue 53)
     state, control = TrainerState(global_step=3), TrainerControl()
     loss.log_t.grad, loss.b_rel.grad = torch.ones_like(loss.log_t), torch.ones_like(loss.b_rel)
     with count_host_syncs() as syncs:
