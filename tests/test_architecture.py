@@ -79,3 +79,21 @@ def test_the_rules_see_imports_inside_functions_and_relative_ones(tmp_path):
     assert found == ["st_weince.vision", "st_weince.diagnostics", "recipe_tools"]
     assert within(found[0], NOT_IN_THE_CORE) and within(found[1], NOT_IN_THE_CORE)
     assert within(found[2], OUTSIDE_THE_PACKAGE) and not within("st_weince.visionary", NOT_IN_THE_CORE)
+
+
+def test_the_tests_mirror_the_package_and_the_repository() -> None:
+    """A test file sits in the folder of the part it tests: one of the package's subpackages, or recipes/, eval/,
+    benchmarks/; at the top only the project-wide checks and the tests of the package's top-level modules. A new
+    folder that names no part, or a test file dropped at the top, fails here."""
+    tests = REPO_ROOT / "tests"
+    parts = {path.name for path in PACKAGE.iterdir() if (path / "__init__.py").exists()}
+    parts |= {"recipes", "eval", "benchmarks"}
+    folders = {path.name for path in tests.iterdir() if path.is_dir() and path.name != "__pycache__"}
+    assert folders <= parts, f"test folders that name no part of the package or repository: {sorted(folders - parts)}"
+    project_wide = {"architecture", "docs", "readme", "packaging", "cli_errors"}
+    allowed_at_top = project_wide | {"calibration_minilm", "match_probability"}  # st_weince/calibration.py
+    at_top = {path.stem.removeprefix("test_") for path in tests.glob("test_*.py")}
+    assert at_top <= allowed_at_top, f"test files at the top of tests/: {sorted(at_top - allowed_at_top)}"
+    for folder in folders:
+        assert (tests / folder / "__init__.py").exists(), f"tests/{folder} needs an __init__.py (module names)"
+        assert any((tests / folder).glob("test_*.py")), f"tests/{folder} holds no test file"
