@@ -273,15 +273,24 @@ def guard_layout(
 
 
 def mnrl_cross_entropy(layout: MNRLLayout, group_logits: list[Tensor]) -> Tensor:
-    """Per-row loss [R] of MNRL's ``"joint"`` softmax from the logits of each group of ``layout`` (invalid entries at
-    -inf): one softmax over every direction of the row, with the query_to_doc positive as the target (a layout of one
-    softmax per group takes the fused cross-entropy of each)."""
+    """Per-row loss [R] from the logits of each group of ``layout`` (invalid entries at -inf), as MNRL does:
+    ``"joint"``, one softmax over every direction of the row, with the query_to_doc positive as the target;
+    ``"per_direction"``, the mean over directions of each direction's own cross-entropy."""
+    if len(group_logits) != len(layout.groups):
+        raise ValueError(f"need one logits tensor per group ({len(layout.groups)}), got {len(group_logits)}")
     # The logits are shifted by their row maximum (no gradient: the loss does not depend on the shift) before the
     # log-sum-exp and the positive's logit are subtracted: at an extreme scale both are huge and their difference
     # would lose the log K of a row of equal logits to rounding; shifted, equal logits are exactly 0.
-    row_max = torch.stack([logits.detach().amax(dim=1) for logits in group_logits], dim=1).amax(dim=1)
-    shifted = [logits - row_max[:, None] for logits in group_logits]
-    positive = shifted[0].gather(1, layout.groups[0].positive_index[:, None]).squeeze(1)
-    # log-sum-exp per group, then across groups: no concatenated copy of the rows
-    log_z = torch.stack([logits.logsumexp(dim=1) for logits in shifted], dim=1).logsumexp(dim=1)
-    return log_z - positive
+    if layout.partition_mode == "joint":
+        query_group = layout.groups[0]
+        row_max = torch.stack([logits.detach().amax(dim=1) for logits in group_logits], dim=1).amax(dim=1)
+        shifted = [logits - row_max[:, None] for logits in group_logits]
+        positive = shifted[0].gather(1, query_group.positive_index[:, None]).squeeze(1)
+        # log-sum-exp per group, then across groups: no concatenated copy of the rows
+        log_z = torch.stack([logits.logsumexp(dim=1) for logits in shifted], dim=1).logsumexp(dim=1)
+        return log_z - positive
+    losses = []
+    for group, logits in zip(layout.groups, group_logits):
+        shifted = logits - logits.detach().amax(dim=1, keepdim=True)
+        losses.append(shifted.logsumexp(dim=1) - shifted.gather(1, group.positive_index[:, None]).squeeze(1))
+    return torch.stack(losses, dim=1).mean(dim=1)

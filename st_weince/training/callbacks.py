@@ -71,7 +71,7 @@ class LossStateCallback(TrainerCallback):
     """Restores the loss state on resume, runs each loss's step after the optimizer's, refuses to checkpoint a
     non-finite state, loads the best checkpoint's with the best model, and lets the model carry the trained values."""
 
-    def __init__(self, trainer: Any, carried_values_from: str | None = None) -> None:
+    def __init__(self, trainer: Any, *, carried_values_from: str | None = None) -> None:
         self.trainer = trainer
         self.carried_values_from = carried_values_from
 
@@ -305,7 +305,7 @@ def prepare_trainer(
     record = LossStateRecord(os.path.abspath(trainer.args.output_dir or "."))
     record.trainer = trainer
     trainer.add_callback(record)
-    callback = LossStateCallback(trainer, carried_values_from)
+    callback = LossStateCallback(trainer, carried_values_from=carried_values_from)
     callback.prepared_with = arguments
     trainer.add_callback(callback)
     _check_record_before_restore(trainer, allow_missing_loss_state)

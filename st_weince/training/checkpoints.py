@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers.trainer_utils import sort_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from st_weince.training.loss_tensors import (
     LossTree,
@@ -241,16 +242,26 @@ def _read_trainer_state(path: str) -> tuple[Any, str | None]:
     return content, problem
 
 
+_CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")  # as transformers.trainer_utils._re_checkpoint
+
+
 def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
     """The highest-numbered ``checkpoint-N`` in ``output_dir`` whose ``trainer_state.json`` is readable, or None. The
     trainer writes that file last, so a run killed while saving leaves a folder without it, which
-    ``resume_from_checkpoint=True`` would pick and transformers refuse. Nothing is renamed or deleted."""
-    for folder in reversed(sort_checkpoints(os.fspath(output_dir))):  # by step, the highest first
-        _, problem = _read_trainer_state(os.path.join(folder, TRAINER_STATE_FILE))
-        if problem is None:
-            return folder
-        logger.info("%s %s: skipped as incomplete", os.path.join(folder, TRAINER_STATE_FILE), problem)
-    return None
+    ``resume_from_checkpoint=True`` would pick and transformers refuse. Only names that are exactly ``checkpoint-N``
+    count, as for the trainer (a copy named ``checkpoint-5-old`` is no checkpoint). Nothing is renamed or deleted."""
+    output_dir = os.fspath(output_dir)
+    steps = []
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        match = _CHECKPOINT_NAME.match(name)
+        folder = os.path.join(output_dir, name)
+        if match and os.path.isdir(folder):
+            _, problem = _read_trainer_state(os.path.join(folder, TRAINER_STATE_FILE))
+            if problem is None:
+                steps.append((int(match.group(1)), folder))
+            else:
+                logger.info("%s %s: skipped as incomplete", os.path.join(folder, TRAINER_STATE_FILE), problem)
+    return max(steps)[1] if steps else None
 
 
 def check_record_resumable(loss: LossTree, record: Any, source: str, allow_missing_loss_state: bool = False) -> None:

@@ -1,8 +1,8 @@
 """The label columns the false-negative guard's ``"same_label"`` rule reads, checked by
 :func:`~st_weince.training.prepare_trainer` before step 1 (docs/false-negatives.md, "Labels"): without the check a
-dataset without one fails at its first batch, perhaps after checkpoints, and a text column inside the collator
-without a word of labels. Text labels are refused with the fix, not encoded here: an encoding chosen here would be
-invisible in the caller's datasets.
+dataset without a label column fails at its first batch, perhaps after checkpoints, and a text column inside the
+collator without a word of labels. Text labels are refused with the fix, not encoded here: an encoding chosen here
+would be invisible in the caller's datasets.
 """
 
 from __future__ import annotations

@@ -250,3 +250,21 @@ def test_resume_with_restore_callback_states_from_checkpoint(tiny_model_dir, tmp
     trainer.train(resume_from_checkpoint=True)
     assert_same_run(outcome(trainer), uninterrupted)
     assert read_checkpoint_loss_state(output / "checkpoint-6")["log_t"].item() == trainer.loss.log_t.item()
+
+
+def test_last_complete_checkpoint_reads_only_checkpoint_folders_by_their_step(tmp_path):
+    """The trainer resumes from folders named exactly ``checkpoint-N``, the highest step first (10 after 9, not by
+    text); a copy such as ``checkpoint-5-old``, a file, or a folder without a readable trainer_state.json is passed
+    over."""
+    for name, state in [
+        ("checkpoint-9", '{"global_step": 1}'),
+        ("checkpoint-10", '{"global_step": 1}'),
+        ("checkpoint-12", None),
+        ("checkpoint-50-old", '{"global_step": 1}'),
+    ]:
+        (tmp_path / name).mkdir()
+        if state is not None:
+            (tmp_path / name / "trainer_state.json").write_text(state)
+    (tmp_path / "checkpoint-60").write_text("a file, not a folder")
+    assert last_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-10")
+    assert last_complete_checkpoint(tmp_path / "missing") is None
