@@ -7,9 +7,11 @@ Records, for WEINCELoss (``gather_across_devices=True``), RBSigmoidLoss with ``e
 - ``compiled``: ``torch.compile(compute_loss_from_embeddings, fullgraph=True)`` with the live process group
   (``check_inputs=False``) against eager: ``(compiled, eager)`` loss and gradient pairs, or the compile error;
 
-and the collectives against what the losses used before (``torch.distributed.nn.all_gather``, deprecated; and
-sentence-transformers' no-gradient ``all_gather``): ``exact`` pairs of values and gradients that must be equal bit for
-bit. Written to OUTPUT_DIR/rank{r}.pt. Arguments: OUTPUT_DIR.
+and the collectives against references built from plain ``torch.distributed`` calls (no deprecated API): the
+gathered values against ``dist.all_gather`` into a list, the gradient sent home against the sum of every
+process's output weights over this process's rows (with 2 processes one addition, so the order cannot differ), and
+the no-gradient gather against sentence-transformers' ``all_gather``: ``exact`` pairs of values and gradients that
+must be equal bit for bit. Written to OUTPUT_DIR/rank{r}.pt. Arguments: OUTPUT_DIR.
 """
 
 from __future__ import annotations
@@ -71,8 +73,7 @@ def compiled_against_eager(name: str, rank: int) -> dict:
 
 
 def exact_pairs(rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The new collectives against the old ones on the same inputs and output weights."""
-    import torch.distributed.nn as distributed_nn
+    """The collectives against independent references on the same inputs and output weights."""
     from sentence_transformers.util import all_gather as sentence_transformers_all_gather
 
     from st_weince.functional.exchange import all_gather, all_gather_with_grad
@@ -82,18 +83,22 @@ def exact_pairs(rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     rows = torch.randn(5, 3, generator=generator, dtype=torch.float32)
     weights = torch.randn(5 * world_size, 3, generator=generator, dtype=torch.float32)
     pairs = {}
-    new_rows, old_rows = rows.clone().requires_grad_(), rows.clone().requires_grad_()
+    new_rows = rows.clone().requires_grad_()
     new = all_gather_with_grad(new_rows)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        old = torch.cat(distributed_nn.all_gather(old_rows))
-        (old * weights).sum().backward()
     (new * weights).sum().backward()
-    pairs["with_grad/values"] = (new.detach(), old.detach())
-    pairs["with_grad/grads"] = (new_rows.grad, old_rows.grad)
+    gathered = [torch.empty_like(rows) for _ in range(world_size)]
+    dist.all_gather(gathered, rows)
+    # d(sum over processes p of <gathered, weights_p>) / d(own rows) = the sum over p of weights_p's own-rows slice
+    every_weights = [torch.empty_like(weights) for _ in range(world_size)]
+    dist.all_gather(every_weights, weights)
+    own = slice(rank * rows.shape[0], (rank + 1) * rows.shape[0])
+    own_rows_gradient = torch.stack([process_weights[own] for process_weights in every_weights]).sum(dim=0)
+    pairs["with_grad/values"] = (new.detach(), torch.cat(gathered))
+    pairs["with_grad/grads"] = (new_rows.grad, own_rows_gradient)
+    old_rows = rows.clone().requires_grad_()
     keys = torch.arange(4, dtype=torch.int64) * 10 + rank + 2**40  # beyond float32's integers
     pairs["keys"] = (all_gather(keys), sentence_transformers_all_gather(keys))
-    new_rows.grad = old_rows.grad = None
+    new_rows.grad = None
     new, old = all_gather(new_rows), sentence_transformers_all_gather(old_rows)
     (new * weights).sum().backward()
     (old * weights).sum().backward()

@@ -5,8 +5,8 @@ environment, forked by tests/forked.py; the worker is tests/collectives_worker.p
   losses used through sentence-transformers' ``all_gather_with_grad``, warns from torch 2.13 on);
 - ``torch.compile(fullgraph=True)`` of each loss with the live process group gives eager's loss and gradients (the
   neighbour exchange's ``dist.P2POp`` and ``torch.distributed.nn.all_gather`` did not compile);
-- the new all-gathers equal the old ones bit for bit, values and gradients (2 processes: a sum of two is exact in
-  either order)."""
+- the all-gathers equal references built from plain ``torch.distributed`` calls bit for bit, values and gradients
+  (2 processes: a sum of two is exact in either order)."""
 
 from __future__ import annotations
 
@@ -53,9 +53,10 @@ def test_compiled_fullgraph_with_a_process_group_equals_eager(ranks, name):
 
 
 @pytest.mark.distributed
-def test_collectives_equal_the_deprecated_ones_bit_for_bit(ranks):
-    """all_gather_with_grad against torch.distributed.nn.all_gather (values and the gradient sent home), all_gather
-    against sentence-transformers' (int64 keys beyond float32's integers; the own rows keep their gradient)."""
+def test_collectives_equal_plain_torch_distributed_references_bit_for_bit(ranks):
+    """all_gather_with_grad against dist.all_gather (values) and every process's output weights summed over the own
+    rows (the gradient sent home), all_gather against sentence-transformers' (int64 keys beyond float32's integers;
+    the own rows keep their gradient)."""
     for rank, result in enumerate(ranks):
         assert set(result["exact"]) == {
             "with_grad/values",
